@@ -1,0 +1,33 @@
+"""Tensor codecs for the wire and their registry."""
+
+from swarm.compression.codecs import (
+    DTYPES,
+    BFloat16Compression,
+    Codec,
+    CodecError,
+    Float16Compression,
+    NoCompression,
+    dtype_from_name,
+    dtype_name,
+)
+
+CODECS: dict[str, Codec] = {codec.name: codec for codec in (NoCompression(), Float16Compression(), BFloat16Compression())}
+
+
+def get_codec(name: str) -> Codec:
+    """The codec registered under `name`; a clear error for an unknown one."""
+    try:
+        return CODECS[name]
+    except KeyError:
+        raise CodecError(f"unknown codec {name!r}; known codecs: {sorted(CODECS)}") from None
+
+
+__all__ = [
+    "CODECS",
+    "DTYPES",
+    "Codec",
+    "CodecError",
+    "dtype_from_name",
+    "dtype_name",
+    "get_codec",
+]

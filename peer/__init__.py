@@ -1,0 +1,1 @@
+"""One peer process: RPC handlers, the stage runtime, checkpoints and the serving loop."""

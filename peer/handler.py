@@ -1,0 +1,148 @@
+"""The RPC handlers of a peer: read a stage call, check it, hand it to the runtime, answer.
+
+Whatever a remote sends, the handler answers with a StageReply (an error reply for anything
+wrong with the request) and never lets an exception out to take the peer down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+from swarm.compression import get_codec
+from swarm.models import GPTStage
+from swarm.models.stage_io import StageInputError, check_stage_inputs
+from swarm.proto import BACKWARD, FORWARD, PROTOCOL_VERSION, Error, ErrorCode, PeerInfo, PeerInfoRequest, StageReply, StageRequest
+from swarm.stage_records import SERVING
+from swarm.wire import WireError, WireLimits, decode_tensors, encode_tensor, pack_frames, read_frames, write_frames
+
+from swarm.peer.runtime import StageRuntime
+
+logger = logging.getLogger(__name__)
+
+
+class StageHandler:
+    """Serves stage calls and info requests for one hosted stage."""
+
+    def __init__(
+        self,
+        runtime: StageRuntime,
+        model_name: str,
+        limits: WireLimits,
+        max_batch_samples: int,
+        state: Callable[[], str],
+    ) -> None:
+        self.runtime = runtime
+        self.stage: GPTStage = runtime.module
+        self.model_name = model_name
+        self.limits = limits
+        self.max_batch_samples = max_batch_samples
+        self.state = state
+        self.requests_served = 0
+        self.requests_refused = 0
+
+    async def handle_stage(self, _stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Entry point of one stage call stream (registered with the P2P daemon)."""
+        try:
+            frames = await self._serve(reader)
+        except WireError as e:
+            frames = [self._error(e.code, str(e))]
+        except asyncio.TimeoutError:
+            frames = [self._error(ErrorCode.BAD_REQUEST, "request stalled: no data within the frame timeout")]
+        except Exception as e:
+            logger.exception("Failed to serve a stage call")
+            frames = [self._error(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")]
+        try:
+            await write_frames(writer, frames)
+        except Exception as e:  # the caller went away; nothing left to tell it
+            logger.debug(f"Could not send a reply: {e}")
+        finally:
+            with contextlib.suppress(Exception):
+                writer.close()
+
+    async def _serve(self, reader: asyncio.StreamReader) -> list[StageReply]:
+        request, parts = await read_frames(reader, StageRequest, self.limits)
+        if request.protocol_version != PROTOCOL_VERSION:
+            return [
+                self._error(
+                    ErrorCode.VERSION_MISMATCH,
+                    f"caller speaks protocol {request.protocol_version}, this peer speaks {PROTOCOL_VERSION}; "
+                    "upgrade swarm on the older side",
+                )
+            ]
+        if request.model != self.model_name or request.stage != self.stage.stage:
+            return [
+                self._error(
+                    ErrorCode.WRONG_STAGE,
+                    f"this peer hosts stage {self.stage.stage} of {self.model_name}, "
+                    f"not stage {request.stage} of {request.model or '(no model)'}",
+                )
+            ]
+        if request.kind not in (FORWARD, BACKWARD):
+            return [self._error(ErrorCode.BAD_REQUEST, f"unknown call kind {request.kind}")]
+        if self.state() != SERVING:
+            return [self._error(ErrorCode.UNAVAILABLE, f"this peer is {self.state()}, not serving")]
+
+        loop = asyncio.get_running_loop()
+        backward = request.kind == BACKWARD
+        tensors = await loop.run_in_executor(None, decode_tensors, parts, self.limits)
+        try:
+            check_stage_inputs(self.stage, backward, tensors, self.max_batch_samples)
+        except StageInputError as e:
+            return [self._error(ErrorCode.BAD_REQUEST, str(e))]
+        try:
+            result = await asyncio.wrap_future(self.runtime.submit(backward, tensors))
+        except RuntimeError as e:
+            return [self._error(ErrorCode.UNAVAILABLE, str(e))]
+
+        # answer in the codec the caller used for its first tensor
+        codec = get_codec(parts[0].codec or "none")
+        reply = StageReply(protocol_version=PROTOCOL_VERSION, step=result.step, num_samples=tensors[0].shape[0])
+        if result.losses is not None:
+            reply.loss = float(result.losses.mean())
+        out_parts = await loop.run_in_executor(
+            None, lambda: [p for t in result.tensors for p in encode_tensor(t, codec)]
+        )
+        self.requests_served += 1
+        return pack_frames(reply, out_parts)
+
+    def _error(self, code: int, message: str) -> StageReply:
+        self.requests_refused += 1
+        logger.info(f"Refused a stage call: {ErrorCode.Name(code)}: {message}")
+        return StageReply(protocol_version=PROTOCOL_VERSION, error=Error(code=code, message=message))
+
+    async def handle_info(self, _stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Entry point of an info request stream."""
+        try:
+            request, _ = await read_frames(reader, PeerInfoRequest, self.limits)
+            info = self.info()
+            if request.protocol_version != PROTOCOL_VERSION:
+                info.error.code = ErrorCode.VERSION_MISMATCH
+                info.error.message = f"caller speaks protocol {request.protocol_version}, peer {PROTOCOL_VERSION}"
+        except WireError as e:
+            info = PeerInfo(protocol_version=PROTOCOL_VERSION, error=Error(code=e.code, message=str(e)))
+        except Exception as e:
+            info = PeerInfo(protocol_version=PROTOCOL_VERSION, error=Error(code=ErrorCode.INTERNAL, message=str(e)))
+        try:
+            await write_frames(writer, [info])
+        except Exception as e:
+            logger.debug(f"Could not send peer info: {e}")
+        finally:
+            with contextlib.suppress(Exception):
+                writer.close()
+
+    def info(self) -> PeerInfo:
+        return PeerInfo(
+            protocol_version=PROTOCOL_VERSION,
+            model=self.model_name,
+            stage=self.stage.stage,
+            num_stages=self.stage.num_stages,
+            step=self.runtime.step,
+            throughput=self.runtime.throughput,
+            queue_length=self.runtime.queue_length,
+            state=self.state(),
+            samples_accumulated=self.runtime.samples_accumulated,
+            target_batch_size=self.runtime.target_batch_size,
+        )

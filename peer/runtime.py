@@ -1,0 +1,200 @@
+"""The runtime: one thread that runs a stage's forward and backward work on its device.
+
+Requests wait in a queue; the worker takes the oldest and merges queued requests of the same
+kind and shape into one batch, up to a sample limit, so a busy peer runs fewer, larger batches.
+Only this thread touches the parameters, so accumulation and optimizer steps need no locks.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from swarm.models import GPTStage
+from swarm.optimizer import apply_accumulated_step
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StageResult:
+    """What one request gets back: output tensors (or input gradients), per-sample losses, the step."""
+
+    tensors: list[torch.Tensor]
+    losses: torch.Tensor | None
+    step: int
+
+
+@dataclass
+class _Task:
+    backward: bool
+    tensors: list[torch.Tensor]
+    future: Future = field(default_factory=Future)
+
+    @property
+    def num_samples(self) -> int:
+        return self.tensors[0].shape[0]
+
+    def batches_with(self, other: _Task) -> bool:
+        return self.backward == other.backward and all(
+            a.dtype == b.dtype and a.shape[1:] == b.shape[1:] for a, b in zip(self.tensors, other.tensors)
+        )
+
+
+class StageRuntime:
+    """Runs one stage: queued forward and backward requests, gradient accumulation, optimizer steps."""
+
+    def __init__(
+        self,
+        module: GPTStage,
+        optimizer: torch.optim.Optimizer,
+        target_batch_size: int,
+        device: str = "cpu",
+        max_batch_samples: int = 256,
+        step: int = 0,
+        on_step: Callable[[int], None] | None = None,
+    ) -> None:
+        self.module = module.to(device)
+        self.optimizer = optimizer
+        self.target_batch_size = target_batch_size
+        self.device = torch.device(device)
+        self.max_batch_samples = max_batch_samples
+        self.step = step
+        self.samples_accumulated = 0
+        self.on_step = on_step
+        self.seconds_per_sample: float | None = None
+        self._queue: deque[_Task] = deque()
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="stage-runtime", daemon=True)
+
+    # --- called from other threads ------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, backward: bool, tensors: list[torch.Tensor]) -> Future:
+        """Queues a request; the future resolves to a StageResult or to the exception it raised."""
+        task = _Task(backward, tensors)
+        with self._cond:
+            if self._stopping:
+                raise RuntimeError("the runtime is shutting down")
+            self._queue.append(task)
+            self._cond.notify()
+        return task.future
+
+    @property
+    def queue_length(self) -> int:
+        return len(self._queue)
+
+    @property
+    def throughput(self) -> float:
+        """Samples per second of backward work (which includes the recomputed forward)."""
+        return 1.0 / self.seconds_per_sample if self.seconds_per_sample else 0.0
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Finishes queued work (up to `timeout` seconds), then stops the worker."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        for task in self._queue:
+            task.future.set_exception(RuntimeError("the peer shut down before running this request"))
+        self._queue.clear()
+
+    def measure_throughput(self, sample: list[torch.Tensor]) -> float:
+        """Times one backward on a sample batch to seed the throughput estimate; leaves no gradients."""
+        start = time.perf_counter()
+        self._backward(sample)
+        self.seconds_per_sample = (time.perf_counter() - start) / sample[0].shape[0]
+        self.module.zero_grad(set_to_none=True)
+        return self.throughput
+
+    # --- the worker thread -----------------------------------------------------------------------
+
+    def _next_batch(self) -> list[_Task] | None:
+        with self._cond:
+            while not self._queue:
+                if self._stopping:
+                    return None
+                self._cond.wait()
+            batch = [self._queue.popleft()]
+            total = batch[0].num_samples
+            for task in list(self._queue):
+                if total + task.num_samples > self.max_batch_samples:
+                    break
+                if batch[0].batches_with(task):
+                    self._queue.remove(task)
+                    batch.append(task)
+                    total += task.num_samples
+            return batch
+
+    def _run(self) -> None:
+        while (batch := self._next_batch()) is not None:
+            try:
+                results = self._run_batch(batch)
+            except Exception as e:
+                logger.exception(f"Stage {self.module.stage} failed to run a batch of {len(batch)} requests")
+                for task in batch:
+                    task.future.set_exception(e)
+                continue
+            for task, result in zip(batch, results):
+                task.future.set_result(result)
+
+    def _run_batch(self, batch: list[_Task]) -> list[StageResult]:
+        sizes = [task.num_samples for task in batch]
+        merged = [torch.cat(column) if len(batch) > 1 else column[0] for column in zip(*(t.tensors for t in batch))]
+        merged = [tensor.to(self.device, non_blocking=True) for tensor in merged]
+        if not batch[0].backward:
+            with torch.inference_mode():
+                outputs = self.module(merged[0])
+            return [StageResult([out.cpu()], None, self.step) for out in outputs.split(sizes)]
+
+        start = time.perf_counter()
+        input_grad, losses = self._backward(merged)
+        elapsed = (time.perf_counter() - start) / sum(sizes)
+        self.seconds_per_sample = elapsed if self.seconds_per_sample is None else (
+            0.9 * self.seconds_per_sample + 0.1 * elapsed
+        )
+        self.samples_accumulated += sum(sizes)
+        if self.samples_accumulated >= self.target_batch_size:
+            self._optimizer_step()
+        grads = input_grad.cpu().split(sizes) if input_grad is not None else [None] * len(batch)
+        loss_parts = losses.cpu().split(sizes) if losses is not None else [None] * len(batch)
+        return [
+            StageResult([] if grad is None else [grad], loss, self.step) for grad, loss in zip(grads, loss_parts)
+        ]
+
+    def _backward(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Recomputes the forward from the inputs and backpropagates; returns (input grad, losses)."""
+        inputs, extra = tensors[0], tensors[1]
+        if inputs.is_floating_point():
+            inputs = inputs.detach().requires_grad_(True)
+        with torch.enable_grad():
+            if self.module.is_last:
+                losses = self.module(inputs, extra)
+                losses.sum().backward()
+            else:
+                losses = None
+                self.module(inputs).backward(extra)
+        return (inputs.grad if inputs.requires_grad else None), (None if losses is None else losses.detach())
+
+    def _optimizer_step(self) -> None:
+        if self.samples_accumulated != self.target_batch_size:
+            logger.warning(
+                f"Stage {self.module.stage} steps on {self.samples_accumulated} samples, "
+                f"target is {self.target_batch_size}: microbatches crossed the step boundary"
+            )
+        apply_accumulated_step(self.module, self.optimizer, self.samples_accumulated)
+        self.samples_accumulated = 0
+        self.step += 1
+        if self.on_step is not None:
+            self.on_step(self.step)

@@ -1,0 +1,163 @@
+"""A peer process: hosts one stage, serves it over libp2p, announces itself, leaves cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import torch
+from swarm.config import PeerConfig
+from swarm.dht_node import start_dht
+from swarm.event_loop import run, stop_event_on_signals
+from swarm.models import build_stage, get_model_spec
+from swarm.optimizer import OptimizerSettings, build_optimizer
+from swarm.proto import PROTOCOL_VERSION
+from swarm.stage_records import LEAVING, SERVING, StageRecord, announce
+from swarm.transport import INFO_PROTOCOL, STAGE_PROTOCOL
+from swarm.wire import WireLimits
+
+from swarm.peer.checkpoint import load_checkpoint, restore, save_checkpoint
+from swarm.peer.handler import StageHandler
+from swarm.peer.runtime import StageRuntime
+
+logger = logging.getLogger(__name__)
+
+
+class Peer:
+    """One stage's host: the runtime, the handlers, the DHT announcements and the checkpoints."""
+
+    def __init__(self, config: PeerConfig) -> None:
+        self.config = config
+        self.spec = get_model_spec(config.model)
+        self.state = "joining"
+        torch.set_num_threads(config.num_threads)
+        # the DHT forks: create it before any thread exists
+        self.dht = start_dht(config)
+        self.peer_id = str(self.dht.peer_id)
+        module = build_stage(self.spec, config.stage, config.num_stages, config.seed)
+        settings = OptimizerSettings(config.lr, config.weight_decay, config.beta1, config.beta2)
+        optimizer = build_optimizer(module, settings)
+        step = 0
+        if config.checkpoint_dir:
+            checkpoint = load_checkpoint(config.checkpoint_dir, config.model, config.stage, config.num_stages)
+            if checkpoint is not None:
+                restore(checkpoint, module, optimizer)
+                step = checkpoint.step
+                logger.info(f"Resumed stage {config.stage} from its checkpoint at step {step}")
+        self.runtime = StageRuntime(
+            module,
+            optimizer,
+            config.target_batch_size,
+            device=config.device,
+            max_batch_samples=config.max_batch_samples,
+            step=step,
+            on_step=self._on_step,
+        )
+        max_bytes = int(config.max_request_mb * 2**20)
+        self.handler = StageHandler(
+            self.runtime,
+            config.model,
+            WireLimits(max_message_bytes=max_bytes, max_tensor_bytes=max_bytes),
+            config.max_batch_samples,
+            state=lambda: self.state,
+        )
+
+    def _on_step(self, step: int) -> None:
+        logger.info(f"Stage {self.config.stage} reached step {step}")
+        if self.config.checkpoint_dir and self.config.checkpoint_every and step % self.config.checkpoint_every == 0:
+            self.save_checkpoint()
+
+    def save_checkpoint(self) -> None:
+        path = save_checkpoint(
+            self.config.checkpoint_dir, self.config.model, self.runtime.module, self.runtime.optimizer, self.runtime.step
+        )
+        logger.info(f"Saved checkpoint of step {self.runtime.step} to {path}")
+
+    def record(self) -> StageRecord:
+        config = self.config
+        return StageRecord(
+            peer_id=self.peer_id,
+            stage=config.stage,
+            model=config.model,
+            num_stages=config.num_stages,
+            state=self.state,
+            step=self.runtime.step,
+            throughput=self.runtime.throughput,
+            queue_length=self.runtime.queue_length,
+            target_batch_size=config.target_batch_size,
+            protocol_version=PROTOCOL_VERSION,
+        )
+
+    async def _announce(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(
+            None, announce, self.dht, self.config.run_id, self.record(), self.config.record_ttl
+        )
+
+    async def _announce_forever(self) -> None:
+        while True:
+            try:
+                await self._announce()
+            except Exception as e:
+                logger.warning(f"Could not announce in the DHT ({e}); retrying in {self.config.announce_period}s")
+            await asyncio.sleep(self.config.announce_period)
+
+    def _sample_batch(self) -> list[torch.Tensor]:
+        """A small batch of the stage's backward inputs, to measure its speed at start-up."""
+        spec, stage = self.spec, self.runtime.module
+        batch, seq = 2, spec.seq_len
+        first = (
+            torch.randint(0, spec.vocab_size, (batch, seq))
+            if stage.is_first
+            else torch.randn(batch, seq, spec.d_model)
+        )
+        extra = torch.randint(0, spec.vocab_size, (batch, seq)) if stage.is_last else torch.randn(batch, seq, spec.d_model)
+        return [first.to(self.runtime.device), extra.to(self.runtime.device)]
+
+    async def serve(self) -> None:
+        config = self.config
+        stop = stop_event_on_signals()
+        throughput = self.runtime.measure_throughput(self._sample_batch())
+        self.runtime.start()
+        p2p = await self.dht.replicate_p2p()
+        await p2p.add_binary_stream_handler(STAGE_PROTOCOL, self.handler.handle_stage)
+        await p2p.add_binary_stream_handler(INFO_PROTOCOL, self.handler.handle_info)
+        self.state = SERVING
+        announcing = asyncio.create_task(self._announce_forever())
+        maddrs = " ".join(str(m) for m in self.dht.get_visible_maddrs())
+        logger.info(
+            f"Serving stage {config.stage}/{config.num_stages} of {config.model} at step {self.runtime.step}, "
+            f"{throughput:.1f} samples/s; peer id {self.peer_id}. Others can join with --initial-peers {maddrs}"
+        )
+        await stop.wait()
+
+        logger.info("Leaving: no new requests; finishing those in flight")
+        self.state = LEAVING
+        announcing.cancel()
+        try:
+            await asyncio.wait_for(self._announce(), timeout=5)
+        except Exception as e:
+            logger.warning(f"Could not withdraw the DHT record ({e}); it expires in {config.record_ttl}s")
+        deadline = time.monotonic() + config.shutdown_timeout
+        while self.runtime.queue_length and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for protocol in (STAGE_PROTOCOL, INFO_PROTOCOL):
+            try:
+                await p2p.remove_binary_stream_handler(protocol)
+            except Exception as e:
+                logger.debug(f"Could not remove handler {protocol}: {e}")
+
+    def run(self) -> None:
+        try:
+            run(self.serve())
+        finally:
+            self.runtime.shutdown(timeout=self.config.shutdown_timeout)
+            if self.config.checkpoint_dir:
+                self.save_checkpoint()
+            self.dht.shutdown()
+            logger.info(f"Peer {self.peer_id} has left")
+
+
+def run_peer(config: PeerConfig) -> None:
+    """`swarm peer`: host one stage until SIGTERM or Ctrl-C."""
+    Peer(config).run()

@@ -1,0 +1,37 @@
+"""The wire schema of swarm (`swarm.proto`) and its generated protobuf classes.
+
+Regenerate `swarm_pb2.py` with `scripts/generate_proto.sh` after editing `swarm.proto`;
+`tests/test_wire.py` fails while the two disagree.
+"""
+
+from swarm.proto import swarm_pb2
+from swarm.proto.swarm_pb2 import (
+    BACKWARD,
+    FORWARD,
+    CallKind,
+    Error,
+    ErrorCode,
+    PeerInfo,
+    PeerInfoRequest,
+    StageReply,
+    StageRequest,
+    Tensor,
+)
+
+# Bump on any change to the messages or their meaning that an older peer would misread.
+PROTOCOL_VERSION = 1
+
+__all__ = [
+    "BACKWARD",
+    "FORWARD",
+    "PROTOCOL_VERSION",
+    "CallKind",
+    "Error",
+    "ErrorCode",
+    "PeerInfo",
+    "PeerInfoRequest",
+    "StageReply",
+    "StageRequest",
+    "Tensor",
+    "swarm_pb2",
+]

@@ -1,0 +1,126 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class CallKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CALL_KIND_UNSPECIFIED: _ClassVar[CallKind]
+    FORWARD: _ClassVar[CallKind]
+    BACKWARD: _ClassVar[CallKind]
+
+class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    OK: _ClassVar[ErrorCode]
+    BAD_REQUEST: _ClassVar[ErrorCode]
+    VERSION_MISMATCH: _ClassVar[ErrorCode]
+    WRONG_STAGE: _ClassVar[ErrorCode]
+    TOO_LARGE: _ClassVar[ErrorCode]
+    UNAVAILABLE: _ClassVar[ErrorCode]
+    INTERNAL: _ClassVar[ErrorCode]
+CALL_KIND_UNSPECIFIED: CallKind
+FORWARD: CallKind
+BACKWARD: CallKind
+OK: ErrorCode
+BAD_REQUEST: ErrorCode
+VERSION_MISMATCH: ErrorCode
+WRONG_STAGE: ErrorCode
+TOO_LARGE: ErrorCode
+UNAVAILABLE: ErrorCode
+INTERNAL: ErrorCode
+
+class Tensor(_message.Message):
+    __slots__ = ("buffer", "shape", "dtype", "codec", "num_parts")
+    BUFFER_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    NUM_PARTS_FIELD_NUMBER: _ClassVar[int]
+    buffer: bytes
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    codec: str
+    num_parts: int
+    def __init__(self, buffer: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., codec: _Optional[str] = ..., num_parts: _Optional[int] = ...) -> None: ...
+
+class Error(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: ErrorCode
+    message: str
+    def __init__(self, code: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ...) -> None: ...
+
+class StageRequest(_message.Message):
+    __slots__ = ("protocol_version", "kind", "model", "stage", "microbatch_id", "step", "tensors", "more")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    kind: CallKind
+    model: str
+    stage: int
+    microbatch_id: int
+    step: int
+    tensors: _containers.RepeatedCompositeFieldContainer[Tensor]
+    more: bool
+    def __init__(self, protocol_version: _Optional[int] = ..., kind: _Optional[_Union[CallKind, str]] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch_id: _Optional[int] = ..., step: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., more: _Optional[bool] = ...) -> None: ...
+
+class StageReply(_message.Message):
+    __slots__ = ("protocol_version", "error", "step", "tensors", "loss", "num_samples", "more")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    error: Error
+    step: int
+    tensors: _containers.RepeatedCompositeFieldContainer[Tensor]
+    loss: float
+    num_samples: int
+    more: bool
+    def __init__(self, protocol_version: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., step: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., loss: _Optional[float] = ..., num_samples: _Optional[int] = ..., more: _Optional[bool] = ...) -> None: ...
+
+class PeerInfoRequest(_message.Message):
+    __slots__ = ("protocol_version",)
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    def __init__(self, protocol_version: _Optional[int] = ...) -> None: ...
+
+class PeerInfo(_message.Message):
+    __slots__ = ("protocol_version", "error", "model", "stage", "num_stages", "step", "throughput", "queue_length", "state", "samples_accumulated", "target_batch_size")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    THROUGHPUT_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_ACCUMULATED_FIELD_NUMBER: _ClassVar[int]
+    TARGET_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    error: Error
+    model: str
+    stage: int
+    num_stages: int
+    step: int
+    throughput: float
+    queue_length: int
+    state: str
+    samples_accumulated: int
+    target_batch_size: int
+    def __init__(self, protocol_version: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., step: _Optional[int] = ..., throughput: _Optional[float] = ..., queue_length: _Optional[int] = ..., state: _Optional[str] = ..., samples_accumulated: _Optional[int] = ..., target_batch_size: _Optional[int] = ...) -> None: ...

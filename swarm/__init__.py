@@ -1,0 +1,3 @@
+"""swarm: decentralized training of large models on cheap, unreliable hardware."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,283 @@
+"""Typed configuration for every role, from CLI flags, environment variables and a YAML file.
+
+Each setting is declared once, as a dataclass field with a help text; the same declaration makes
+the flag `--target-batch-size`, the variable `SWARM_TARGET_BATCH_SIZE` and the YAML key
+`target_batch_size`. Precedence: flag, then environment, then the `--config` file, then default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import yaml
+
+ENV_PREFIX = "SWARM_"
+C = TypeVar("C")
+
+
+class ConfigError(ValueError):
+    """A setting that cannot be used: unknown key, wrong type, or out of range."""
+
+
+def option(default: Any, help: str, **argparse_kwargs: Any) -> Any:
+    """A config field: its default, its help text, and extra argparse options (e.g. choices)."""
+    kwargs: dict[str, Any] = {"metadata": {"help": help, **argparse_kwargs}}
+    if isinstance(default, list):
+        kwargs["default_factory"] = lambda: list(default)
+    else:
+        kwargs["default"] = default
+    return field(**kwargs)
+
+
+def _base_type(annotation: Any) -> tuple[type, bool, bool]:
+    """(element type, is_optional, is_list) of a field annotation such as `list[str]` or `int | None`."""
+    optional = False
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        args = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+        optional, annotation = True, args[0]
+        origin = typing.get_origin(annotation)
+    if origin is list:
+        return typing.get_args(annotation)[0], optional, True
+    return annotation, optional, False
+
+
+def _convert(value: Any, annotation: Any, source: str) -> Any:
+    kind, optional, is_list = _base_type(annotation)
+    if value is None or (optional and isinstance(value, str) and value.lower() in ("", "none", "null")):
+        if optional:
+            return None
+        raise ConfigError(f"{source}: a value is required")
+    if is_list:
+        items = value.split(",") if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)):
+            raise ConfigError(f"{source}: expected a list, got {value!r}")
+        return [_convert(item, kind, source) for item in items if item != ""]
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{source}: expected true or false, got {value!r}")
+    try:
+        if kind is int and isinstance(value, float) and not value.is_integer():
+            raise ValueError
+        return kind(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{source}: expected {kind.__name__}, got {value!r}") from None
+
+
+def _fields(cls: type) -> list[tuple[dataclasses.Field, Any]]:
+    hints = typing.get_type_hints(cls)
+    return [(f, hints[f.name]) for f in dataclasses.fields(cls)]
+
+
+def add_options(parser: argparse.ArgumentParser, cls: type) -> None:
+    """Adds one flag per field of config class `cls`, and `--config FILE`."""
+    parser.add_argument("--config", metavar="FILE", help="YAML file with settings (keys as the flags, with _)")
+    for f, annotation in _fields(cls):
+        kind, _, is_list = _base_type(annotation)
+        meta = dict(f.metadata)
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        help_text = f"{meta.pop('help')} (default: {default}; env {ENV_PREFIX}{f.name.upper()})"
+        flag = "--" + f.name.replace("_", "-")
+        kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": help_text, **meta}
+        if kind is bool and not is_list:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
+        elif is_list:
+            parser.add_argument(flag, nargs="*", metavar=f.name.upper(), **kwargs)
+        else:
+            parser.add_argument(flag, metavar=kind.__name__.upper(), **kwargs)
+
+
+def load_config(
+    cls: type[C],
+    cli: Mapping[str, Any] | argparse.Namespace | None = None,
+    environ: Mapping[str, str] | None = None,
+    config_file: str | None = None,
+) -> C:
+    """Builds config `cls` from flags (only those given), environment variables and a YAML file."""
+    cli = vars(cli) if isinstance(cli, argparse.Namespace) else dict(cli or {})
+    environ = os.environ if environ is None else environ
+    config_file = cli.pop("config", None) or config_file
+    from_file: dict[str, Any] = {}
+    if config_file:
+        try:
+            with open(config_file) as file:
+                from_file = yaml.safe_load(file) or {}
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {config_file}: {e}") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {config_file} is not valid YAML: {e}") from None
+        if not isinstance(from_file, dict):
+            raise ConfigError(f"config file {config_file} must hold a mapping of settings")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(from_file) - known)
+    if unknown:
+        raise ConfigError(f"config file {config_file}: unknown settings {unknown}; known: {sorted(known)}")
+    values = {}
+    for f, annotation in _fields(cls):
+        env_name = ENV_PREFIX + f.name.upper()
+        if f.name in cli:
+            values[f.name] = _convert(cli[f.name], annotation, "--" + f.name.replace("_", "-"))
+        elif env_name in environ:
+            values[f.name] = _convert(environ[env_name], annotation, env_name)
+        elif f.name in from_file:
+            values[f.name] = _convert(from_file[f.name], annotation, f"{config_file}: {f.name}")
+    config = cls(**values)
+    check = getattr(config, "check", None)
+    if check is not None:
+        check()
+    return config
+
+
+def to_flags(config: Any) -> list[str]:
+    """The CLI flags that reproduce `config` (used to launch processes with the same settings)."""
+    flags = []
+    for f, annotation in _fields(type(config)):
+        value = getattr(config, f.name)
+        flag = "--" + f.name.replace("_", "-")
+        kind, _, is_list = _base_type(annotation)
+        if value is None:
+            continue
+        if is_list:
+            flags += [flag, *map(str, value)]
+        elif kind is bool:
+            flags.append(flag if value else "--no-" + f.name.replace("_", "-"))
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
+# ---------------------------------------------------------------------------------------------
+# The settings of each role.
+
+
+@dataclass
+class NetworkConfig:
+    """How a process joins the swarm's DHT."""
+
+    initial_peers: list[str] = option([], "multiaddrs of any live swarm member to join through")
+    host_maddrs: list[str] = option(
+        ["/ip4/127.0.0.1/tcp/0"], "multiaddrs to listen on; use /ip4/0.0.0.0/tcp/PORT to accept other machines"
+    )
+    announce_maddrs: list[str] = option([], "public multiaddrs to announce when behind NAT or a port forward")
+    identity_path: str | None = option(None, "file with this process's private key, for a stable peer id")
+    run_id: str = option("swarm", "name of the training run; processes of other runs are ignored")
+    startup_timeout: float = option(30.0, "seconds to wait for the libp2p daemon to start")
+
+
+@dataclass
+class ModelConfig:
+    """Which model the swarm trains and how it is cut into stages."""
+
+    model: str = option("gpt-tiny", "model preset (gpt-tiny, gpt-small, gpt-medium, gpt-large, gpt-xl)")
+    num_stages: int = option(3, "number of pipeline stages the model is cut into")
+    seed: int = option(0, "seed of the initial parameters and of the data order")
+
+    def check(self) -> None:
+        from swarm.models import get_model_spec
+
+        try:
+            spec = get_model_spec(self.model)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if not 1 <= self.num_stages <= spec.n_layer:
+            raise ConfigError(f"--num-stages must be within 1..{spec.n_layer} for {spec.name}, got {self.num_stages}")
+
+
+@dataclass
+class DHTConfig(NetworkConfig):
+    """`swarm dht`: a bootstrap node that holds nothing but the DHT."""
+
+    address_file: str | None = option(None, "write this node's multiaddrs to FILE once it is up")
+
+
+@dataclass
+class PeerConfig(NetworkConfig, ModelConfig):
+    """`swarm peer`: hosts one stage, serves forward and backward, steps its optimizer."""
+
+    stage: int = option(0, "the stage to host, 0-based")
+    device: str = option("cpu", "torch device for the stage, e.g. cpu or cuda:0")
+    num_threads: int = option(1, "torch CPU threads (keep low when several peers share a machine)")
+    target_batch_size: int = option(32, "samples per optimizer step, summed over all microbatches")
+    lr: float = option(1e-3, "AdamW learning rate")
+    weight_decay: float = option(0.01, "AdamW weight decay")
+    beta1: float = option(0.9, "AdamW beta1")
+    beta2: float = option(0.95, "AdamW beta2")
+    max_batch_samples: int = option(256, "largest batch the peer runs at once, merging queued requests")
+    max_request_mb: float = option(256.0, "largest request the peer accepts, in MiB")
+    announce_period: float = option(2.0, "seconds between DHT announcements")
+    record_ttl: float = option(10.0, "seconds an announcement stays valid if the peer vanishes")
+    checkpoint_dir: str | None = option(None, "directory for the stage's checkpoints; resume from it if present")
+    checkpoint_every: int = option(0, "save a checkpoint every N steps (0: only on a clean exit)")
+    shutdown_timeout: float = option(15.0, "seconds a peer waits for in-flight requests when asked to stop")
+
+    def check(self) -> None:
+        ModelConfig.check(self)
+        if not 0 <= self.stage < self.num_stages:
+            raise ConfigError(f"--stage must be within 0..{self.num_stages - 1}, got {self.stage}")
+        for name in ("target_batch_size", "max_batch_samples", "num_threads"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.lr <= 0:
+            raise ConfigError("--lr must be positive")
+
+
+@dataclass
+class TrainerConfig(NetworkConfig, ModelConfig):
+    """`swarm train`: drives microbatches through the stages; holds no parameters."""
+
+    steps: int = option(100, "optimizer steps to train for")
+    microbatch_size: int = option(8, "samples in one microbatch")
+    max_in_flight: int = option(8, "microbatches in flight at once")
+    data: str | None = option(None, "text file or folder to train on (default: Python's standard library)")
+    max_corpus_mb: float = option(32.0, "read at most this many MiB of the corpus")
+    codec: str = option("none", "codec for tensors sent to peers (none, fp16, bf16)")
+    call_timeout: float = option(60.0, "seconds before a stage call is abandoned and retried elsewhere")
+    max_retries: int = option(5, "attempts per stage call before the step fails")
+    stage_wait_timeout: float = option(120.0, "seconds to wait for a stage with no live peer before giving up")
+    summary_file: str | None = option(None, "write a JSON summary of the run to FILE")
+    progress: bool = option(True, "show a progress bar")
+
+    def check(self) -> None:
+        ModelConfig.check(self)
+        for name in ("steps", "microbatch_size", "max_in_flight", "max_retries"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+        from swarm.compression import CODECS
+
+        if self.codec not in CODECS:
+            raise ConfigError(f"--codec must be one of {sorted(CODECS)}, got {self.codec!r}")
+
+
+@dataclass
+class DemoConfig(ModelConfig):
+    """`swarm demo`: a bootstrap node, one peer per stage and a trainer, all on this machine."""
+
+    steps: int = option(150, "optimizer steps to train for")
+    target_batch_size: int = option(32, "samples per optimizer step")
+    microbatch_size: int = option(8, "samples in one microbatch")
+    max_in_flight: int = option(6, "microbatches in flight at once")
+    lr: float = option(3e-3, "AdamW learning rate")
+    data: str | None = option(None, "text file or folder to train on (default: Python's standard library)")
+    log_dir: str | None = option(None, "directory for the processes' logs (default: a temporary one)")
+    summary_file: str | None = option(None, "write the trainer's JSON summary to FILE")
+
+
+@dataclass
+class StatusConfig(NetworkConfig):
+    """`swarm status`: a view of the swarm's stages and peers."""
+
+    num_stages: int = option(3, "number of stages to show")
+    watch: float = option(0.0, "refresh every N seconds (0: print once)")

@@ -1,0 +1,76 @@
+"""`swarm demo`: the main job on one machine.
+
+A bootstrap DHT node, one peer per stage and a trainer, each a separate process on 127.0.0.1,
+train the tiny model on the default corpus; everything is shut down at the end or on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import subprocess
+import tempfile
+import time
+
+from swarm.config import DemoConfig
+from swarm.local_swarm import LocalSwarm
+
+logger = logging.getLogger(__name__)
+
+
+def run_demo(config: DemoConfig) -> int:
+    """Runs the demo swarm; returns the trainer's exit code."""
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop cleanly on SIGTERM as on Ctrl-C
+    workdir = config.log_dir or tempfile.mkdtemp(prefix="swarm-demo-")
+    summary_file = config.summary_file or f"{workdir}/summary.json"
+    model_flags = ["--model", config.model, "--num-stages", str(config.num_stages), "--seed", str(config.seed)]
+    with LocalSwarm(workdir) as swarm:
+        logger.info(f"Starting a bootstrap node, {config.num_stages} peers and a trainer; logs in {workdir}")
+        swarm.start_bootstrap()
+        for stage in range(config.num_stages):
+            swarm.start_peer(
+                f"peer{stage}",
+                stage,
+                [*model_flags, "--target-batch-size", str(config.target_batch_size), "--lr", str(config.lr)],
+            )
+        trainer_flags = [
+            *model_flags,
+            "--steps", str(config.steps),
+            "--microbatch-size", str(config.microbatch_size),
+            "--max-in-flight", str(config.max_in_flight),
+            "--summary-file", summary_file,
+        ]
+        if config.data:
+            trainer_flags += ["--data", config.data]
+        trainer = swarm.start_trainer("trainer", trainer_flags, log=False)
+        try:
+            returncode = trainer.wait()
+        except KeyboardInterrupt:
+            logger.info("Interrupted: stopping the trainer and the peers")
+            trainer.send_signal(signal.SIGTERM)
+            try:
+                returncode = trainer.wait(30)
+            except subprocess.TimeoutExpired:
+                returncode = 130
+            returncode = returncode or 130
+        logger.info("Shutting the swarm down")
+        started = time.monotonic()
+    logger.info(f"All processes stopped in {time.monotonic() - started:.1f}s")
+    try:
+        with open(summary_file) as file:
+            summary = json.load(file)
+    except (OSError, ValueError):
+        logger.error(f"The trainer left no summary; see the logs in {workdir}")
+        return returncode or 1
+    print(
+        "\nDemo summary\n"
+        f"  steps:        {summary['steps']} ({summary['samples']} samples)\n"
+        f"  throughput:   {summary['samples_per_second']:.1f} samples/s\n"
+        f"  first loss:   {summary['first_loss']:.3f}\n"
+        f"  last loss:    {summary['last_loss']:.3f} (mean of the last 5 steps)\n"
+        f"  retried calls: {summary['retries']}\n"
+        f"  logs:         {workdir}",
+        flush=True,
+    )
+    return returncode

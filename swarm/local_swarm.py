@@ -1,0 +1,108 @@
+"""Launching a swarm of separate processes on this machine: for the demo, tests and benchmarks.
+
+Every process runs in its own session (process group), so stopping it also stops the DHT child
+and the libp2p daemons it started, and none is left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+class LaunchError(RuntimeError):
+    """A process of the local swarm failed to start."""
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    with contextlib.suppress(OSError):
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    return ""
+
+
+class LocalSwarm:
+    """A bootstrap node, peers and trainers as child processes, stopped together on exit."""
+
+    def __init__(self, workdir: str | os.PathLike | None = None, env: dict[str, str] | None = None) -> None:
+        self.workdir = Path(workdir or tempfile.mkdtemp(prefix="swarm-"))
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+        self.processes: dict[str, subprocess.Popen] = {}
+        self.initial_peers: list[str] = []
+
+    def log_path(self, name: str) -> Path:
+        return self.workdir / f"{name}.log"
+
+    def spawn(self, name: str, role: str, flags: list[str], log: bool = True) -> subprocess.Popen:
+        """Starts `swarm ROLE FLAGS` as process `name`, its output in NAME.log (or this console)."""
+        command = [sys.executable, "-m", "swarm", role, *flags]
+        output = open(self.log_path(name), "ab") if log else None
+        try:
+            process = subprocess.Popen(
+                command, stdout=output, stderr=subprocess.STDOUT if log else None, env=self.env,
+                start_new_session=True,
+            )
+        finally:
+            if output is not None:
+                output.close()
+        self.processes[name] = process
+        return process
+
+    def start_bootstrap(self, timeout: float = 60.0) -> list[str]:
+        """Starts the bootstrap DHT node and returns the multiaddrs others join through."""
+        address_file = self.workdir / "bootstrap.addr"
+        address_file.unlink(missing_ok=True)
+        process = self.spawn("bootstrap", "dht", ["--address-file", str(address_file)])
+        deadline = time.monotonic() + timeout
+        while not address_file.exists():
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise LaunchError(f"bootstrap DHT node did not start:\n{_tail(self.log_path('bootstrap'))}")
+            time.sleep(0.1)
+        self.initial_peers = address_file.read_text().split()
+        return self.initial_peers
+
+    def start_peer(self, name: str, stage: int, flags: list[str] = ()) -> subprocess.Popen:
+        """Starts a peer for `stage`, joined to the bootstrap node."""
+        return self.spawn(name, "peer", ["--stage", str(stage), "--initial-peers", *self.initial_peers, *flags])
+
+    def start_trainer(self, name: str, flags: list[str] = (), log: bool = True) -> subprocess.Popen:
+        """Starts a trainer joined to the bootstrap node."""
+        return self.spawn(name, "train", ["--initial-peers", *self.initial_peers, *flags], log=log)
+
+    def stop(self, name: str, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int | None:
+        """Signals process `name`, waits up to `timeout`, then kills its whole process group."""
+        process = self.processes.pop(name)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, sig)
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        # the DHT child and p2pd share the process group: take down whatever is left of it
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(5)
+        return process.returncode
+
+    def stop_all(self, timeout: float = 20.0) -> None:
+        """Stops every process: trainers first, then peers, then the bootstrap node."""
+        order = sorted(self.processes, key=lambda n: (n == "bootstrap", not n.startswith("trainer")))
+        for name in order:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.processes[name].pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for name in order:
+            self.stop(name, timeout=max(0.1, deadline - time.monotonic()))
+
+    def __enter__(self) -> LocalSwarm:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop_all()

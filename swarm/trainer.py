@@ -1,0 +1,253 @@
+"""The trainer: reads data and drives microbatches through the stages; holds no parameters.
+
+For each optimizer step it draws the global batch, cuts it into microbatches and keeps several in
+flight, so that every stage works at once. A microbatch goes forward through stages 0..N-2, then
+the last stage computes the loss and its input gradient in one call, then gradients flow back
+through stages N-2..0. The trainer keeps each stage's input until that stage's backward is done,
+so every call can be retried on another peer of the stage (peers keep no activations).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+from hivemind.p2p import P2P, PeerID
+from tqdm import tqdm
+
+from swarm.compression import get_codec
+from swarm.config import TrainerConfig
+from swarm.data import ByteCorpus
+from swarm.dht_node import start_dht
+from swarm.event_loop import stop_event_on_signals
+from swarm.models import get_model_spec
+from swarm.proto import BACKWARD, FORWARD, StageRequest
+from swarm.router import Router
+from swarm.stage_records import StageRecord, fetch_stage_records
+from swarm.transport import StageCallError, call_stage
+
+logger = logging.getLogger(__name__)
+
+REFRESH_PERIOD = 2.0
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on: a stage stayed empty too long, or a call failed past its retries."""
+
+
+@dataclass
+class TrainingSummary:
+    """What a training run did, as printed at the end and written to --summary-file."""
+
+    steps: int = 0
+    first_step: int = 0
+    samples: int = 0
+    seconds: float = 0.0
+    samples_per_second: float = 0.0
+    first_loss: float = float("nan")
+    last_loss: float = float("nan")
+    retries: int = 0
+    losses: list[float] = field(default_factory=list)
+
+
+class Trainer:
+    """Drives training through the swarm found in the DHT."""
+
+    def __init__(self, config: TrainerConfig) -> None:
+        self.config = config
+        self.spec = get_model_spec(config.model)
+        self.codec = get_codec(config.codec)
+        self.router = Router()
+        self.summary = TrainingSummary()
+        # the DHT forks: create it before the corpus or anything else starts threads
+        self.dht = start_dht(config)
+        self.corpus = ByteCorpus(config.data, int(config.max_corpus_mb * 2**20))
+        self.p2p: P2P | None = None
+        self.step = 0
+        self._microbatch_ids = 0
+
+    # --- peers -----------------------------------------------------------------------------------
+
+    async def refresh_peers(self) -> dict[int, list[StageRecord]]:
+        loop = asyncio.get_running_loop()
+        records = await loop.run_in_executor(
+            None, fetch_stage_records, self.dht, self.config.run_id, self.config.num_stages
+        )
+        mine = {
+            stage: [r for r in recs if r.model == self.config.model and r.num_stages == self.config.num_stages]
+            for stage, recs in records.items()
+        }
+        self.router.update(mine)
+        return mine
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(REFRESH_PERIOD)
+            try:
+                await self.refresh_peers()
+            except Exception as e:
+                logger.warning(f"Could not read peers from the DHT: {e}")
+
+    async def wait_for_stage(self, stage: int) -> None:
+        """Waits until `stage` has a live peer, saying so; TrainingError after stage_wait_timeout."""
+        deadline = time.monotonic() + self.config.stage_wait_timeout
+        warned = False
+        while not self.router.live_peers(stage):
+            if time.monotonic() > deadline:
+                raise TrainingError(
+                    f"stage {stage} has had no live peer for {self.config.stage_wait_timeout:.0f}s; "
+                    f"start one with `swarm peer --stage {stage} --initial-peers ...`"
+                )
+            if not warned:
+                logger.warning(f"Stage {stage} has no live peer; waiting for one to join")
+                warned = True
+            await asyncio.sleep(0.5)
+            await self.refresh_peers()
+        if warned:
+            logger.info(f"Stage {stage} has a live peer again; resuming")
+
+    async def wait_for_swarm(self) -> tuple[int, int]:
+        """Waits for every stage to have a peer; returns (target batch size, current step)."""
+        await self.refresh_peers()
+        for stage in range(self.config.num_stages):
+            await self.wait_for_stage(stage)
+        peers = [r for stage in range(self.config.num_stages) for r in self.router.live_peers(stage)]
+        targets = {r.target_batch_size for r in peers}
+        if len(targets) != 1:
+            raise TrainingError(f"peers disagree on --target-batch-size: {sorted(targets)}; restart them alike")
+        steps = {r.step for r in peers}
+        if len(steps) > 1:
+            logger.warning(f"Stages are at different steps {sorted(steps)}; continuing from the lowest")
+        return targets.pop(), min(steps)
+
+    # --- calls -----------------------------------------------------------------------------------
+
+    async def call(self, stage: int, backward: bool, tensors: list[torch.Tensor], microbatch_id: int):
+        """One stage call, retried on other peers of the stage when a peer fails or vanishes."""
+        tried: list[str] = []
+        last_error: Exception | None = None
+        for _attempt in range(self.config.max_retries):
+            record = self.router.choose(stage, exclude=tried)
+            if record is None:
+                await self.wait_for_stage(stage)
+                continue
+            request = StageRequest(
+                kind=BACKWARD if backward else FORWARD,
+                model=self.config.model,
+                stage=stage,
+                microbatch_id=microbatch_id,
+                step=self.step,
+            )
+            try:
+                reply, outputs = await call_stage(
+                    self.p2p, PeerID.from_base58(record.peer_id), request, tensors, self.codec, self.config.call_timeout
+                )
+            except StageCallError as e:
+                if not e.retriable:
+                    raise TrainingError(f"stage {stage} refused a request: {e}") from e
+                ban = self.router.report_failure(record.peer_id)
+                tried.append(record.peer_id)
+                self.summary.retries += 1
+                last_error = e
+                logger.warning(f"Stage {stage} call failed ({e}); peer banned for {ban:.0f}s, retrying")
+                continue
+            self.router.report_success(record.peer_id)
+            return reply, outputs
+        raise TrainingError(f"stage {stage} call failed after {self.config.max_retries} attempts: {last_error}")
+
+    async def run_microbatch(self, tokens: torch.Tensor) -> float:
+        """Forward and backward of one microbatch through every stage; returns its mean loss."""
+        self._microbatch_ids += 1
+        mb = self._microbatch_ids
+        last = self.config.num_stages - 1
+        inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        stage_inputs = [inputs]
+        for stage in range(last):
+            _, (hidden,) = await self.call(stage, False, [stage_inputs[-1]], mb)
+            stage_inputs.append(hidden)
+        reply, grads = await self.call(last, True, [stage_inputs[last], targets], mb)
+        for stage in reversed(range(last)):
+            (grad,) = grads
+            _, grads = await self.call(stage, True, [stage_inputs[stage], grad], mb)
+        return reply.loss
+
+    async def run_step(self, batch: torch.Tensor) -> float:
+        """One optimizer step's worth of microbatches; returns the mean loss over the batch."""
+        gate = asyncio.Semaphore(self.config.max_in_flight)
+
+        async def limited(tokens: torch.Tensor) -> tuple[float, int]:
+            async with gate:
+                return await self.run_microbatch(tokens), len(tokens)
+
+        results = await asyncio.gather(*(limited(mb) for mb in batch.split(self.config.microbatch_size)))
+        return sum(loss * n for loss, n in results) / sum(n for _, n in results)
+
+    # --- the run ---------------------------------------------------------------------------------
+
+    async def train(self) -> TrainingSummary:
+        config = self.config
+        stop = stop_event_on_signals()
+        self.p2p = await self.dht.replicate_p2p()
+        refreshing = asyncio.create_task(self._refresh_forever())
+        try:
+            target_batch_size, self.step = await self.wait_for_swarm()
+            logger.info(
+                f"Found all {config.num_stages} stages of {config.model}; training {config.steps} steps "
+                f"of {target_batch_size} samples from step {self.step}"
+            )
+            summary = self.summary
+            summary.first_step = self.step
+            start = time.perf_counter()
+            bar = tqdm(total=config.steps, desc="training", unit="step", disable=not config.progress, mininterval=1.0)
+            for _ in range(config.steps):
+                if stop.is_set():
+                    logger.info("Stopping early on request")
+                    break
+                batch = self.corpus.batch(self.step, target_batch_size, self.spec.seq_len, config.seed)
+                loss = await self.run_step(batch)
+                self.step += 1
+                summary.steps += 1
+                summary.samples += target_batch_size
+                summary.losses.append(loss)
+                summary.seconds = time.perf_counter() - start
+                summary.samples_per_second = summary.samples / summary.seconds
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.3f}", samples_s=f"{summary.samples_per_second:.1f}")
+                if not config.progress and summary.steps % 10 == 0:
+                    logger.info(f"step {self.step} loss {loss:.4f} {summary.samples_per_second:.1f} samples/s")
+            bar.close()
+        finally:
+            refreshing.cancel()
+        if summary.losses:
+            summary.first_loss = summary.losses[0]
+            tail = summary.losses[-min(5, len(summary.losses)) :]
+            summary.last_loss = sum(tail) / len(tail)
+        return summary
+
+    def shutdown(self) -> None:
+        self.dht.shutdown()
+
+
+def run_trainer(config: TrainerConfig) -> TrainingSummary:
+    """`swarm train`: train for the configured steps, print and optionally save a summary."""
+    from swarm.event_loop import run
+
+    trainer = Trainer(config)
+    try:
+        summary = run(trainer.train())
+    finally:
+        trainer.shutdown()
+    print(
+        f"Trained {summary.steps} steps ({summary.samples} samples) in {summary.seconds:.1f}s: "
+        f"{summary.samples_per_second:.1f} samples/s; loss {summary.first_loss:.3f} -> {summary.last_loss:.3f}"
+        f" (mean of the last steps); {summary.retries} retried calls",
+        flush=True,
+    )
+    if config.summary_file:
+        with open(config.summary_file, "w") as file:
+            json.dump(asdict(summary), file, indent=1)
+    return summary

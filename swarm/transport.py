@@ -1,0 +1,95 @@
+"""Client side of stage calls: one libp2p stream per call, framed as in `swarm.wire`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Sequence
+
+import torch
+from hivemind.p2p import P2P, PeerID
+
+from swarm.compression import Codec
+from swarm.proto import PROTOCOL_VERSION, ErrorCode, PeerInfo, PeerInfoRequest, StageReply, StageRequest
+from swarm.wire import WireError, WireLimits, decode_tensors, encode_tensor, pack_frames, read_frames, write_frames
+
+STAGE_PROTOCOL = "/swarm/stage"
+INFO_PROTOCOL = "/swarm/info"
+
+# Codes worth retrying on another peer of the same stage; the rest mean the request itself is wrong.
+RETRIABLE = {ErrorCode.UNAVAILABLE, ErrorCode.INTERNAL}
+
+
+class StageCallError(Exception):
+    """A stage call that failed: an error reply from the peer, a broken stream, or a timeout."""
+
+    def __init__(self, code: int, message: str, peer_id: str = "") -> None:
+        super().__init__(f"{ErrorCode.Name(code)} from {peer_id or 'peer'}: {message}")
+        self.code, self.detail, self.peer_id = code, message, peer_id
+
+    @property
+    def retriable(self) -> bool:
+        return self.code in RETRIABLE
+
+
+async def _exchange(p2p: P2P, peer_id: PeerID, protocol: str, frames: Sequence, reply_type: type, limits: WireLimits):
+    _, reader, writer = await p2p.call_binary_stream_handler(peer_id, protocol)
+    sending = asyncio.create_task(write_frames(writer, frames))
+    try:
+        # read while writing: a peer may refuse a request before it has all of it
+        return await read_frames(reader, reply_type, limits)
+    finally:
+        if not sending.done():
+            sending.cancel()
+        with contextlib.suppress(BaseException):
+            await sending
+        writer.close()
+
+
+async def call_stage(
+    p2p: P2P,
+    peer_id: PeerID,
+    request: StageRequest,
+    tensors: Sequence[torch.Tensor],
+    codec: Codec,
+    timeout: float,
+    limits: WireLimits = WireLimits(),
+) -> tuple[StageReply, list[torch.Tensor]]:
+    """Sends `request` with `tensors` to a peer; returns its reply and tensors or raises StageCallError."""
+    request.protocol_version = PROTOCOL_VERSION
+    loop = asyncio.get_running_loop()
+    # encoding and decoding are CPU work: keep them off the event loop
+    parts = await loop.run_in_executor(None, lambda: [p for t in tensors for p in encode_tensor(t, codec)])
+    frames = pack_frames(request, parts)
+    try:
+        reply, reply_parts = await asyncio.wait_for(
+            _exchange(p2p, peer_id, STAGE_PROTOCOL, frames, StageReply, limits), timeout
+        )
+        if reply.error.code != ErrorCode.OK:
+            raise StageCallError(reply.error.code, reply.error.message, str(peer_id))
+        outputs = await loop.run_in_executor(None, decode_tensors, reply_parts, limits)
+    except StageCallError:
+        raise
+    except WireError as e:
+        raise StageCallError(ErrorCode.UNAVAILABLE, f"bad reply: {e}", str(peer_id)) from None
+    except asyncio.TimeoutError:
+        raise StageCallError(ErrorCode.UNAVAILABLE, f"no reply within {timeout:.1f}s", str(peer_id)) from None
+    except Exception as e:  # the daemon could not reach the peer, or the stream broke
+        raise StageCallError(ErrorCode.UNAVAILABLE, f"{type(e).__name__}: {e}", str(peer_id)) from None
+    return reply, outputs
+
+
+async def get_peer_info(p2p: P2P, peer_id: PeerID, timeout: float = 10.0) -> PeerInfo:
+    """Asks a peer what it hosts and how it is doing."""
+    request = PeerInfoRequest(protocol_version=PROTOCOL_VERSION)
+    try:
+        info, _ = await asyncio.wait_for(
+            _exchange(p2p, peer_id, INFO_PROTOCOL, [request], PeerInfo, WireLimits()), timeout
+        )
+    except asyncio.TimeoutError:
+        raise StageCallError(ErrorCode.UNAVAILABLE, f"no reply within {timeout:.1f}s", str(peer_id)) from None
+    except Exception as e:
+        raise StageCallError(ErrorCode.UNAVAILABLE, f"{type(e).__name__}: {e}", str(peer_id)) from None
+    if info.error.code != ErrorCode.OK:
+        raise StageCallError(info.error.code, info.error.message, str(peer_id))
+    return info
