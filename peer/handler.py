@@ -23,6 +23,19 @@ from swarm.peer.runtime import StageRuntime
 logger = logging.getLogger(__name__)
 
 
+async def _discard_input(reader: asyncio.StreamReader, timeout: float = 10.0) -> None:
+    """Reads and drops what the caller is still sending after a refusal, until it hangs up.
+
+    Closing at once would reset the stream under a caller that is still writing, and it would
+    lose the error reply; draining lets it read the reply and stop on its own.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    with contextlib.suppress(Exception):
+        while await asyncio.wait_for(reader.read(2**16), max(0.0, deadline - loop.time())):
+            pass
+
+
 class StageHandler:
     """Serves stage calls and info requests for one hosted stage."""
 
@@ -45,10 +58,12 @@ class StageHandler:
 
     async def handle_stage(self, _stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Entry point of one stage call stream (registered with the P2P daemon)."""
+        refused_midway = False
         try:
             frames = await self._serve(reader)
         except WireError as e:
             frames = [self._error(e.code, str(e))]
+            refused_midway = True
         except asyncio.TimeoutError:
             frames = [self._error(ErrorCode.BAD_REQUEST, "request stalled: no data within the frame timeout")]
         except Exception as e:
@@ -56,6 +71,8 @@ class StageHandler:
             frames = [self._error(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")]
         try:
             await write_frames(writer, frames)
+            if refused_midway:
+                await _discard_input(reader)
         except Exception as e:  # the caller went away; nothing left to tell it
             logger.debug(f"Could not send a reply: {e}")
         finally:

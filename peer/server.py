@@ -64,7 +64,8 @@ class Peer:
         )
 
     def _on_step(self, step: int) -> None:
-        logger.info(f"Stage {self.config.stage} reached step {step}")
+        if step % 10 == 0:
+            logger.info(f"Stage {self.config.stage} reached step {step}")
         if self.config.checkpoint_dir and self.config.checkpoint_every and step % self.config.checkpoint_every == 0:
             self.save_checkpoint()
 

@@ -76,30 +76,39 @@ class LocalSwarm:
         return self.spawn(name, "train", ["--initial-peers", *self.initial_peers, *flags], log=log)
 
     def stop(self, name: str, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int | None:
-        """Signals process `name`, waits up to `timeout`, then kills its whole process group."""
+        """Signals process `name`, waits up to `timeout`, then kills whatever is left of its group."""
+        self.signal(name, sig)
+        return self._reap(name, timeout)
+
+    def signal(self, name: str, sig: int) -> None:
+        """Sends `sig` to the main process only: it stops its own DHT child and daemons in order."""
+        with contextlib.suppress(ProcessLookupError):
+            self.processes[name].send_signal(sig)
+
+    def _reap(self, name: str, timeout: float) -> int | None:
         process = self.processes.pop(name)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, sig)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            pass
         # the DHT child and p2pd share the process group: take down whatever is left of it
-        with contextlib.suppress(ProcessLookupError):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(process.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             process.wait(5)
         return process.returncode
 
     def stop_all(self, timeout: float = 20.0) -> None:
-        """Stops every process: trainers first, then peers, then the bootstrap node."""
-        order = sorted(self.processes, key=lambda n: (n == "bootstrap", not n.startswith("trainer")))
-        for name in order:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.processes[name].pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for name in order:
-            self.stop(name, timeout=max(0.1, deadline - time.monotonic()))
+        """Stops every process: trainers, then peers (together), then the bootstrap node."""
+        waves = [
+            [n for n in self.processes if n.startswith("trainer")],
+            [n for n in self.processes if not n.startswith("trainer") and n != "bootstrap"],
+            [n for n in self.processes if n == "bootstrap"],
+        ]
+        for wave in waves:
+            for name in wave:
+                self.signal(name, signal.SIGTERM)
+            deadline = time.monotonic() + timeout
+            for name in wave:
+                self._reap(name, max(0.1, deadline - time.monotonic()))
 
     def __enter__(self) -> LocalSwarm:
         return self

@@ -103,7 +103,7 @@ class Trainer:
                     f"start one with `swarm peer --stage {stage} --initial-peers ...`"
                 )
             if not warned:
-                logger.warning(f"Stage {stage} has no live peer; waiting for one to join")
+                logger.warning(f"Stage {stage} has no live peer yet; waiting for one to join")
                 warned = True
             await asyncio.sleep(0.5)
             await self.refresh_peers()

@@ -32,7 +32,8 @@ class StageCallError(Exception):
         return self.code in RETRIABLE
 
 
-async def _exchange(p2p: P2P, peer_id: PeerID, protocol: str, frames: Sequence, reply_type: type, limits: WireLimits):
+async def exchange(p2p: P2P, peer_id: PeerID, protocol: str, frames: Sequence, reply_type: type, limits: WireLimits):
+    """Opens a stream to `protocol` on a peer, sends `frames` and reads one framed reply."""
     _, reader, writer = await p2p.call_binary_stream_handler(peer_id, protocol)
     sending = asyncio.create_task(write_frames(writer, frames))
     try:
@@ -63,7 +64,7 @@ async def call_stage(
     frames = pack_frames(request, parts)
     try:
         reply, reply_parts = await asyncio.wait_for(
-            _exchange(p2p, peer_id, STAGE_PROTOCOL, frames, StageReply, limits), timeout
+            exchange(p2p, peer_id, STAGE_PROTOCOL, frames, StageReply, limits), timeout
         )
         if reply.error.code != ErrorCode.OK:
             raise StageCallError(reply.error.code, reply.error.message, str(peer_id))
@@ -84,7 +85,7 @@ async def get_peer_info(p2p: P2P, peer_id: PeerID, timeout: float = 10.0) -> Pee
     request = PeerInfoRequest(protocol_version=PROTOCOL_VERSION)
     try:
         info, _ = await asyncio.wait_for(
-            _exchange(p2p, peer_id, INFO_PROTOCOL, [request], PeerInfo, WireLimits()), timeout
+            exchange(p2p, peer_id, INFO_PROTOCOL, [request], PeerInfo, WireLimits()), timeout
         )
     except asyncio.TimeoutError:
         raise StageCallError(ErrorCode.UNAVAILABLE, f"no reply within {timeout:.1f}s", str(peer_id)) from None
