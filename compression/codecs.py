@@ -51,7 +51,9 @@ def tensor_to_bytes(tensor: torch.Tensor) -> bytes:
     return flat.view(torch.uint8).numpy().tobytes()
 
 
-def tensor_from_bytes(buffer: bytes | bytearray | memoryview, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def tensor_from_bytes(
+    buffer: bytes | bytearray | memoryview, shape: tuple[int, ...], dtype: torch.dtype
+) -> torch.Tensor:
     """The tensor of the given shape and dtype whose raw bytes are `buffer`; refuses a wrong length."""
     numel = math.prod(shape)
     itemsize = torch.empty((), dtype=dtype).element_size()

@@ -12,13 +12,31 @@ import logging
 from collections.abc import Callable
 
 from swarm.compression import get_codec
+from swarm.peer.runtime import StageRuntime
+from swarm.proto import (
+    BACKWARD,
+    FORWARD,
+    PROTOCOL_VERSION,
+    Error,
+    ErrorCode,
+    PeerInfo,
+    PeerInfoRequest,
+    StageReply,
+    StageRequest,
+)
+
 from swarm.models import GPTStage
 from swarm.models.stage_io import StageInputError, check_stage_inputs
-from swarm.proto import BACKWARD, FORWARD, PROTOCOL_VERSION, Error, ErrorCode, PeerInfo, PeerInfoRequest, StageReply, StageRequest
 from swarm.stage_records import SERVING
-from swarm.wire import WireError, WireLimits, decode_tensors, encode_tensor, pack_frames, read_frames, write_frames
-
-from swarm.peer.runtime import StageRuntime
+from swarm.wire import (
+    WireError,
+    WireLimits,
+    decode_tensors,
+    encode_tensor,
+    pack_frames,
+    read_frames,
+    write_frames,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -56,11 +74,13 @@ class StageHandler:
         self.requests_served = 0
         self.requests_refused = 0
 
-    async def handle_stage(self, _stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def handle_stage(
+        self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         """Entry point of one stage call stream (registered with the P2P daemon)."""
         refused_midway = False
         try:
-            frames = await self._serve(reader)
+            frames = await self._serve(reader, str(stream_info.peer_id))
         except WireError as e:
             frames = [self._error(e.code, str(e))]
             refused_midway = True
@@ -74,12 +94,12 @@ class StageHandler:
             if refused_midway:
                 await _discard_input(reader)
         except Exception as e:  # the caller went away; nothing left to tell it
-            logger.debug(f"Could not send a reply: {e}")
+            logger.warning(f"Could not send a reply to {stream_info.peer_id}: {type(e).__name__}: {e}")
         finally:
             with contextlib.suppress(Exception):
                 writer.close()
 
-    async def _serve(self, reader: asyncio.StreamReader) -> list[StageReply]:
+    async def _serve(self, reader: asyncio.StreamReader, caller: str) -> list[StageReply]:
         request, parts = await read_frames(reader, StageRequest, self.limits)
         if request.protocol_version != PROTOCOL_VERSION:
             return [
@@ -110,13 +130,16 @@ class StageHandler:
         except StageInputError as e:
             return [self._error(ErrorCode.BAD_REQUEST, str(e))]
         try:
-            result = await asyncio.wrap_future(self.runtime.submit(backward, tensors))
+            key = (caller, request.microbatch_id) if request.microbatch_id else None
+            result = await asyncio.wrap_future(self.runtime.submit(backward, tensors, key))
         except RuntimeError as e:
             return [self._error(ErrorCode.UNAVAILABLE, str(e))]
 
         # answer in the codec the caller used for its first tensor
         codec = get_codec(parts[0].codec or "none")
-        reply = StageReply(protocol_version=PROTOCOL_VERSION, step=result.step, num_samples=tensors[0].shape[0])
+        reply = StageReply(
+            protocol_version=PROTOCOL_VERSION, step=result.step, num_samples=tensors[0].shape[0]
+        )
         if result.losses is not None:
             reply.loss = float(result.losses.mean())
         out_parts = await loop.run_in_executor(
@@ -130,18 +153,24 @@ class StageHandler:
         logger.info(f"Refused a stage call: {ErrorCode.Name(code)}: {message}")
         return StageReply(protocol_version=PROTOCOL_VERSION, error=Error(code=code, message=message))
 
-    async def handle_info(self, _stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def handle_info(
+        self, _stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         """Entry point of an info request stream."""
         try:
             request, _ = await read_frames(reader, PeerInfoRequest, self.limits)
             info = self.info()
             if request.protocol_version != PROTOCOL_VERSION:
                 info.error.code = ErrorCode.VERSION_MISMATCH
-                info.error.message = f"caller speaks protocol {request.protocol_version}, peer {PROTOCOL_VERSION}"
+                info.error.message = (
+                    f"caller speaks protocol {request.protocol_version}, peer {PROTOCOL_VERSION}"
+                )
         except WireError as e:
             info = PeerInfo(protocol_version=PROTOCOL_VERSION, error=Error(code=e.code, message=str(e)))
         except Exception as e:
-            info = PeerInfo(protocol_version=PROTOCOL_VERSION, error=Error(code=ErrorCode.INTERNAL, message=str(e)))
+            info = PeerInfo(
+                protocol_version=PROTOCOL_VERSION, error=Error(code=ErrorCode.INTERNAL, message=str(e))
+            )
         try:
             await write_frames(writer, [info])
         except Exception as e:

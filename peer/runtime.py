@@ -10,8 +10,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
-from collections.abc import Callable
+from collections import OrderedDict, deque
+from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -36,6 +36,8 @@ class StageResult:
 class _Task:
     backward: bool
     tensors: list[torch.Tensor]
+    key: Hashable = None
+    accumulate: bool = True
     future: Future = field(default_factory=Future)
 
     @property
@@ -43,7 +45,7 @@ class _Task:
         return self.tensors[0].shape[0]
 
     def batches_with(self, other: _Task) -> bool:
-        return self.backward == other.backward and all(
+        return (self.backward, self.accumulate) == (other.backward, other.accumulate) and all(
             a.dtype == b.dtype and a.shape[1:] == b.shape[1:] for a, b in zip(self.tensors, other.tensors)
         )
 
@@ -70,6 +72,11 @@ class StageRuntime:
         self.samples_accumulated = 0
         self.on_step = on_step
         self.seconds_per_sample: float | None = None
+        # keys of recently applied backward requests: a retried backward whose first attempt was
+        # applied (its reply lost on the way) gets its input gradient again but is not accumulated twice
+        self._applied: OrderedDict[Hashable, None] = OrderedDict()
+        self.max_remembered = 100_000
+        self.duplicates = 0
         self._queue: deque[_Task] = deque()
         self._cond = threading.Condition()
         self._stopping = False
@@ -80,12 +87,27 @@ class StageRuntime:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, backward: bool, tensors: list[torch.Tensor]) -> Future:
-        """Queues a request; the future resolves to a StageResult or to the exception it raised."""
-        task = _Task(backward, tensors)
+    def submit(self, backward: bool, tensors: list[torch.Tensor], key: Hashable = None) -> Future:
+        """Queues a request; the future resolves to a StageResult or to the exception it raised.
+
+        `key` names a backward request uniquely (caller and microbatch); a backward with a key
+        already applied is answered without accumulating its gradients again.
+        """
+        task = _Task(backward, tensors, key)
         with self._cond:
             if self._stopping:
                 raise RuntimeError("the runtime is shutting down")
+            if backward and key is not None:
+                if key in self._applied:
+                    task.accumulate = False
+                    self.duplicates += 1
+                    logger.info(
+                        f"Stage {self.module.stage}: backward {key} came again; not accumulating it twice"
+                    )
+                else:
+                    self._applied[key] = None
+                    if len(self._applied) > self.max_remembered:
+                        self._applied.popitem(last=False)
             self._queue.append(task)
             self._cond.notify()
         return task.future
@@ -143,6 +165,10 @@ class StageRuntime:
                 results = self._run_batch(batch)
             except Exception as e:
                 logger.exception(f"Stage {self.module.stage} failed to run a batch of {len(batch)} requests")
+                with self._cond:  # nothing was applied: a retry must accumulate
+                    for task in batch:
+                        if task.accumulate:
+                            self._applied.pop(task.key, None)
                 for task in batch:
                     task.future.set_exception(e)
                 continue
@@ -151,41 +177,59 @@ class StageRuntime:
 
     def _run_batch(self, batch: list[_Task]) -> list[StageResult]:
         sizes = [task.num_samples for task in batch]
-        merged = [torch.cat(column) if len(batch) > 1 else column[0] for column in zip(*(t.tensors for t in batch))]
+        merged = [
+            torch.cat(column) if len(batch) > 1 else column[0] for column in zip(*(t.tensors for t in batch))
+        ]
         merged = [tensor.to(self.device, non_blocking=True) for tensor in merged]
         if not batch[0].backward:
             with torch.inference_mode():
                 outputs = self.module(merged[0])
             return [StageResult([out.cpu()], None, self.step) for out in outputs.split(sizes)]
 
-        start = time.perf_counter()
-        input_grad, losses = self._backward(merged)
-        elapsed = (time.perf_counter() - start) / sum(sizes)
-        self.seconds_per_sample = elapsed if self.seconds_per_sample is None else (
-            0.9 * self.seconds_per_sample + 0.1 * elapsed
-        )
-        self.samples_accumulated += sum(sizes)
-        if self.samples_accumulated >= self.target_batch_size:
-            self._optimizer_step()
+        if not batch[0].accumulate:
+            input_grad, losses = self._backward(merged, accumulate=False)
+        else:
+            start = time.perf_counter()
+            input_grad, losses = self._backward(merged)
+            elapsed = (time.perf_counter() - start) / sum(sizes)
+            self.seconds_per_sample = (
+                elapsed
+                if self.seconds_per_sample is None
+                else (0.9 * self.seconds_per_sample + 0.1 * elapsed)
+            )
+            self.samples_accumulated += sum(sizes)
+            if self.samples_accumulated >= self.target_batch_size:
+                self._optimizer_step()
         grads = input_grad.cpu().split(sizes) if input_grad is not None else [None] * len(batch)
         loss_parts = losses.cpu().split(sizes) if losses is not None else [None] * len(batch)
         return [
-            StageResult([] if grad is None else [grad], loss, self.step) for grad, loss in zip(grads, loss_parts)
+            StageResult([] if grad is None else [grad], loss, self.step)
+            for grad, loss in zip(grads, loss_parts)
         ]
 
-    def _backward(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Recomputes the forward from the inputs and backpropagates; returns (input grad, losses)."""
+    def _backward(
+        self, tensors: list[torch.Tensor], accumulate: bool = True
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Recomputes the forward from the inputs and backpropagates; returns (input grad, losses).
+
+        With accumulate=False only the input gradient is computed; parameter gradients stay as they are.
+        """
         inputs, extra = tensors[0], tensors[1]
         if inputs.is_floating_point():
             inputs = inputs.detach().requires_grad_(True)
+        elif not accumulate and not self.module.is_last:
+            return None, None  # token inputs have no gradient, and nothing is to be accumulated
         with torch.enable_grad():
-            if self.module.is_last:
-                losses = self.module(inputs, extra)
-                losses.sum().backward()
+            losses = self.module(inputs, extra) if self.module.is_last else None
+            output, grad_output = (losses.sum(), None) if losses is not None else (self.module(inputs), extra)
+            if accumulate:
+                output.backward(grad_output)
+                input_grad = inputs.grad if inputs.requires_grad else None
             else:
-                losses = None
-                self.module(inputs).backward(extra)
-        return (inputs.grad if inputs.requires_grad else None), (None if losses is None else losses.detach())
+                input_grad = (
+                    torch.autograd.grad(output, inputs, grad_output)[0] if inputs.requires_grad else None
+                )
+        return input_grad, (None if losses is None else losses.detach())
 
     def _optimizer_step(self) -> None:
         if self.samples_accumulated != self.target_batch_size:

@@ -7,19 +7,19 @@ import logging
 import time
 
 import torch
+from swarm.peer.checkpoint import load_checkpoint, restore, save_checkpoint
+from swarm.peer.handler import StageHandler
+from swarm.peer.runtime import StageRuntime
+from swarm.proto import PROTOCOL_VERSION
+
 from swarm.config import PeerConfig
 from swarm.dht_node import start_dht
 from swarm.event_loop import run, stop_event_on_signals
 from swarm.models import build_stage, get_model_spec
 from swarm.optimizer import OptimizerSettings, build_optimizer
-from swarm.proto import PROTOCOL_VERSION
 from swarm.stage_records import LEAVING, SERVING, StageRecord, announce
 from swarm.transport import INFO_PROTOCOL, STAGE_PROTOCOL
 from swarm.wire import WireLimits
-
-from swarm.peer.checkpoint import load_checkpoint, restore, save_checkpoint
-from swarm.peer.handler import StageHandler
-from swarm.peer.runtime import StageRuntime
 
 logger = logging.getLogger(__name__)
 
@@ -66,12 +66,20 @@ class Peer:
     def _on_step(self, step: int) -> None:
         if step % 10 == 0:
             logger.info(f"Stage {self.config.stage} reached step {step}")
-        if self.config.checkpoint_dir and self.config.checkpoint_every and step % self.config.checkpoint_every == 0:
+        if (
+            self.config.checkpoint_dir
+            and self.config.checkpoint_every
+            and step % self.config.checkpoint_every == 0
+        ):
             self.save_checkpoint()
 
     def save_checkpoint(self) -> None:
         path = save_checkpoint(
-            self.config.checkpoint_dir, self.config.model, self.runtime.module, self.runtime.optimizer, self.runtime.step
+            self.config.checkpoint_dir,
+            self.config.model,
+            self.runtime.module,
+            self.runtime.optimizer,
+            self.runtime.step,
         )
         logger.info(f"Saved checkpoint of step {self.runtime.step} to {path}")
 
@@ -100,7 +108,9 @@ class Peer:
             try:
                 await self._announce()
             except Exception as e:
-                logger.warning(f"Could not announce in the DHT ({e}); retrying in {self.config.announce_period}s")
+                logger.warning(
+                    f"Could not announce in the DHT ({e}); retrying in {self.config.announce_period}s"
+                )
             await asyncio.sleep(self.config.announce_period)
 
     def _sample_batch(self) -> list[torch.Tensor]:
@@ -112,7 +122,11 @@ class Peer:
             if stage.is_first
             else torch.randn(batch, seq, spec.d_model)
         )
-        extra = torch.randint(0, spec.vocab_size, (batch, seq)) if stage.is_last else torch.randn(batch, seq, spec.d_model)
+        extra = (
+            torch.randint(0, spec.vocab_size, (batch, seq))
+            if stage.is_last
+            else torch.randn(batch, seq, spec.d_model)
+        )
         return [first.to(self.runtime.device), extra.to(self.runtime.device)]
 
     async def serve(self) -> None:

@@ -84,7 +84,9 @@ def _fields(cls: type) -> list[tuple[dataclasses.Field, Any]]:
 
 def add_options(parser: argparse.ArgumentParser, cls: type) -> None:
     """Adds one flag per field of config class `cls`, and `--config FILE`."""
-    parser.add_argument("--config", metavar="FILE", help="YAML file with settings (keys as the flags, with _)")
+    parser.add_argument(
+        "--config", metavar="FILE", help="YAML file with settings (keys as the flags, with _)"
+    )
     for f, annotation in _fields(cls):
         kind, _, is_list = _base_type(annotation)
         meta = dict(f.metadata)
@@ -169,7 +171,8 @@ class NetworkConfig:
 
     initial_peers: list[str] = option([], "multiaddrs of any live swarm member to join through")
     host_maddrs: list[str] = option(
-        ["/ip4/127.0.0.1/tcp/0"], "multiaddrs to listen on; use /ip4/0.0.0.0/tcp/PORT to accept other machines"
+        ["/ip4/127.0.0.1/tcp/0"],
+        "multiaddrs to listen on; use /ip4/0.0.0.0/tcp/PORT to accept other machines",
     )
     announce_maddrs: list[str] = option([], "public multiaddrs to announce when behind NAT or a port forward")
     identity_path: str | None = option(None, "file with this process's private key, for a stable peer id")
@@ -193,7 +196,9 @@ class ModelConfig:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         if not 1 <= self.num_stages <= spec.n_layer:
-            raise ConfigError(f"--num-stages must be within 1..{spec.n_layer} for {spec.name}, got {self.num_stages}")
+            raise ConfigError(
+                f"--num-stages must be within 1..{spec.n_layer} for {spec.name}, got {self.num_stages}"
+            )
 
 
 @dataclass
@@ -219,7 +224,9 @@ class PeerConfig(NetworkConfig, ModelConfig):
     max_request_mb: float = option(256.0, "largest request the peer accepts, in MiB")
     announce_period: float = option(2.0, "seconds between DHT announcements")
     record_ttl: float = option(10.0, "seconds an announcement stays valid if the peer vanishes")
-    checkpoint_dir: str | None = option(None, "directory for the stage's checkpoints; resume from it if present")
+    checkpoint_dir: str | None = option(
+        None, "directory for the stage's checkpoints; resume from it if present"
+    )
     checkpoint_every: int = option(0, "save a checkpoint every N steps (0: only on a clean exit)")
     shutdown_timeout: float = option(15.0, "seconds a peer waits for in-flight requests when asked to stop")
 
@@ -246,7 +253,9 @@ class TrainerConfig(NetworkConfig, ModelConfig):
     codec: str = option("none", "codec for tensors sent to peers (none, fp16, bf16)")
     call_timeout: float = option(60.0, "seconds before a stage call is abandoned and retried elsewhere")
     max_retries: int = option(5, "attempts per stage call before the step fails")
-    stage_wait_timeout: float = option(120.0, "seconds to wait for a stage with no live peer before giving up")
+    stage_wait_timeout: float = option(
+        120.0, "seconds to wait for a stage with no live peer before giving up"
+    )
     summary_file: str | None = option(None, "write a JSON summary of the run to FILE")
     progress: bool = option(True, "show a progress bar")
 
@@ -265,7 +274,7 @@ class TrainerConfig(NetworkConfig, ModelConfig):
 class DemoConfig(ModelConfig):
     """`swarm demo`: a bootstrap node, one peer per stage and a trainer, all on this machine."""
 
-    steps: int = option(150, "optimizer steps to train for")
+    steps: int = option(300, "optimizer steps to train for")
     target_batch_size: int = option(32, "samples per optimizer step")
     microbatch_size: int = option(8, "samples in one microbatch")
     max_in_flight: int = option(6, "microbatches in flight at once")

@@ -24,7 +24,14 @@ def run_demo(config: DemoConfig) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop cleanly on SIGTERM as on Ctrl-C
     workdir = config.log_dir or tempfile.mkdtemp(prefix="swarm-demo-")
     summary_file = config.summary_file or f"{workdir}/summary.json"
-    model_flags = ["--model", config.model, "--num-stages", str(config.num_stages), "--seed", str(config.seed)]
+    model_flags = [
+        "--model",
+        config.model,
+        "--num-stages",
+        str(config.num_stages),
+        "--seed",
+        str(config.seed),
+    ]
     with LocalSwarm(workdir) as swarm:
         logger.info(f"Starting a bootstrap node, {config.num_stages} peers and a trainer; logs in {workdir}")
         swarm.start_bootstrap()
@@ -36,10 +43,14 @@ def run_demo(config: DemoConfig) -> int:
             )
         trainer_flags = [
             *model_flags,
-            "--steps", str(config.steps),
-            "--microbatch-size", str(config.microbatch_size),
-            "--max-in-flight", str(config.max_in_flight),
-            "--summary-file", summary_file,
+            "--steps",
+            str(config.steps),
+            "--microbatch-size",
+            str(config.microbatch_size),
+            "--max-in-flight",
+            str(config.max_in_flight),
+            "--summary-file",
+            summary_file,
         ]
         if config.data:
             trainer_flags += ["--data", config.data]

@@ -45,7 +45,10 @@ class LocalSwarm:
         output = open(self.log_path(name), "ab") if log else None
         try:
             process = subprocess.Popen(
-                command, stdout=output, stderr=subprocess.STDOUT if log else None, env=self.env,
+                command,
+                stdout=output,
+                stderr=subprocess.STDOUT if log else None,
+                env=self.env,
                 start_new_session=True,
             )
         finally:
@@ -69,7 +72,9 @@ class LocalSwarm:
 
     def start_peer(self, name: str, stage: int, flags: list[str] = ()) -> subprocess.Popen:
         """Starts a peer for `stage`, joined to the bootstrap node."""
-        return self.spawn(name, "peer", ["--stage", str(stage), "--initial-peers", *self.initial_peers, *flags])
+        return self.spawn(
+            name, "peer", ["--stage", str(stage), "--initial-peers", *self.initial_peers, *flags]
+        )
 
     def start_trainer(self, name: str, flags: list[str] = (), log: bool = True) -> subprocess.Popen:
         """Starts a trainer joined to the bootstrap node."""

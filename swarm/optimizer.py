@@ -28,7 +28,10 @@ def build_optimizer(module: nn.Module, settings: OptimizerSettings) -> torch.opt
     """AdamW with weight decay on matrices only (not on biases, norms or position tables)."""
     decay = [p for name, p in module.named_parameters() if p.ndim >= 2 and "pos_emb" not in name]
     no_decay = [p for name, p in module.named_parameters() if not (p.ndim >= 2 and "pos_emb" not in name)]
-    groups = [{"params": decay, "weight_decay": settings.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [
+        {"params": decay, "weight_decay": settings.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
     # foreach=False: the same per-parameter arithmetic whatever the stage's size
     return torch.optim.AdamW(
         [group for group in groups if group["params"]],

@@ -34,22 +34,39 @@ class Router:
         self.rng = rng or random.Random()
         self.clock = clock
         self.ban_base, self.ban_max = ban_base, ban_max
-        self.peers: dict[int, list[StageRecord]] = {}
+        self.records: dict[int, dict[str, StageRecord]] = {}
         self.bans: dict[str, _Ban] = {}
 
-    def update(self, records: dict[int, list[StageRecord]]) -> None:
-        """Replaces the known peers with fresh records (only serving ones are routed to)."""
-        self.peers = {stage: [r for r in recs if r.state == SERVING] for stage, recs in records.items()}
+    def update(self, records: dict[int, list[StageRecord]], now: float) -> None:
+        """Merges fresh records into the known ones and forgets those expired at DHT time `now`.
+
+        A record is replaced only by a newer one (later expiration), so a DHT read that misses a
+        peer does not make it vanish before its record has actually expired.
+        """
+        for stage, fresh in records.items():
+            known = self.records.setdefault(stage, {})
+            for record in fresh:
+                if record.peer_id not in known or record.expiration >= known[record.peer_id].expiration:
+                    known[record.peer_id] = record
+        for known in self.records.values():
+            for peer_id in [p for p, r in known.items() if r.expiration <= now]:
+                del known[peer_id]
 
     def live_peers(self, stage: int) -> list[StageRecord]:
         """Serving peers of `stage` that are not banned now."""
         now = self.clock()
-        return [r for r in self.peers.get(stage, []) if self.bans.get(r.peer_id, _Ban(0.0, 0)).until <= now]
+        return [
+            r
+            for r in self.records.get(stage, {}).values()
+            if r.state == SERVING and self.bans.get(r.peer_id, _Ban(0.0, 0)).until <= now
+        ]
 
     def choose(self, stage: int, exclude: Iterable[str] = ()) -> StageRecord | None:
         """A random live peer of `stage`, weighted by speed; None if the stage has none."""
         excluded = set(exclude)
-        candidates = [r for r in self.live_peers(stage) if r.peer_id not in excluded] or self.live_peers(stage)
+        candidates = [r for r in self.live_peers(stage) if r.peer_id not in excluded] or self.live_peers(
+            stage
+        )
         if not candidates:
             return None
         weights = [max(r.throughput, 1e-3) / (1 + r.queue_length) for r in candidates]

@@ -12,11 +12,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
 import time
 from dataclasses import asdict, dataclass, field
 
 import torch
 from hivemind.p2p import P2P, PeerID
+from hivemind.utils import get_dht_time
 from tqdm import tqdm
 
 from swarm.compression import get_codec
@@ -68,7 +70,8 @@ class Trainer:
         self.corpus = ByteCorpus(config.data, int(config.max_corpus_mb * 2**20))
         self.p2p: P2P | None = None
         self.step = 0
-        self._microbatch_ids = 0
+        # random start: a restarted trainer with the same identity must not reuse microbatch ids
+        self._microbatch_ids = random.getrandbits(62)
 
     # --- peers -----------------------------------------------------------------------------------
 
@@ -78,10 +81,12 @@ class Trainer:
             None, fetch_stage_records, self.dht, self.config.run_id, self.config.num_stages
         )
         mine = {
-            stage: [r for r in recs if r.model == self.config.model and r.num_stages == self.config.num_stages]
+            stage: [
+                r for r in recs if r.model == self.config.model and r.num_stages == self.config.num_stages
+            ]
             for stage, recs in records.items()
         }
-        self.router.update(mine)
+        self.router.update(mine, get_dht_time())
         return mine
 
     async def _refresh_forever(self) -> None:
@@ -118,7 +123,9 @@ class Trainer:
         peers = [r for stage in range(self.config.num_stages) for r in self.router.live_peers(stage)]
         targets = {r.target_batch_size for r in peers}
         if len(targets) != 1:
-            raise TrainingError(f"peers disagree on --target-batch-size: {sorted(targets)}; restart them alike")
+            raise TrainingError(
+                f"peers disagree on --target-batch-size: {sorted(targets)}; restart them alike"
+            )
         steps = {r.step for r in peers}
         if len(steps) > 1:
             logger.warning(f"Stages are at different steps {sorted(steps)}; continuing from the lowest")
@@ -144,7 +151,12 @@ class Trainer:
             )
             try:
                 reply, outputs = await call_stage(
-                    self.p2p, PeerID.from_base58(record.peer_id), request, tensors, self.codec, self.config.call_timeout
+                    self.p2p,
+                    PeerID.from_base58(record.peer_id),
+                    request,
+                    tensors,
+                    self.codec,
+                    self.config.call_timeout,
                 )
             except StageCallError as e:
                 if not e.retriable:
@@ -157,7 +169,9 @@ class Trainer:
                 continue
             self.router.report_success(record.peer_id)
             return reply, outputs
-        raise TrainingError(f"stage {stage} call failed after {self.config.max_retries} attempts: {last_error}")
+        raise TrainingError(
+            f"stage {stage} call failed after {self.config.max_retries} attempts: {last_error}"
+        )
 
     async def run_microbatch(self, tokens: torch.Tensor) -> float:
         """Forward and backward of one microbatch through every stage; returns its mean loss."""
@@ -202,7 +216,9 @@ class Trainer:
             summary = self.summary
             summary.first_step = self.step
             start = time.perf_counter()
-            bar = tqdm(total=config.steps, desc="training", unit="step", disable=not config.progress, mininterval=1.0)
+            bar = tqdm(
+                total=config.steps, desc="training", unit="step", disable=not config.progress, mininterval=1.0
+            )
             for _ in range(config.steps):
                 if stop.is_set():
                     logger.info("Stopping early on request")
@@ -218,7 +234,9 @@ class Trainer:
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.3f}", samples_s=f"{summary.samples_per_second:.1f}")
                 if not config.progress and summary.steps % 10 == 0:
-                    logger.info(f"step {self.step} loss {loss:.4f} {summary.samples_per_second:.1f} samples/s")
+                    logger.info(
+                        f"step {self.step} loss {loss:.4f} {summary.samples_per_second:.1f} samples/s"
+                    )
             bar.close()
         finally:
             refreshing.cancel()

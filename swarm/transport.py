@@ -11,7 +11,15 @@ from hivemind.p2p import P2P, PeerID
 
 from swarm.compression import Codec
 from swarm.proto import PROTOCOL_VERSION, ErrorCode, PeerInfo, PeerInfoRequest, StageReply, StageRequest
-from swarm.wire import WireError, WireLimits, decode_tensors, encode_tensor, pack_frames, read_frames, write_frames
+from swarm.wire import (
+    WireError,
+    WireLimits,
+    decode_tensors,
+    encode_tensor,
+    pack_frames,
+    read_frames,
+    write_frames,
+)
 
 STAGE_PROTOCOL = "/swarm/stage"
 INFO_PROTOCOL = "/swarm/info"
@@ -32,7 +40,9 @@ class StageCallError(Exception):
         return self.code in RETRIABLE
 
 
-async def exchange(p2p: P2P, peer_id: PeerID, protocol: str, frames: Sequence, reply_type: type, limits: WireLimits):
+async def exchange(
+    p2p: P2P, peer_id: PeerID, protocol: str, frames: Sequence, reply_type: type, limits: WireLimits
+):
     """Opens a stream to `protocol` on a peer, sends `frames` and reads one framed reply."""
     _, reader, writer = await p2p.call_binary_stream_handler(peer_id, protocol)
     sending = asyncio.create_task(write_frames(writer, frames))

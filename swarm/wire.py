@@ -52,9 +52,7 @@ def encode_tensor(tensor: torch.Tensor, codec: Codec) -> list[Tensor]:
         codec = get_codec("none")
     buffer = codec.encode(tensor)
     num_parts = max(1, math.ceil(len(buffer) / CHUNK_BYTES))
-    parts = [
-        Tensor(buffer=buffer[i * CHUNK_BYTES : (i + 1) * CHUNK_BYTES]) for i in range(num_parts)
-    ]
+    parts = [Tensor(buffer=buffer[i * CHUNK_BYTES : (i + 1) * CHUNK_BYTES]) for i in range(num_parts)]
     head = parts[0]
     head.shape.extend(tensor.shape)
     head.dtype = dtype_name(tensor.dtype)
@@ -70,10 +68,14 @@ def decode_tensors(parts: Sequence[Tensor], limits: WireLimits) -> list[torch.Te
         head = parts[index]
         num_parts = max(1, head.num_parts)
         if index + num_parts > len(parts):
-            raise WireError(ErrorCode.BAD_REQUEST, f"tensor {len(tensors)} is truncated: {num_parts} parts announced")
+            raise WireError(
+                ErrorCode.BAD_REQUEST, f"tensor {len(tensors)} is truncated: {num_parts} parts announced"
+            )
         shape = tuple(head.shape)
         if len(shape) > MAX_TENSOR_DIMS or any(size < 0 for size in shape):
-            raise WireError(ErrorCode.BAD_REQUEST, f"tensor {len(tensors)} has an invalid shape {list(shape)}")
+            raise WireError(
+                ErrorCode.BAD_REQUEST, f"tensor {len(tensors)} has an invalid shape {list(shape)}"
+            )
         try:
             dtype = dtype_from_name(head.dtype)
             codec = get_codec(head.codec or "none")
@@ -122,7 +124,9 @@ async def write_frames(writer: asyncio.StreamWriter, frames: Sequence[Message]) 
         await writer.drain()
 
 
-async def read_frames(reader: asyncio.StreamReader, message_type: type[M], limits: WireLimits) -> tuple[M, list[Tensor]]:
+async def read_frames(
+    reader: asyncio.StreamReader, message_type: type[M], limits: WireLimits
+) -> tuple[M, list[Tensor]]:
     """Reads one message: its first frame (the header) and the tensor parts of all its frames.
 
     Raises WireError for a frame or message over the limits, a malformed frame, or a stream that

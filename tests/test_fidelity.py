@@ -6,14 +6,13 @@ import json
 
 import pytest
 import torch
+from conftest import SMALL_CORPUS
+from swarm.peer.checkpoint import load_checkpoint
 
 from swarm.data import ByteCorpus
 from swarm.models import get_model_spec
 from swarm.optimizer import OptimizerSettings
-from swarm.peer.checkpoint import load_checkpoint
 from swarm.reference import max_parameter_difference, train_reference
-
-from conftest import SMALL_CORPUS
 
 STEPS, TARGET, MICRO, LR = 4, 24, 5, 3e-3
 
@@ -27,13 +26,33 @@ def test_swarm_matches_one_process(local_swarm, tmp_path):
         local_swarm.start_peer(
             f"peer{stage}",
             stage,
-            [*model_flags, "--target-batch-size", str(TARGET), "--lr", str(LR), "--checkpoint-dir", str(checkpoints)],
+            [
+                *model_flags,
+                "--target-batch-size",
+                str(TARGET),
+                "--lr",
+                str(LR),
+                "--checkpoint-dir",
+                str(checkpoints),
+            ],
         )
     summary_file = tmp_path / "summary.json"
     trainer = local_swarm.start_trainer(
         "trainer",
-        [*model_flags, "--steps", str(STEPS), "--microbatch-size", str(MICRO), "--max-in-flight", "3",
-         "--data", SMALL_CORPUS, "--summary-file", str(summary_file), "--no-progress"],
+        [
+            *model_flags,
+            "--steps",
+            str(STEPS),
+            "--microbatch-size",
+            str(MICRO),
+            "--max-in-flight",
+            "3",
+            "--data",
+            SMALL_CORPUS,
+            "--summary-file",
+            str(summary_file),
+            "--no-progress",
+        ],
     )
     assert trainer.wait(180) == 0, (local_swarm.workdir / "trainer.log").read_text()
     for stage in range(3):
@@ -45,7 +64,9 @@ def test_swarm_matches_one_process(local_swarm, tmp_path):
     )
     summary = json.loads(summary_file.read_text())
     assert summary["steps"] == STEPS
-    torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(reference.losses), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        torch.tensor(summary["losses"]), torch.tensor(reference.losses), rtol=1e-4, atol=1e-4
+    )
     for stage, module in enumerate(reference.stages):
         checkpoint = load_checkpoint(checkpoints, "gpt-tiny", stage, 3)
         assert checkpoint is not None and checkpoint.step == STEPS

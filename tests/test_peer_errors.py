@@ -9,9 +9,9 @@ import pytest
 import torch
 from hivemind import DHT
 from hivemind.p2p import P2P, PeerID
-
 from swarm.compression import get_codec
 from swarm.proto import FORWARD, PROTOCOL_VERSION, ErrorCode, StageReply, StageRequest
+
 from swarm.stage_records import fetch_stage_records
 from swarm.transport import STAGE_PROTOCOL, StageCallError, call_stage, exchange, get_peer_info
 from swarm.wire import HEADER_BYTES, WireLimits, encode_tensor, pack_frames, read_frames
@@ -87,7 +87,12 @@ def test_valid_forward_and_info(stage1_peer):
         return await get_peer_info(p2p, PeerID.from_base58(peer_id))
 
     peer_info = run_client(swarm, info)
-    assert (peer_info.stage, peer_info.num_stages, peer_info.model, peer_info.state) == (1, 3, "gpt-tiny", "serving")
+    assert (peer_info.stage, peer_info.num_stages, peer_info.model, peer_info.state) == (
+        1,
+        3,
+        "gpt-tiny",
+        "serving",
+    )
 
 
 def test_tensor_over_4mib_is_served(stage1_peer):
@@ -147,7 +152,9 @@ async def raw_exchange(p2p: P2P, peer_id: str, data: bytes) -> StageReply:
 def test_malformed_bytes(stage1_peer):
     swarm, peer_id, process = stage1_peer
     garbage = b"\x0a\xff\xff\xff\xff\x0f garbage that is no protobuf"
-    reply = run_client(swarm, lambda p2p: raw_exchange(p2p, peer_id, len(garbage).to_bytes(HEADER_BYTES, "big") + garbage))
+    reply = run_client(
+        swarm, lambda p2p: raw_exchange(p2p, peer_id, len(garbage).to_bytes(HEADER_BYTES, "big") + garbage)
+    )
     assert reply.error.code == ErrorCode.BAD_REQUEST and "malformed" in reply.error.message
     # a frame that claims to be a terabyte is refused without reading it
     reply = run_client(swarm, lambda p2p: raw_exchange(p2p, peer_id, (2**40).to_bytes(HEADER_BYTES, "big")))
@@ -157,7 +164,9 @@ def test_malformed_bytes(stage1_peer):
     del head.shape[:]
     head.shape.extend([2**20, 2**20])
     frame = pack_frames(request(protocol_version=PROTOCOL_VERSION), [head])[0].SerializeToString()
-    reply = run_client(swarm, lambda p2p: raw_exchange(p2p, peer_id, len(frame).to_bytes(HEADER_BYTES, "big") + frame))
+    reply = run_client(
+        swarm, lambda p2p: raw_exchange(p2p, peer_id, len(frame).to_bytes(HEADER_BYTES, "big") + frame)
+    )
     assert reply.error.code == ErrorCode.TOO_LARGE
     assert_still_serving(swarm, peer_id, process)
 
@@ -168,7 +177,9 @@ def test_protocol_version_mismatch(stage1_peer):
     frames = pack_frames(request(protocol_version=PROTOCOL_VERSION + 41), parts)
 
     async def go(p2p):
-        return await exchange(p2p, PeerID.from_base58(peer_id), STAGE_PROTOCOL, frames, StageReply, WireLimits())
+        return await exchange(
+            p2p, PeerID.from_base58(peer_id), STAGE_PROTOCOL, frames, StageReply, WireLimits()
+        )
 
     reply, _ = run_client(swarm, go)
     assert reply.error.code == ErrorCode.VERSION_MISMATCH and "upgrade" in reply.error.message

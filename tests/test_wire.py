@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 from google.protobuf import descriptor_pb2
-
 from swarm.compression import get_codec
 from swarm.proto import (
     BACKWARD,
@@ -24,6 +23,7 @@ from swarm.proto import (
     Tensor,
     swarm_pb2,
 )
+
 from swarm.wire import (
     CHUNK_BYTES,
     HEADER_BYTES,
@@ -42,7 +42,14 @@ PROTO_DIR = Path(__file__).resolve().parent.parent / "proto"
 def test_generated_code_matches_proto(tmp_path):
     out = tmp_path / "swarm.desc"
     subprocess.run(
-        [sys.executable, "-m", "grpc_tools.protoc", f"-I{PROTO_DIR}", f"--descriptor_set_out={out}", "swarm.proto"],
+        [
+            sys.executable,
+            "-m",
+            "grpc_tools.protoc",
+            f"-I{PROTO_DIR}",
+            f"--descriptor_set_out={out}",
+            "swarm.proto",
+        ],
         check=True,
     )
     compiled = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes()).file[0]
@@ -55,17 +62,36 @@ def test_generated_code_matches_proto(tmp_path):
 
 MESSAGES = [
     StageRequest(
-        protocol_version=PROTOCOL_VERSION, kind=BACKWARD, model="gpt-tiny", stage=2, microbatch_id=2**40, step=-1,
-        tensors=[Tensor(buffer=b"\x00\x01", shape=[1, 2], dtype="uint8", codec="none", num_parts=1)], more=True,
+        protocol_version=PROTOCOL_VERSION,
+        kind=BACKWARD,
+        model="gpt-tiny",
+        stage=2,
+        microbatch_id=2**40,
+        step=-1,
+        tensors=[Tensor(buffer=b"\x00\x01", shape=[1, 2], dtype="uint8", codec="none", num_parts=1)],
+        more=True,
     ),
     StageReply(
-        protocol_version=PROTOCOL_VERSION, error=Error(code=ErrorCode.TOO_LARGE, message="too big"), step=12,
-        tensors=[Tensor(buffer=b"abc", num_parts=0)], loss=2.5, num_samples=8, more=False,
+        protocol_version=PROTOCOL_VERSION,
+        error=Error(code=ErrorCode.TOO_LARGE, message="too big"),
+        step=12,
+        tensors=[Tensor(buffer=b"abc", num_parts=0)],
+        loss=2.5,
+        num_samples=8,
+        more=False,
     ),
     PeerInfoRequest(protocol_version=PROTOCOL_VERSION),
     PeerInfo(
-        protocol_version=PROTOCOL_VERSION, model="gpt-small", stage=1, num_stages=4, step=3, throughput=12.5,
-        queue_length=2, state="serving", samples_accumulated=7, target_batch_size=64,
+        protocol_version=PROTOCOL_VERSION,
+        model="gpt-small",
+        stage=1,
+        num_stages=4,
+        step=3,
+        throughput=12.5,
+        queue_length=2,
+        state="serving",
+        samples_accumulated=7,
+        target_batch_size=64,
     ),
 ]
 

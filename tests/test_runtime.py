@@ -1,0 +1,98 @@
+"""The stage runtime on its own: batching, accumulation, steps, and repeated backward requests."""
+
+from __future__ import annotations
+
+import torch
+from swarm.peer.runtime import StageRuntime
+
+from swarm.models import build_stage, get_model_spec
+from swarm.optimizer import OptimizerSettings, build_optimizer
+
+SPEC = get_model_spec("gpt-tiny")
+
+
+def make_runtime(stage: int = 1, target: int = 8) -> StageRuntime:
+    module = build_stage(SPEC, stage, 3, seed=1)
+    return StageRuntime(module, build_optimizer(module, OptimizerSettings()), target_batch_size=target)
+
+
+def backward_inputs(batch: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randn(batch, 16, SPEC.d_model, generator=g),
+        torch.randn(batch, 16, SPEC.d_model, generator=g),
+    ]
+
+
+def test_merged_requests_give_the_same_results_as_separate_ones():
+    separate, merged = make_runtime(), make_runtime()
+    requests = [backward_inputs(2, seed) for seed in range(3)]
+    separate.start()
+    one_by_one = [separate.submit(True, r).result(30) for r in requests]
+    # queue everything before the worker starts, so it merges the three into one batch
+    futures = [merged.submit(True, r) for r in requests]
+    merged.start()
+    together = [f.result(30) for f in futures]
+    for a, b in zip(one_by_one, together):
+        torch.testing.assert_close(a.tensors[0], b.tensors[0], rtol=1e-5, atol=1e-6)
+    for p, q in zip(separate.module.parameters(), merged.module.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+    separate.shutdown()
+    merged.shutdown()
+
+
+def test_steps_when_the_target_batch_is_reached():
+    runtime = make_runtime(target=6)
+    runtime.start()
+    before = [p.detach().clone() for p in runtime.module.parameters()]
+    assert runtime.submit(True, backward_inputs(4, 0)).result(30).step == 0
+    assert runtime.samples_accumulated == 4
+    assert runtime.submit(True, backward_inputs(2, 1)).result(30).step == 1
+    assert runtime.samples_accumulated == 0 and runtime.step == 1
+    assert all(p.grad is None for p in runtime.module.parameters())
+    assert any(not torch.equal(a, b) for a, b in zip(before, runtime.module.parameters()))
+    runtime.shutdown()
+
+
+def test_repeated_backward_is_not_accumulated_twice():
+    runtime = make_runtime(target=100)
+    runtime.start()
+    inputs = backward_inputs(3, 0)
+    first = runtime.submit(True, inputs, key=("trainer", 7)).result(30)
+    grads = [p.grad.clone() for p in runtime.module.parameters()]
+    again = runtime.submit(True, inputs, key=("trainer", 7)).result(30)
+    torch.testing.assert_close(first.tensors[0], again.tensors[0])
+    assert runtime.samples_accumulated == 3 and runtime.duplicates == 1
+    for g, p in zip(grads, runtime.module.parameters()):
+        assert torch.equal(g, p.grad)
+    # another microbatch id is new work
+    runtime.submit(True, inputs, key=("trainer", 8)).result(30)
+    assert runtime.samples_accumulated == 6
+    runtime.shutdown()
+
+
+def test_last_stage_returns_losses_and_input_gradient():
+    runtime = make_runtime(stage=2)
+    runtime.start()
+    hidden = torch.randn(2, 16, SPEC.d_model)
+    targets = torch.randint(0, SPEC.vocab_size, (2, 16))
+    result = runtime.submit(True, [hidden, targets]).result(30)
+    assert result.losses.shape == (2,) and torch.isfinite(result.losses).all()
+    assert result.tensors[0].shape == hidden.shape
+    runtime.shutdown()
+
+
+def test_failed_batch_reports_the_error_and_runtime_keeps_going():
+    runtime = make_runtime()
+    runtime.start()
+    bad = [torch.randn(2, 16, SPEC.d_model), torch.randn(2, 16, 3)]  # grad of the wrong shape
+    try:
+        runtime.submit(True, bad, key=("t", 1)).result(30)
+    except RuntimeError:
+        pass
+    else:
+        raise AssertionError("a wrong gradient shape must fail")
+    assert runtime.samples_accumulated == 0
+    runtime.submit(True, backward_inputs(2, 0), key=("t", 1)).result(30)
+    assert runtime.samples_accumulated == 2  # the retry of a failed request is accumulated
+    runtime.shutdown()
