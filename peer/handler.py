@@ -41,11 +41,12 @@ from swarm.wire import (
 logger = logging.getLogger(__name__)
 
 
-async def _discard_input(reader: asyncio.StreamReader, timeout: float = 10.0) -> None:
-    """Reads and drops what the caller is still sending after a refusal, until it hangs up.
+async def _wait_for_hang_up(reader: asyncio.StreamReader, timeout: float = 10.0) -> None:
+    """After replying, reads and drops anything more from the caller until it closes the stream.
 
-    Closing at once would reset the stream under a caller that is still writing, and it would
-    lose the error reply; draining lets it read the reply and stop on its own.
+    The caller closes once it has read the reply. Closing first loses the reply now and then:
+    the daemon resets the stream and drops what it had not yet forwarded; and after a refusal
+    mid-request the caller is still writing, which a closed stream would answer with a reset.
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
@@ -78,12 +79,10 @@ class StageHandler:
         self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         """Entry point of one stage call stream (registered with the P2P daemon)."""
-        refused_midway = False
         try:
             frames = await self._serve(reader, str(stream_info.peer_id))
         except WireError as e:
             frames = [self._error(e.code, str(e))]
-            refused_midway = True
         except asyncio.TimeoutError:
             frames = [self._error(ErrorCode.BAD_REQUEST, "request stalled: no data within the frame timeout")]
         except Exception as e:
@@ -91,8 +90,7 @@ class StageHandler:
             frames = [self._error(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")]
         try:
             await write_frames(writer, frames)
-            if refused_midway:
-                await _discard_input(reader)
+            await _wait_for_hang_up(reader)
         except Exception as e:  # the caller went away; nothing left to tell it
             logger.warning(f"Could not send a reply to {stream_info.peer_id}: {type(e).__name__}: {e}")
         finally:
@@ -173,6 +171,7 @@ class StageHandler:
             )
         try:
             await write_frames(writer, [info])
+            await _wait_for_hang_up(reader)
         except Exception as e:
             logger.debug(f"Could not send peer info: {e}")
         finally:

@@ -13,7 +13,7 @@ from swarm.peer.runtime import StageRuntime
 from swarm.proto import PROTOCOL_VERSION
 
 from swarm.config import PeerConfig
-from swarm.dht_node import start_dht
+from swarm.dht_node import connect_to_daemon, start_dht
 from swarm.event_loop import run, stop_event_on_signals
 from swarm.models import build_stage, get_model_spec
 from swarm.optimizer import OptimizerSettings, build_optimizer
@@ -66,11 +66,7 @@ class Peer:
     def _on_step(self, step: int) -> None:
         if step % 10 == 0:
             logger.info(f"Stage {self.config.stage} reached step {step}")
-        if (
-            self.config.checkpoint_dir
-            and self.config.checkpoint_every
-            and step % self.config.checkpoint_every == 0
-        ):
+        if self.config.checkpoint_dir and self.config.checkpoint_every and step % self.config.checkpoint_every == 0:
             self.save_checkpoint()
 
     def save_checkpoint(self) -> None:
@@ -108,9 +104,7 @@ class Peer:
             try:
                 await self._announce()
             except Exception as e:
-                logger.warning(
-                    f"Could not announce in the DHT ({e}); retrying in {self.config.announce_period}s"
-                )
+                logger.warning(f"Could not announce in the DHT ({e}); retrying in {self.config.announce_period}s")
             await asyncio.sleep(self.config.announce_period)
 
     def _sample_batch(self) -> list[torch.Tensor]:
@@ -118,14 +112,10 @@ class Peer:
         spec, stage = self.spec, self.runtime.module
         batch, seq = 2, spec.seq_len
         first = (
-            torch.randint(0, spec.vocab_size, (batch, seq))
-            if stage.is_first
-            else torch.randn(batch, seq, spec.d_model)
+            torch.randint(0, spec.vocab_size, (batch, seq)) if stage.is_first else torch.randn(batch, seq, spec.d_model)
         )
         extra = (
-            torch.randint(0, spec.vocab_size, (batch, seq))
-            if stage.is_last
-            else torch.randn(batch, seq, spec.d_model)
+            torch.randint(0, spec.vocab_size, (batch, seq)) if stage.is_last else torch.randn(batch, seq, spec.d_model)
         )
         return [first.to(self.runtime.device), extra.to(self.runtime.device)]
 
@@ -134,7 +124,7 @@ class Peer:
         stop = stop_event_on_signals()
         throughput = self.runtime.measure_throughput(self._sample_batch())
         self.runtime.start()
-        p2p = await self.dht.replicate_p2p()
+        p2p = await connect_to_daemon(self.dht)
         await p2p.add_binary_stream_handler(STAGE_PROTOCOL, self.handler.handle_stage)
         await p2p.add_binary_stream_handler(INFO_PROTOCOL, self.handler.handle_info)
         self.state = SERVING

@@ -24,7 +24,7 @@ from tqdm import tqdm
 from swarm.compression import get_codec
 from swarm.config import TrainerConfig
 from swarm.data import ByteCorpus
-from swarm.dht_node import start_dht
+from swarm.dht_node import connect_to_daemon, start_dht
 from swarm.event_loop import stop_event_on_signals
 from swarm.models import get_model_spec
 from swarm.proto import BACKWARD, FORWARD, StageRequest
@@ -81,9 +81,7 @@ class Trainer:
             None, fetch_stage_records, self.dht, self.config.run_id, self.config.num_stages
         )
         mine = {
-            stage: [
-                r for r in recs if r.model == self.config.model and r.num_stages == self.config.num_stages
-            ]
+            stage: [r for r in recs if r.model == self.config.model and r.num_stages == self.config.num_stages]
             for stage, recs in records.items()
         }
         self.router.update(mine, get_dht_time())
@@ -123,9 +121,7 @@ class Trainer:
         peers = [r for stage in range(self.config.num_stages) for r in self.router.live_peers(stage)]
         targets = {r.target_batch_size for r in peers}
         if len(targets) != 1:
-            raise TrainingError(
-                f"peers disagree on --target-batch-size: {sorted(targets)}; restart them alike"
-            )
+            raise TrainingError(f"peers disagree on --target-batch-size: {sorted(targets)}; restart them alike")
         steps = {r.step for r in peers}
         if len(steps) > 1:
             logger.warning(f"Stages are at different steps {sorted(steps)}; continuing from the lowest")
@@ -169,9 +165,7 @@ class Trainer:
                 continue
             self.router.report_success(record.peer_id)
             return reply, outputs
-        raise TrainingError(
-            f"stage {stage} call failed after {self.config.max_retries} attempts: {last_error}"
-        )
+        raise TrainingError(f"stage {stage} call failed after {self.config.max_retries} attempts: {last_error}")
 
     async def run_microbatch(self, tokens: torch.Tensor) -> float:
         """Forward and backward of one microbatch through every stage; returns its mean loss."""
@@ -205,7 +199,7 @@ class Trainer:
     async def train(self) -> TrainingSummary:
         config = self.config
         stop = stop_event_on_signals()
-        self.p2p = await self.dht.replicate_p2p()
+        self.p2p = await connect_to_daemon(self.dht)
         refreshing = asyncio.create_task(self._refresh_forever())
         try:
             target_batch_size, self.step = await self.wait_for_swarm()
@@ -216,9 +210,7 @@ class Trainer:
             summary = self.summary
             summary.first_step = self.step
             start = time.perf_counter()
-            bar = tqdm(
-                total=config.steps, desc="training", unit="step", disable=not config.progress, mininterval=1.0
-            )
+            bar = tqdm(total=config.steps, desc="training", unit="step", disable=not config.progress, mininterval=1.0)
             for _ in range(config.steps):
                 if stop.is_set():
                     logger.info("Stopping early on request")
@@ -234,9 +226,7 @@ class Trainer:
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.3f}", samples_s=f"{summary.samples_per_second:.1f}")
                 if not config.progress and summary.steps % 10 == 0:
-                    logger.info(
-                        f"step {self.step} loss {loss:.4f} {summary.samples_per_second:.1f} samples/s"
-                    )
+                    logger.info(f"step {self.step} loss {loss:.4f} {summary.samples_per_second:.1f} samples/s")
             bar.close()
         finally:
             refreshing.cancel()

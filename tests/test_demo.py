@@ -1,0 +1,98 @@
+"""`swarm demo`, the main job: trains, summarises, exits 0, and leaves no process behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import SMALL_CORPUS
+
+
+def swarm_processes() -> set[int]:
+    out = subprocess.run(["pgrep", "-f", "--", "-m swarm |hivemind_cli/p2pd"], capture_output=True, text=True).stdout
+    return {int(pid) for pid in out.split()}
+
+
+def wait_gone(pids: set[int], timeout: float = 30) -> set[int]:
+    deadline = time.monotonic() + timeout
+    while (alive := pids & swarm_processes()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return alive
+
+
+@pytest.mark.timeout(240)
+def test_demo_trains_and_exits_cleanly(tmp_path):
+    before = swarm_processes()
+    summary_file = tmp_path / "summary.json"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "swarm",
+            "demo",
+            "--steps",
+            "12",
+            "--data",
+            SMALL_CORPUS,
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "--summary-file",
+            str(summary_file),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Demo summary" in result.stdout and "first loss" in result.stdout
+    summary = json.loads(summary_file.read_text())
+    assert summary["steps"] == 12
+    assert summary["last_loss"] < summary["first_loss"] - 0.5
+    assert not wait_gone(swarm_processes() - before, timeout=5), "the demo left processes behind"
+
+
+@pytest.mark.timeout(240)
+def test_demo_ctrl_c_stops_everything(tmp_path):
+    before = swarm_processes()
+    demo = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "swarm",
+            "demo",
+            "--steps",
+            "100000",
+            "--data",
+            SMALL_CORPUS,
+            "--log-dir",
+            str(tmp_path / "logs"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 150
+        # the peers announce themselves and the trainer starts stepping
+        while not any("reached step 10" in p.read_text() for p in (tmp_path / "logs").glob("peer*.log")):
+            assert demo.poll() is None and time.monotonic() < deadline, "the demo did not start training"
+            time.sleep(0.5)
+        started = swarm_processes() - before
+        assert len(started) >= 5  # bootstrap, 3 peers, trainer (and their daemons)
+        demo.send_signal(signal.SIGINT)
+        output, _ = demo.communicate(timeout=90)
+    finally:
+        if demo.poll() is None:  # the test failed early: still stop the demo the way a user would
+            demo.send_signal(signal.SIGINT)
+            try:
+                demo.wait(60)
+            except subprocess.TimeoutExpired:
+                os.kill(demo.pid, signal.SIGKILL)
+    assert demo.returncode != 0 or "Demo summary" in output
+    assert "Shutting the swarm down" in output
+    assert not wait_gone(started), "processes survived Ctrl-C"
