@@ -1,5 +1,6 @@
 """Tensor codecs for the wire and their registry."""
 
+from swarm.compression.blockwise import Blockwise4bitCompression, Blockwise8bitCompression
 from swarm.compression.codecs import (
     DTYPES,
     BFloat16Compression,
@@ -11,7 +12,16 @@ from swarm.compression.codecs import (
     dtype_name,
 )
 
-CODECS: dict[str, Codec] = {codec.name: codec for codec in (NoCompression(), Float16Compression(), BFloat16Compression())}
+CODECS: dict[str, Codec] = {
+    codec.name: codec
+    for codec in (
+        NoCompression(),
+        Float16Compression(),
+        BFloat16Compression(),
+        Blockwise8bitCompression(),
+        Blockwise4bitCompression(),
+    )
+}
 
 
 def get_codec(name: str) -> Codec:

@@ -45,7 +45,10 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def tensor_to_bytes(tensor: torch.Tensor) -> bytes:
     """Raw little-endian bytes of a tensor in its own dtype (one copy)."""
-    flat = tensor.detach().reshape(-1).contiguous().cpu()
+    flat = tensor.detach().reshape(-1).cpu()
+    if flat.numel() and flat.stride(0) != 1:
+        # .contiguous() keeps a one-element view's stride, which .view(uint8) refuses
+        flat = flat.clone(memory_format=torch.contiguous_format)
     if flat.numel() == 0:
         return b""
     return flat.view(torch.uint8).numpy().tobytes()
@@ -121,7 +124,8 @@ class Float16Compression(CastCompression):
     def encode(self, tensor: torch.Tensor) -> bytes:
         # clamp so that large activations saturate instead of turning into inf
         finfo = torch.finfo(torch.float16)
-        return tensor_to_bytes(tensor.detach().clamp(finfo.min, finfo.max).to(torch.float16))
+        # clamp in float32: in bfloat16 the bound 65504 itself rounds up to 65536, past float16's range
+        return tensor_to_bytes(tensor.detach().float().clamp(finfo.min, finfo.max).to(torch.float16))
 
 
 class BFloat16Compression(CastCompression):

@@ -250,7 +250,7 @@ class TrainerConfig(NetworkConfig, ModelConfig):
     max_in_flight: int = option(8, "microbatches in flight at once")
     data: str | None = option(None, "text file or folder to train on (default: Python's standard library)")
     max_corpus_mb: float = option(32.0, "read at most this many MiB of the corpus")
-    codec: str = option("none", "codec for tensors sent to peers (none, fp16, bf16)")
+    codec: str = option("none", "codec for tensors sent to peers (none, fp16, bf16, 8bit, 4bit)")
     call_timeout: float = option(60.0, "seconds before a stage call is abandoned and retried elsewhere")
     max_retries: int = option(5, "attempts per stage call before the step fails")
     stage_wait_timeout: float = option(

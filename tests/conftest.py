@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,12 +20,31 @@ def _p2pd_pids() -> set[int]:
     return {int(pid) for pid in out.split()}
 
 
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as file:
+        return int(file.read().rsplit(")", 1)[1].split()[1])
+
+
+def _started_here(pid: int) -> bool:
+    """Whether a process belongs to this test session: a descendant, or in a LocalSwarm's group."""
+    try:
+        if os.getpgid(pid) in LocalSwarm.process_groups:
+            return True
+        while pid > 1:
+            pid = _parent(pid)
+            if pid == os.getpid():
+                return True
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
 @pytest.fixture(autouse=True, scope="session")
 def no_leftover_daemons():
-    """Fails the session if the tests leave libp2p daemons running."""
+    """Fails the session if its tests leave libp2p daemons running (other sessions' are left alone)."""
     before = _p2pd_pids()
     yield
-    left = _p2pd_pids() - before
+    left = [pid for pid in _p2pd_pids() - before if _started_here(pid)]
     if left:
         subprocess.run(["kill", "-9", *map(str, left)], check=False)
         pytest.fail(f"tests left {len(left)} p2pd processes running", pytrace=False)
