@@ -66,9 +66,7 @@ def save_checkpoint(
     return path
 
 
-def load_checkpoint(
-    directory: str | os.PathLike, model: str, stage: int, num_stages: int
-) -> StageCheckpoint | None:
+def load_checkpoint(directory: str | os.PathLike, model: str, stage: int, num_stages: int) -> StageCheckpoint | None:
     """The stage's checkpoint in `directory`, or None if there is none; a clear error if it is unusable."""
     path = checkpoint_path(directory, model, stage, num_stages)
     if not path.exists():

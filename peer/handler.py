@@ -75,9 +75,7 @@ class StageHandler:
         self.requests_served = 0
         self.requests_refused = 0
 
-    async def handle_stage(
-        self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
+    async def handle_stage(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Entry point of one stage call stream (registered with the P2P daemon)."""
         try:
             frames = await self._serve(reader, str(stream_info.peer_id))
@@ -135,9 +133,7 @@ class StageHandler:
 
         # answer in the codec the caller used for its first tensor
         codec = get_codec(parts[0].codec or "none")
-        reply = StageReply(
-            protocol_version=PROTOCOL_VERSION, step=result.step, num_samples=tensors[0].shape[0]
-        )
+        reply = StageReply(protocol_version=PROTOCOL_VERSION, step=result.step, num_samples=tensors[0].shape[0])
         if result.losses is not None:
             reply.loss = float(result.losses.mean())
         out_parts = await loop.run_in_executor(
@@ -151,24 +147,18 @@ class StageHandler:
         logger.info(f"Refused a stage call: {ErrorCode.Name(code)}: {message}")
         return StageReply(protocol_version=PROTOCOL_VERSION, error=Error(code=code, message=message))
 
-    async def handle_info(
-        self, _stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
+    async def handle_info(self, _stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Entry point of an info request stream."""
         try:
             request, _ = await read_frames(reader, PeerInfoRequest, self.limits)
             info = self.info()
             if request.protocol_version != PROTOCOL_VERSION:
                 info.error.code = ErrorCode.VERSION_MISMATCH
-                info.error.message = (
-                    f"caller speaks protocol {request.protocol_version}, peer {PROTOCOL_VERSION}"
-                )
+                info.error.message = f"caller speaks protocol {request.protocol_version}, peer {PROTOCOL_VERSION}"
         except WireError as e:
             info = PeerInfo(protocol_version=PROTOCOL_VERSION, error=Error(code=e.code, message=str(e)))
         except Exception as e:
-            info = PeerInfo(
-                protocol_version=PROTOCOL_VERSION, error=Error(code=ErrorCode.INTERNAL, message=str(e))
-            )
+            info = PeerInfo(protocol_version=PROTOCOL_VERSION, error=Error(code=ErrorCode.INTERNAL, message=str(e)))
         try:
             await write_frames(writer, [info])
             await _wait_for_hang_up(reader)

@@ -101,9 +101,7 @@ class StageRuntime:
                 if key in self._applied:
                     task.accumulate = False
                     self.duplicates += 1
-                    logger.info(
-                        f"Stage {self.module.stage}: backward {key} came again; not accumulating it twice"
-                    )
+                    logger.info(f"Stage {self.module.stage}: backward {key} came again; not accumulating it twice")
                 else:
                     self._applied[key] = None
                     if len(self._applied) > self.max_remembered:
@@ -177,9 +175,7 @@ class StageRuntime:
 
     def _run_batch(self, batch: list[_Task]) -> list[StageResult]:
         sizes = [task.num_samples for task in batch]
-        merged = [
-            torch.cat(column) if len(batch) > 1 else column[0] for column in zip(*(t.tensors for t in batch))
-        ]
+        merged = [torch.cat(column) if len(batch) > 1 else column[0] for column in zip(*(t.tensors for t in batch))]
         merged = [tensor.to(self.device, non_blocking=True) for tensor in merged]
         if not batch[0].backward:
             with torch.inference_mode():
@@ -193,19 +189,14 @@ class StageRuntime:
             input_grad, losses = self._backward(merged)
             elapsed = (time.perf_counter() - start) / sum(sizes)
             self.seconds_per_sample = (
-                elapsed
-                if self.seconds_per_sample is None
-                else (0.9 * self.seconds_per_sample + 0.1 * elapsed)
+                elapsed if self.seconds_per_sample is None else (0.9 * self.seconds_per_sample + 0.1 * elapsed)
             )
             self.samples_accumulated += sum(sizes)
             if self.samples_accumulated >= self.target_batch_size:
                 self._optimizer_step()
         grads = input_grad.cpu().split(sizes) if input_grad is not None else [None] * len(batch)
         loss_parts = losses.cpu().split(sizes) if losses is not None else [None] * len(batch)
-        return [
-            StageResult([] if grad is None else [grad], loss, self.step)
-            for grad, loss in zip(grads, loss_parts)
-        ]
+        return [StageResult([] if grad is None else [grad], loss, self.step) for grad, loss in zip(grads, loss_parts)]
 
     def _backward(
         self, tensors: list[torch.Tensor], accumulate: bool = True
@@ -226,9 +217,7 @@ class StageRuntime:
                 output.backward(grad_output)
                 input_grad = inputs.grad if inputs.requires_grad else None
             else:
-                input_grad = (
-                    torch.autograd.grad(output, inputs, grad_output)[0] if inputs.requires_grad else None
-                )
+                input_grad = torch.autograd.grad(output, inputs, grad_output)[0] if inputs.requires_grad else None
         return input_grad, (None if losses is None else losses.detach())
 
     def _optimizer_step(self) -> None:

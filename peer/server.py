@@ -17,7 +17,7 @@ from swarm.dht_node import connect_to_daemon, start_dht
 from swarm.event_loop import run, stop_event_on_signals
 from swarm.models import build_stage, get_model_spec
 from swarm.optimizer import OptimizerSettings, build_optimizer
-from swarm.stage_records import LEAVING, SERVING, StageRecord, announce
+from swarm.stage_records import JOINING, LEAVING, SERVING, StageRecord, announce
 from swarm.transport import INFO_PROTOCOL, STAGE_PROTOCOL
 from swarm.wire import WireLimits
 
@@ -30,7 +30,7 @@ class Peer:
     def __init__(self, config: PeerConfig) -> None:
         self.config = config
         self.spec = get_model_spec(config.model)
-        self.state = "joining"
+        self.state = JOINING
         torch.set_num_threads(config.num_threads)
         # the DHT forks: create it before any thread exists
         self.dht = start_dht(config)

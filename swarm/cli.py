@@ -68,13 +68,9 @@ COMMANDS: dict[str, tuple[type, Callable, str]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="swarm", description="Decentralized training with SWARM parallelism."
-    )
+    parser = argparse.ArgumentParser(prog="swarm", description="Decentralized training with SWARM parallelism.")
     parser.add_argument("--version", action="version", version=f"swarm {__version__}")
-    parser.add_argument(
-        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level"
-    )
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (config_cls, _, help_text) in COMMANDS.items():
         sub = commands.add_parser(name, help=help_text, description=config_cls.__doc__, allow_abbrev=False)

@@ -84,9 +84,7 @@ def _fields(cls: type) -> list[tuple[dataclasses.Field, Any]]:
 
 def add_options(parser: argparse.ArgumentParser, cls: type) -> None:
     """Adds one flag per field of config class `cls`, and `--config FILE`."""
-    parser.add_argument(
-        "--config", metavar="FILE", help="YAML file with settings (keys as the flags, with _)"
-    )
+    parser.add_argument("--config", metavar="FILE", help="YAML file with settings (keys as the flags, with _)")
     for f, annotation in _fields(cls):
         kind, _, is_list = _base_type(annotation)
         meta = dict(f.metadata)
@@ -196,9 +194,7 @@ class ModelConfig:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         if not 1 <= self.num_stages <= spec.n_layer:
-            raise ConfigError(
-                f"--num-stages must be within 1..{spec.n_layer} for {spec.name}, got {self.num_stages}"
-            )
+            raise ConfigError(f"--num-stages must be within 1..{spec.n_layer} for {spec.name}, got {self.num_stages}")
 
 
 @dataclass
@@ -224,9 +220,7 @@ class PeerConfig(NetworkConfig, ModelConfig):
     max_request_mb: float = option(256.0, "largest request the peer accepts, in MiB")
     announce_period: float = option(2.0, "seconds between DHT announcements")
     record_ttl: float = option(10.0, "seconds an announcement stays valid if the peer vanishes")
-    checkpoint_dir: str | None = option(
-        None, "directory for the stage's checkpoints; resume from it if present"
-    )
+    checkpoint_dir: str | None = option(None, "directory for the stage's checkpoints; resume from it if present")
     checkpoint_every: int = option(0, "save a checkpoint every N steps (0: only on a clean exit)")
     shutdown_timeout: float = option(15.0, "seconds a peer waits for in-flight requests when asked to stop")
 
@@ -253,9 +247,7 @@ class TrainerConfig(NetworkConfig, ModelConfig):
     codec: str = option("none", "codec for tensors sent to peers (none, fp16, bf16, 8bit, 4bit)")
     call_timeout: float = option(60.0, "seconds before a stage call is abandoned and retried elsewhere")
     max_retries: int = option(5, "attempts per stage call before the step fails")
-    stage_wait_timeout: float = option(
-        120.0, "seconds to wait for a stage with no live peer before giving up"
-    )
+    stage_wait_timeout: float = option(120.0, "seconds to wait for a stage with no live peer before giving up")
     summary_file: str | None = option(None, "write a JSON summary of the run to FILE")
     progress: bool = option(True, "show a progress bar")
 

@@ -23,9 +23,7 @@ TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst", ".json", ".c", ".h", ".cfg", ".to
 def default_corpus_files() -> list[Path]:
     """The standard library's .py files, in a fixed order, without installed third-party packages."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    return sorted(
-        p for p in root.rglob("*.py") if "site-packages" not in p.parts and "dist-packages" not in p.parts
-    )
+    return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "dist-packages" not in p.parts)
 
 
 def corpus_files(path: str | None) -> list[Path]:
@@ -55,9 +53,7 @@ class ByteCorpus:
                 logger.warning(f"Skipping unreadable corpus file {file}: {e}")
                 continue
             data = data[: max_bytes - total]
-            chunks.append(
-                torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int16) if data else None
-            )
+            chunks.append(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int16) if data else None)
             chunks.append(torch.tensor([EOD_TOKEN], dtype=torch.int16))
             total += len(data) + 1
             if total >= max_bytes:

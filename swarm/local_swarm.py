@@ -77,9 +77,7 @@ class LocalSwarm:
 
     def start_peer(self, name: str, stage: int, flags: list[str] = ()) -> subprocess.Popen:
         """Starts a peer for `stage`, joined to the bootstrap node."""
-        return self.spawn(
-            name, "peer", ["--stage", str(stage), "--initial-peers", *self.initial_peers, *flags]
-        )
+        return self.spawn(name, "peer", ["--stage", str(stage), "--initial-peers", *self.initial_peers, *flags])
 
     def start_trainer(self, name: str, flags: list[str] = (), log: bool = True) -> subprocess.Popen:
         """Starts a trainer joined to the bootstrap node."""

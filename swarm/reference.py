@@ -7,6 +7,7 @@ compression must end with the same parameters, up to floating-point reordering.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -35,8 +36,6 @@ def train_reference(
     seed: int = 0,
 ) -> ReferenceRun:
     """Trains the stages in order, in this process, with the swarm's batches and step rule."""
-    import time
-
     stages = [build_stage(spec, k, num_stages, seed) for k in range(num_stages)]
     optimizers = [build_optimizer(stage, settings) for stage in stages]
     losses = []

@@ -64,9 +64,7 @@ class Router:
     def choose(self, stage: int, exclude: Iterable[str] = ()) -> StageRecord | None:
         """A random live peer of `stage`, weighted by speed; None if the stage has none."""
         excluded = set(exclude)
-        candidates = [r for r in self.live_peers(stage) if r.peer_id not in excluded] or self.live_peers(
-            stage
-        )
+        candidates = [r for r in self.live_peers(stage) if r.peer_id not in excluded] or self.live_peers(stage)
         if not candidates:
             return None
         weights = [max(r.throughput, 1e-3) / (1 + r.queue_length) for r in candidates]

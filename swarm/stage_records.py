@@ -52,10 +52,7 @@ class StageRecord:
             return None
         types_ok = (
             isinstance(record.peer_id, str)
-            and all(
-                isinstance(getattr(record, name), int)
-                for name in ("stage", "num_stages", "step", "queue_length")
-            )
+            and all(isinstance(getattr(record, name), int) for name in ("stage", "num_stages", "step", "queue_length"))
             and isinstance(record.throughput, (int, float))
             and record.state in STATES
         )
@@ -82,10 +79,7 @@ def announce(dht: DHT, run_id: str, record: StageRecord, ttl: float) -> bool:
 
 def fetch_stage_records(dht: DHT, run_id: str, num_stages: int) -> dict[int, list[StageRecord]]:
     """The live records of every stage, read from the DHT; blocking, so call it off the event loop."""
-    futures = {
-        stage: dht.get(stage_key(run_id, stage), latest=True, return_future=True)
-        for stage in range(num_stages)
-    }
+    futures = {stage: dht.get(stage_key(run_id, stage), latest=True, return_future=True) for stage in range(num_stages)}
     now = get_dht_time()
     records: dict[int, list[StageRecord]] = {}
     for stage, future in futures.items():
@@ -94,9 +88,7 @@ def fetch_stage_records(dht: DHT, run_id: str, num_stages: int) -> dict[int, lis
         if found is None or not isinstance(found.value, dict):
             continue
         for subkey, item in found.value.items():
-            record = StageRecord.from_value(
-                getattr(item, "value", None), getattr(item, "expiration_time", 0.0)
-            )
+            record = StageRecord.from_value(getattr(item, "value", None), getattr(item, "expiration_time", 0.0))
             if record is None or record.peer_id != subkey or record.stage != stage:
                 logger.debug(f"Ignoring a malformed record under stage {stage}: {item!r}")
                 continue

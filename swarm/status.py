@@ -13,9 +13,7 @@ from swarm.stage_records import StageRecord, fetch_stage_records
 
 def format_status(records: dict[int, list[StageRecord]], now: float) -> str:
     """The table `swarm status` prints, one line per peer, grouped by stage."""
-    lines = [
-        f"{'stage':>5}  {'peer':<20} {'state':<8} {'step':>6} {'samples/s':>10} {'queue':>5} {'expires':>8}"
-    ]
+    lines = [f"{'stage':>5}  {'peer':<20} {'state':<8} {'step':>6} {'samples/s':>10} {'queue':>5} {'expires':>8}"]
     for stage in sorted(records):
         peers = sorted(records[stage], key=lambda r: r.peer_id)
         if not peers:

@@ -25,7 +25,7 @@ from swarm.compression import get_codec
 from swarm.config import TrainerConfig
 from swarm.data import ByteCorpus
 from swarm.dht_node import connect_to_daemon, start_dht
-from swarm.event_loop import stop_event_on_signals
+from swarm.event_loop import run, stop_event_on_signals
 from swarm.models import get_model_spec
 from swarm.proto import BACKWARD, FORWARD, StageRequest
 from swarm.router import Router
@@ -242,8 +242,6 @@ class Trainer:
 
 def run_trainer(config: TrainerConfig) -> TrainingSummary:
     """`swarm train`: train for the configured steps, print and optionally save a summary."""
-    from swarm.event_loop import run
-
     trainer = Trainer(config)
     try:
         summary = run(trainer.train())

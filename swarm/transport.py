@@ -40,9 +40,7 @@ class StageCallError(Exception):
         return self.code in RETRIABLE
 
 
-async def exchange(
-    p2p: P2P, peer_id: PeerID, protocol: str, frames: Sequence, reply_type: type, limits: WireLimits
-):
+async def exchange(p2p: P2P, peer_id: PeerID, protocol: str, frames: Sequence, reply_type: type, limits: WireLimits):
     """Opens a stream to `protocol` on a peer, sends `frames` and reads one framed reply."""
     _, reader, writer = await p2p.call_binary_stream_handler(peer_id, protocol)
     sending = asyncio.create_task(write_frames(writer, frames))

@@ -68,14 +68,10 @@ def decode_tensors(parts: Sequence[Tensor], limits: WireLimits) -> list[torch.Te
         head = parts[index]
         num_parts = max(1, head.num_parts)
         if index + num_parts > len(parts):
-            raise WireError(
-                ErrorCode.BAD_REQUEST, f"tensor {len(tensors)} is truncated: {num_parts} parts announced"
-            )
+            raise WireError(ErrorCode.BAD_REQUEST, f"tensor {len(tensors)} is truncated: {num_parts} parts announced")
         shape = tuple(head.shape)
         if len(shape) > MAX_TENSOR_DIMS or any(size < 0 for size in shape):
-            raise WireError(
-                ErrorCode.BAD_REQUEST, f"tensor {len(tensors)} has an invalid shape {list(shape)}"
-            )
+            raise WireError(ErrorCode.BAD_REQUEST, f"tensor {len(tensors)} has an invalid shape {list(shape)}")
         try:
             dtype = dtype_from_name(head.dtype)
             codec = get_codec(head.codec or "none")
@@ -137,9 +133,7 @@ async def read_frames(
     total = 0
     while True:
         try:
-            size = int.from_bytes(
-                await asyncio.wait_for(reader.readexactly(HEADER_BYTES), limits.frame_timeout), "big"
-            )
+            size = int.from_bytes(await asyncio.wait_for(reader.readexactly(HEADER_BYTES), limits.frame_timeout), "big")
             if size > limits.max_frame_bytes:
                 raise WireError(
                     ErrorCode.TOO_LARGE,
