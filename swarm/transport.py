@@ -27,6 +27,11 @@ INFO_PROTOCOL = "/swarm/info"
 # Codes worth retrying on another peer of the same stage; the rest mean the request itself is wrong.
 RETRIABLE = {ErrorCode.UNAVAILABLE, ErrorCode.INTERNAL}
 
+# A daemon that has just joined may not have its routing table filled yet; it says this, and a
+# moment later the same lookup succeeds. Only this error is retried here: a dead peer fails fast.
+ROUTING_WARMUP_ERROR = "failed to find any peer in table"
+CONNECT_RETRY_DELAYS = (0.2, 0.5, 1.0, 2.0)
+
 
 class StageCallError(Exception):
     """A stage call that failed: an error reply from the peer, a broken stream, or a timeout."""
@@ -42,7 +47,7 @@ class StageCallError(Exception):
 
 async def exchange(p2p: P2P, peer_id: PeerID, protocol: str, frames: Sequence, reply_type: type, limits: WireLimits):
     """Opens a stream to `protocol` on a peer, sends `frames` and reads one framed reply."""
-    _, reader, writer = await p2p.call_binary_stream_handler(peer_id, protocol)
+    reader, writer = await open_stream(p2p, peer_id, protocol)
     sending = asyncio.create_task(write_frames(writer, frames))
     try:
         # read while writing: a peer may refuse a request before it has all of it
@@ -53,6 +58,20 @@ async def exchange(p2p: P2P, peer_id: PeerID, protocol: str, frames: Sequence, r
         with contextlib.suppress(BaseException):
             await sending
         writer.close()
+
+
+async def open_stream(p2p: P2P, peer_id: PeerID, protocol: str):
+    """Opens a binary stream to a peer, waiting out a routing table that is still empty."""
+    for delay in CONNECT_RETRY_DELAYS:
+        try:
+            _, reader, writer = await p2p.call_binary_stream_handler(peer_id, protocol)
+            return reader, writer
+        except Exception as e:
+            if ROUTING_WARMUP_ERROR not in str(e):
+                raise
+        await asyncio.sleep(delay)
+    _, reader, writer = await p2p.call_binary_stream_handler(peer_id, protocol)
+    return reader, writer
 
 
 async def call_stage(

@@ -13,7 +13,7 @@ from swarm.compression import get_codec
 from swarm.proto import FORWARD, PROTOCOL_VERSION, ErrorCode, StageReply, StageRequest
 
 from swarm.stage_records import fetch_stage_records
-from swarm.transport import STAGE_PROTOCOL, StageCallError, call_stage, exchange, get_peer_info
+from swarm.transport import STAGE_PROTOCOL, StageCallError, call_stage, exchange, get_peer_info, open_stream
 from swarm.wire import HEADER_BYTES, WireLimits, encode_tensor, pack_frames, read_frames
 
 D_MODEL, SEQ = 128, 64  # gpt-tiny
@@ -139,7 +139,7 @@ def test_tensor_far_over_the_size_limit(stage1_peer):
 
 async def raw_exchange(p2p: P2P, peer_id: str, data: bytes) -> StageReply:
     """Writes raw bytes on a stage stream and reads the peer's framed reply."""
-    _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), STAGE_PROTOCOL)
+    reader, writer = await open_stream(p2p, PeerID.from_base58(peer_id), STAGE_PROTOCOL)
     try:
         writer.write(data)
         await writer.drain()
