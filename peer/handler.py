@@ -12,7 +12,7 @@ import logging
 from collections.abc import Callable
 
 from swarm.compression import get_codec
-from swarm.peer.runtime import StageRuntime
+from swarm.peer.runtime import StageRuntime, StaleGradientError
 from swarm.proto import (
     BACKWARD,
     FORWARD,
@@ -35,24 +35,11 @@ from swarm.wire import (
     encode_tensor,
     pack_frames,
     read_frames,
+    wait_for_hang_up,
     write_frames,
 )
 
 logger = logging.getLogger(__name__)
-
-
-async def _wait_for_hang_up(reader: asyncio.StreamReader, timeout: float = 10.0) -> None:
-    """After replying, reads and drops anything more from the caller until it closes the stream.
-
-    The caller closes once it has read the reply. Closing first loses the reply now and then:
-    the daemon resets the stream and drops what it had not yet forwarded; and after a refusal
-    mid-request the caller is still writing, which a closed stream would answer with a reset.
-    """
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    with contextlib.suppress(Exception):
-        while await asyncio.wait_for(reader.read(2**16), max(0.0, deadline - loop.time())):
-            pass
 
 
 class StageHandler:
@@ -65,6 +52,8 @@ class StageHandler:
         limits: WireLimits,
         max_batch_samples: int,
         state: Callable[[], str],
+        step_wait: float = 40.0,
+        resyncs: Callable[[], int] = lambda: 0,
     ) -> None:
         self.runtime = runtime
         self.stage: GPTStage = runtime.module
@@ -72,8 +61,28 @@ class StageHandler:
         self.limits = limits
         self.max_batch_samples = max_batch_samples
         self.state = state
+        self.step_wait = step_wait
+        self.resyncs = resyncs
         self.requests_served = 0
         self.requests_refused = 0
+        self._step_changed = asyncio.Event()
+
+    def notify_step(self) -> None:
+        """Wakes requests waiting for the stage to reach their step; call on the event loop."""
+        self._step_changed.set()
+        self._step_changed = asyncio.Event()
+
+    async def _wait_for_step(self, step: int) -> bool:
+        """Waits until the stage has reached `step` (at most `step_wait` seconds); whether it has."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.step_wait
+        while self.runtime.step < step:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return False
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._step_changed.wait(), remaining)
+        return True
 
     async def handle_stage(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Entry point of one stage call stream (registered with the P2P daemon)."""
@@ -88,7 +97,7 @@ class StageHandler:
             frames = [self._error(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")]
         try:
             await write_frames(writer, frames)
-            await _wait_for_hang_up(reader)
+            await wait_for_hang_up(reader)
         except Exception as e:  # the caller went away; nothing left to tell it
             logger.warning(f"Could not send a reply to {stream_info.peer_id}: {type(e).__name__}: {e}")
         finally:
@@ -125,9 +134,20 @@ class StageHandler:
             check_stage_inputs(self.stage, backward, tensors, self.max_batch_samples)
         except StageInputError as e:
             return [self._error(ErrorCode.BAD_REQUEST, str(e))]
+        # the caller expects the stage at request.step: its previous step must be applied first
+        if not await self._wait_for_step(request.step):
+            return [
+                self._error(
+                    ErrorCode.UNAVAILABLE,
+                    f"this peer is at step {self.runtime.step}, behind the requested step {request.step}",
+                )
+            ]
         try:
             key = (caller, request.microbatch_id) if request.microbatch_id else None
-            result = await asyncio.wrap_future(self.runtime.submit(backward, tensors, key))
+            version = request.step if backward else None
+            result = await asyncio.wrap_future(self.runtime.submit(backward, tensors, key, version))
+        except StaleGradientError as e:
+            return [self._error(ErrorCode.STALE, str(e))]
         except RuntimeError as e:
             return [self._error(ErrorCode.UNAVAILABLE, str(e))]
 
@@ -161,7 +181,7 @@ class StageHandler:
             info = PeerInfo(protocol_version=PROTOCOL_VERSION, error=Error(code=ErrorCode.INTERNAL, message=str(e)))
         try:
             await write_frames(writer, [info])
-            await _wait_for_hang_up(reader)
+            await wait_for_hang_up(reader)
         except Exception as e:
             logger.debug(f"Could not send peer info: {e}")
         finally:
@@ -180,4 +200,7 @@ class StageHandler:
             state=self.state(),
             samples_accumulated=self.runtime.samples_accumulated,
             target_batch_size=self.runtime.target_batch_size,
+            stale_gradients=self.runtime.stale_gradients,
+            requests_served=self.requests_served,
+            resyncs=self.resyncs(),
         )

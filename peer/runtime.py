@@ -2,7 +2,9 @@
 
 Requests wait in a queue; the worker takes the oldest and merges queued requests of the same
 kind and shape into one batch, up to a sample limit, so a busy peer runs fewer, larger batches.
-Only this thread touches the parameters, so accumulation and optimizer steps need no locks.
+Only this thread touches the parameters, so accumulation and optimizer steps need no locks:
+work that must see a consistent state (an averaging round and its step, a state snapshot for a
+joining mate, loading a mate's state) runs on this thread too, as an exclusive task.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
@@ -21,6 +24,20 @@ from swarm.models import GPTStage
 from swarm.optimizer import apply_accumulated_step
 
 logger = logging.getLogger(__name__)
+
+
+class StaleGradientError(RuntimeError):
+    """A backward whose forward ran against a model version older than the peer accepts."""
+
+
+class StepCoordinator(Protocol):
+    """Decides when a stage steps and averages gradients with its stage-mates (see `peer/mates.py`)."""
+
+    def local_progress(self, step: int, samples: int) -> None:
+        """Called on the runtime thread whenever this peer's accumulated samples change."""
+
+    def average(self, step: int, grad_sum: torch.Tensor | None, samples: int) -> tuple[torch.Tensor | None, int]:
+        """Blocks the runtime thread for one averaging round; returns the group's gradient sum and sample count."""
 
 
 @dataclass
@@ -38,13 +55,17 @@ class _Task:
     tensors: list[torch.Tensor]
     key: Hashable = None
     accumulate: bool = True
+    version: int | None = None  # the step a backward's forward ran at
+    exclusive: Callable[[], Any] | None = None  # runs alone on the runtime thread
     future: Future = field(default_factory=Future)
 
     @property
     def num_samples(self) -> int:
-        return self.tensors[0].shape[0]
+        return self.tensors[0].shape[0] if self.tensors else 0
 
     def batches_with(self, other: _Task) -> bool:
+        if self.exclusive is not None or other.exclusive is not None:
+            return False
         return (self.backward, self.accumulate) == (other.backward, other.accumulate) and all(
             a.dtype == b.dtype and a.shape[1:] == b.shape[1:] for a, b in zip(self.tensors, other.tensors)
         )
@@ -62,6 +83,7 @@ class StageRuntime:
         max_batch_samples: int = 256,
         step: int = 0,
         on_step: Callable[[int], None] | None = None,
+        max_staleness: int = 1,
     ) -> None:
         self.module = module.to(device)
         self.optimizer = optimizer
@@ -71,7 +93,11 @@ class StageRuntime:
         self.step = step
         self.samples_accumulated = 0
         self.on_step = on_step
+        self.coordinator: StepCoordinator | None = None  # None: step alone at the target batch
+        self.max_staleness = max_staleness
+        self.stale_gradients = 0
         self.seconds_per_sample: float | None = None
+        self._step_requested: int | None = None
         # keys of recently applied backward requests: a retried backward whose first attempt was
         # applied (its reply lost on the way) gets its input gradient again but is not accumulated twice
         self._applied: OrderedDict[Hashable, None] = OrderedDict()
@@ -87,13 +113,17 @@ class StageRuntime:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, backward: bool, tensors: list[torch.Tensor], key: Hashable = None) -> Future:
+    def submit(
+        self, backward: bool, tensors: list[torch.Tensor], key: Hashable = None, version: int | None = None
+    ) -> Future:
         """Queues a request; the future resolves to a StageResult or to the exception it raised.
 
         `key` names a backward request uniquely (caller and microbatch); a backward with a key
-        already applied is answered without accumulating its gradients again.
+        already applied is answered without accumulating its gradients again. `version` is the
+        step a backward's forward ran at: up to `max_staleness` steps behind, its gradient is
+        applied and counted as stale; further behind, it is refused with StaleGradientError.
         """
-        task = _Task(backward, tensors, key)
+        task = _Task(backward, tensors, key, version=version)
         with self._cond:
             if self._stopping:
                 raise RuntimeError("the runtime is shutting down")
@@ -109,6 +139,30 @@ class StageRuntime:
             self._queue.append(task)
             self._cond.notify()
         return task.future
+
+    def run_exclusive(self, fn: Callable[[], Any], front: bool = False) -> Future:
+        """Runs `fn` on the runtime thread between batches; the future resolves to its result."""
+        task = _Task(False, [], exclusive=fn)
+        with self._cond:
+            if self._stopping:
+                raise RuntimeError("the runtime is shutting down")
+            if front:
+                self._queue.appendleft(task)
+            else:
+                self._queue.append(task)
+            self._cond.notify()
+        return task.future
+
+    def request_step(self, step: int) -> None:
+        """Asks for an averaging round and optimizer step at `step`, ahead of queued requests.
+
+        Thread-safe; a request for a step the runtime has passed, or one already queued, is ignored.
+        """
+        with self._cond:
+            if step != self.step or self._step_requested == step:
+                return
+            self._step_requested = step
+        self.run_exclusive(lambda: self._average_and_step(step), front=True)
 
     @property
     def queue_length(self) -> int:
@@ -159,6 +213,17 @@ class StageRuntime:
 
     def _run(self) -> None:
         while (batch := self._next_batch()) is not None:
+            if batch[0].exclusive is not None:
+                try:
+                    batch[0].future.set_result(batch[0].exclusive())
+                except Exception as e:
+                    logger.exception(f"Stage {self.module.stage}: an exclusive task failed")
+                    batch[0].future.set_exception(e)
+                continue
+            if batch[0].backward:
+                batch = self._drop_too_stale(batch)
+                if not batch:
+                    continue
             try:
                 results = self._run_batch(batch)
             except Exception as e:
@@ -173,14 +238,35 @@ class StageRuntime:
             for task, result in zip(batch, results):
                 task.future.set_result(result)
 
+    def _drop_too_stale(self, batch: list[_Task]) -> list[_Task]:
+        """Refuses backwards too far behind; counts the stale ones that will be applied."""
+        kept = []
+        for task in batch:
+            behind = self.step - task.version if task.version is not None else 0
+            if behind > self.max_staleness:
+                with self._cond:
+                    self._applied.pop(task.key, None)
+                task.future.set_exception(
+                    StaleGradientError(
+                        f"the forward ran at step {task.version}, this peer is at step {self.step}; "
+                        f"at most {self.max_staleness} step(s) behind are accepted: run the microbatch again"
+                    )
+                )
+                continue
+            if behind > 0 and task.accumulate:
+                self.stale_gradients += 1
+            kept.append(task)
+        return kept
+
     def _run_batch(self, batch: list[_Task]) -> list[StageResult]:
+        step = self.step
         sizes = [task.num_samples for task in batch]
         merged = [torch.cat(column) if len(batch) > 1 else column[0] for column in zip(*(t.tensors for t in batch))]
         merged = [tensor.to(self.device, non_blocking=True) for tensor in merged]
         if not batch[0].backward:
             with torch.inference_mode():
                 outputs = self.module(merged[0])
-            return [StageResult([out.cpu()], None, self.step) for out in outputs.split(sizes)]
+            return [StageResult([out.cpu()], None, step) for out in outputs.split(sizes)]
 
         if not batch[0].accumulate:
             input_grad, losses = self._backward(merged, accumulate=False)
@@ -192,11 +278,13 @@ class StageRuntime:
                 elapsed if self.seconds_per_sample is None else (0.9 * self.seconds_per_sample + 0.1 * elapsed)
             )
             self.samples_accumulated += sum(sizes)
-            if self.samples_accumulated >= self.target_batch_size:
-                self._optimizer_step()
+            if self.coordinator is not None:
+                self.coordinator.local_progress(self.step, self.samples_accumulated)
+            elif self.samples_accumulated >= self.target_batch_size:
+                self._average_and_step(self.step)
         grads = input_grad.cpu().split(sizes) if input_grad is not None else [None] * len(batch)
         loss_parts = losses.cpu().split(sizes) if losses is not None else [None] * len(batch)
-        return [StageResult([] if grad is None else [grad], loss, self.step) for grad, loss in zip(grads, loss_parts)]
+        return [StageResult([] if grad is None else [grad], loss, step) for grad, loss in zip(grads, loss_parts)]
 
     def _backward(
         self, tensors: list[torch.Tensor], accumulate: bool = True
@@ -220,14 +308,64 @@ class StageRuntime:
                 input_grad = torch.autograd.grad(output, inputs, grad_output)[0] if inputs.requires_grad else None
         return input_grad, (None if losses is None else losses.detach())
 
-    def _optimizer_step(self) -> None:
-        if self.samples_accumulated != self.target_batch_size:
+    # --- steps and state ----------------------------------------------------------------------------
+
+    def flat_gradient(self) -> torch.Tensor | None:
+        """The accumulated gradient sums of all parameters as one float32 vector (None if nothing accumulated)."""
+        if self.samples_accumulated == 0:
+            return None
+        return torch.cat(
+            [
+                (p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).float().cpu()
+                for p in self.module.parameters()
+            ]
+        )
+
+    def _average_and_step(self, step: int) -> None:
+        """One step at `step`: averages with the stage-mates (if any), then applies the optimizer."""
+        if step != self.step:
+            return  # a request that crossed a state download or an earlier step
+        samples = self.samples_accumulated
+        if self.coordinator is None:
+            total = samples
+        else:
+            grad_sum, total = self.coordinator.average(step, self.flat_gradient(), samples)
+            if total > 0 and grad_sum is not None:
+                offset = 0
+                for param in self.module.parameters():
+                    numel = param.numel()
+                    param.grad = grad_sum[offset : offset + numel].view_as(param).to(param.device, param.dtype)
+                    offset += numel
+        with self._cond:
+            self._step_requested = None
+        if total <= 0:
+            logger.warning(f"Stage {self.module.stage}: the group had no samples at step {step}; not stepping")
+            self.module.zero_grad(set_to_none=True)
+            self.samples_accumulated = 0
+            return
+        if total != self.target_batch_size:
             logger.warning(
-                f"Stage {self.module.stage} steps on {self.samples_accumulated} samples, "
+                f"Stage {self.module.stage} steps on {total} samples, "
                 f"target is {self.target_batch_size}: microbatches crossed the step boundary"
             )
-        apply_accumulated_step(self.module, self.optimizer, self.samples_accumulated)
+        apply_accumulated_step(self.module, self.optimizer, total)
         self.samples_accumulated = 0
         self.step += 1
+        if self.on_step is not None:
+            self.on_step(self.step)
+
+    def load_state(self, step: int, apply: Callable[[], None]) -> None:
+        """Replaces the stage's state (on the runtime thread): `apply` loads it; accumulated gradients are dropped."""
+        if self.samples_accumulated:
+            logger.warning(
+                f"Stage {self.module.stage}: dropping {self.samples_accumulated} accumulated samples of step "
+                f"{self.step} to take a mate's state at step {step}"
+            )
+        self.module.zero_grad(set_to_none=True)
+        self.samples_accumulated = 0
+        apply()
+        with self._cond:
+            self._step_requested = None
+        self.step = step
         if self.on_step is not None:
             self.on_step(self.step)

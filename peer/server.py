@@ -7,8 +7,10 @@ import logging
 import time
 
 import torch
+from swarm.compression import get_codec
 from swarm.peer.checkpoint import load_checkpoint, restore, save_checkpoint
 from swarm.peer.handler import StageHandler
+from swarm.peer.mates import StageMates
 from swarm.peer.runtime import StageRuntime
 from swarm.proto import PROTOCOL_VERSION
 
@@ -17,7 +19,7 @@ from swarm.dht_node import connect_to_daemon, start_dht
 from swarm.event_loop import run, stop_event_on_signals
 from swarm.models import build_stage, get_model_spec
 from swarm.optimizer import OptimizerSettings, build_optimizer
-from swarm.stage_records import JOINING, LEAVING, SERVING, StageRecord, announce
+from swarm.stage_records import JOINING, LEAVING, SERVING, StageRecord, announce, fetch_stage_records
 from swarm.transport import INFO_PROTOCOL, STAGE_PROTOCOL
 from swarm.wire import WireLimits
 
@@ -53,6 +55,14 @@ class Peer:
             max_batch_samples=config.max_batch_samples,
             step=step,
             on_step=self._on_step,
+            max_staleness=config.max_staleness,
+        )
+        self.mates = StageMates(
+            self.runtime,
+            self.peer_id,
+            config.model,
+            averaging_timeout=config.averaging_timeout,
+            codec=get_codec(config.averaging_codec),
         )
         max_bytes = int(config.max_request_mb * 2**20)
         self.handler = StageHandler(
@@ -61,9 +71,16 @@ class Peer:
             WireLimits(max_message_bytes=max_bytes, max_tensor_bytes=max_bytes),
             config.max_batch_samples,
             state=lambda: self.state,
+            step_wait=config.averaging_timeout + 10,
+            resyncs=lambda: self.mates.resyncs,
         )
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     def _on_step(self, step: int) -> None:
+        """Runs on the runtime thread after every step (or state taken from a mate)."""
+        self.mates.on_step(step)
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self.handler.notify_step)
         if step % 10 == 0:
             logger.info(f"Stage {self.config.stage} reached step {step}")
         if self.config.checkpoint_dir and self.config.checkpoint_every and step % self.config.checkpoint_every == 0:
@@ -91,6 +108,7 @@ class Peer:
             throughput=self.runtime.throughput,
             queue_length=self.runtime.queue_length,
             target_batch_size=config.target_batch_size,
+            stale_gradients=self.runtime.stale_gradients,
             protocol_version=PROTOCOL_VERSION,
         )
 
@@ -99,13 +117,39 @@ class Peer:
             None, announce, self.dht, self.config.run_id, self.record(), self.config.record_ttl
         )
 
+    async def _read_mates(self) -> None:
+        config = self.config
+        records = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: fetch_stage_records(self.dht, config.run_id, config.num_stages, only=config.stage)
+        )
+        self.mates.update_records(records[config.stage])
+
     async def _announce_forever(self) -> None:
         while True:
             try:
                 await self._announce()
+                await self._read_mates()
             except Exception as e:
-                logger.warning(f"Could not announce in the DHT ({e}); retrying in {self.config.announce_period}s")
+                logger.warning(f"Could not reach the DHT ({e}); retrying in {self.config.announce_period}s")
             await asyncio.sleep(self.config.announce_period)
+
+    async def _join(self) -> None:
+        """Announced as joining, takes the state of mates that are at this peer's step or ahead."""
+        await self._announce()
+        await self._read_mates()
+        ahead = [r for r in self.mates.mates.values() if r.step >= self.runtime.step]
+        if not ahead:
+            return
+        start = time.perf_counter()
+        source = await self.mates.sync_from_mates(minimum_step=self.runtime.step)
+        if source is None:
+            logger.warning(
+                f"No stage-mate gave its state; serving from step {self.runtime.step} and retrying as training goes"
+            )
+            return
+        logger.info(
+            f"Joined stage {self.config.stage} at step {self.runtime.step} in {time.perf_counter() - start:.2f}s"
+        )
 
     def _sample_batch(self) -> list[torch.Tensor]:
         """A small batch of the stage's backward inputs, to measure its speed at start-up."""
@@ -122,17 +166,23 @@ class Peer:
     async def serve(self) -> None:
         config = self.config
         stop = stop_event_on_signals()
+        started = time.perf_counter()
+        self.loop = asyncio.get_running_loop()
         throughput = self.runtime.measure_throughput(self._sample_batch())
         self.runtime.start()
         p2p = await connect_to_daemon(self.dht)
         await p2p.add_binary_stream_handler(STAGE_PROTOCOL, self.handler.handle_stage)
         await p2p.add_binary_stream_handler(INFO_PROTOCOL, self.handler.handle_info)
+        await self.mates.start(p2p)
+        await self._join()
+        self.mates.serving = True
         self.state = SERVING
         announcing = asyncio.create_task(self._announce_forever())
         maddrs = " ".join(str(m) for m in self.dht.get_visible_maddrs())
         logger.info(
             f"Serving stage {config.stage}/{config.num_stages} of {config.model} at step {self.runtime.step}, "
-            f"{throughput:.1f} samples/s; peer id {self.peer_id}. Others can join with --initial-peers {maddrs}"
+            f"{throughput:.1f} samples/s, {time.perf_counter() - started:.2f}s after start; peer id {self.peer_id}. "
+            f"Others can join with --initial-peers {maddrs}"
         )
         await stop.wait()
 
@@ -146,6 +196,8 @@ class Peer:
         deadline = time.monotonic() + config.shutdown_timeout
         while self.runtime.queue_length and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        self.mates.serving = False
+        await self.mates.stop()
         for protocol in (STAGE_PROTOCOL, INFO_PROTOCOL):
             try:
                 await p2p.remove_binary_stream_handler(protocol)

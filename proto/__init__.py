@@ -11,15 +11,20 @@ from swarm.proto.swarm_pb2 import (
     CallKind,
     Error,
     ErrorCode,
+    GradContribution,
+    MateProgress,
+    MateReply,
     PeerInfo,
     PeerInfoRequest,
     StageReply,
     StageRequest,
+    StateReply,
+    StateRequest,
     Tensor,
 )
 
 # Bump on any change to the messages or their meaning that an older peer would misread.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 __all__ = [
     "BACKWARD",
@@ -28,10 +33,15 @@ __all__ = [
     "CallKind",
     "Error",
     "ErrorCode",
+    "GradContribution",
+    "MateProgress",
+    "MateReply",
     "PeerInfo",
     "PeerInfoRequest",
     "StageReply",
     "StageRequest",
+    "StateReply",
+    "StateRequest",
     "Tensor",
     "swarm_pb2",
 ]

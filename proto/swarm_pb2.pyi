@@ -22,6 +22,8 @@ class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TOO_LARGE: _ClassVar[ErrorCode]
     UNAVAILABLE: _ClassVar[ErrorCode]
     INTERNAL: _ClassVar[ErrorCode]
+    STALE: _ClassVar[ErrorCode]
+    OUT_OF_SYNC: _ClassVar[ErrorCode]
 CALL_KIND_UNSPECIFIED: CallKind
 FORWARD: CallKind
 BACKWARD: CallKind
@@ -32,6 +34,8 @@ WRONG_STAGE: ErrorCode
 TOO_LARGE: ErrorCode
 UNAVAILABLE: ErrorCode
 INTERNAL: ErrorCode
+STALE: ErrorCode
+OUT_OF_SYNC: ErrorCode
 
 class Tensor(_message.Message):
     __slots__ = ("buffer", "shape", "dtype", "codec", "num_parts")
@@ -100,7 +104,7 @@ class PeerInfoRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ...) -> None: ...
 
 class PeerInfo(_message.Message):
-    __slots__ = ("protocol_version", "error", "model", "stage", "num_stages", "step", "throughput", "queue_length", "state", "samples_accumulated", "target_batch_size")
+    __slots__ = ("protocol_version", "error", "model", "stage", "num_stages", "step", "throughput", "queue_length", "state", "samples_accumulated", "target_batch_size", "stale_gradients", "requests_served", "resyncs")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +116,9 @@ class PeerInfo(_message.Message):
     STATE_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_ACCUMULATED_FIELD_NUMBER: _ClassVar[int]
     TARGET_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STALE_GRADIENTS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_SERVED_FIELD_NUMBER: _ClassVar[int]
+    RESYNCS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     error: Error
     model: str
@@ -123,4 +130,77 @@ class PeerInfo(_message.Message):
     state: str
     samples_accumulated: int
     target_batch_size: int
-    def __init__(self, protocol_version: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., step: _Optional[int] = ..., throughput: _Optional[float] = ..., queue_length: _Optional[int] = ..., state: _Optional[str] = ..., samples_accumulated: _Optional[int] = ..., target_batch_size: _Optional[int] = ...) -> None: ...
+    stale_gradients: int
+    requests_served: int
+    resyncs: int
+    def __init__(self, protocol_version: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., step: _Optional[int] = ..., throughput: _Optional[float] = ..., queue_length: _Optional[int] = ..., state: _Optional[str] = ..., samples_accumulated: _Optional[int] = ..., target_batch_size: _Optional[int] = ..., stale_gradients: _Optional[int] = ..., requests_served: _Optional[int] = ..., resyncs: _Optional[int] = ...) -> None: ...
+
+class MateProgress(_message.Message):
+    __slots__ = ("protocol_version", "model", "stage", "step", "samples")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    model: str
+    stage: int
+    step: int
+    samples: int
+    def __init__(self, protocol_version: _Optional[int] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., samples: _Optional[int] = ...) -> None: ...
+
+class GradContribution(_message.Message):
+    __slots__ = ("protocol_version", "model", "stage", "step", "samples", "members", "tensors", "more")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    model: str
+    stage: int
+    step: int
+    samples: int
+    members: _containers.RepeatedScalarFieldContainer[str]
+    tensors: _containers.RepeatedCompositeFieldContainer[Tensor]
+    more: bool
+    def __init__(self, protocol_version: _Optional[int] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., samples: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., more: _Optional[bool] = ...) -> None: ...
+
+class MateReply(_message.Message):
+    __slots__ = ("protocol_version", "error", "step")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    error: Error
+    step: int
+    def __init__(self, protocol_version: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., step: _Optional[int] = ...) -> None: ...
+
+class StateRequest(_message.Message):
+    __slots__ = ("protocol_version", "model", "stage")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    model: str
+    stage: int
+    def __init__(self, protocol_version: _Optional[int] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ...) -> None: ...
+
+class StateReply(_message.Message):
+    __slots__ = ("protocol_version", "error", "step", "has_optimizer_state", "tensors", "more")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    HAS_OPTIMIZER_STATE_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    error: Error
+    step: int
+    has_optimizer_state: bool
+    tensors: _containers.RepeatedCompositeFieldContainer[Tensor]
+    more: bool
+    def __init__(self, protocol_version: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., step: _Optional[int] = ..., has_optimizer_state: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., more: _Optional[bool] = ...) -> None: ...

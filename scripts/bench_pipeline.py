@@ -31,9 +31,7 @@ def main() -> None:
     parser.add_argument("--target-batch-size", type=int, default=32, help="samples per step")
     parser.add_argument("--microbatch-size", type=int, default=8, help="samples per microbatch")
     parser.add_argument("--max-in-flight", type=int, default=6, help="microbatches in flight in the swarm")
-    parser.add_argument(
-        "--baseline-threads", type=int, default=os.cpu_count(), help="torch threads of the baseline"
-    )
+    parser.add_argument("--baseline-threads", type=int, default=os.cpu_count(), help="torch threads of the baseline")
     args = parser.parse_args()
 
     model_flags = ["--model", args.model, "--num-stages", str(args.num_stages)]
@@ -42,9 +40,7 @@ def main() -> None:
     with LocalSwarm(workdir) as swarm:
         swarm.start_bootstrap()
         for stage in range(args.num_stages):
-            swarm.start_peer(
-                f"peer{stage}", stage, [*model_flags, "--target-batch-size", str(args.target_batch_size)]
-            )
+            swarm.start_peer(f"peer{stage}", stage, [*model_flags, "--target-batch-size", str(args.target_batch_size)])
         trainer = swarm.start_trainer(
             "trainer",
             [

@@ -223,6 +223,11 @@ class PeerConfig(NetworkConfig, ModelConfig):
     checkpoint_dir: str | None = option(None, "directory for the stage's checkpoints; resume from it if present")
     checkpoint_every: int = option(0, "save a checkpoint every N steps (0: only on a clean exit)")
     shutdown_timeout: float = option(15.0, "seconds a peer waits for in-flight requests when asked to stop")
+    averaging_timeout: float = option(30.0, "seconds a stage-mate averaging round waits for a silent mate")
+    averaging_codec: str = option("none", "codec for gradients sent to stage-mates (none is exact)")
+    max_staleness: int = option(
+        1, "apply a backward whose forward ran up to N steps ago (counted as stale); refuse older ones"
+    )
 
     def check(self) -> None:
         ModelConfig.check(self)
@@ -233,6 +238,14 @@ class PeerConfig(NetworkConfig, ModelConfig):
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
         if self.lr <= 0:
             raise ConfigError("--lr must be positive")
+        if self.averaging_timeout <= 0:
+            raise ConfigError("--averaging-timeout must be positive")
+        if self.max_staleness < 0:
+            raise ConfigError("--max-staleness must be 0 or more")
+        from swarm.compression import CODECS
+
+        if self.averaging_codec not in CODECS:
+            raise ConfigError(f"--averaging-codec must be one of {sorted(CODECS)}, got {self.averaging_codec!r}")
 
 
 @dataclass

@@ -32,6 +32,7 @@ class StageRecord:
     throughput: float  # samples per second of forward + backward
     queue_length: int
     target_batch_size: int
+    stale_gradients: int
     protocol_version: int
     expiration: float = 0.0
 
@@ -52,7 +53,10 @@ class StageRecord:
             return None
         types_ok = (
             isinstance(record.peer_id, str)
-            and all(isinstance(getattr(record, name), int) for name in ("stage", "num_stages", "step", "queue_length"))
+            and all(
+                isinstance(getattr(record, name), int)
+                for name in ("stage", "num_stages", "step", "queue_length", "stale_gradients")
+            )
             and isinstance(record.throughput, (int, float))
             and record.state in STATES
         )
@@ -77,9 +81,12 @@ def announce(dht: DHT, run_id: str, record: StageRecord, ttl: float) -> bool:
     )
 
 
-def fetch_stage_records(dht: DHT, run_id: str, num_stages: int) -> dict[int, list[StageRecord]]:
-    """The live records of every stage, read from the DHT; blocking, so call it off the event loop."""
-    futures = {stage: dht.get(stage_key(run_id, stage), latest=True, return_future=True) for stage in range(num_stages)}
+def fetch_stage_records(
+    dht: DHT, run_id: str, num_stages: int, only: int | None = None
+) -> dict[int, list[StageRecord]]:
+    """The live records of every stage (or of stage `only`), read from the DHT; blocking, so call it off the loop."""
+    stages = range(num_stages) if only is None else [only]
+    futures = {stage: dht.get(stage_key(run_id, stage), latest=True, return_future=True) for stage in stages}
     now = get_dht_time()
     records: dict[int, list[StageRecord]] = {}
     for stage, future in futures.items():

@@ -27,7 +27,7 @@ from swarm.data import ByteCorpus
 from swarm.dht_node import connect_to_daemon, start_dht
 from swarm.event_loop import run, stop_event_on_signals
 from swarm.models import get_model_spec
-from swarm.proto import BACKWARD, FORWARD, StageRequest
+from swarm.proto import BACKWARD, FORWARD, ErrorCode, StageRequest
 from swarm.router import Router
 from swarm.stage_records import StageRecord, fetch_stage_records
 from swarm.transport import StageCallError, call_stage
@@ -129,8 +129,12 @@ class Trainer:
 
     # --- calls -----------------------------------------------------------------------------------
 
-    async def call(self, stage: int, backward: bool, tensors: list[torch.Tensor], microbatch_id: int):
-        """One stage call, retried on other peers of the stage when a peer fails or vanishes."""
+    async def call(self, stage: int, backward: bool, tensors: list[torch.Tensor], microbatch_id: int, step: int):
+        """One stage call, retried on other peers of the stage when a peer fails or vanishes.
+
+        `step` is the model version: for a forward the step the stage is expected at, for a
+        backward the step its forward ran at.
+        """
         tried: list[str] = []
         last_error: Exception | None = None
         for _attempt in range(self.config.max_retries):
@@ -143,7 +147,7 @@ class Trainer:
                 model=self.config.model,
                 stage=stage,
                 microbatch_id=microbatch_id,
-                step=self.step,
+                step=step,
             )
             try:
                 reply, outputs = await call_stage(
@@ -155,6 +159,8 @@ class Trainer:
                     self.config.call_timeout,
                 )
             except StageCallError as e:
+                if e.code == ErrorCode.STALE:
+                    raise
                 if not e.retriable:
                     raise TrainingError(f"stage {stage} refused a request: {e}") from e
                 ban = self.router.report_failure(record.peer_id)
@@ -168,19 +174,33 @@ class Trainer:
         raise TrainingError(f"stage {stage} call failed after {self.config.max_retries} attempts: {last_error}")
 
     async def run_microbatch(self, tokens: torch.Tensor) -> float:
-        """Forward and backward of one microbatch through every stage; returns its mean loss."""
+        """Forward and backward of one microbatch through every stage; returns its mean loss.
+
+        A stage that refuses a backward as too stale (it stepped since the forward) gets the
+        whole microbatch again, from its first forward.
+        """
+        for _attempt in range(self.config.max_retries):
+            try:
+                return await self._run_microbatch_once(tokens)
+            except StageCallError as e:
+                self.summary.retries += 1
+                logger.warning(f"Running a microbatch again: {e}")
+        raise TrainingError(f"a microbatch was refused as stale {self.config.max_retries} times")
+
+    async def _run_microbatch_once(self, tokens: torch.Tensor) -> float:
         self._microbatch_ids += 1
         mb = self._microbatch_ids
         last = self.config.num_stages - 1
         inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-        stage_inputs = [inputs]
+        stage_inputs, versions = [inputs], []
         for stage in range(last):
-            _, (hidden,) = await self.call(stage, False, [stage_inputs[-1]], mb)
+            reply, (hidden,) = await self.call(stage, False, [stage_inputs[-1]], mb, self.step)
             stage_inputs.append(hidden)
-        reply, grads = await self.call(last, True, [stage_inputs[last], targets], mb)
+            versions.append(reply.step)
+        reply, grads = await self.call(last, True, [stage_inputs[last], targets], mb, self.step)
         for stage in reversed(range(last)):
             (grad,) = grads
-            _, grads = await self.call(stage, True, [stage_inputs[stage], grad], mb)
+            _, grads = await self.call(stage, True, [stage_inputs[stage], grad], mb, versions[stage])
         return reply.loss
 
     async def run_step(self, batch: torch.Tensor) -> float:

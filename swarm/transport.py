@@ -23,6 +23,10 @@ from swarm.wire import (
 
 STAGE_PROTOCOL = "/swarm/stage"
 INFO_PROTOCOL = "/swarm/info"
+# between stage-mates (see swarm.peer.mates)
+PROGRESS_PROTOCOL = "/swarm/mates/progress"
+GRAD_PROTOCOL = "/swarm/mates/grad"
+STATE_PROTOCOL = "/swarm/mates/state"
 
 # Codes worth retrying on another peer of the same stage; the rest mean the request itself is wrong.
 RETRIABLE = {ErrorCode.UNAVAILABLE, ErrorCode.INTERNAL}

@@ -10,6 +10,7 @@ receiver nothing but a clear error.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -167,3 +168,17 @@ async def read_frames(
 def _streamed(message: Message) -> bool:
     """Whether a message type carries tensors across frames (small info messages do not)."""
     return "more" in message.DESCRIPTOR.fields_by_name
+
+
+async def wait_for_hang_up(reader: asyncio.StreamReader, timeout: float = 10.0) -> None:
+    """After replying, reads and drops anything more from the caller until it closes the stream.
+
+    The caller closes once it has read the reply. Closing first loses the reply now and then:
+    the daemon resets the stream and drops what it had not yet forwarded; and after a refusal
+    mid-request the caller is still writing, which a closed stream would answer with a reset.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    with contextlib.suppress(Exception):
+        while await asyncio.wait_for(reader.read(2**16), max(0.0, deadline - loop.time())):
+            pass

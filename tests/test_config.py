@@ -16,9 +16,7 @@ def parse(argv: list[str]) -> dict:
 
 def test_precedence_flag_env_file_default(tmp_path):
     config_file = tmp_path / "peer.yaml"
-    config_file.write_text(
-        "stage: 2\nlr: 0.5\nweight_decay: 0.2\ninitial_peers: [/ip4/1.2.3.4/tcp/5/p2p/X]\n"
-    )
+    config_file.write_text("stage: 2\nlr: 0.5\nweight_decay: 0.2\ninitial_peers: [/ip4/1.2.3.4/tcp/5/p2p/X]\n")
     config = load_config(
         PeerConfig,
         parse(["peer", "--config", str(config_file), "--stage", "1"]),
@@ -32,9 +30,7 @@ def test_precedence_flag_env_file_default(tmp_path):
 
 
 def test_round_trip_through_flags():
-    config = load_config(
-        TrainerConfig, {"steps": 3, "progress": False, "initial_peers": ["a", "b"]}, environ={}
-    )
+    config = load_config(TrainerConfig, {"steps": 3, "progress": False, "initial_peers": ["a", "b"]}, environ={})
     again = load_config(TrainerConfig, parse(["train", *to_flags(config)]), environ={})
     assert again == config
 

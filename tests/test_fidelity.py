@@ -64,9 +64,7 @@ def test_swarm_matches_one_process(local_swarm, tmp_path):
     )
     summary = json.loads(summary_file.read_text())
     assert summary["steps"] == STEPS
-    torch.testing.assert_close(
-        torch.tensor(summary["losses"]), torch.tensor(reference.losses), rtol=1e-4, atol=1e-4
-    )
+    torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(reference.losses), rtol=1e-4, atol=1e-4)
     for stage, module in enumerate(reference.stages):
         checkpoint = load_checkpoint(checkpoints, "gpt-tiny", stage, 3)
         assert checkpoint is not None and checkpoint.step == STEPS

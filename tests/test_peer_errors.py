@@ -164,9 +164,7 @@ def test_malformed_bytes(stage1_peer):
     del head.shape[:]
     head.shape.extend([2**20, 2**20])
     frame = pack_frames(request(protocol_version=PROTOCOL_VERSION), [head])[0].SerializeToString()
-    reply = run_client(
-        swarm, lambda p2p: raw_exchange(p2p, peer_id, len(frame).to_bytes(HEADER_BYTES, "big") + frame)
-    )
+    reply = run_client(swarm, lambda p2p: raw_exchange(p2p, peer_id, len(frame).to_bytes(HEADER_BYTES, "big") + frame))
     assert reply.error.code == ErrorCode.TOO_LARGE
     assert_still_serving(swarm, peer_id, process)
 
@@ -177,9 +175,7 @@ def test_protocol_version_mismatch(stage1_peer):
     frames = pack_frames(request(protocol_version=PROTOCOL_VERSION + 41), parts)
 
     async def go(p2p):
-        return await exchange(
-            p2p, PeerID.from_base58(peer_id), STAGE_PROTOCOL, frames, StageReply, WireLimits()
-        )
+        return await exchange(p2p, PeerID.from_base58(peer_id), STAGE_PROTOCOL, frames, StageReply, WireLimits())
 
     reply, _ = run_client(swarm, go)
     assert reply.error.code == ErrorCode.VERSION_MISMATCH and "upgrade" in reply.error.message

@@ -9,10 +9,8 @@ from swarm.router import Router
 from swarm.stage_records import LEAVING, SERVING, StageRecord
 
 
-def record(
-    peer: str, throughput: float = 10.0, state: str = SERVING, expiration: float = 100.0
-) -> StageRecord:
-    return StageRecord(peer, 0, "gpt-tiny", 3, state, 0, throughput, 0, 32, 1, expiration)
+def record(peer: str, throughput: float = 10.0, state: str = SERVING, expiration: float = 100.0) -> StageRecord:
+    return StageRecord(peer, 0, "gpt-tiny", 3, state, 0, throughput, 0, 32, 0, 2, expiration)
 
 
 class Clock:

@@ -47,7 +47,8 @@ def test_steps_when_the_target_batch_is_reached():
     before = [p.detach().clone() for p in runtime.module.parameters()]
     assert runtime.submit(True, backward_inputs(4, 0)).result(30).step == 0
     assert runtime.samples_accumulated == 4
-    assert runtime.submit(True, backward_inputs(2, 1)).result(30).step == 1
+    # the reply names the step the request was served at; the stage steps right after it
+    assert runtime.submit(True, backward_inputs(2, 1)).result(30).step == 0
     assert runtime.samples_accumulated == 0 and runtime.step == 1
     assert all(p.grad is None for p in runtime.module.parameters())
     assert any(not torch.equal(a, b) for a, b in zip(before, runtime.module.parameters()))
