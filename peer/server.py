@@ -175,7 +175,7 @@ class Peer:
         await p2p.add_binary_stream_handler(INFO_PROTOCOL, self.handler.handle_info)
         await self.mates.start(p2p)
         await self._join()
-        self.mates.serving = True
+        self.mates.start_serving()
         self.state = SERVING
         announcing = asyncio.create_task(self._announce_forever())
         maddrs = " ".join(str(m) for m in self.dht.get_visible_maddrs())

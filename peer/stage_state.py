@@ -8,6 +8,8 @@ and dtype against its own freshly built stage before it copies anything in.
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 from torch import nn
 
@@ -67,3 +69,11 @@ def load_state_tensors(
             "exp_avg": tensors[count + index].to(param.device, param.dtype).clone(),
             "exp_avg_sq": tensors[2 * count + index].to(param.device, param.dtype).clone(),
         }
+
+
+def state_fingerprint(tensors: list[torch.Tensor]) -> str:
+    """A short hash of a state's exact bits, to compare replicas in logs."""
+    digest = hashlib.sha256()
+    for tensor in tensors:
+        digest.update(tensor.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]

@@ -50,6 +50,43 @@ def no_leftover_daemons():
         pytest.fail(f"tests left {len(left)} p2pd processes running", pytrace=False)
 
 
+def run_p2p_client(initial_peers: list[str], coroutine_fn):
+    """Runs `coroutine_fn(p2p)` with a fresh libp2p client joined to `initial_peers`, then shuts it down."""
+    import asyncio
+
+    from hivemind.p2p import P2P
+
+    async def main():
+        p2p = await P2P.create(initial_peers=initial_peers)
+        try:
+            return await coroutine_fn(p2p)
+        finally:
+            await p2p.shutdown()
+
+    return asyncio.run(main())
+
+
+def wait_for_records(initial_peers: list[str], ready, timeout: float = 90.0, num_stages: int = 3) -> dict:
+    """Polls the DHT until `ready(records)` holds; returns the records (AssertionError on timeout)."""
+    import time
+
+    from hivemind import DHT
+
+    from swarm.stage_records import fetch_stage_records
+
+    dht = DHT(initial_peers=initial_peers, start=True)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            records = fetch_stage_records(dht, "swarm", num_stages)
+            if ready(records):
+                return records
+            assert time.monotonic() < deadline, f"the swarm did not get ready: {records}"
+            time.sleep(0.3)
+    finally:
+        dht.shutdown()
+
+
 @pytest.fixture
 def local_swarm(tmp_path):
     """A LocalSwarm in a temporary directory, stopped (every process) when the test ends."""
@@ -61,3 +98,97 @@ def local_swarm(tmp_path):
         if sys.exc_info()[0] is not None:
             for log in sorted(swarm.workdir.glob("*.log")):
                 print(f"--- {log.name}\n{log.read_text(errors='replace')[-3000:]}")
+
+
+# --- a small training run shared by the fidelity tests ----------------------------------------------
+
+MODEL_FLAGS = ["--model", "gpt-tiny", "--num-stages", "3", "--seed", "7"]
+TARGET, MICRO, LR = 24, 5, 3e-3
+
+
+def peer_flags(checkpoint_dir: Path, *extra: str) -> list[str]:
+    """Flags of a peer in the fidelity tests: the reference's model, batch and optimizer."""
+    return [
+        *MODEL_FLAGS,
+        "--target-batch-size",
+        str(TARGET),
+        "--lr",
+        str(LR),
+        "--checkpoint-dir",
+        str(checkpoint_dir),
+        "--announce-period",
+        "0.5",
+        *extra,
+    ]
+
+
+def trainer_flags(steps: int, summary_file: Path, microbatch_size: int = MICRO, in_flight: int = 3) -> list[str]:
+    """Flags of a trainer in the fidelity tests, training `steps` steps on SMALL_CORPUS."""
+    return [
+        *MODEL_FLAGS,
+        "--steps",
+        str(steps),
+        "--microbatch-size",
+        str(microbatch_size),
+        "--max-in-flight",
+        str(in_flight),
+        "--data",
+        SMALL_CORPUS,
+        "--summary-file",
+        str(summary_file),
+        "--no-progress",
+    ]
+
+
+def reference_run(steps: int, microbatch_size: int = MICRO):
+    """The same training in one process (see swarm.reference)."""
+    from swarm.data import ByteCorpus
+    from swarm.models import get_model_spec
+    from swarm.optimizer import OptimizerSettings
+    from swarm.reference import train_reference
+
+    return train_reference(
+        get_model_spec("gpt-tiny"),
+        3,
+        ByteCorpus(SMALL_CORPUS),
+        steps,
+        TARGET,
+        microbatch_size,
+        OptimizerSettings(lr=LR),
+        seed=7,
+    )
+
+
+def parameter_differences(module, parameters: dict) -> tuple[float, float]:
+    """The largest and the mean absolute difference between a module's parameters and a state dict."""
+    import torch
+
+    diffs = torch.cat([(t.detach() - parameters[name]).abs().flatten() for name, t in module.state_dict().items()])
+    return float(diffs.max()), float(diffs.mean())
+
+
+def reordering_noise(steps: int, stage: int, microbatch_size: int = MICRO) -> tuple[float, float]:
+    """How far the one-process reference moves when only its summation order changes (other microbatches).
+
+    Training amplifies rounding differences step after step (Adam rescales tiny gradients to lr-sized
+    updates), so over many steps two exact runs drift apart; this measures that drift.
+    """
+    reordered = reference_run(steps, microbatch_size=3).stages[stage]
+    return parameter_differences(reordered, reference_run(steps, microbatch_size).stages[stage].state_dict())
+
+
+def assert_matches_reference(module, parameters: dict, what: str, noise: tuple[float, float] = (0.0, 0.0)) -> None:
+    """A swarm's parameters equal the one-process reference's up to floating-point reordering.
+
+    Tolerance: attention key biases have an exactly-zero true gradient, so their gradient is pure
+    rounding noise that Adam scales up to lr-sized steps; elsewhere the swarm agrees to ~1e-6.
+    A lost or doubled microbatch moves parameters by ~lr (3e-3), far above this.
+
+    Longer runs pass the `noise` of a reordered reference (see reordering_noise). Drift from rounding
+    grows chaotically, so two reorderings can end an order of magnitude apart: the swarm may drift
+    10 times that far. Measured at 20 steps: noise (max, mean) about (4e-4, 3e-6); one lost
+    microbatch of 5 samples moves the mean by 1.4e-4, still several times over the bound.
+    """
+    max_diff, mean_diff = parameter_differences(module, parameters)
+    assert max_diff < max(1e-4, 10 * noise[0]), f"{what} differs from the one-process reference by {max_diff}"
+    assert mean_diff < max(1e-7, 10 * noise[1]), f"{what}: mean parameter difference {mean_diff}"

@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+from conftest import run_p2p_client
 from hivemind import DHT
 from hivemind.p2p import P2P, PeerID
 from swarm.compression import get_codec
@@ -44,14 +45,7 @@ def stage1_peer(tmp_path_factory):
 
 
 def run_client(swarm, coroutine_fn):
-    async def main():
-        p2p = await P2P.create(initial_peers=swarm.initial_peers)
-        try:
-            return await coroutine_fn(p2p)
-        finally:
-            await p2p.shutdown()
-
-    return asyncio.run(main())
+    return run_p2p_client(swarm.initial_peers, coroutine_fn)
 
 
 def request(stage: int = 1, **fields) -> StageRequest:
