@@ -40,6 +40,8 @@ def save_checkpoint(
     stage, num_stages = module.stage, module.num_stages
     path = checkpoint_path(directory, model, stage, num_stages)
     path.parent.mkdir(parents=True, exist_ok=True)
+    for leftover in path.parent.glob(path.name + ".*.tmp"):  # from a write killed midway
+        leftover.unlink(missing_ok=True)
     payload = {
         "model": model,
         "stage": stage,
