@@ -13,7 +13,8 @@ from swarm.stage_records import StageRecord, fetch_stage_records
 
 def format_status(records: dict[int, list[StageRecord]], now: float) -> str:
     """The table `swarm status` prints, one line per peer, grouped by stage."""
-    lines = [f"{'stage':>5}  {'peer':<20} {'state':<8} {'step':>6} {'samples/s':>10} {'queue':>5} {'expires':>8}"]
+    header = f"{'stage':>5}  {'peer':<20} {'state':<8} {'step':>6} {'samples/s':>10} {'queue':>5} {'stale':>6}"
+    lines = [f"{header} {'expires':>8}"]
     for stage in sorted(records):
         peers = sorted(records[stage], key=lambda r: r.peer_id)
         if not peers:
@@ -21,7 +22,7 @@ def format_status(records: dict[int, list[StageRecord]], now: float) -> str:
         for r in peers:
             lines.append(
                 f"{stage:>5}  {r.peer_id[-20:]:<20} {r.state:<8} {r.step:>6} {r.throughput:>10.1f} "
-                f"{r.queue_length:>5} {r.expiration - now:>7.1f}s"
+                f"{r.queue_length:>5} {r.stale_gradients:>6} {r.expiration - now:>7.1f}s"
             )
     return "\n".join(lines)
 

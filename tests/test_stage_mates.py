@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -99,6 +101,15 @@ def test_peer_joining_mid_training_takes_its_mates_state(local_swarm, tmp_path):
         for r in serving(records, 1)
     }
     assert all(info.step == steps for info in infos.values()), infos
+    status = subprocess.run(
+        [sys.executable, "-m", "swarm", "status", "--initial-peers", *local_swarm.initial_peers],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    rows = [line.split() for line in status.stdout.splitlines()[1:]]
+    assert sorted(row[0] for row in rows) == ["0", "1", "1", "1", "2"], status.stdout + status.stderr
+    assert all(row[2] == SERVING and row[3] == str(steps) for row in rows), status.stdout
     assert infos[joiner_id].requests_served > 0, "the newcomer got no traffic"
     for name in [n for n in local_swarm.processes if n.startswith("peer")]:
         assert local_swarm.stop(name) == 0
