@@ -329,7 +329,14 @@ class StageRuntime:
         if self.coordinator is None:
             total = samples
         else:
-            grad_sum, total = self.coordinator.average(step, self.flat_gradient(), samples)
+            try:
+                grad_sum, total = self.coordinator.average(step, self.flat_gradient(), samples)
+            except Exception as e:
+                # keep the gradients; the coordinator asks for this step again on its next check
+                logger.error(f"Stage {self.module.stage}: averaging at step {step} failed ({e!r}); will retry")
+                with self._cond:
+                    self._step_requested = None
+                return
             if total > 0 and grad_sum is not None:
                 offset = 0
                 for param in self.module.parameters():
