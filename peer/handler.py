@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 
 from swarm.compression import get_codec
@@ -106,6 +107,7 @@ class StageHandler:
 
     async def _serve(self, reader: asyncio.StreamReader, caller: str) -> list[StageReply]:
         request, parts = await read_frames(reader, StageRequest, self.limits)
+        started = time.perf_counter()
         if request.protocol_version != PROTOCOL_VERSION:
             return [
                 self._error(
@@ -160,6 +162,7 @@ class StageHandler:
             None, lambda: [p for t in result.tensors for p in encode_tensor(t, codec)]
         )
         self.requests_served += 1
+        reply.server_seconds = time.perf_counter() - started
         return pack_frames(reply, out_parts)
 
     def _error(self, code: int, message: str) -> StageReply:

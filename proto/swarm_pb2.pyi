@@ -80,7 +80,7 @@ class StageRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., kind: _Optional[_Union[CallKind, str]] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch_id: _Optional[int] = ..., step: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., more: _Optional[bool] = ...) -> None: ...
 
 class StageReply(_message.Message):
-    __slots__ = ("protocol_version", "error", "step", "tensors", "loss", "num_samples", "more")
+    __slots__ = ("protocol_version", "error", "step", "tensors", "loss", "num_samples", "more", "server_seconds")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,7 @@ class StageReply(_message.Message):
     LOSS_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
+    SERVER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     error: Error
     step: int
@@ -95,7 +96,8 @@ class StageReply(_message.Message):
     loss: float
     num_samples: int
     more: bool
-    def __init__(self, protocol_version: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., step: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., loss: _Optional[float] = ..., num_samples: _Optional[int] = ..., more: _Optional[bool] = ...) -> None: ...
+    server_seconds: float
+    def __init__(self, protocol_version: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., step: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., loss: _Optional[float] = ..., num_samples: _Optional[int] = ..., more: _Optional[bool] = ..., server_seconds: _Optional[float] = ...) -> None: ...
 
 class PeerInfoRequest(_message.Message):
     __slots__ = ("protocol_version",)

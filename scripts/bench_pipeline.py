@@ -54,6 +54,8 @@ def main() -> None:
                 "--summary-file",
                 summary_file,
                 "--no-progress",
+                "--compression",
+                "none",
             ],
         )
         if trainer.wait() != 0:

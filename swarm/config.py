@@ -257,7 +257,18 @@ class TrainerConfig(NetworkConfig, ModelConfig):
     max_in_flight: int = option(8, "microbatches in flight at once")
     data: str | None = option(None, "text file or folder to train on (default: Python's standard library)")
     max_corpus_mb: float = option(32.0, "read at most this many MiB of the corpus")
-    codec: str = option("none", "codec for tensors sent to peers (none, fp16, bf16, 8bit, 4bit)")
+    compression: str = option(
+        "auto",
+        "codec for activations and gradients, both ways: auto (chosen per peer from its measured bandwidth), "
+        "none (exact), fp16, bf16, 8bit or 4bit",
+    )
+    max_codec_error: float = option(
+        0.01, "with --compression auto, never use a codec whose relative error on activations exceeds this"
+    )
+    emulate_bandwidth_mbit: float = option(
+        0.0, "for tests and benchmarks: slow every link to a peer to this bandwidth each way (0: off)"
+    )
+    emulate_latency_ms: float = option(0.0, "for tests and benchmarks: add this one-way latency to every call")
     call_timeout: float = option(60.0, "seconds before a stage call is abandoned and retried elsewhere")
     max_retries: int = option(5, "attempts per stage call before the step fails")
     stage_wait_timeout: float = option(120.0, "seconds to wait for a stage with no live peer before giving up")
@@ -271,8 +282,12 @@ class TrainerConfig(NetworkConfig, ModelConfig):
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
         from swarm.compression import CODECS
 
-        if self.codec not in CODECS:
-            raise ConfigError(f"--codec must be one of {sorted(CODECS)}, got {self.codec!r}")
+        if self.compression != "auto" and self.compression not in CODECS:
+            raise ConfigError(f"--compression must be auto or one of {sorted(CODECS)}, got {self.compression!r}")
+        if self.max_codec_error < 0:
+            raise ConfigError("--max-codec-error must be 0 or more")
+        if self.emulate_bandwidth_mbit < 0 or self.emulate_latency_ms < 0:
+            raise ConfigError("--emulate-bandwidth-mbit and --emulate-latency-ms must be 0 or more")
 
 
 @dataclass

@@ -21,16 +21,18 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
 from tqdm import tqdm
 
-from swarm.compression import get_codec
+from swarm.compression import CODECS, get_codec
+from swarm.compression.link_choice import CodecChooser, activation_like, profile_codecs
 from swarm.config import TrainerConfig
 from swarm.data import ByteCorpus
 from swarm.dht_node import connect_to_daemon, start_dht
 from swarm.event_loop import run, stop_event_on_signals
+from swarm.link_shaper import LinkShape, LinkShaper
 from swarm.models import get_model_spec
 from swarm.proto import BACKWARD, FORWARD, ErrorCode, StageRequest
 from swarm.router import Router
 from swarm.stage_records import StageRecord, fetch_stage_records
-from swarm.transport import StageCallError, call_stage
+from swarm.transport import CallStats, StageCallError, call_stage
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +55,9 @@ class TrainingSummary:
     first_loss: float = float("nan")
     last_loss: float = float("nan")
     retries: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    codecs: dict[str, str] = field(default_factory=dict)  # per peer, at the end (with --compression auto)
     losses: list[float] = field(default_factory=list)
 
 
@@ -62,7 +67,14 @@ class Trainer:
     def __init__(self, config: TrainerConfig) -> None:
         self.config = config
         self.spec = get_model_spec(config.model)
-        self.codec = get_codec(config.codec)
+        self.chooser: CodecChooser | None = None
+        if config.compression == "auto":
+            width = self.spec.d_model
+            sample = activation_like((config.microbatch_size, self.spec.seq_len, width))
+            self.chooser = CodecChooser(profile_codecs(CODECS.values(), sample), config.max_codec_error)
+        self.shaper = None
+        if config.emulate_bandwidth_mbit or config.emulate_latency_ms:
+            self.shaper = LinkShaper(LinkShape(config.emulate_bandwidth_mbit, config.emulate_latency_ms))
         self.router = Router()
         self.summary = TrainingSummary()
         # the DHT forks: create it before the corpus or anything else starts threads
@@ -149,14 +161,18 @@ class Trainer:
                 microbatch_id=microbatch_id,
                 step=step,
             )
+            codec = self.chooser.codec_for(record.peer_id) if self.chooser else self.config.compression
+            stats = CallStats()
             try:
                 reply, outputs = await call_stage(
                     self.p2p,
                     PeerID.from_base58(record.peer_id),
                     request,
                     tensors,
-                    self.codec,
+                    get_codec(codec),
                     self.config.call_timeout,
+                    stats=stats,
+                    shaper=self.shaper,
                 )
             except StageCallError as e:
                 if e.code == ErrorCode.STALE:
@@ -170,6 +186,10 @@ class Trainer:
                 logger.warning(f"Stage {stage} call failed ({e}); peer banned for {ban:.0f}s, retrying")
                 continue
             self.router.report_success(record.peer_id)
+            self.summary.bytes_sent += stats.bytes_sent
+            self.summary.bytes_received += stats.bytes_received
+            if self.chooser is not None:
+                self.chooser.observe(record.peer_id, stats.bytes_sent + stats.bytes_received, stats.network_seconds)
             return reply, outputs
         raise TrainingError(f"stage {stage} call failed after {self.config.max_retries} attempts: {last_error}")
 
@@ -250,6 +270,8 @@ class Trainer:
             bar.close()
         finally:
             refreshing.cancel()
+        if self.chooser is not None:
+            summary.codecs = self.chooser.choices()
         if summary.losses:
             summary.first_loss = summary.losses[0]
             tail = summary.losses[-min(5, len(summary.losses)) :]

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from hivemind.p2p import P2P, PeerID
 
 from swarm.compression import Codec
+from swarm.link_shaper import LinkShaper
 from swarm.proto import PROTOCOL_VERSION, ErrorCode, PeerInfo, PeerInfoRequest, StageReply, StageRequest
 from swarm.wire import (
     WireError,
@@ -35,6 +38,7 @@ RETRIABLE = {ErrorCode.UNAVAILABLE, ErrorCode.INTERNAL}
 # moment later the same lookup succeeds. Only this error is retried here: a dead peer fails fast.
 ROUTING_WARMUP_ERROR = "failed to find any peer in table"
 CONNECT_RETRY_DELAYS = (0.2, 0.5, 1.0, 2.0)
+REPLY_HEADER_BYTES = 64  # about what a reply carries besides tensor data
 
 
 class StageCallError(Exception):
@@ -78,6 +82,15 @@ async def open_stream(p2p: P2P, peer_id: PeerID, protocol: str):
     return reader, writer
 
 
+@dataclass
+class CallStats:
+    """What one stage call cost: bytes each way on the wire and time on the network."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    network_seconds: float = 0.0  # the exchange less the peer's own time (server_seconds)
+
+
 async def call_stage(
     p2p: P2P,
     peer_id: PeerID,
@@ -86,17 +99,31 @@ async def call_stage(
     codec: Codec,
     timeout: float,
     limits: WireLimits = WireLimits(),
+    stats: CallStats | None = None,
+    shaper: LinkShaper | None = None,
 ) -> tuple[StageReply, list[torch.Tensor]]:
-    """Sends `request` with `tensors` to a peer; returns its reply and tensors or raises StageCallError."""
+    """Sends `request` with `tensors` to a peer; returns its reply and tensors or raises StageCallError.
+
+    `stats`, if given, is filled in; `shaper`, if given, delays the call as an emulated slow link would.
+    """
     request.protocol_version = PROTOCOL_VERSION
     loop = asyncio.get_running_loop()
     # encoding and decoding are CPU work: keep them off the event loop
     parts = await loop.run_in_executor(None, lambda: [p for t in tensors for p in encode_tensor(t, codec)])
     frames = pack_frames(request, parts)
+    stats = stats if stats is not None else CallStats()
+    stats.bytes_sent = sum(frame.ByteSize() for frame in frames)
     try:
+        started = time.perf_counter()
+        if shaper is not None:
+            await shaper.send(str(peer_id), stats.bytes_sent)
         reply, reply_parts = await asyncio.wait_for(
             exchange(p2p, peer_id, STAGE_PROTOCOL, frames, StageReply, limits), timeout
         )
+        stats.bytes_received = sum(len(part.buffer) for part in reply_parts) + REPLY_HEADER_BYTES
+        if shaper is not None:
+            await shaper.receive(str(peer_id), stats.bytes_received)
+        stats.network_seconds = max(0.0, time.perf_counter() - started - reply.server_seconds)
         if reply.error.code != ErrorCode.OK:
             raise StageCallError(reply.error.code, reply.error.message, str(peer_id))
         outputs = await loop.run_in_executor(None, decode_tensors, reply_parts, limits)

@@ -11,7 +11,7 @@ from conftest import run_p2p_client
 from hivemind import DHT
 from hivemind.p2p import P2P, PeerID
 from swarm.compression import get_codec
-from swarm.proto import FORWARD, PROTOCOL_VERSION, ErrorCode, StageReply, StageRequest
+from swarm.proto import BACKWARD, FORWARD, PROTOCOL_VERSION, ErrorCode, StageReply, StageRequest
 
 from swarm.stage_records import fetch_stage_records
 from swarm.transport import STAGE_PROTOCOL, StageCallError, call_stage, exchange, get_peer_info, open_stream
@@ -87,6 +87,27 @@ def test_valid_forward_and_info(stage1_peer):
         "gpt-tiny",
         "serving",
     )
+
+
+@pytest.mark.parametrize("codec", ["fp16", "8bit"])
+def test_compressed_both_ways(stage1_peer, codec):
+    """Activations go out in the caller's codec and come back in it; backward gradients too."""
+    swarm, peer_id, _ = stage1_peer
+    hidden, grad = torch.randn(4, SEQ, D_MODEL), torch.randn(4, SEQ, D_MODEL)
+    for kind, tensors in ((FORWARD, [hidden]), (BACKWARD, [hidden, grad])):
+        req = StageRequest(protocol_version=PROTOCOL_VERSION, kind=kind, model="gpt-tiny", stage=1)
+        parts = [p for t in tensors for p in encode_tensor(t, get_codec(codec))]
+        assert {p.codec for p in parts if p.shape} == {codec}
+        reply, reply_parts = run_client(
+            swarm,
+            lambda p2p, req=req, parts=parts: exchange(
+                p2p, PeerID.from_base58(peer_id), STAGE_PROTOCOL, pack_frames(req, parts), StageReply, WireLimits()
+            ),
+        )
+        assert reply.error.code == ErrorCode.OK, reply.error.message
+        assert [p.codec for p in reply_parts if p.shape] == [codec]
+        full = sum(len(p.buffer) for p in encode_tensor(tensors[0], NONE))
+        assert sum(len(p.buffer) for p in reply_parts) < 0.6 * full
 
 
 def test_tensor_over_4mib_is_served(stage1_peer):
