@@ -156,10 +156,14 @@ class Peer:
         spec, stage = self.spec, self.runtime.module
         batch, seq = 2, spec.seq_len
         first = (
-            torch.randint(0, spec.vocab_size, (batch, seq)) if stage.is_first else torch.randn(batch, seq, spec.d_model)
+            torch.randint(0, spec.vocab_size, (batch, seq))
+            if stage.is_first
+            else torch.randn(batch, seq, spec.boundary_width)
         )
         extra = (
-            torch.randint(0, spec.vocab_size, (batch, seq)) if stage.is_last else torch.randn(batch, seq, spec.d_model)
+            torch.randint(0, spec.vocab_size, (batch, seq))
+            if stage.is_last
+            else torch.randn(batch, seq, spec.boundary_width)
         )
         return [first.to(self.runtime.device), extra.to(self.runtime.device)]
 

@@ -182,7 +182,9 @@ class NetworkConfig:
 class ModelConfig:
     """Which model the swarm trains and how it is cut into stages."""
 
-    model: str = option("gpt-tiny", "model preset (gpt-tiny, gpt-small, gpt-medium, gpt-large, gpt-xl)")
+    model: str = option(
+        "gpt-tiny", "model preset (gpt-tiny, gpt-tiny-bottleneck, gpt-small, gpt-medium, gpt-large, gpt-xl)"
+    )
     num_stages: int = option(3, "number of pipeline stages the model is cut into")
     seed: int = option(0, "seed of the initial parameters and of the data order")
 

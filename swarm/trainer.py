@@ -69,7 +69,7 @@ class Trainer:
         self.spec = get_model_spec(config.model)
         self.chooser: CodecChooser | None = None
         if config.compression == "auto":
-            width = self.spec.d_model
+            width = self.spec.boundary_width
             sample = activation_like((config.microbatch_size, self.spec.seq_len, width))
             self.chooser = CodecChooser(profile_codecs(CODECS.values(), sample), config.max_codec_error)
         self.shaper = None

@@ -102,14 +102,18 @@ def local_swarm(tmp_path):
 
 # --- a small training run shared by the fidelity tests ----------------------------------------------
 
-MODEL_FLAGS = ["--model", "gpt-tiny", "--num-stages", "3", "--seed", "7"]
+
+def model_flags(model: str = "gpt-tiny") -> list[str]:
+    return ["--model", model, "--num-stages", "3", "--seed", "7"]
+
+
 TARGET, MICRO, LR = 24, 5, 3e-3
 
 
-def peer_flags(checkpoint_dir: Path, *extra: str) -> list[str]:
+def peer_flags(checkpoint_dir: Path, *extra: str, model: str = "gpt-tiny") -> list[str]:
     """Flags of a peer in the fidelity tests: the reference's model, batch and optimizer."""
     return [
-        *MODEL_FLAGS,
+        *model_flags(model),
         "--target-batch-size",
         str(TARGET),
         "--lr",
@@ -122,10 +126,12 @@ def peer_flags(checkpoint_dir: Path, *extra: str) -> list[str]:
     ]
 
 
-def trainer_flags(steps: int, summary_file: Path, microbatch_size: int = MICRO, in_flight: int = 3) -> list[str]:
+def trainer_flags(
+    steps: int, summary_file: Path, microbatch_size: int = MICRO, in_flight: int = 3, model: str = "gpt-tiny"
+) -> list[str]:
     """Flags of a trainer in the fidelity tests, training `steps` steps on SMALL_CORPUS."""
     return [
-        *MODEL_FLAGS,
+        *model_flags(model),
         "--steps",
         str(steps),
         "--microbatch-size",
@@ -142,7 +148,7 @@ def trainer_flags(steps: int, summary_file: Path, microbatch_size: int = MICRO, 
     ]
 
 
-def reference_run(steps: int, microbatch_size: int = MICRO):
+def reference_run(steps: int, microbatch_size: int = MICRO, model: str = "gpt-tiny"):
     """The same training in one process (see swarm.reference)."""
     from swarm.data import ByteCorpus
     from swarm.models import get_model_spec
@@ -150,7 +156,7 @@ def reference_run(steps: int, microbatch_size: int = MICRO):
     from swarm.reference import train_reference
 
     return train_reference(
-        get_model_spec("gpt-tiny"),
+        get_model_spec(model),
         3,
         ByteCorpus(SMALL_CORPUS),
         steps,

@@ -13,22 +13,23 @@ STEPS = 4
 
 
 @pytest.mark.timeout(240)
-def test_swarm_matches_one_process(local_swarm, tmp_path):
+@pytest.mark.parametrize("model", ["gpt-tiny", "gpt-tiny-bottleneck"])
+def test_swarm_matches_one_process(local_swarm, tmp_path, model):
     checkpoints = tmp_path / "checkpoints"
     local_swarm.start_bootstrap()
     for stage in range(3):
-        local_swarm.start_peer(f"peer{stage}", stage, peer_flags(checkpoints))
+        local_swarm.start_peer(f"peer{stage}", stage, peer_flags(checkpoints, model=model))
     summary_file = tmp_path / "summary.json"
-    trainer = local_swarm.start_trainer("trainer", trainer_flags(STEPS, summary_file))
+    trainer = local_swarm.start_trainer("trainer", trainer_flags(STEPS, summary_file, model=model))
     assert trainer.wait(180) == 0, (local_swarm.workdir / "trainer.log").read_text()
     for stage in range(3):
         assert local_swarm.stop(f"peer{stage}") == 0  # a clean exit saves the checkpoint
 
-    reference = reference_run(STEPS)
+    reference = reference_run(STEPS, model=model)
     summary = json.loads(summary_file.read_text())
     assert summary["steps"] == STEPS
     torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(reference.losses), rtol=1e-4, atol=1e-4)
     for stage, module in enumerate(reference.stages):
-        checkpoint = load_checkpoint(checkpoints, "gpt-tiny", stage, 3)
+        checkpoint = load_checkpoint(checkpoints, model, stage, 3)
         assert checkpoint is not None and checkpoint.step == STEPS
         assert_matches_reference(module, checkpoint.parameters, f"stage {stage}")

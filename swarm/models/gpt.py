@@ -3,6 +3,10 @@
 Stage 0 holds the embeddings, the last stage the final norm, the head and the loss; the
 transformer blocks are spread evenly between them. Each stage is an ordinary nn.Module, so the
 whole model in one process is just the stages applied in order.
+
+With a bottleneck in the spec, each stage boundary also gets a learned pair of projections: the
+stage before it ends with `down` (d_model -> bottleneck), the stage after it starts with `up`
+(bottleneck -> d_model), so the activations and gradients sent between peers are narrower.
 """
 
 from __future__ import annotations
@@ -64,8 +68,9 @@ def partition_layers(n_layer: int, num_stages: int) -> list[range]:
 class GPTStage(nn.Module):
     """One pipeline stage of the GPT model.
 
-    Inputs: token ids [batch, seq] on stage 0, hidden states [batch, seq, d_model] elsewhere.
-    Output: hidden states, or on the last stage, given targets, the loss of each sample [batch]
+    Inputs: token ids [batch, seq] on stage 0, hidden states [batch, seq, spec.boundary_width]
+    elsewhere. Output: hidden states [batch, seq, spec.boundary_width], or on the last stage
+    [batch, seq, d_model] without targets and, given targets, the loss of each sample [batch]
     (cross-entropy averaged over the sample's tokens).
     """
 
@@ -82,29 +87,60 @@ class GPTStage(nn.Module):
         if self.is_last:
             self.ln_f = nn.LayerNorm(spec.d_model)
             self.head = nn.Linear(spec.d_model, spec.vocab_size)
+        # The boundary projections: None without a bottleneck and at the pipeline's ends. build_stage
+        # initializes them apart from the rest, which therefore start as they would without a bottleneck.
+        self.up: nn.Linear | None = None
+        self.down: nn.Linear | None = None
+        if spec.bottleneck:
+            if not self.is_first:
+                self.up = nn.Linear(spec.bottleneck, spec.d_model)
+            if not self.is_last:
+                self.down = nn.Linear(spec.d_model, spec.bottleneck)
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Runs the stage; see the class docstring for what `x`, `targets` and the result are."""
         if self.is_first:
             positions = torch.arange(x.shape[1], device=x.device)
             x = self.tok_emb(x) + self.pos_emb(positions)
+        elif self.up is not None:
+            x = self.up(x)
         for block in self.blocks:
             x = block(x)
-        if not self.is_last or targets is None:
+        if not self.is_last:
+            return x if self.down is None else self.down(x)
+        if targets is None:
             return x
         logits = self.head(self.ln_f(x))
         token_loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
         return token_loss.view(targets.shape).mean(dim=1)
 
 
+def _boundary_basis(spec: ModelSpec, boundary: int, seed: int) -> torch.Tensor:
+    """A random [d_model, bottleneck] matrix shared by the two stages on either side of `boundary`.
+
+    Boundary k lies between stages k and k + 1; both draw this matrix from their own copy of a
+    generator keyed by (seed, k), so it depends only on what each stage already knows.
+    """
+    # A stream apart from the stages' own (seed * 1_000_003 + stage) generators.
+    generator = torch.Generator().manual_seed((seed * 1_000_003 + boundary) ^ 0x5EED_B077)
+    return torch.randn(spec.d_model, spec.bottleneck, generator=generator)
+
+
 def build_stage(spec: ModelSpec, stage: int, num_stages: int, seed: int = 0) -> GPTStage:
     """Builds a stage with initial parameters that depend only on (spec, stage, num_stages, seed).
 
     Every replica of a stage therefore starts identical, and so does a one-process reference.
+    With a bottleneck, the parameters shared with the spec without one start exactly as they would
+    there; the projections at a boundary start tied, up = down^T = G / sqrt(d_model) for a Gaussian
+    G [d_model, bottleneck]: up(down(x)) = G G^T x / d_model then keeps x's component in a random
+    bottleneck-wide subspace (eigenvalues scattered around 1) instead of scrambling the hidden state.
     """
     module = GPTStage(spec, stage, num_stages)
     generator = torch.Generator().manual_seed(seed * 1_000_003 + stage)
     residual_std = 0.02 / math.sqrt(2 * spec.n_layer)
     for name, param in module.named_parameters():
+        if name.startswith(("up.", "down.")):
+            continue  # initialized below, from the boundary's generator: the stage's stream stays as without them
         if name.endswith("bias"):
             nn.init.zeros_(param)
         elif ".ln" in name or name.startswith("ln_"):
@@ -113,4 +149,13 @@ def build_stage(spec: ModelSpec, stage: int, num_stages: int, seed: int = 0) -> 
             nn.init.normal_(param, std=residual_std, generator=generator)
         else:
             nn.init.normal_(param, std=0.02, generator=generator)
+    scale = 1 / math.sqrt(spec.d_model)
+    with torch.no_grad():
+        # Elementwise scaling only (no QR): bit-identical on every machine, like the rest of the init.
+        if module.up is not None:
+            module.up.weight.copy_(_boundary_basis(spec, stage - 1, seed) * scale)
+            module.up.bias.zero_()
+        if module.down is not None:
+            module.down.weight.copy_(_boundary_basis(spec, stage, seed).T * scale)
+            module.down.bias.zero_()
     return module

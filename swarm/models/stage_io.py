@@ -44,7 +44,8 @@ def check_stage_inputs(stage: GPTStage, backward: bool, tensors: list[torch.Tens
         raise StageInputError(f"batch size {batch} is outside 1..{max_batch} for this peer")
     if not 1 <= seq <= spec.seq_len:
         raise StageInputError(f"sequence length {seq} is outside 1..{spec.seq_len} of model {spec.name}")
-    hidden_shape = (batch, seq, spec.d_model)
+    # Hidden states and their gradients are boundary tensors: bottleneck-wide when the spec has one.
+    hidden_shape = (batch, seq, spec.boundary_width)
     for name, tensor in zip(names, tensors):
         if name in ("tokens", "targets"):
             if tensor.dtype != torch.int64 or tuple(tensor.shape) != (batch, seq):
