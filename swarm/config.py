@@ -271,7 +271,10 @@ class TrainerConfig(NetworkConfig, ModelConfig):
         0.0, "for tests and benchmarks: slow every link to a peer to this bandwidth each way (0: off)"
     )
     emulate_latency_ms: float = option(0.0, "for tests and benchmarks: add this one-way latency to every call")
-    call_timeout: float = option(60.0, "seconds before a stage call is abandoned and retried elsewhere")
+    call_timeout: float = option(
+        60.0, "longest a stage call may take before it is retried elsewhere (deadlines follow each peer's latency)"
+    )
+    call_timeout_floor: float = option(15.0, "shortest deadline given to a stage call, however fast the peer")
     max_retries: int = option(5, "attempts per stage call before the step fails")
     stage_wait_timeout: float = option(120.0, "seconds to wait for a stage with no live peer before giving up")
     summary_file: str | None = option(None, "write a JSON summary of the run to FILE")
@@ -282,6 +285,8 @@ class TrainerConfig(NetworkConfig, ModelConfig):
         for name in ("steps", "microbatch_size", "max_in_flight", "max_retries"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+        if not 0 < self.call_timeout_floor <= self.call_timeout:
+            raise ConfigError("--call-timeout-floor must be positive and at most --call-timeout")
         from swarm.compression import CODECS
 
         if self.compression != "auto" and self.compression not in CODECS:

@@ -1,8 +1,14 @@
 """Stochastic wiring: which peer of a stage gets the next call. Pure: no network, no DHT.
 
-Each call picks a serving peer of the stage at random, weighted by the throughput the peer
-announces, discounted by its announced queue. A peer that fails is banned for a time that doubles
-with every consecutive failure and resets on success.
+Calls go out by an interleaved weighted round robin, earliest virtual finish time first: every
+peer is charged the expected service time of the work sent to it, and the next call goes to the
+peer whose charge would end soonest. Over many calls each peer gets work in proportion to its
+speed, interleaved rather than in bursts. Expected times are moving averages of what the calls to
+a peer took, kept apart for forward and backward; a peer never called yet is costed from the
+throughput and queue it announces, and starts at the stage's current minimum so it is tried at once.
+
+A peer that fails is banned for a time that doubles with every consecutive failure and resets on
+success. Each call's deadline follows the peer's observed latency, between a floor and a ceiling.
 """
 
 from __future__ import annotations
@@ -21,6 +27,11 @@ class _Ban:
     failures: int
 
 
+# a backward recomputes the forward, then backpropagates: about three forwards' work
+FORWARD_SHARE_OF_BACKWARD = 1 / 3
+EWMA = 0.2
+
+
 class Router:
     """Chooses peers for stage calls from the records it was last given."""
 
@@ -30,12 +41,25 @@ class Router:
         clock: Callable[[], float] = time.monotonic,
         ban_base: float = 1.0,
         ban_max: float = 60.0,
+        deadline_floor: float = 15.0,
+        deadline_ceiling: float = 60.0,
+        deadline_factor: float = 4.0,
     ) -> None:
         self.rng = rng or random.Random()
         self.clock = clock
         self.ban_base, self.ban_max = ban_base, ban_max
+        self.deadline_floor, self.deadline_ceiling, self.deadline_factor = (
+            deadline_floor,
+            deadline_ceiling,
+            deadline_factor,
+        )
         self.records: dict[int, dict[str, StageRecord]] = {}
         self.bans: dict[str, _Ban] = {}
+        self.bans_issued = 0
+        # observed seconds per sample, per (peer, backward), and each peer's virtual finish time per stage
+        self.service: dict[tuple[str, bool], float] = {}
+        self.finish: dict[int, dict[str, float]] = {}
+        self._live_before: dict[int, set[str]] = {}
 
     def update(self, records: dict[int, list[StageRecord]], now: float) -> None:
         """Merges fresh records into the known ones and forgets those expired at DHT time `now`.
@@ -61,21 +85,60 @@ class Router:
             if r.state == SERVING and self.bans.get(r.peer_id, _Ban(0.0, 0)).until <= now
         ]
 
-    def choose(self, stage: int, exclude: Iterable[str] = ()) -> StageRecord | None:
-        """A random live peer of `stage`, weighted by speed; None if the stage has none."""
+    def expected_seconds(self, record: StageRecord, backward: bool, samples: int) -> float:
+        """How long `samples` samples of forward or backward work should take on this peer."""
+        observed = self.service.get((record.peer_id, backward))
+        if observed is None:
+            per_sample = (1 + record.queue_length) / max(record.throughput, 1e-3)
+            observed = per_sample if backward else per_sample * FORWARD_SHARE_OF_BACKWARD
+        return observed * samples
+
+    def choose(
+        self, stage: int, backward: bool = False, samples: int = 1, exclude: Iterable[str] = ()
+    ) -> StageRecord | None:
+        """The live peer of `stage` with the earliest virtual finish time for this call; None if none is live.
+
+        Peers in `exclude` (tried already for this call) are passed over while others remain.
+        """
         excluded = set(exclude)
-        candidates = [r for r in self.live_peers(stage) if r.peer_id not in excluded] or self.live_peers(stage)
+        live = self.live_peers(stage)
+        candidates = [r for r in live if r.peer_id not in excluded] or live
         if not candidates:
             return None
-        weights = [max(r.throughput, 1e-3) / (1 + r.queue_length) for r in candidates]
-        return self.rng.choices(candidates, weights=weights)[0]
+        finish = self.finish.setdefault(stage, {})
+        previous = self._live_before.get(stage, set())
+        self._live_before[stage] = {r.peer_id for r in live}
+        staying = [finish[r.peer_id] for r in live if r.peer_id in finish and r.peer_id in previous]
+        start = min(staying) if staying else 0.0
+        for r in live:
+            if r.peer_id not in previous or r.peer_id not in finish:
+                # new, or back from a ban: its first call ends at the current minimum, so it is tried
+                # at once, and it brings no credit (or debt) from before
+                finish[r.peer_id] = start - self.expected_seconds(r, backward, samples)
+        ends = {r.peer_id: finish[r.peer_id] + self.expected_seconds(r, backward, samples) for r in candidates}
+        best = min(ends.values())
+        chosen = self.rng.choice([r for r in candidates if ends[r.peer_id] <= best * (1 + 1e-12)])
+        finish[chosen.peer_id] = ends[chosen.peer_id]
+        return chosen
 
-    def report_success(self, peer_id: str) -> None:
+    def deadline(self, record: StageRecord, backward: bool, samples: int) -> float:
+        """Seconds to wait for a call before giving up on the peer: a multiple of its expected time, bounded."""
+        expected = self.expected_seconds(record, backward, samples)
+        return min(self.deadline_ceiling, max(self.deadline_floor, self.deadline_factor * expected))
+
+    def report_success(self, peer_id: str, backward: bool = False, samples: int = 0, seconds: float = 0.0) -> None:
+        """Lifts any ban and folds the call's duration into the peer's expected service time."""
         self.bans.pop(peer_id, None)
+        if samples > 0:
+            key = (peer_id, backward)
+            per_sample = seconds / samples
+            previous = self.service.get(key)
+            self.service[key] = per_sample if previous is None else (1 - EWMA) * previous + EWMA * per_sample
 
     def report_failure(self, peer_id: str) -> float:
         """Bans `peer_id` with exponential backoff; returns the ban's length in seconds."""
         failures = self.bans[peer_id].failures + 1 if peer_id in self.bans else 1
         length = min(self.ban_base * 2 ** (failures - 1), self.ban_max)
         self.bans[peer_id] = _Ban(self.clock() + length, failures)
+        self.bans_issued += 1
         return length

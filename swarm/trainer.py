@@ -75,7 +75,7 @@ class Trainer:
         self.shaper = None
         if config.emulate_bandwidth_mbit or config.emulate_latency_ms:
             self.shaper = LinkShaper(LinkShape(config.emulate_bandwidth_mbit, config.emulate_latency_ms))
-        self.router = Router()
+        self.router = Router(deadline_floor=config.call_timeout_floor, deadline_ceiling=config.call_timeout)
         self.summary = TrainingSummary()
         # the DHT forks: create it before the corpus or anything else starts threads
         self.dht = start_dht(config)
@@ -150,7 +150,8 @@ class Trainer:
         tried: list[str] = []
         last_error: Exception | None = None
         for _attempt in range(self.config.max_retries):
-            record = self.router.choose(stage, exclude=tried)
+            samples = tensors[0].shape[0]
+            record = self.router.choose(stage, backward, samples, exclude=tried)
             if record is None:
                 await self.wait_for_stage(stage)
                 continue
@@ -163,6 +164,7 @@ class Trainer:
             )
             codec = self.chooser.codec_for(record.peer_id) if self.chooser else self.config.compression
             stats = CallStats()
+            started = time.perf_counter()
             try:
                 reply, outputs = await call_stage(
                     self.p2p,
@@ -170,7 +172,7 @@ class Trainer:
                     request,
                     tensors,
                     get_codec(codec),
-                    self.config.call_timeout,
+                    self.router.deadline(record, backward, samples),
                     stats=stats,
                     shaper=self.shaper,
                 )
@@ -185,7 +187,7 @@ class Trainer:
                 last_error = e
                 logger.warning(f"Stage {stage} call failed ({e}); peer banned for {ban:.0f}s, retrying")
                 continue
-            self.router.report_success(record.peer_id)
+            self.router.report_success(record.peer_id, backward, samples, time.perf_counter() - started)
             self.summary.bytes_sent += stats.bytes_sent
             self.summary.bytes_received += stats.bytes_received
             if self.chooser is not None:

@@ -21,11 +21,68 @@ class Clock:
         return self.now
 
 
-def test_choice_is_weighted_by_throughput():
+def share_of_work(router: Router, calls: int, seconds_per_sample: dict[str, float]) -> dict[str, float]:
+    """Routes `calls` backward calls of 8 samples, reporting each as taking the peer's true time."""
+    counts = Counter()
+    for _ in range(calls):
+        peer = router.choose(0, backward=True, samples=8).peer_id
+        router.report_success(peer, backward=True, samples=8, seconds=8 * seconds_per_sample[peer])
+        counts[peer] += 1
+    return {peer: counts[peer] / calls for peer in seconds_per_sample}
+
+
+def test_work_is_shared_in_proportion_to_observed_speed():
+    # announced speeds are wrong on purpose: observed service times must take over
+    router = Router(rng=random.Random(0))
+    router.update({0: [record("fast", 1.0), record("mid", 1.0), record("slow", 50.0)]}, now=0.0)
+    speeds = {"fast": 60.0, "mid": 30.0, "slow": 10.0}  # samples per second
+    shares = share_of_work(router, 5_000, {peer: 1 / speed for peer, speed in speeds.items()})
+    for peer, speed in speeds.items():
+        assert abs(shares[peer] - speed / 100) < 0.02, shares
+
+
+def test_calls_interleave_rather_than_burst():
+    router = Router(rng=random.Random(0))
+    router.update({0: [record("a"), record("b")]}, now=0.0)
+    picks = "".join(router.choose(0, backward=True).peer_id for _ in range(1_000))
+    assert "aaa" not in picks and "bbb" not in picks  # equal peers take turns (ties broken at random)
+
+
+def test_announced_speed_routes_a_trainer_that_has_no_observations():
     router = Router(rng=random.Random(0))
     router.update({0: [record("fast", 30.0), record("slow", 10.0)]}, now=0.0)
-    counts = Counter(router.choose(0).peer_id for _ in range(20_000))
-    assert abs(counts["fast"] / 20_000 - 0.75) < 0.02
+    counts = Counter(router.choose(0, backward=False, samples=8).peer_id for _ in range(4_000))
+    assert abs(counts["fast"] / 4_000 - 0.75) < 0.02
+
+
+def test_forward_and_backward_costs_are_tracked_apart():
+    router = Router(rng=random.Random(0))
+    router.update({0: [record("a")]}, now=0.0)
+    router.report_success("a", backward=False, samples=4, seconds=0.4)
+    router.report_success("a", backward=True, samples=4, seconds=1.2)
+    (a,) = router.live_peers(0)
+    assert router.expected_seconds(a, False, 2) == 0.2 and router.expected_seconds(a, True, 2) == 0.6
+
+
+def test_newcomer_is_tried_at_once():
+    router = Router(rng=random.Random(0))
+    router.update({0: [record("old")]}, now=0.0)
+    for _ in range(100):
+        router.choose(0, backward=True)
+    router.update({0: [record("old"), record("new")]}, now=1.0)
+    assert router.choose(0, backward=True).peer_id == "new"
+
+
+def test_deadline_follows_latency_within_floor_and_ceiling():
+    router = Router(deadline_floor=2.0, deadline_ceiling=30.0, deadline_factor=4.0)
+    router.update({0: [record("a"), record("b"), record("c")]}, now=0.0)
+    router.report_success("a", True, 8, 8 * 0.01)  # 80 ms a call: 4x is under the floor
+    router.report_success("b", True, 8, 8 * 0.2)  # 1.6 s: 4x is 6.4 s
+    router.report_success("c", True, 8, 8 * 2.0)  # 16 s: 4x is over the ceiling
+    peers = {r.peer_id: r for r in router.live_peers(0)}
+    assert router.deadline(peers["a"], True, 8) == 2.0
+    assert abs(router.deadline(peers["b"], True, 8) - 6.4) < 1e-9
+    assert router.deadline(peers["c"], True, 8) == 30.0
 
 
 def test_failing_peer_is_banned_with_backoff_until_the_ban_ends():
@@ -33,7 +90,7 @@ def test_failing_peer_is_banned_with_backoff_until_the_ban_ends():
     router = Router(rng=random.Random(0), clock=clock)
     router.update({0: [record("a"), record("b")]}, now=0.0)
     assert router.report_failure("a") == 1.0
-    assert {router.choose(0).peer_id for _ in range(200)} == {"b"}
+    assert {router.choose(0).peer_id for _ in range(200)} == {"b"}  # no work at all while banned
     clock.now = 1.5
     assert "a" in {router.choose(0).peer_id for _ in range(200)}
     assert router.report_failure("a") == 2.0  # consecutive failures double the ban
