@@ -116,6 +116,7 @@ class StageMates:
         # peers that asked for this peer's state: they will not contribute to the round under way
         self._departed: set[str] = set()
         self._round_step: int | None = None
+        self._handed_over: set[str] = set()  # mates that left after handing over their gradients
 
     async def start(self, p2p: P2P) -> None:
         """Registers the mate protocols on the peer's P2P and hooks into the runtime."""
@@ -177,7 +178,9 @@ class StageMates:
         if step != self.runtime.step or not self.serving:
             return
         total = sum(self.progress[step].values())
-        started_by_mate = any(peer_id != self.peer_id for peer_id in self.mailbox.get(step, {}))
+        started_by_mate = any(
+            peer_id != self.peer_id and peer_id not in self._handed_over for peer_id in self.mailbox.get(step, {})
+        )
         if total >= self.runtime.target_batch_size or started_by_mate:
             self.runtime.request_step(step)
 
@@ -319,7 +322,13 @@ class StageMates:
         return named
 
     async def _send_contribution(
-        self, peer_id: str, step: int, own: Contribution, members: set[str], unreachable: set[str]
+        self,
+        peer_id: str,
+        step: int,
+        own: Contribution,
+        members: set[str],
+        unreachable: set[str],
+        handover: bool = False,
     ) -> None:
         header = GradContribution(
             protocol_version=PROTOCOL_VERSION,
@@ -328,6 +337,7 @@ class StageMates:
             step=step,
             samples=own.samples,
             members=sorted(members),
+            handover=handover,
         )
         loop = asyncio.get_running_loop()
         parts = []
@@ -387,8 +397,31 @@ class StageMates:
             grad_sum = tensors[0]
         self.mailbox[header.step][sender] = Contribution(header.samples, grad_sum, frozenset(header.members))
         self._changed.set()
-        self._check_trigger(header.step)
+        if header.handover:  # a leaving peer's gradients wait for the round the stage would hold anyway
+            self._handed_over.add(sender)
+        else:
+            self._check_trigger(header.step)
         return Error(code=ErrorCode.OK)
+
+    async def hand_over(self, timeout: float = 10.0) -> None:
+        """Sends this peer's un-averaged gradients to its mates before it leaves, so its samples still count."""
+        if not self.serving or not self.mates:
+            return
+        self.serving = False  # no new rounds and no resyncs from here on
+        runtime = self.runtime
+        step, grad_sum, samples = await asyncio.wrap_future(
+            runtime.run_exclusive(lambda: (runtime.step, runtime.flat_gradient(), runtime.samples_accumulated))
+        )
+        if samples == 0:
+            return
+        members = {self.peer_id, *self.mates}
+        own = Contribution(samples, grad_sum, frozenset(members))
+        unreachable: set[str] = set()
+        sends = [self._send_contribution(p, step, own, members, unreachable, handover=True) for p in self.mates]
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*sends, return_exceptions=True), timeout)
+        taken = len(self.mates) - len(unreachable)
+        logger.info(f"Handed {samples} samples of step {step} to {taken} of {len(self.mates)} stage-mate(s)")
 
     # --- state transfer --------------------------------------------------------------------------------
 

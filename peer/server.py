@@ -11,6 +11,7 @@ from swarm.compression import get_codec
 from swarm.peer.checkpoint import load_checkpoint, restore, save_checkpoint
 from swarm.peer.handler import StageHandler
 from swarm.peer.mates import StageMates
+from swarm.peer.preemption import notice_source, watch_for_preemption
 from swarm.peer.runtime import StageRuntime
 from swarm.proto import PROTOCOL_VERSION
 
@@ -170,6 +171,8 @@ class Peer:
     async def serve(self) -> None:
         config = self.config
         stop = stop_event_on_signals()
+        check = notice_source(config.preemption_notice)
+        watching = asyncio.create_task(watch_for_preemption(check, config.preemption_poll, stop)) if check else None
         started = time.perf_counter()
         self.loop = asyncio.get_running_loop()
         throughput = self.runtime.measure_throughput(self._sample_batch())
@@ -190,9 +193,12 @@ class Peer:
         )
         await stop.wait()
 
+        left_at = time.monotonic()
         logger.info("Leaving: no new requests; finishing those in flight")
         self.state = LEAVING
         announcing.cancel()
+        if watching is not None:
+            watching.cancel()
         try:
             await asyncio.wait_for(self._announce(), timeout=5)
         except Exception as e:
@@ -200,8 +206,10 @@ class Peer:
         deadline = time.monotonic() + config.shutdown_timeout
         while self.runtime.queue_length and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        await self.mates.hand_over()
         self.mates.serving = False
         await self.mates.stop()
+        logger.info(f"Left the swarm {time.monotonic() - left_at:.1f}s after the request to leave")
         for protocol in (STAGE_PROTOCOL, INFO_PROTOCOL):
             try:
                 await p2p.remove_binary_stream_handler(protocol)

@@ -152,7 +152,7 @@ class MateProgress(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., samples: _Optional[int] = ...) -> None: ...
 
 class GradContribution(_message.Message):
-    __slots__ = ("protocol_version", "model", "stage", "step", "samples", "members", "tensors", "more")
+    __slots__ = ("protocol_version", "model", "stage", "step", "samples", "members", "tensors", "more", "handover")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -161,6 +161,7 @@ class GradContribution(_message.Message):
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
+    HANDOVER_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     model: str
     stage: int
@@ -169,7 +170,8 @@ class GradContribution(_message.Message):
     members: _containers.RepeatedScalarFieldContainer[str]
     tensors: _containers.RepeatedCompositeFieldContainer[Tensor]
     more: bool
-    def __init__(self, protocol_version: _Optional[int] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., samples: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., more: _Optional[bool] = ...) -> None: ...
+    handover: bool
+    def __init__(self, protocol_version: _Optional[int] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., samples: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., more: _Optional[bool] = ..., handover: _Optional[bool] = ...) -> None: ...
 
 class MateReply(_message.Message):
     __slots__ = ("protocol_version", "error", "step")

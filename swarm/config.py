@@ -225,6 +225,10 @@ class PeerConfig(NetworkConfig, ModelConfig):
     checkpoint_dir: str | None = option(None, "directory for the stage's checkpoints; resume from it if present")
     checkpoint_every: int = option(0, "save a checkpoint every N steps (0: only on a clean exit)")
     shutdown_timeout: float = option(15.0, "seconds a peer waits for in-flight requests when asked to stop")
+    preemption_notice: str = option(
+        "none", "where a spot interruption notice comes from: none, aws, gcp or file:PATH (leave when PATH exists)"
+    )
+    preemption_poll: float = option(5.0, "seconds between checks for a preemption notice")
     averaging_timeout: float = option(30.0, "seconds a stage-mate averaging round waits for a silent mate")
     averaging_codec: str = option("none", "codec for gradients sent to stage-mates (none is exact)")
     max_staleness: int = option(
@@ -242,6 +246,12 @@ class PeerConfig(NetworkConfig, ModelConfig):
             raise ConfigError("--lr must be positive")
         if self.averaging_timeout <= 0:
             raise ConfigError("--averaging-timeout must be positive")
+        from swarm.peer.preemption import PreemptionSourceError, notice_source
+
+        try:
+            notice_source(self.preemption_notice)
+        except PreemptionSourceError as e:
+            raise ConfigError(f"--preemption-notice: {e}") from None
         if self.max_staleness < 0:
             raise ConfigError("--max-staleness must be 0 or more")
         from swarm.compression import CODECS
