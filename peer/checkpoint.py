@@ -26,6 +26,7 @@ class StageCheckpoint:
     step: int
     parameters: dict[str, torch.Tensor]
     optimizer: dict
+    samples_stepped: int = 0
 
 
 def checkpoint_path(directory: str | os.PathLike, model: str, stage: int, num_stages: int) -> Path:
@@ -34,7 +35,12 @@ def checkpoint_path(directory: str | os.PathLike, model: str, stage: int, num_st
 
 
 def save_checkpoint(
-    directory: str | os.PathLike, model: str, module: nn.Module, optimizer: torch.optim.Optimizer, step: int
+    directory: str | os.PathLike,
+    model: str,
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    step: int,
+    samples_stepped: int = 0,
 ) -> Path:
     """Writes the stage's state atomically and returns the checkpoint's path."""
     stage, num_stages = module.stage, module.num_stages
@@ -49,6 +55,7 @@ def save_checkpoint(
         "step": step,
         "parameters": {name: t.detach().cpu() for name, t in module.state_dict().items()},
         "optimizer": optimizer.state_dict(),
+        "samples_stepped": samples_stepped,
     }
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     try:

@@ -55,6 +55,7 @@ class StageHandler:
         state: Callable[[], str],
         step_wait: float = 40.0,
         resyncs: Callable[[], int] = lambda: 0,
+        lost_samples: Callable[[int], dict[str, int]] = lambda step: {},
     ) -> None:
         self.runtime = runtime
         self.stage: GPTStage = runtime.module
@@ -64,6 +65,7 @@ class StageHandler:
         self.state = state
         self.step_wait = step_wait
         self.resyncs = resyncs
+        self.lost_samples = lost_samples
         self.requests_served = 0
         self.requests_refused = 0
         self._step_changed = asyncio.Event()
@@ -73,11 +75,16 @@ class StageHandler:
         self._step_changed.set()
         self._step_changed = asyncio.Event()
 
-    async def _wait_for_step(self, step: int) -> bool:
-        """Waits until the stage has reached `step` (at most `step_wait` seconds); whether it has."""
+    async def _wait_for_step(self, step: int) -> bool | None:
+        """Waits until the stage has reached `step` (at most `step_wait` seconds); whether it has.
+
+        None: the stage cannot get there until lost samples are sent again (see `lost_samples`).
+        """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.step_wait
         while self.runtime.step < step:
+            if self.lost_samples(self.runtime.step):
+                return None
             remaining = deadline - loop.time()
             if remaining <= 0:
                 return False
@@ -137,7 +144,19 @@ class StageHandler:
         except StageInputError as e:
             return [self._error(ErrorCode.BAD_REQUEST, str(e))]
         # the caller expects the stage at request.step: its previous step must be applied first
-        if not await self._wait_for_step(request.step):
+        reached = await self._wait_for_step(request.step)
+        if reached is None:
+            short_step = self.runtime.step
+            lost = self.lost_samples(short_step)
+            reply = self._error(
+                ErrorCode.SHORT,
+                f"step {short_step} lost {sum(lost.values())} samples with mate(s) {sorted(lost)}; "
+                "send the backwards they had applied again",
+            )
+            reply.short_step = short_step
+            reply.lost_peers.extend(sorted(lost))
+            return [reply]
+        if not reached:
             return [
                 self._error(
                     ErrorCode.UNAVAILABLE,
@@ -206,4 +225,5 @@ class StageHandler:
             stale_gradients=self.runtime.stale_gradients,
             requests_served=self.requests_served,
             resyncs=self.resyncs(),
+            samples_stepped=self.runtime.samples_stepped,
         )

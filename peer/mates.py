@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import logging
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -102,7 +103,10 @@ class StageMates:
         self.limits = WireLimits(max_message_bytes=state_bytes, max_tensor_bytes=state_bytes)
         self.mates: dict[str, StageRecord] = {}
         self.progress: dict[int, dict[str, int]] = defaultdict(dict)
-        self.mailbox: dict[int, dict[str, Contribution | None]] = defaultdict(dict)
+        # contributions by (step, attempt): a round that came up short is tried again as the next attempt
+        self.mailbox: dict[tuple[int, int], dict[str, Contribution | None]] = defaultdict(dict)
+        self.attempts: dict[int, int] = defaultdict(int)
+        self.short: dict[int, dict[str, int]] = {}  # per step: samples lost with each dead mate
         self.rounds = 0
         self.resyncs = 0
         self.dropped_members = 0
@@ -117,6 +121,7 @@ class StageMates:
         self._departed: set[str] = set()
         self._round_step: int | None = None
         self._handed_over: set[str] = set()  # mates that left after handing over their gradients
+        self.on_short: Callable[[], None] | None = None  # wakes requests waiting for a step that is short
 
     async def start(self, p2p: P2P) -> None:
         """Registers the mate protocols on the peer's P2P and hooks into the runtime."""
@@ -178,9 +183,8 @@ class StageMates:
         if step != self.runtime.step or not self.serving:
             return
         total = sum(self.progress[step].values())
-        started_by_mate = any(
-            peer_id != self.peer_id and peer_id not in self._handed_over for peer_id in self.mailbox.get(step, {})
-        )
+        box = self.mailbox.get((step, self.attempts[step]), {})
+        started_by_mate = any(peer_id != self.peer_id and peer_id not in self._handed_over for peer_id in box)
         if total >= self.runtime.target_batch_size or started_by_mate:
             self.runtime.request_step(step)
 
@@ -193,8 +197,11 @@ class StageMates:
         self._departed.clear()
         for old in [s for s in self.progress if s < step]:
             del self.progress[old]
-        for old in [s for s in self.mailbox if s < step]:
+        for old in [key for key in self.mailbox if key[0] < step]:
             del self.mailbox[old]
+        for table in (self.attempts, self.short):
+            for old in [s for s in table if s < step]:
+                del table[old]
         self._check_trigger(step)
 
     # --- StepCoordinator: called on the runtime thread --------------------------------------------
@@ -262,19 +269,43 @@ class StageMates:
 
     async def _round(self, step: int, grad_sum: torch.Tensor | None, samples: int) -> tuple[torch.Tensor | None, int]:
         """This peer's side of the averaging round at `step`; returns the group's gradient sum and samples."""
-        box = self.mailbox[step]
+        attempt = self.attempts[step]
+        box = self.mailbox[step, attempt]
         members = {self.peer_id, *self.mates, *self.progress.get(step, {})}
         members |= self._named_in(box)
         own = Contribution(samples, grad_sum, frozenset(members))
         box[self.peer_id] = own
         self._round_step = step
         try:
-            return await self._gather(step, box, members, own)
+            summed, total = await self._gather(step, attempt, box, members, own)
         finally:
             self._round_step = None
+        # a mate that announced samples but never sent them died holding them: those samples must be
+        # sent again by the trainers, so the stage waits instead of stepping on a short batch
+        lost = {
+            peer_id: count
+            for peer_id, count in self.progress.get(step, {}).items()
+            if count > 0 and peer_id not in box and peer_id != self.peer_id
+        }
+        if lost:
+            self.short.setdefault(step, {}).update(lost)
+            for peer_id in lost:
+                self.progress[step].pop(peer_id, None)
+            self.attempts[step] = attempt + 1
+            # what leaving mates handed over is still good: it goes into the next attempt as it is
+            for peer_id in self._handed_over & set(box):
+                self.mailbox[step, attempt + 1][peer_id] = box[peer_id]
+            logger.warning(
+                f"Stage {self.stage} step {step}: mate(s) {sorted(lost)} died holding {sum(lost.values())} samples; "
+                "waiting for the trainers to send them again"
+            )
+            if self.on_short is not None:
+                self.on_short()
+            return None, -1
+        return summed, total
 
     async def _gather(
-        self, step: int, box: dict[str, Contribution | None], members: set[str], own: Contribution
+        self, step: int, attempt: int, box: dict[str, Contribution | None], members: set[str], own: Contribution
     ) -> tuple[torch.Tensor | None, int]:
         loop = asyncio.get_running_loop()
         unreachable: set[str] = set()
@@ -284,7 +315,9 @@ class StageMates:
         while True:
             for peer_id in members - sent:
                 sent.add(peer_id)
-                sends.append(self._spawn(self._send_contribution(peer_id, step, own, members, unreachable)))
+                sends.append(
+                    self._spawn(self._send_contribution(peer_id, step, own, members, unreachable, attempt=attempt))
+                )
             self._changed.clear()
             members |= self._named_in(box)
             missing = members - set(box) - unreachable - self._departed
@@ -329,6 +362,7 @@ class StageMates:
         members: set[str],
         unreachable: set[str],
         handover: bool = False,
+        attempt: int = 0,
     ) -> None:
         header = GradContribution(
             protocol_version=PROTOCOL_VERSION,
@@ -338,6 +372,7 @@ class StageMates:
             samples=own.samples,
             members=sorted(members),
             handover=handover,
+            attempt=attempt,
         )
         loop = asyncio.get_running_loop()
         parts = []
@@ -395,7 +430,10 @@ class StageMates:
             if not torch.isfinite(tensors[0]).all():
                 return Error(code=ErrorCode.BAD_REQUEST, message="gradients hold NaN or infinity")
             grad_sum = tensors[0]
-        self.mailbox[header.step][sender] = Contribution(header.samples, grad_sum, frozenset(header.members))
+        if header.attempt < self.attempts[header.step]:
+            return Error(code=ErrorCode.OK)  # from a round already found short here: superseded
+        key = (header.step, header.attempt)
+        self.mailbox[key][sender] = Contribution(header.samples, grad_sum, frozenset(header.members))
         self._changed.set()
         if header.handover:  # a leaving peer's gradients wait for the round the stage would hold anyway
             self._handed_over.add(sender)
@@ -417,7 +455,11 @@ class StageMates:
         members = {self.peer_id, *self.mates}
         own = Contribution(samples, grad_sum, frozenset(members))
         unreachable: set[str] = set()
-        sends = [self._send_contribution(p, step, own, members, unreachable, handover=True) for p in self.mates]
+        attempt = self.attempts[step]
+        sends = [
+            self._send_contribution(p, step, own, members, unreachable, handover=True, attempt=attempt)
+            for p in self.mates
+        ]
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(asyncio.gather(*sends, return_exceptions=True), timeout)
         taken = len(self.mates) - len(unreachable)
@@ -443,9 +485,9 @@ class StageMates:
                     self._departed.add(requester)
                     self._changed.set()
                 snapshot = runtime.run_exclusive(
-                    lambda: (runtime.step, *state_tensors(runtime.module, runtime.optimizer))
+                    lambda: (runtime.step, runtime.samples_stepped, *state_tensors(runtime.module, runtime.optimizer))
                 )
-                step, tensors, has_optimizer_state = await asyncio.wrap_future(snapshot)
+                step, samples_stepped, tensors, has_optimizer_state = await asyncio.wrap_future(snapshot)
                 # the newcomer is a member from the step it takes: rounds from then on include it
                 self.progress[step].setdefault(requester, 0)
                 self._departed.discard(requester)
@@ -457,7 +499,10 @@ class StageMates:
                     None, lambda: [p for t in tensors for p in encode_tensor(t, get_codec("none"))]
                 )
                 reply = StateReply(
-                    protocol_version=PROTOCOL_VERSION, step=step, has_optimizer_state=has_optimizer_state
+                    protocol_version=PROTOCOL_VERSION,
+                    step=step,
+                    has_optimizer_state=has_optimizer_state,
+                    samples_stepped=samples_stepped,
                 )
                 frames = pack_frames(reply, parts)
         except WireError as e:
@@ -474,7 +519,7 @@ class StageMates:
         Raises StageStateError if the mate refuses, sends a state that does not fit, or is at a
         step before `minimum_step`.
         """
-        step, tensors, has_optimizer_state = await request_state(
+        step, tensors, has_optimizer_state, samples_stepped = await request_state(
             self.p2p, peer_id, self.model, self.stage, self.limits, timeout
         )
         if step < minimum_step:
@@ -485,7 +530,9 @@ class StageMates:
         def apply() -> None:
             load_state_tensors(runtime.module, runtime.optimizer, tensors, has_optimizer_state)
 
-        await asyncio.wrap_future(runtime.run_exclusive(lambda: runtime.load_state(step, apply), front=True))
+        await asyncio.wrap_future(
+            runtime.run_exclusive(lambda: runtime.load_state(step, apply, samples_stepped), front=True)
+        )
         logger.info(f"Loaded stage {self.stage} state of step {step} (fingerprint {state_fingerprint(tensors)})")
         return step
 
@@ -521,8 +568,8 @@ class StageMates:
 
 async def request_state(
     p2p: P2P, peer_id: str, model: str, stage: int, limits: WireLimits, timeout: float = 120.0
-) -> tuple[int, list[torch.Tensor], bool]:
-    """Asks a peer for its stage's state; returns (step, tensors, has_optimizer_state) or raises StageStateError."""
+) -> tuple[int, list[torch.Tensor], bool, int]:
+    """Asks a peer for its stage's state: (step, tensors, has_optimizer_state, samples_stepped), or StageStateError."""
     request = StateRequest(protocol_version=PROTOCOL_VERSION, model=model, stage=stage)
     reply, parts = await asyncio.wait_for(
         exchange(p2p, PeerID.from_base58(peer_id), STATE_PROTOCOL, [request], StateReply, limits), timeout
@@ -530,4 +577,4 @@ async def request_state(
     if reply.error.code != ErrorCode.OK:
         raise StageStateError(f"{ErrorCode.Name(reply.error.code)}: {reply.error.message}")
     tensors = await asyncio.get_running_loop().run_in_executor(None, decode_tensors, parts, limits)
-    return reply.step, tensors, reply.has_optimizer_state
+    return reply.step, tensors, reply.has_optimizer_state, reply.samples_stepped

@@ -37,7 +37,11 @@ class StepCoordinator(Protocol):
         """Called on the runtime thread whenever this peer's accumulated samples change."""
 
     def average(self, step: int, grad_sum: torch.Tensor | None, samples: int) -> tuple[torch.Tensor | None, int]:
-        """Blocks the runtime thread for one averaging round; returns the group's gradient sum and sample count."""
+        """Blocks the runtime thread for one averaging round; returns the group's gradient sum and sample count.
+
+        A negative count means the round came up short (a mate died holding gradients): the stage
+        keeps what it has accumulated and steps later, once the lost samples have been sent again.
+        """
 
 
 @dataclass
@@ -96,6 +100,7 @@ class StageRuntime:
         self.coordinator: StepCoordinator | None = None  # None: step alone at the target batch
         self.max_staleness = max_staleness
         self.stale_gradients = 0
+        self.samples_stepped = 0  # over the stage's whole life; travels with its state
         self.seconds_per_sample: float | None = None
         self._step_requested: int | None = None
         # keys of recently applied backward requests: a retried backward whose first attempt was
@@ -331,6 +336,10 @@ class StageRuntime:
         else:
             try:
                 grad_sum, total = self.coordinator.average(step, self.flat_gradient(), samples)
+                if total < 0:
+                    with self._cond:
+                        self._step_requested = None
+                    return
             except Exception as e:
                 # keep the gradients; the coordinator asks for this step again on its next check
                 logger.error(f"Stage {self.module.stage}: averaging at step {step} failed ({e!r}); will retry")
@@ -357,11 +366,12 @@ class StageRuntime:
             )
         apply_accumulated_step(self.module, self.optimizer, total)
         self.samples_accumulated = 0
+        self.samples_stepped += total
         self.step += 1
         if self.on_step is not None:
             self.on_step(self.step)
 
-    def load_state(self, step: int, apply: Callable[[], None]) -> None:
+    def load_state(self, step: int, apply: Callable[[], None], samples_stepped: int = 0) -> None:
         """Replaces the stage's state (on the runtime thread): `apply` loads it; accumulated gradients are dropped."""
         if self.samples_accumulated:
             logger.warning(
@@ -374,5 +384,6 @@ class StageRuntime:
         with self._cond:
             self._step_requested = None
         self.step = step
+        self.samples_stepped = samples_stepped
         if self.on_step is not None:
             self.on_step(self.step)

@@ -41,12 +41,12 @@ class Peer:
         module = build_stage(self.spec, config.stage, config.num_stages, config.seed)
         settings = OptimizerSettings(config.lr, config.weight_decay, config.beta1, config.beta2)
         optimizer = build_optimizer(module, settings)
-        step = 0
+        step, samples_stepped = 0, 0
         if config.checkpoint_dir:
             checkpoint = load_checkpoint(config.checkpoint_dir, config.model, config.stage, config.num_stages)
             if checkpoint is not None:
                 restore(checkpoint, module, optimizer)
-                step = checkpoint.step
+                step, samples_stepped = checkpoint.step, checkpoint.samples_stepped
                 logger.info(f"Resumed stage {config.stage} from its checkpoint at step {step}")
         self.runtime = StageRuntime(
             module,
@@ -58,6 +58,7 @@ class Peer:
             on_step=self._on_step,
             max_staleness=config.max_staleness,
         )
+        self.runtime.samples_stepped = samples_stepped
         self.mates = StageMates(
             self.runtime,
             self.peer_id,
@@ -74,7 +75,9 @@ class Peer:
             state=lambda: self.state,
             step_wait=config.averaging_timeout + 10,
             resyncs=lambda: self.mates.resyncs,
+            lost_samples=lambda step: self.mates.short.get(step, {}),
         )
+        self.mates.on_short = self.handler.notify_step
         self.loop: asyncio.AbstractEventLoop | None = None
 
     def _on_step(self, step: int) -> None:
@@ -94,6 +97,7 @@ class Peer:
             self.runtime.module,
             self.runtime.optimizer,
             self.runtime.step,
+            self.runtime.samples_stepped,
         )
         logger.info(f"Saved checkpoint of step {self.runtime.step} to {path}")
 

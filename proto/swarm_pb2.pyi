@@ -24,6 +24,7 @@ class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     INTERNAL: _ClassVar[ErrorCode]
     STALE: _ClassVar[ErrorCode]
     OUT_OF_SYNC: _ClassVar[ErrorCode]
+    SHORT: _ClassVar[ErrorCode]
 CALL_KIND_UNSPECIFIED: CallKind
 FORWARD: CallKind
 BACKWARD: CallKind
@@ -36,6 +37,7 @@ UNAVAILABLE: ErrorCode
 INTERNAL: ErrorCode
 STALE: ErrorCode
 OUT_OF_SYNC: ErrorCode
+SHORT: ErrorCode
 
 class Tensor(_message.Message):
     __slots__ = ("buffer", "shape", "dtype", "codec", "num_parts")
@@ -80,7 +82,7 @@ class StageRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., kind: _Optional[_Union[CallKind, str]] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch_id: _Optional[int] = ..., step: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., more: _Optional[bool] = ...) -> None: ...
 
 class StageReply(_message.Message):
-    __slots__ = ("protocol_version", "error", "step", "tensors", "loss", "num_samples", "more", "server_seconds")
+    __slots__ = ("protocol_version", "error", "step", "tensors", "loss", "num_samples", "more", "server_seconds", "short_step", "lost_peers")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +91,8 @@ class StageReply(_message.Message):
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
     SERVER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SHORT_STEP_FIELD_NUMBER: _ClassVar[int]
+    LOST_PEERS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     error: Error
     step: int
@@ -97,7 +101,9 @@ class StageReply(_message.Message):
     num_samples: int
     more: bool
     server_seconds: float
-    def __init__(self, protocol_version: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., step: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., loss: _Optional[float] = ..., num_samples: _Optional[int] = ..., more: _Optional[bool] = ..., server_seconds: _Optional[float] = ...) -> None: ...
+    short_step: int
+    lost_peers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, protocol_version: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., step: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., loss: _Optional[float] = ..., num_samples: _Optional[int] = ..., more: _Optional[bool] = ..., server_seconds: _Optional[float] = ..., short_step: _Optional[int] = ..., lost_peers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PeerInfoRequest(_message.Message):
     __slots__ = ("protocol_version",)
@@ -106,7 +112,7 @@ class PeerInfoRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ...) -> None: ...
 
 class PeerInfo(_message.Message):
-    __slots__ = ("protocol_version", "error", "model", "stage", "num_stages", "step", "throughput", "queue_length", "state", "samples_accumulated", "target_batch_size", "stale_gradients", "requests_served", "resyncs")
+    __slots__ = ("protocol_version", "error", "model", "stage", "num_stages", "step", "throughput", "queue_length", "state", "samples_accumulated", "target_batch_size", "stale_gradients", "requests_served", "resyncs", "samples_stepped")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +127,7 @@ class PeerInfo(_message.Message):
     STALE_GRADIENTS_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_SERVED_FIELD_NUMBER: _ClassVar[int]
     RESYNCS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_STEPPED_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     error: Error
     model: str
@@ -135,7 +142,8 @@ class PeerInfo(_message.Message):
     stale_gradients: int
     requests_served: int
     resyncs: int
-    def __init__(self, protocol_version: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., step: _Optional[int] = ..., throughput: _Optional[float] = ..., queue_length: _Optional[int] = ..., state: _Optional[str] = ..., samples_accumulated: _Optional[int] = ..., target_batch_size: _Optional[int] = ..., stale_gradients: _Optional[int] = ..., requests_served: _Optional[int] = ..., resyncs: _Optional[int] = ...) -> None: ...
+    samples_stepped: int
+    def __init__(self, protocol_version: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., step: _Optional[int] = ..., throughput: _Optional[float] = ..., queue_length: _Optional[int] = ..., state: _Optional[str] = ..., samples_accumulated: _Optional[int] = ..., target_batch_size: _Optional[int] = ..., stale_gradients: _Optional[int] = ..., requests_served: _Optional[int] = ..., resyncs: _Optional[int] = ..., samples_stepped: _Optional[int] = ...) -> None: ...
 
 class MateProgress(_message.Message):
     __slots__ = ("protocol_version", "model", "stage", "step", "samples")
@@ -152,7 +160,7 @@ class MateProgress(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., samples: _Optional[int] = ...) -> None: ...
 
 class GradContribution(_message.Message):
-    __slots__ = ("protocol_version", "model", "stage", "step", "samples", "members", "tensors", "more", "handover")
+    __slots__ = ("protocol_version", "model", "stage", "step", "samples", "members", "tensors", "more", "handover", "attempt")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -162,6 +170,7 @@ class GradContribution(_message.Message):
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
     HANDOVER_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     model: str
     stage: int
@@ -171,7 +180,8 @@ class GradContribution(_message.Message):
     tensors: _containers.RepeatedCompositeFieldContainer[Tensor]
     more: bool
     handover: bool
-    def __init__(self, protocol_version: _Optional[int] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., samples: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., more: _Optional[bool] = ..., handover: _Optional[bool] = ...) -> None: ...
+    attempt: int
+    def __init__(self, protocol_version: _Optional[int] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., samples: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., more: _Optional[bool] = ..., handover: _Optional[bool] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class MateReply(_message.Message):
     __slots__ = ("protocol_version", "error", "step")
@@ -194,17 +204,19 @@ class StateRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ...) -> None: ...
 
 class StateReply(_message.Message):
-    __slots__ = ("protocol_version", "error", "step", "has_optimizer_state", "tensors", "more")
+    __slots__ = ("protocol_version", "error", "step", "has_optimizer_state", "tensors", "more", "samples_stepped")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     HAS_OPTIMIZER_STATE_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_STEPPED_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     error: Error
     step: int
     has_optimizer_state: bool
     tensors: _containers.RepeatedCompositeFieldContainer[Tensor]
     more: bool
-    def __init__(self, protocol_version: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., step: _Optional[int] = ..., has_optimizer_state: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., more: _Optional[bool] = ...) -> None: ...
+    samples_stepped: int
+    def __init__(self, protocol_version: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., step: _Optional[int] = ..., has_optimizer_state: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., more: _Optional[bool] = ..., samples_stepped: _Optional[int] = ...) -> None: ...

@@ -55,6 +55,9 @@ class TrainingSummary:
     first_loss: float = float("nan")
     last_loss: float = float("nan")
     retries: int = 0
+    samples_resent: int = 0  # backwards sent again because the peer that applied them died before its step
+    bans: int = 0
+    step_seconds: list[float] = field(default_factory=list)  # since the start, at the end of each step
     bytes_sent: int = 0
     bytes_received: int = 0
     codecs: dict[str, str] = field(default_factory=dict)  # per peer, at the end (with --compression auto)
@@ -84,6 +87,10 @@ class Trainer:
         self.step = 0
         # random start: a restarted trainer with the same identity must not reuse microbatch ids
         self._microbatch_ids = random.getrandbits(62)
+        # backwards applied per (stage, step): (peer, microbatch id, tensors); resent if that peer dies
+        self._applied: dict[tuple[int, int], list[tuple[str, int, list[torch.Tensor]]]] = {}
+        self._resent: set[tuple[int, int, str]] = set()
+        self._resending = asyncio.Lock()
 
     # --- peers -----------------------------------------------------------------------------------
 
@@ -179,6 +186,9 @@ class Trainer:
             except StageCallError as e:
                 if e.code == ErrorCode.STALE:
                     raise
+                if e.code == ErrorCode.SHORT and e.reply is not None:
+                    await self.resend_lost(stage, e.reply.short_step, list(e.reply.lost_peers))
+                    continue
                 if not e.retriable:
                     raise TrainingError(f"stage {stage} refused a request: {e}") from e
                 ban = self.router.report_failure(record.peer_id)
@@ -188,12 +198,38 @@ class Trainer:
                 logger.warning(f"Stage {stage} call failed ({e}); peer banned for {ban:.0f}s, retrying")
                 continue
             self.router.report_success(record.peer_id, backward, samples, time.perf_counter() - started)
+            if backward:  # remembered until the stage has stepped past it, in case that peer dies first
+                self._applied.setdefault((stage, reply.step), []).append((record.peer_id, microbatch_id, tensors))
             self.summary.bytes_sent += stats.bytes_sent
             self.summary.bytes_received += stats.bytes_received
             if self.chooser is not None:
                 self.chooser.observe(record.peer_id, stats.bytes_sent + stats.bytes_received, stats.network_seconds)
             return reply, outputs
         raise TrainingError(f"stage {stage} call failed after {self.config.max_retries} attempts: {last_error}")
+
+    async def resend_lost(self, stage: int, step: int, lost_peers: list[str]) -> None:
+        """Sends again the backwards of `step` that peers of `stage` applied before dying with them."""
+        async with self._resending:
+            for peer_id in lost_peers:
+                if (stage, step, peer_id) in self._resent:
+                    continue
+                self._resent.add((stage, step, peer_id))
+                work = [item for item in self._applied.get((stage, step), []) if item[0] == peer_id]
+                samples = sum(tensors[0].shape[0] for _, _, tensors in work)
+                logger.warning(
+                    f"Stage {stage} lost the gradients of {samples} samples of step {step} with peer {peer_id}; "
+                    "sending them again"
+                )
+                for _, microbatch_id, tensors in work:
+                    await self.call(stage, True, tensors, microbatch_id, step)
+                self.summary.samples_resent += samples
+
+    def _forget_applied(self) -> None:
+        """Keeps, per stage, the backwards of its two latest steps: older ones can no longer be lost."""
+        for stage in range(self.config.num_stages):
+            steps = sorted(step for s, step in self._applied if s == stage)
+            for step in steps[:-2]:
+                del self._applied[stage, step]
 
     async def run_microbatch(self, tokens: torch.Tensor) -> float:
         """Forward and backward of one microbatch through every stage; returns its mean loss.
@@ -265,6 +301,9 @@ class Trainer:
                 summary.losses.append(loss)
                 summary.seconds = time.perf_counter() - start
                 summary.samples_per_second = summary.samples / summary.seconds
+                summary.step_seconds.append(round(summary.seconds, 3))
+                summary.bans = self.router.bans_issued
+                self._forget_applied()
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.3f}", samples_s=f"{summary.samples_per_second:.1f}")
                 if not config.progress and summary.steps % 10 == 0:

@@ -44,9 +44,9 @@ REPLY_HEADER_BYTES = 64  # about what a reply carries besides tensor data
 class StageCallError(Exception):
     """A stage call that failed: an error reply from the peer, a broken stream, or a timeout."""
 
-    def __init__(self, code: int, message: str, peer_id: str = "") -> None:
+    def __init__(self, code: int, message: str, peer_id: str = "", reply: StageReply | None = None) -> None:
         super().__init__(f"{ErrorCode.Name(code)} from {peer_id or 'peer'}: {message}")
-        self.code, self.detail, self.peer_id = code, message, peer_id
+        self.code, self.detail, self.peer_id, self.reply = code, message, peer_id, reply
 
     @property
     def retriable(self) -> bool:
@@ -125,7 +125,7 @@ async def call_stage(
             await shaper.receive(str(peer_id), stats.bytes_received)
         stats.network_seconds = max(0.0, time.perf_counter() - started - reply.server_seconds)
         if reply.error.code != ErrorCode.OK:
-            raise StageCallError(reply.error.code, reply.error.message, str(peer_id))
+            raise StageCallError(reply.error.code, reply.error.message, str(peer_id), reply)
         outputs = await loop.run_in_executor(None, decode_tensors, reply_parts, limits)
     except StageCallError:
         raise

@@ -175,14 +175,16 @@ def parameter_differences(module, parameters: dict) -> tuple[float, float]:
     return float(diffs.max()), float(diffs.mean())
 
 
-def reordering_noise(steps: int, stage: int, microbatch_size: int = MICRO) -> tuple[float, float]:
+def reordering_noise(
+    steps: int, stage: int, microbatch_size: int = MICRO, model: str = "gpt-tiny"
+) -> tuple[float, float]:
     """How far the one-process reference moves when only its summation order changes (other microbatches).
 
     Training amplifies rounding differences step after step (Adam rescales tiny gradients to lr-sized
     updates), so over many steps two exact runs drift apart; this measures that drift.
     """
-    reordered = reference_run(steps, microbatch_size=3).stages[stage]
-    return parameter_differences(reordered, reference_run(steps, microbatch_size).stages[stage].state_dict())
+    reordered = reference_run(steps, microbatch_size=3, model=model).stages[stage]
+    return parameter_differences(reordered, reference_run(steps, microbatch_size, model).stages[stage].state_dict())
 
 
 def assert_matches_reference(module, parameters: dict, what: str, noise: tuple[float, float] = (0.0, 0.0)) -> None:

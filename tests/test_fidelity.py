@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import assert_matches_reference, peer_flags, reference_run, trainer_flags
+from conftest import assert_matches_reference, peer_flags, reference_run, reordering_noise, trainer_flags
 from swarm.peer.checkpoint import load_checkpoint
 
 STEPS = 4
@@ -32,4 +32,6 @@ def test_swarm_matches_one_process(local_swarm, tmp_path, model):
     for stage, module in enumerate(reference.stages):
         checkpoint = load_checkpoint(checkpoints, model, stage, 3)
         assert checkpoint is not None and checkpoint.step == STEPS
-        assert_matches_reference(module, checkpoint.parameters, f"stage {stage}")
+        # the bottleneck's projections amplify rounding: hold it to the drift of a reordered reference
+        noise = reordering_noise(STEPS, stage, model=model) if model != "gpt-tiny" else (0.0, 0.0)
+        assert_matches_reference(module, checkpoint.parameters, f"stage {stage}", noise)
