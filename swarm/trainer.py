@@ -56,6 +56,7 @@ class TrainingSummary:
     last_loss: float = float("nan")
     retries: int = 0
     samples_resent: int = 0  # backwards sent again because the peer that applied them died before its step
+    backwards_moved: int = 0  # backwards served by another peer than their forward (its peer gone or busy)
     bans: int = 0
     step_seconds: list[float] = field(default_factory=list)  # since the start, at the end of each step
     bytes_sent: int = 0
@@ -91,6 +92,7 @@ class Trainer:
         self._applied: dict[tuple[int, int], list[tuple[str, int, list[torch.Tensor]]]] = {}
         self._resent: set[tuple[int, int, str]] = set()
         self._resending = asyncio.Lock()
+        self._served_by = ""  # the peer that served the last call (read right after awaiting it)
 
     # --- peers -----------------------------------------------------------------------------------
 
@@ -204,6 +206,7 @@ class Trainer:
             self.summary.bytes_received += stats.bytes_received
             if self.chooser is not None:
                 self.chooser.observe(record.peer_id, stats.bytes_sent + stats.bytes_received, stats.network_seconds)
+            self._served_by = record.peer_id
             return reply, outputs
         raise TrainingError(f"stage {stage} call failed after {self.config.max_retries} attempts: {last_error}")
 
@@ -250,15 +253,18 @@ class Trainer:
         mb = self._microbatch_ids
         last = self.config.num_stages - 1
         inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-        stage_inputs, versions = [inputs], []
+        stage_inputs, versions, forward_peers = [inputs], [], []
         for stage in range(last):
             reply, (hidden,) = await self.call(stage, False, [stage_inputs[-1]], mb, self.step)
             stage_inputs.append(hidden)
             versions.append(reply.step)
+            forward_peers.append(self._served_by)
         reply, grads = await self.call(last, True, [stage_inputs[last], targets], mb, self.step)
         for stage in reversed(range(last)):
             (grad,) = grads
             _, grads = await self.call(stage, True, [stage_inputs[stage], grad], mb, versions[stage])
+            if self._served_by != forward_peers[stage]:  # stateless serving: any stage-mate can do it
+                self.summary.backwards_moved += 1
         return reply.loss
 
     async def run_step(self, batch: torch.Tensor) -> float:
