@@ -158,12 +158,14 @@ class Trainer:
         """
         tried: list[str] = []
         last_error: Exception | None = None
-        for _attempt in range(self.config.max_retries):
+        attempts, short_since = 0, None
+        while attempts < self.config.max_retries:
             samples = tensors[0].shape[0]
             record = self.router.choose(stage, backward, samples, exclude=tried)
             if record is None:
                 await self.wait_for_stage(stage)
                 continue
+            attempts += 1
             request = StageRequest(
                 kind=BACKWARD if backward else FORWARD,
                 model=self.config.model,
@@ -189,7 +191,13 @@ class Trainer:
                 if e.code == ErrorCode.STALE:
                     raise
                 if e.code == ErrorCode.SHORT and e.reply is not None:
+                    # not the peer's fault: the stage waits for lost samples; send them and wait for its step
                     await self.resend_lost(stage, e.reply.short_step, list(e.reply.lost_peers))
+                    short_since = short_since or time.monotonic()
+                    if time.monotonic() - short_since > self.config.stage_wait_timeout:
+                        raise TrainingError(f"stage {stage} stayed short of lost samples: {e}") from e
+                    attempts -= 1
+                    await asyncio.sleep(0.3)
                     continue
                 if not e.retriable:
                     raise TrainingError(f"stage {stage} refused a request: {e}") from e
