@@ -4,8 +4,9 @@ Two kinds of churn:
 - `--kill-every S`: every S seconds (randomised, exponential) a random peer gets SIGKILL (or
   SIGTERM with `--signal term`) and a replacement for its stage is started at once.
 - `--trace FILE`: a spot availability trace (`time_ms,add|remove,node` lines, as in
-  ../shared/traces) replayed compressed into `--trace-minutes`, its nodes mapped round-robin onto
-  stages and scaled to at most `--max-peers` live peers; a removal is a SIGKILL.
+  ../shared/traces) replayed compressed into `--trace-minutes`: the trace's live node count, scaled
+  so that its peak is `--max-peers`, is followed by starting peers (on the stage with the fewest)
+  and SIGKILLing random ones.
 
 A stage's last serving peer is never killed (its state would be gone; checkpoints cover that
 case, not churn). First a trainer runs with no churn to measure the baseline throughput; then a
@@ -128,20 +129,25 @@ def samples_stepped(swarm: LocalSwarm, dht: DHT) -> dict[int, int]:
     return asyncio.run(main())
 
 
-def load_trace(path: str, minutes: float, max_peers: int) -> list[tuple[float, str, str]]:
-    """(seconds after start, add or remove, node) events, time-compressed, nodes past max_peers dropped."""
+def load_trace(path: str, minutes: float, max_peers: int) -> list[tuple[float, int]]:
+    """(seconds after start, live peers wanted) from a trace: time compressed into `minutes`, and the
+    trace's live node count scaled so that its peak becomes `max_peers` (at least one per stage)."""
     with open(path) as file:
-        rows = [(int(row[0]), row[1], row[2]) for row in csv.reader(file) if row]
-    span = max(t for t, _, _ in rows) or 1
-    scale = minutes * 60 / span
-    kept: set[str] = set()
-    events = []
-    for t, kind, node in rows:
-        if kind == "add" and len(kept) < max_peers:
-            kept.add(node)
-        if node in kept:
-            events.append((t * scale, kind, node))
-    return events
+        rows = sorted((int(row[0]), row[1]) for row in csv.reader(file) if row)
+    span = max(t for t, _ in rows) or 1
+    live, peak, counts = 0, 0, []
+    for t, kind in rows:
+        live += 1 if kind == "add" else -1
+        peak = max(peak, live)
+        counts.append((t * minutes * 60 / span, live))
+    targets: list[tuple[float, int]] = []
+    for t, count in counts:
+        wanted = max(3, round(count * max_peers / peak))
+        if targets and targets[-1][0] == t:
+            targets[-1] = (t, wanted)  # events at the same moment: only where they end up counts
+        elif not targets or targets[-1][1] != wanted:
+            targets.append((t, wanted))
+    return targets
 
 
 def main() -> None:
@@ -153,7 +159,7 @@ def main() -> None:
     parser.add_argument("--signal", choices=["kill", "term"], default="kill", help="how peers are taken down")
     parser.add_argument("--trace", help="replay this spot trace instead of random kills")
     parser.add_argument("--trace-minutes", type=float, default=10.0, help="compress the trace into this long")
-    parser.add_argument("--max-peers", type=int, default=9, help="most live peers when replaying a trace")
+    parser.add_argument("--max-peers", type=int, default=6, help="live peers at the trace's peak (scaled)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random choices")
     args = parser.parse_args()
 
@@ -166,12 +172,10 @@ def main() -> None:
         try:
             churn = Churn(swarm, dht, sig, rng)
             trace = load_trace(args.trace, args.trace_minutes, args.max_peers) if args.trace else []
-            node_names: dict[str, str] = {}
             if trace:
-                initial = [(t, node) for t, kind, node in trace if t == 0 and kind == "add"]
-                for index, (_, node) in enumerate(initial):
-                    node_names[node] = churn.start(index % 3)
-                trace = [event for event in trace if event[0] > 0]
+                _, wanted = trace.pop(0)
+                for index in range(wanted):
+                    churn.start(index % 3)
             else:
                 for stage in range(3):
                     for _ in range(args.peers_per_stage):
@@ -181,26 +185,28 @@ def main() -> None:
             baseline = finish(trainer_run(swarm, "trainer-baseline", args.baseline_steps, workdir), 600)
 
             duration = args.trace_minutes * 60 if trace else args.duration
-            # enough steps to outlast the churn at the baseline speed; the trainer is stopped when it ends
-            steps = int(baseline["samples_per_second"] * duration / 32 * 2) + 10
+            # the steps the baseline would train in `duration`; churn goes on until they are done
+            steps = max(1, int(baseline["samples_per_second"] * duration / 32))
             run = trainer_run(swarm, "trainer-churn", steps, workdir)
             started = time.monotonic()
             next_kill = started + rng.expovariate(1 / args.kill_every)
-            while time.monotonic() - started < duration and run["process"].poll() is None:
+            while run["process"].poll() is None:
                 now = time.monotonic() - started
                 if trace:
                     while trace and trace[0][0] <= now:
-                        _, kind, node = trace.pop(0)
-                        if kind == "add":
-                            node_names[node] = churn.start(churn.least_served_stage())
-                        elif node in node_names and node_names[node] in churn.stage_of:
-                            churn.kill(node_names.pop(node))
-                elif time.monotonic() >= next_kill:
+                        _, wanted = trace.pop(0)
+                        while len(churn.stage_of) < wanted:
+                            churn.start(churn.least_served_stage())
+                        for name in churn.rng.sample(sorted(churn.stage_of), len(churn.stage_of)):
+                            if len(churn.stage_of) <= wanted:
+                                break
+                            churn.kill(name)
+                elif not args.trace and time.monotonic() >= next_kill:
                     churn.kill_random()
                     next_kill = time.monotonic() + rng.expovariate(1 / args.kill_every)
                 time.sleep(0.2)
-            swarm.signal("trainer-churn", signal.SIGTERM)  # stops after the step in progress
             churned = finish(run, 300)
+            trace_left = len(trace)
             time.sleep(3)  # the last step's averaging rounds finish just after the trainer's step
             stepped = samples_stepped(swarm, dht)
         finally:
@@ -220,7 +226,10 @@ def main() -> None:
         "kills": churn.kills,
         "kills_skipped_last_peer": churn.skipped,
         "peers_started": churn.starts,
+        "steps_requested": steps,
         "steps": churned["steps"],
+        "churn_seconds": round(churned["seconds"], 1),
+        "trace_targets_not_replayed": trace_left if args.trace else None,
         "baseline_samples_per_s": round(baseline["samples_per_second"], 2),
         "churn_samples_per_s": round(churned["samples_per_second"], 2),
         "throughput_fraction": round(churned["samples_per_second"] / baseline["samples_per_second"], 3),

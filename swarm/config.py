@@ -285,7 +285,8 @@ class TrainerConfig(NetworkConfig, ModelConfig):
         60.0, "longest a stage call may take before it is retried elsewhere (deadlines follow each peer's latency)"
     )
     call_timeout_floor: float = option(15.0, "shortest deadline given to a stage call, however fast the peer")
-    max_retries: int = option(5, "attempts per stage call before the step fails")
+    max_retries: int = option(5, "attempts per stage call (on different peers) before it is re-queued")
+    max_requeues: int = option(3, "times a call that ran out of attempts is re-queued before training stops")
     stage_wait_timeout: float = option(120.0, "seconds to wait for a stage with no live peer before giving up")
     summary_file: str | None = option(None, "write a JSON summary of the run to FILE")
     progress: bool = option(True, "show a progress bar")

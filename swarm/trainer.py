@@ -56,6 +56,7 @@ class TrainingSummary:
     last_loss: float = float("nan")
     retries: int = 0
     samples_resent: int = 0  # backwards sent again because the peer that applied them died before its step
+    requeued: int = 0  # calls that ran out of attempts and were queued again after a pause
     backwards_moved: int = 0  # backwards served by another peer than their forward (its peer gone or busy)
     bans: int = 0
     step_seconds: list[float] = field(default_factory=list)  # since the start, at the end of each step
@@ -150,7 +151,15 @@ class Trainer:
 
     # --- calls -----------------------------------------------------------------------------------
 
-    async def call(self, stage: int, backward: bool, tensors: list[torch.Tensor], microbatch_id: int, step: int):
+    async def call(
+        self,
+        stage: int,
+        backward: bool,
+        tensors: list[torch.Tensor],
+        microbatch_id: int,
+        step: int,
+        prefer: str | None = None,
+    ):
         """One stage call, retried on other peers of the stage when a peer fails or vanishes.
 
         `step` is the model version: for a forward the step the stage is expected at, for a
@@ -158,10 +167,24 @@ class Trainer:
         """
         tried: list[str] = []
         last_error: Exception | None = None
-        attempts, short_since = 0, None
-        while attempts < self.config.max_retries:
+        attempts, short_since, requeues = 0, None, 0
+        while True:
+            if attempts >= self.config.max_retries:
+                # out of attempts for now: said out loud, the call waits and goes round again, a bounded
+                # number of times; past that, training stops with the error rather than drop the microbatch
+                if requeues >= self.config.max_requeues:
+                    break
+                requeues += 1
+                self.summary.requeued += 1
+                logger.warning(
+                    f"Stage {stage}: microbatch {microbatch_id} failed {attempts} attempts ({last_error}); "
+                    f"re-queued ({requeues}/{self.config.max_requeues})"
+                )
+                await asyncio.sleep(min(30.0, 2.0**requeues))
+                attempts, tried = 0, []
             samples = tensors[0].shape[0]
-            record = self.router.choose(stage, backward, samples, exclude=tried)
+            preferred = [r for r in self.router.live_peers(stage) if r.peer_id == prefer and prefer not in tried]
+            record = preferred[0] if preferred else self.router.choose(stage, backward, samples, exclude=tried)
             if record is None:
                 await self.wait_for_stage(stage)
                 continue
@@ -192,7 +215,7 @@ class Trainer:
                     raise
                 if e.code == ErrorCode.SHORT and e.reply is not None:
                     # not the peer's fault: the stage waits for lost samples; send them and wait for its step
-                    await self.resend_lost(stage, e.reply.short_step, list(e.reply.lost_peers))
+                    await self.resend_lost(stage, e.reply.short_step, list(e.reply.lost_peers), record.peer_id)
                     short_since = short_since or time.monotonic()
                     if time.monotonic() - short_since > self.config.stage_wait_timeout:
                         raise TrainingError(f"stage {stage} stayed short of lost samples: {e}") from e
@@ -216,10 +239,17 @@ class Trainer:
                 self.chooser.observe(record.peer_id, stats.bytes_sent + stats.bytes_received, stats.network_seconds)
             self._served_by = record.peer_id
             return reply, outputs
-        raise TrainingError(f"stage {stage} call failed after {self.config.max_retries} attempts: {last_error}")
+        raise TrainingError(
+            f"stage {stage} call failed after {self.config.max_retries} attempts, "
+            f"{self.config.max_requeues} times over: {last_error}"
+        )
 
-    async def resend_lost(self, stage: int, step: int, lost_peers: list[str]) -> None:
-        """Sends again the backwards of `step` that peers of `stage` applied before dying with them."""
+    async def resend_lost(self, stage: int, step: int, lost_peers: list[str], to: str) -> None:
+        """Sends again the backwards of `step` that peers of `stage` applied before dying with them.
+
+        They go to `to`, the peer that reported the loss: it is certainly still at `step`, while a
+        mate that did get the dead peer's gradients may have stepped past it already.
+        """
         async with self._resending:
             for peer_id in lost_peers:
                 if (stage, step, peer_id) in self._resent:
@@ -232,7 +262,7 @@ class Trainer:
                     "sending them again"
                 )
                 for _, microbatch_id, tensors in work:
-                    await self.call(stage, True, tensors, microbatch_id, step)
+                    await self.call(stage, True, tensors, microbatch_id, step, prefer=to)
                 self.summary.samples_resent += samples
 
     def _forget_applied(self) -> None:
