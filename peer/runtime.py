@@ -88,6 +88,7 @@ class StageRuntime:
         step: int = 0,
         on_step: Callable[[int], None] | None = None,
         max_staleness: int = 1,
+        simulated_speed: float = 0.0,
     ) -> None:
         self.module = module.to(device)
         self.optimizer = optimizer
@@ -102,6 +103,8 @@ class StageRuntime:
         self.stale_gradients = 0
         self.samples_stepped = 0  # over the stage's whole life; travels with its state
         self.seconds_per_sample: float | None = None
+        # > 0: behave as a device of this many samples/s of backward work (compute padded with sleep)
+        self.simulated_speed = simulated_speed
         self._step_requested: int | None = None
         # keys of recently applied backward requests: a retried backward whose first attempt was
         # applied (its reply lost on the way) gets its input gradient again but is not accumulated twice
@@ -193,6 +196,7 @@ class StageRuntime:
         """Times one backward on a sample batch to seed the throughput estimate; leaves no gradients."""
         start = time.perf_counter()
         self._backward(sample)
+        self._pad_to_simulated_speed(start, sample[0].shape[0], backward=True)
         self.seconds_per_sample = (time.perf_counter() - start) / sample[0].shape[0]
         self.module.zero_grad(set_to_none=True)
         return self.throughput
@@ -268,16 +272,19 @@ class StageRuntime:
         sizes = [task.num_samples for task in batch]
         merged = [torch.cat(column) if len(batch) > 1 else column[0] for column in zip(*(t.tensors for t in batch))]
         merged = [tensor.to(self.device, non_blocking=True) for tensor in merged]
+        start = time.perf_counter()
         if not batch[0].backward:
             with torch.inference_mode():
                 outputs = self.module(merged[0])
+            self._pad_to_simulated_speed(start, sum(sizes), backward=False)
             return [StageResult([out.cpu()], None, step) for out in outputs.split(sizes)]
 
         if not batch[0].accumulate:
             input_grad, losses = self._backward(merged, accumulate=False)
+            self._pad_to_simulated_speed(start, sum(sizes), backward=True)
         else:
-            start = time.perf_counter()
             input_grad, losses = self._backward(merged)
+            self._pad_to_simulated_speed(start, sum(sizes), backward=True)
             elapsed = (time.perf_counter() - start) / sum(sizes)
             self.seconds_per_sample = (
                 elapsed if self.seconds_per_sample is None else (0.9 * self.seconds_per_sample + 0.1 * elapsed)
@@ -290,6 +297,15 @@ class StageRuntime:
         grads = input_grad.cpu().split(sizes) if input_grad is not None else [None] * len(batch)
         loss_parts = losses.cpu().split(sizes) if losses is not None else [None] * len(batch)
         return [StageResult([] if grad is None else [grad], loss, step) for grad, loss in zip(grads, loss_parts)]
+
+    def _pad_to_simulated_speed(self, start: float, samples: int, backward: bool) -> None:
+        """With a simulated speed, sleeps until the work has taken as long as that device would take."""
+        if self.simulated_speed <= 0:
+            return
+        seconds = samples / self.simulated_speed * (1.0 if backward else 1 / 3)
+        remaining = start + seconds - time.perf_counter()
+        if remaining > 0:
+            time.sleep(remaining)
 
     def _backward(
         self, tensors: list[torch.Tensor], accumulate: bool = True

@@ -1,20 +1,23 @@
-"""A peer process: hosts one stage, serves it over libp2p, announces itself, leaves cleanly."""
+"""A peer process: hosts a stage, serves it over libp2p, announces itself, moves where needed, leaves cleanly."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 
 import torch
+from hivemind.p2p import P2P
 from swarm.compression import get_codec
-from swarm.peer.checkpoint import load_checkpoint, restore, save_checkpoint
+from swarm.peer.checkpoint import checkpoint_path, load_checkpoint, restore, save_checkpoint
 from swarm.peer.handler import StageHandler
 from swarm.peer.mates import StageMates
 from swarm.peer.preemption import notice_source, watch_for_preemption
 from swarm.peer.runtime import StageRuntime
 from swarm.proto import PROTOCOL_VERSION
 
+from swarm.balance import capacities, choose_stage, loads_from_records, plan_moves, stage_costs
 from swarm.config import PeerConfig
 from swarm.dht_node import connect_to_daemon, start_dht
 from swarm.event_loop import run, stop_event_on_signals
@@ -28,26 +31,46 @@ logger = logging.getLogger(__name__)
 
 
 class Peer:
-    """One stage's host: the runtime, the handlers, the DHT announcements and the checkpoints."""
+    """A host of one stage at a time: the runtime, the handlers, the announcements and the checkpoints.
+
+    It starts on the stage given, or with `--stage auto` on the swarm's bottleneck, and every
+    `--rebalance-period` (randomised) it applies the balance rule (`swarm.balance`): if the rule
+    moves it, it leaves its stage as on a graceful leave (handing its gradients to its mates) and
+    joins the bottleneck, downloading that stage's state from the peers there.
+    """
 
     def __init__(self, config: PeerConfig) -> None:
         self.config = config
         self.spec = get_model_spec(config.model)
+        self.costs = stage_costs(self.spec, config.num_stages)
         self.state = JOINING
+        self.moves = 0
+        self.rng = random.Random()
         torch.set_num_threads(config.num_threads)
         # the DHT forks: create it before any thread exists
         self.dht = start_dht(config)
         self.peer_id = str(self.dht.peer_id)
-        module = build_stage(self.spec, config.stage, config.num_stages, config.seed)
+        self.stage: int = config.initial_stage if config.initial_stage is not None else -1
+        self.runtime: StageRuntime | None = None
+        self.mates: StageMates | None = None
+        self.handler: StageHandler | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def _build(self, stage: int, resume: bool) -> None:
+        """Builds the stage's module, optimizer, runtime, mates and handler (resuming a checkpoint if asked)."""
+        config = self.config
+        self.stage = stage
+        module = build_stage(self.spec, stage, config.num_stages, config.seed)
         settings = OptimizerSettings(config.lr, config.weight_decay, config.beta1, config.beta2)
         optimizer = build_optimizer(module, settings)
         step, samples_stepped = 0, 0
-        if config.checkpoint_dir:
-            checkpoint = load_checkpoint(config.checkpoint_dir, config.model, config.stage, config.num_stages)
+        if resume and config.checkpoint_dir:
+            checkpoint = load_checkpoint(config.checkpoint_dir, config.model, stage, config.num_stages)
             if checkpoint is not None:
                 restore(checkpoint, module, optimizer)
                 step, samples_stepped = checkpoint.step, checkpoint.samples_stepped
-                logger.info(f"Resumed stage {config.stage} from its checkpoint at step {step}")
+                logger.info(f"Resumed stage {stage} from its checkpoint at step {step}")
+        simulated = config.simulated_speed / self.costs[stage] if config.simulated_speed else 0.0
         self.runtime = StageRuntime(
             module,
             optimizer,
@@ -57,6 +80,7 @@ class Peer:
             step=step,
             on_step=self._on_step,
             max_staleness=config.max_staleness,
+            simulated_speed=simulated,
         )
         self.runtime.samples_stepped = samples_stepped
         self.mates = StageMates(
@@ -67,6 +91,7 @@ class Peer:
             codec=get_codec(config.averaging_codec),
         )
         max_bytes = int(config.max_request_mb * 2**20)
+        mates = self.mates
         self.handler = StageHandler(
             self.runtime,
             config.model,
@@ -74,11 +99,10 @@ class Peer:
             config.max_batch_samples,
             state=lambda: self.state,
             step_wait=config.averaging_timeout + 10,
-            resyncs=lambda: self.mates.resyncs,
-            lost_samples=lambda step: self.mates.short.get(step, {}),
+            resyncs=lambda: mates.resyncs,
+            lost_samples=lambda step: mates.short.get(step, {}),
         )
         self.mates.on_short = self.handler.notify_step
-        self.loop: asyncio.AbstractEventLoop | None = None
 
     def _on_step(self, step: int) -> None:
         """Runs on the runtime thread after every step (or state taken from a mate)."""
@@ -86,7 +110,7 @@ class Peer:
         if self.loop is not None:
             self.loop.call_soon_threadsafe(self.handler.notify_step)
         if step % 10 == 0:
-            logger.info(f"Stage {self.config.stage} reached step {step}")
+            logger.info(f"Stage {self.stage} reached step {step}")
         if self.config.checkpoint_dir and self.config.checkpoint_every and step % self.config.checkpoint_every == 0:
             self.save_checkpoint()
 
@@ -105,7 +129,7 @@ class Peer:
         config = self.config
         return StageRecord(
             peer_id=self.peer_id,
-            stage=config.stage,
+            stage=self.stage,
             model=config.model,
             num_stages=config.num_stages,
             state=self.state,
@@ -117,17 +141,21 @@ class Peer:
             protocol_version=PROTOCOL_VERSION,
         )
 
-    async def _announce(self) -> None:
+    async def _announce(self, record: StageRecord | None = None) -> None:
+        record = record or self.record()
         await asyncio.get_running_loop().run_in_executor(
-            None, announce, self.dht, self.config.run_id, self.record(), self.config.record_ttl
+            None, announce, self.dht, self.config.run_id, record, self.config.record_ttl
+        )
+
+    async def _fetch_records(self, only: int | None = None) -> dict[int, list[StageRecord]]:
+        config = self.config
+        return await asyncio.get_running_loop().run_in_executor(
+            None, lambda: fetch_stage_records(self.dht, config.run_id, config.num_stages, only=only)
         )
 
     async def _read_mates(self) -> None:
-        config = self.config
-        records = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: fetch_stage_records(self.dht, config.run_id, config.num_stages, only=config.stage)
-        )
-        self.mates.update_records(records[config.stage])
+        records = await self._fetch_records(only=self.stage)
+        self.mates.update_records(records[self.stage])
 
     async def _announce_forever(self) -> None:
         while True:
@@ -137,6 +165,42 @@ class Peer:
             except Exception as e:
                 logger.warning(f"Could not reach the DHT ({e}); retrying in {self.config.announce_period}s")
             await asyncio.sleep(self.config.announce_period)
+
+    async def _choose_stage(self) -> int:
+        """`--stage auto`: the stage of a checkpoint to resume, else the swarm's bottleneck."""
+        config = self.config
+        if config.checkpoint_dir:
+            for stage in range(config.num_stages):
+                if checkpoint_path(config.checkpoint_dir, config.model, stage, config.num_stages).exists():
+                    logger.info(f"Found a checkpoint of stage {stage}; hosting that stage")
+                    return stage
+        # peers started together would all see the same bottleneck: a random pause, then an
+        # announcement right after choosing, lets the later ones see the earlier ones' choices
+        await asyncio.sleep(self.rng.uniform(0, config.announce_period))
+        try:
+            records = await self._fetch_records()
+        except Exception as e:
+            logger.warning(f"Could not read the swarm's stages ({e}); choosing among all of them at random")
+            records = {}
+        loads = loads_from_records(records)
+        stage = choose_stage(loads, config.num_stages, self.costs, self.rng)
+        logger.info(
+            f"Chose stage {stage}: stage capacities {[round(c, 1) for c in capacities(loads, config.num_stages)]} "
+            "samples/s"
+        )
+        # until this peer has measured itself, it counts as a typical peer of that stage
+        peers_there = sorted(p.throughput for p in loads if p.stage == stage)
+        typical = peers_there[len(peers_there) // 2] if peers_there else 0.0
+        guess = config.simulated_speed / self.costs[stage] if config.simulated_speed else typical
+        placeholder = StageRecord(
+            self.peer_id, stage, config.model, config.num_stages, JOINING, 0, guess, 0,
+            config.target_batch_size, 0, PROTOCOL_VERSION,
+        )  # fmt: skip
+        try:
+            await self._announce(placeholder)
+        except Exception as e:
+            logger.warning(f"Could not announce the choice of stage {stage} ({e})")
+        return stage
 
     async def _join(self) -> None:
         """Announced as joining, takes the state of mates that are at this peer's step or ahead."""
@@ -152,9 +216,7 @@ class Peer:
                 f"No stage-mate gave its state; serving from step {self.runtime.step} and retrying as training goes"
             )
             return
-        logger.info(
-            f"Joined stage {self.config.stage} at step {self.runtime.step} in {time.perf_counter() - start:.2f}s"
-        )
+        logger.info(f"Joined stage {self.stage} at step {self.runtime.step} in {time.perf_counter() - start:.2f}s")
 
     def _sample_batch(self) -> list[torch.Tensor]:
         """A small batch of the stage's backward inputs, to measure its speed at start-up."""
@@ -172,6 +234,61 @@ class Peer:
         )
         return [first.to(self.runtime.device), extra.to(self.runtime.device)]
 
+    async def _handle_stage(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await self.handler.handle_stage(stream_info, reader, writer)
+
+    async def _handle_info(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await self.handler.handle_info(stream_info, reader, writer)
+
+    async def _host(self, p2p: P2P) -> float:
+        """Starts the built stage: measures its speed, takes its mates' state, serves; returns samples/s."""
+        self.state = JOINING
+        throughput = self.runtime.measure_throughput(self._sample_batch())
+        self.runtime.start()
+        await self.mates.start(p2p)
+        await self._join()
+        self.mates.start_serving()
+        self.state = SERVING
+        await self._announce()
+        return throughput
+
+    async def _leave_stage(self) -> None:
+        """Stops taking work on this stage, finishes what is queued and hands un-averaged gradients to mates."""
+        self.state = LEAVING
+        try:
+            await asyncio.wait_for(self._announce(), timeout=5)
+        except Exception as e:
+            logger.warning(f"Could not withdraw the DHT record ({e}); it expires in {self.config.record_ttl}s")
+        deadline = time.monotonic() + self.config.shutdown_timeout
+        while self.runtime.queue_length and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await self.mates.hand_over()
+        self.mates.serving = False
+        await self.mates.stop()
+
+    async def _balance_forever(self, move_to: asyncio.Queue) -> None:
+        """Every randomised period, asks the balance rule whether this peer should move; tells `serve` where."""
+        config = self.config
+        while True:
+            # randomised, so that peers do not all look at the same moment and move in a herd
+            await asyncio.sleep(config.rebalance_period * self.rng.uniform(0.5, 1.5))
+            if self.state != SERVING:
+                continue
+            try:
+                records = await self._fetch_records()
+            except Exception as e:
+                logger.warning(f"Could not read the swarm's stages for rebalancing ({e})")
+                continue
+            plan = plan_moves(loads_from_records(records), config.num_stages, config.rebalance_margin, self.costs)
+            mine = next((m for m in plan if m.peer_id == self.peer_id), None)
+            if mine is not None and mine.source == self.stage:
+                logger.info(
+                    f"Moving from stage {mine.source} to the bottleneck stage {mine.target}: the lower of the two "
+                    f"goes from {mine.low_before:.1f} to {mine.low_after:.1f} samples/s"
+                )
+                await move_to.put(mine.target)
+                return
+
     async def serve(self) -> None:
         config = self.config
         stop = stop_event_on_signals()
@@ -179,40 +296,55 @@ class Peer:
         watching = asyncio.create_task(watch_for_preemption(check, config.preemption_poll, stop)) if check else None
         started = time.perf_counter()
         self.loop = asyncio.get_running_loop()
-        throughput = self.runtime.measure_throughput(self._sample_batch())
-        self.runtime.start()
         p2p = await connect_to_daemon(self.dht)
-        await p2p.add_binary_stream_handler(STAGE_PROTOCOL, self.handler.handle_stage)
-        await p2p.add_binary_stream_handler(INFO_PROTOCOL, self.handler.handle_info)
-        await self.mates.start(p2p)
-        await self._join()
-        self.mates.start_serving()
-        self.state = SERVING
-        announcing = asyncio.create_task(self._announce_forever())
-        maddrs = " ".join(str(m) for m in self.dht.get_visible_maddrs())
-        logger.info(
-            f"Serving stage {config.stage}/{config.num_stages} of {config.model} at step {self.runtime.step}, "
-            f"{throughput:.1f} samples/s, {time.perf_counter() - started:.2f}s after start; peer id {self.peer_id}. "
-            f"Others can join with --initial-peers {maddrs}"
-        )
-        await stop.wait()
-
+        if self.stage < 0:
+            self.stage = await self._choose_stage()
+        self._build(self.stage, resume=True)
+        await p2p.add_binary_stream_handler(STAGE_PROTOCOL, self._handle_stage)
+        await p2p.add_binary_stream_handler(INFO_PROTOCOL, self._handle_info)
+        announcing: asyncio.Task | None = None
+        try:
+            while True:
+                throughput = await self._host(p2p)
+                if announcing is None:
+                    announcing = asyncio.create_task(self._announce_forever())
+                maddrs = " ".join(str(m) for m in self.dht.get_visible_maddrs())
+                logger.info(
+                    f"Serving stage {self.stage}/{config.num_stages} of {config.model} at step {self.runtime.step}, "
+                    f"{throughput:.1f} samples/s, {time.perf_counter() - started:.2f}s after start; peer id "
+                    f"{self.peer_id}. Others can join with --initial-peers {maddrs}"
+                )
+                move_to: asyncio.Queue[int] = asyncio.Queue()
+                balancing = asyncio.create_task(self._balance_forever(move_to)) if config.rebalance_period > 0 else None
+                moving = asyncio.create_task(move_to.get())
+                stopping = asyncio.create_task(stop.wait())
+                await asyncio.wait([moving, stopping], return_when=asyncio.FIRST_COMPLETED)
+                for task in (balancing, moving, stopping):
+                    if task is not None:
+                        task.cancel()
+                if stop.is_set():
+                    break
+                target = moving.result()
+                left_at = time.monotonic()
+                source = self.stage
+                await self._leave_stage()
+                self.runtime.shutdown(timeout=config.shutdown_timeout)
+                if config.checkpoint_dir:  # a restart resumes the stage this peer hosts, not one it left
+                    checkpoint_path(config.checkpoint_dir, config.model, source, config.num_stages).unlink(
+                        missing_ok=True
+                    )
+                self._build(target, resume=False)
+                self.moves += 1
+                started = time.perf_counter()
+                logger.info(f"Left stage {source} in {time.monotonic() - left_at:.1f}s; joining stage {target}")
+        finally:
+            if announcing is not None:
+                announcing.cancel()
         left_at = time.monotonic()
         logger.info("Leaving: no new requests; finishing those in flight")
-        self.state = LEAVING
-        announcing.cancel()
         if watching is not None:
             watching.cancel()
-        try:
-            await asyncio.wait_for(self._announce(), timeout=5)
-        except Exception as e:
-            logger.warning(f"Could not withdraw the DHT record ({e}); it expires in {config.record_ttl}s")
-        deadline = time.monotonic() + config.shutdown_timeout
-        while self.runtime.queue_length and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        await self.mates.hand_over()
-        self.mates.serving = False
-        await self.mates.stop()
+        await self._leave_stage()
         logger.info(f"Left the swarm {time.monotonic() - left_at:.1f}s after the request to leave")
         for protocol in (STAGE_PROTOCOL, INFO_PROTOCOL):
             try:
@@ -224,9 +356,10 @@ class Peer:
         try:
             run(self.serve())
         finally:
-            self.runtime.shutdown(timeout=self.config.shutdown_timeout)
-            if self.config.checkpoint_dir:
-                self.save_checkpoint()
+            if self.runtime is not None:
+                self.runtime.shutdown(timeout=self.config.shutdown_timeout)
+                if self.config.checkpoint_dir:
+                    self.save_checkpoint()
             self.dht.shutdown()
             logger.info(f"Peer {self.peer_id} has left")
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import csv
 import json
 import random
 import re
@@ -33,6 +32,7 @@ from hivemind import DHT
 from hivemind.p2p import PeerID
 
 from swarm.local_swarm import LocalSwarm
+from swarm.spot_trace import live_peer_targets
 from swarm.stage_records import SERVING, fetch_stage_records
 from swarm.transport import get_peer_info
 
@@ -129,27 +129,6 @@ def samples_stepped(swarm: LocalSwarm, dht: DHT) -> dict[int, int]:
     return asyncio.run(main())
 
 
-def load_trace(path: str, minutes: float, max_peers: int) -> list[tuple[float, int]]:
-    """(seconds after start, live peers wanted) from a trace: time compressed into `minutes`, and the
-    trace's live node count scaled so that its peak becomes `max_peers` (at least one per stage)."""
-    with open(path) as file:
-        rows = sorted((int(row[0]), row[1]) for row in csv.reader(file) if row)
-    span = max(t for t, _ in rows) or 1
-    live, peak, counts = 0, 0, []
-    for t, kind in rows:
-        live += 1 if kind == "add" else -1
-        peak = max(peak, live)
-        counts.append((t * minutes * 60 / span, live))
-    targets: list[tuple[float, int]] = []
-    for t, count in counts:
-        wanted = max(3, round(count * max_peers / peak))
-        if targets and targets[-1][0] == t:
-            targets[-1] = (t, wanted)  # events at the same moment: only where they end up counts
-        elif not targets or targets[-1][1] != wanted:
-            targets.append((t, wanted))
-    return targets
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--peers-per-stage", type=int, default=2, help="peers per stage at the start")
@@ -171,7 +150,7 @@ def main() -> None:
         dht = DHT(initial_peers=swarm.initial_peers, start=True)
         try:
             churn = Churn(swarm, dht, sig, rng)
-            trace = load_trace(args.trace, args.trace_minutes, args.max_peers) if args.trace else []
+            trace = live_peer_targets(args.trace, args.trace_minutes, args.max_peers, min_peers=3) if args.trace else []
             if trace:
                 _, wanted = trace.pop(0)
                 for index in range(wanted):

@@ -210,7 +210,9 @@ class DHTConfig(NetworkConfig):
 class PeerConfig(NetworkConfig, ModelConfig):
     """`swarm peer`: hosts one stage, serves forward and backward, steps its optimizer."""
 
-    stage: int = option(0, "the stage to host, 0-based")
+    stage: str = option(
+        "auto", "the stage to host, 0-based, or auto: the stage where this peer raises the swarm's throughput most"
+    )
     device: str = option("cpu", "torch device for the stage, e.g. cpu or cuda:0")
     num_threads: int = option(1, "torch CPU threads (keep low when several peers share a machine)")
     target_batch_size: int = option(32, "samples per optimizer step, summed over all microbatches")
@@ -234,11 +236,39 @@ class PeerConfig(NetworkConfig, ModelConfig):
     max_staleness: int = option(
         1, "apply a backward whose forward ran up to N steps ago (counted as stale); refuse older ones"
     )
+    rebalance_period: float = option(
+        60.0, "mean seconds between checks whether moving to the bottleneck stage helps (randomised; 0: never move)"
+    )
+    rebalance_margin: float = option(
+        0.1, "move only if it raises the bottleneck's capacity by more than this fraction (hysteresis)"
+    )
+    simulated_speed: float = option(
+        0.0,
+        "for tests and benchmarks: behave as a device of this many samples/s on a stage of average cost, "
+        "padding compute with sleep (0: the real speed)",
+    )
+
+    @property
+    def initial_stage(self) -> int | None:
+        """The stage given with --stage, or None for auto."""
+        return None if self.stage == "auto" else int(self.stage)
 
     def check(self) -> None:
         ModelConfig.check(self)
-        if not 0 <= self.stage < self.num_stages:
-            raise ConfigError(f"--stage must be within 0..{self.num_stages - 1}, got {self.stage}")
+        if self.stage != "auto":
+            try:
+                stage = int(self.stage)
+            except ValueError:
+                raise ConfigError(f"--stage must be auto or a number, got {self.stage!r}") from None
+            if not 0 <= stage < self.num_stages:
+                raise ConfigError(f"--stage must be within 0..{self.num_stages - 1} or auto, got {self.stage}")
+            self.stage = str(stage)
+        if self.rebalance_period < 0:
+            raise ConfigError("--rebalance-period must be 0 (never move) or positive")
+        if self.rebalance_margin < 0:
+            raise ConfigError("--rebalance-margin must be 0 or more")
+        if self.simulated_speed < 0:
+            raise ConfigError("--simulated-speed must be 0 (real speed) or positive")
         for name in ("target_batch_size", "max_batch_samples", "num_threads"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")

@@ -75,9 +75,15 @@ class LocalSwarm:
         self.initial_peers = address_file.read_text().split()
         return self.initial_peers
 
-    def start_peer(self, name: str, stage: int, flags: list[str] = ()) -> subprocess.Popen:
-        """Starts a peer for `stage`, joined to the bootstrap node."""
-        return self.spawn(name, "peer", ["--stage", str(stage), "--initial-peers", *self.initial_peers, *flags])
+    def start_peer(self, name: str, stage: int | str, flags: list[str] = ()) -> subprocess.Popen:
+        """Starts a peer for `stage` (a number or auto), joined to the bootstrap node.
+
+        The layout asked for is kept (no rebalancing) unless `flags` set `--rebalance-period`.
+        """
+        pinned = [] if "--rebalance-period" in flags else ["--rebalance-period", "0"]
+        return self.spawn(
+            name, "peer", ["--stage", str(stage), "--initial-peers", *self.initial_peers, *pinned, *flags]
+        )
 
     def start_trainer(self, name: str, flags: list[str] = (), log: bool = True) -> subprocess.Popen:
         """Starts a trainer joined to the bootstrap node."""

@@ -79,10 +79,11 @@ class Router:
     def live_peers(self, stage: int) -> list[StageRecord]:
         """Serving peers of `stage` that are not banned now."""
         now = self.clock()
+        bans = self.bans
         return [
             r
             for r in self.records.get(stage, {}).values()
-            if r.state == SERVING and self.bans.get(r.peer_id, _Ban(0.0, 0)).until <= now
+            if r.state == SERVING and (r.peer_id not in bans or bans[r.peer_id].until <= now)
         ]
 
     def expected_seconds(self, record: StageRecord, backward: bool, samples: int) -> float:
@@ -117,7 +118,8 @@ class Router:
                 finish[r.peer_id] = start - self.expected_seconds(r, backward, samples)
         ends = {r.peer_id: finish[r.peer_id] + self.expected_seconds(r, backward, samples) for r in candidates}
         best = min(ends.values())
-        chosen = self.rng.choice([r for r in candidates if ends[r.peer_id] <= best * (1 + 1e-12)])
+        # ties within rounding; finish times can be negative (a newcomer starts below the minimum)
+        chosen = self.rng.choice([r for r in candidates if ends[r.peer_id] <= best + 1e-12 * max(1.0, abs(best))])
         finish[chosen.peer_id] = ends[chosen.peer_id]
         return chosen
 

@@ -29,7 +29,7 @@ class StageRecord:
     num_stages: int
     state: str
     step: int
-    throughput: float  # samples per second of forward + backward
+    throughput: float  # samples per second of backward work (which recomputes the forward)
     queue_length: int
     target_batch_size: int
     stale_gradients: int

@@ -32,7 +32,8 @@ GRAD_PROTOCOL = "/swarm/mates/grad"
 STATE_PROTOCOL = "/swarm/mates/state"
 
 # Codes worth retrying on another peer of the same stage; the rest mean the request itself is wrong.
-RETRIABLE = {ErrorCode.UNAVAILABLE, ErrorCode.INTERNAL}
+# WRONG_STAGE comes from a peer that has moved to another stage since the caller read its record.
+RETRIABLE = {ErrorCode.UNAVAILABLE, ErrorCode.INTERNAL, ErrorCode.WRONG_STAGE}
 
 # A daemon that has just joined may not have its routing table filled yet; it says this, and a
 # moment later the same lookup succeeds. Only this error is retried here: a dead peer fails fast.

@@ -22,7 +22,7 @@ def test_precedence_flag_env_file_default(tmp_path):
         parse(["peer", "--config", str(config_file), "--stage", "1"]),
         environ={"SWARM_LR": "0.25"},
     )
-    assert config.stage == 1  # flag beats file
+    assert config.initial_stage == 1  # flag beats file
     assert config.lr == 0.25  # environment beats file
     assert config.weight_decay == 0.2  # file beats default
     assert config.initial_peers == ["/ip4/1.2.3.4/tcp/5/p2p/X"]

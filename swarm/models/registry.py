@@ -61,6 +61,8 @@ MODELS: dict[str, ModelSpec] = {
         ModelSpec("gpt-tiny", seq_len=64, d_model=128, n_layer=6, n_head=4),
         # gpt-tiny with a learned bottleneck at stage boundaries: 4x fewer values on the wire
         ModelSpec("gpt-tiny-bottleneck", seq_len=64, d_model=128, n_layer=6, n_head=4, bottleneck=32),
+        # simulated devices (--simulated-speed): real compute this small leaves room for dozens of peers
+        ModelSpec("gpt-micro", seq_len=16, d_model=32, n_layer=8, n_head=2),
         # GPU presets
         ModelSpec("gpt-small", seq_len=512, d_model=768, n_layer=12, n_head=12),
         ModelSpec("gpt-medium", seq_len=1024, d_model=1024, n_layer=24, n_head=16),

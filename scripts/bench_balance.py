@@ -1,0 +1,265 @@
+"""Rebalancing on a real local swarm of simulated devices, against the ideal assignment; prints one JSON object.
+
+Every peer is a real `swarm peer` process (its own DHT node, libp2p daemon, handlers, averaging
+and balance rule) hosting a stage of gpt-micro, whose compute is padded with sleep to a speed set
+here (`--simulated-speed`, integers spread 10x), so that dozens of peers fit on 2 cores. A trainer
+drives microbatches through them.
+
+Four runs, each on a fresh swarm:
+- static, rebalancing off: the peers stay where they were started (`--start`, skewed by default);
+- static, rebalancing on: the same peers, the same start, moving by the balance rule;
+- churn, off and on: a spot trace (scaled in time and count) adds and SIGKILLs peers. With
+  rebalancing on, newcomers join with `--stage auto` and peers move; off, newcomers take a stage
+  at random and stay.
+
+Every `--sample-every` seconds the bench reads the DHT: which peer serves which stage. The
+assignment's throughput is computed from the speeds set here (the least, over stages, of the
+summed speeds divided by the stage's cost), and divided by the ideal: the best assignment of the
+live peers, computed exactly (`swarm.balance.ideal_assignment`). The trainer's own samples/s are
+also reported against the ideal, with the trainer's pipeline overheads in them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from hivemind import DHT
+
+from swarm.balance import ideal_assignment, stage_costs
+from swarm.local_swarm import LocalSwarm
+from swarm.models import get_model_spec
+from swarm.router import FORWARD_SHARE_OF_BACKWARD
+from swarm.spot_trace import live_peer_targets
+from swarm.stage_records import SERVING, fetch_stage_records
+
+MODEL = "gpt-micro"
+
+
+class SimulatedSwarm:
+    """Peers of known speeds in a LocalSwarm, and the assignment read back from the DHT."""
+
+    def __init__(self, swarm: LocalSwarm, dht: DHT, args: argparse.Namespace, rebalance: bool) -> None:
+        self.swarm, self.dht, self.args, self.rebalance = swarm, dht, args, rebalance
+        self.costs = stage_costs(get_model_spec(MODEL), args.stages)
+        self.speed: dict[str, int] = {}  # by process name
+        self.ids: dict[str, str] = {}  # process name -> peer id, once its log shows it
+        self.serial = 0
+        self.kills = 0
+
+    def flags(self) -> list[str]:
+        a = self.args
+        rebalance = ["--rebalance-period", str(a.rebalance_period), "--rebalance-margin", str(a.margin)]
+        return [
+            *["--model", MODEL, "--num-stages", str(a.stages), "--target-batch-size", str(a.target_batch_size)],
+            *["--announce-period", "1", "--record-ttl", "5", "--averaging-timeout", "15"],
+            *(rebalance if self.rebalance else ["--rebalance-period", "0"]),
+        ]
+
+    def start(self, speed: int, stage: int | str) -> str:
+        self.serial += 1
+        name = f"peer{self.serial:03d}"
+        self.swarm.spawn(
+            name,
+            "peer",
+            [
+                *["--stage", str(stage), "--initial-peers", *self.swarm.initial_peers],
+                *["--simulated-speed", str(speed), *self.flags()],
+            ],
+        )
+        self.speed[name] = speed
+        return name
+
+    def live(self) -> list[str]:
+        return [n for n in self.speed if n in self.swarm.processes and self.swarm.processes[n].poll() is None]
+
+    def peer_id(self, name: str) -> str | None:
+        if name not in self.ids:
+            found = re.search(r"peer id (\w+)", self.swarm.log_path(name).read_text(errors="replace"))
+            if found:
+                self.ids[name] = found.group(1)
+        return self.ids.get(name)
+
+    def assignment(self) -> dict[str, int]:
+        """Live process name -> the stage it serves now (from the DHT; peers not serving are left out)."""
+        records = fetch_stage_records(self.dht, "swarm", self.args.stages)
+        serving = {r.peer_id: stage for stage, found in records.items() for r in found if r.state == SERVING}
+        return {n: serving[pid] for n in self.live() if (pid := self.peer_id(n)) in serving}
+
+    def throughput(self, stages: dict[str, int]) -> float:
+        caps = [0.0] * self.args.stages
+        for name, stage in stages.items():
+            caps[stage] += self.speed[name] / self.costs[stage]
+        return min(caps)
+
+    def ideal(self, names: list[str]) -> float:
+        value, _, proven = ideal_assignment([self.speed[n] for n in names], self.args.stages, self.costs)
+        if not proven:
+            print(f"warning: the ideal of {len(names)} peers was not proven optimal", file=sys.stderr)
+        return value
+
+    def kill_random(self, rng: random.Random) -> bool:
+        """SIGKILLs a random live peer, never the last serving one of its stage."""
+        stages = self.assignment()
+        for name in rng.sample(self.live(), len(self.live())):
+            if name in stages and sum(s == stages[name] for s in stages.values()) < 2:
+                continue
+            self.swarm.stop(name, signal.SIGKILL, timeout=10)
+            self.kills += 1
+            return True
+        return False
+
+
+def initial_stages(args: argparse.Namespace, count: int, rng: random.Random) -> list[int]:
+    if args.start == "one":
+        return [0] * count
+    # skewed: most peers on stage 0, the rest spread, every stage with at least one
+    heavy = max(1, round(count * args.skew))
+    stages = [0] * heavy + [1 + i % (args.stages - 1) for i in range(count - heavy)]
+    rng.shuffle(stages)
+    return stages
+
+
+def wait_serving(sim: SimulatedSwarm, names: list[str], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while len(set(sim.assignment()) & set(names)) < len(names):
+        if time.monotonic() > deadline:
+            sys.exit(f"peers did not all come up within {timeout}s; see {sim.swarm.workdir}")
+        time.sleep(1)
+
+
+def run_phase(args: argparse.Namespace, rebalance: bool, churn: bool, workdir: Path) -> dict:
+    rng = random.Random(args.seed)
+    speeds = [2, 20] + [rng.randint(2, 20) for _ in range(args.peers - 2)]  # spread 10x
+    phase = f"{'churn' if churn else 'static'}-{'on' if rebalance else 'off'}"
+    with LocalSwarm(workdir / phase) as swarm:
+        swarm.start_bootstrap()
+        dht = DHT(initial_peers=swarm.initial_peers, start=True)
+        try:
+            sim = SimulatedSwarm(swarm, dht, args, rebalance)
+            targets = live_peer_targets(args.trace, args.churn_minutes, args.peers, args.stages) if churn else []
+            count = targets.pop(0)[1] if churn else args.peers
+            if churn and count < args.stages:
+                count = args.stages
+            layout = initial_stages(args, count, rng) if not churn else [i % args.stages for i in range(count)]
+            names = [sim.start(speeds[i % len(speeds)], layout[i]) for i in range(count)]
+            wait_serving(sim, names, 240)
+            summary_file = swarm.workdir / "trainer.json"
+            trainer = swarm.start_trainer(
+                "trainer",
+                [
+                    *["--model", MODEL, "--num-stages", str(args.stages), "--steps", "100000"],
+                    *["--microbatch-size", str(args.microbatch_size), "--max-in-flight", str(args.max_in_flight)],
+                    *["--compression", "none", "--summary-file", str(summary_file), "--no-progress"],
+                    *["--stage-wait-timeout", "300"],
+                ],
+            )
+            started = time.monotonic()
+            duration = (args.churn_minutes if churn else args.minutes) * 60
+            samples = []
+            while (now := time.monotonic() - started) < duration:
+                while targets and targets[0][0] <= now:
+                    _, wanted = targets.pop(0)
+                    while len(sim.live()) < wanted:
+                        stage = "auto" if rebalance else rng.randrange(args.stages)
+                        sim.start(rng.randint(2, 20), stage)
+                    while len(sim.live()) > wanted and sim.kill_random(rng):
+                        pass
+                stages = sim.assignment()
+                live = sim.live()
+                ideal = sim.ideal(live)
+                value = sim.throughput(stages)
+                samples.append((round(now, 1), round(value, 2), round(ideal, 2), len(live)))
+                if trainer.poll() is not None:
+                    sys.exit(f"the trainer stopped early; see {swarm.workdir}")
+                time.sleep(args.sample_every)
+            swarm.stop("trainer", signal.SIGTERM, timeout=60)
+            trained = json.loads(summary_file.read_text())
+            moves = sum(swarm.log_path(n).read_text(errors="replace").count("Moving from stage") for n in sim.speed)
+        finally:
+            dht.shutdown()
+
+    fractions = [v / i if i else 0.0 for _, v, i, _ in samples]
+    half = len(fractions) // 2
+    reached = next((t for (t, _, _, _), f in zip(samples, fractions) if f >= 0.9), None)
+    # the trainer's samples/s per window, against the ideal in the same unit: a peer's time per sample
+    # is a backward plus a forward (FORWARD_SHARE_OF_BACKWARD of a backward)
+    window = 20.0
+    ends = trained["step_seconds"]
+    per_step = trained["samples"] / max(trained["steps"], 1)
+    measured = []
+    for start in range(0, int(duration), int(window)):
+        done = sum(1 for t in ends if start <= t < start + window)
+        ideal_now = [i for t, _, i, _ in samples if start <= t < start + window] or [samples[-1][2]]
+        ideal_rate = sum(ideal_now) / len(ideal_now) / (1 + FORWARD_SHARE_OF_BACKWARD)
+        measured.append(round(done * per_step / window / ideal_rate, 3) if ideal_rate else 0.0)
+    return {
+        "fraction_of_ideal_over_time": [round(f, 3) for f in fractions],
+        "sample_times_s": [t for t, _, _, _ in samples],
+        "live_peers_over_time": [n for _, _, _, n in samples],
+        "steady_state_fraction": round(sum(fractions[half:]) / max(len(fractions) - half, 1), 3),
+        "mean_fraction": round(sum(fractions) / max(len(fractions), 1), 3),
+        "time_to_90pct_s": reached,
+        "moves": moves,
+        "kills": sim.kills,
+        "peers_started": sim.serial,
+        "trainer_samples_per_s": round(trained["samples_per_second"], 2),
+        "trainer_fraction_of_ideal_per_20s": measured,
+        "trainer_steps": trained["steps"],
+        "loss_first_last": [round(trained["first_loss"], 3), round(trained["last_loss"], 3)],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--peers", type=int, default=24, help="peers (at the trace's peak, under churn)")
+    parser.add_argument("--stages", type=int, default=4, help="pipeline stages")
+    parser.add_argument("--start", choices=["skewed", "one"], default="skewed", help="where peers start")
+    parser.add_argument("--skew", type=float, default=0.6, help="share of peers that start on stage 0 (skewed)")
+    parser.add_argument("--minutes", type=float, default=3.0, help="length of each static run")
+    parser.add_argument("--rebalance-period", type=float, default=10.0, help="peers' mean seconds between checks")
+    parser.add_argument("--margin", type=float, default=0.1, help="the balance rule's hysteresis margin")
+    parser.add_argument("--target-batch-size", type=int, default=256, help="samples per optimizer step")
+    parser.add_argument("--microbatch-size", type=int, default=4, help="samples per microbatch")
+    parser.add_argument("--max-in-flight", type=int, default=64, help="microbatches the trainer keeps in flight")
+    parser.add_argument("--sample-every", type=float, default=3.0, help="seconds between reads of the assignment")
+    parser.add_argument(
+        "--trace",
+        default=str(Path(__file__).resolve().parents[2] / "shared/traces/aws-p3-spot.csv"),
+        help="spot trace replayed in the churn runs (time_ms,add|remove,node lines)",
+    )
+    parser.add_argument("--churn-minutes", type=float, default=5.0, help="compress the trace into this long")
+    parser.add_argument("--no-churn", action="store_true", help="skip the two runs under churn")
+    parser.add_argument("--seed", type=int, default=0, help="seed of speeds, layout and churn")
+    args = parser.parse_args()
+    if args.start == "one":
+        print("note: with every peer on one stage and rebalancing off, the swarm cannot train", file=sys.stderr)
+
+    workdir = Path(tempfile.mkdtemp(prefix="bench-balance-"))
+    began = time.monotonic()
+    result: dict = {"peers": args.peers, "stages": args.stages, "start": args.start, "margin": args.margin}
+    phases = [("static_off", False, False), ("static_on", True, False)]
+    if not args.no_churn:
+        phases += [("churn_off", False, True), ("churn_on", True, True)]
+    for key, rebalance, churn in phases:
+        if key == "static_off" and args.start == "one":
+            continue
+        print(f"running {key}", file=sys.stderr)
+        result[key] = run_phase(args, rebalance, churn, workdir)
+    if "static_off" in result:
+        result["steady_state_ratio_on_to_off"] = round(
+            result["static_on"]["steady_state_fraction"] / max(result["static_off"]["steady_state_fraction"], 1e-9), 3
+        )
+    result["wall_s"] = round(time.monotonic() - began, 1)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

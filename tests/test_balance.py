@@ -1,0 +1,168 @@
+"""The balance rule: moves toward the bottleneck, never empties a stage, never oscillates; the exact ideal."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from swarm.balance import (
+    PeerLoad,
+    assignment_throughput,
+    capacities,
+    choose_stage,
+    ideal_assignment,
+    loads_from_records,
+    plan_moves,
+    stage_costs,
+    upper_bound_throughput,
+)
+from swarm.models import get_model_spec
+from swarm.stage_records import JOINING, LEAVING, SERVING, StageRecord
+
+
+def peers_on(stages: dict[int, list[float]], joining: dict[int, list[float]] | None = None) -> list[PeerLoad]:
+    peers = [PeerLoad(f"s{s}p{i}", s, v) for s, speeds in stages.items() for i, v in enumerate(speeds)]
+    for s, speeds in (joining or {}).items():
+        peers += [PeerLoad(f"s{s}j{i}", s, v, serving=False) for i, v in enumerate(speeds)]
+    return peers
+
+
+def apply(peers: list[PeerLoad], plan) -> list[PeerLoad]:
+    target = {m.peer_id: m.target for m in plan}
+    return [PeerLoad(p.peer_id, target.get(p.peer_id, p.stage), p.throughput, p.serving) for p in peers]
+
+
+def test_moves_peers_toward_the_bottleneck():
+    peers = peers_on({0: [10, 10, 10, 10], 1: [10], 2: [10, 10]})
+    plan = plan_moves(peers, 3, margin=0.1)
+    assert plan and all(m.target == 1 for m in plan[:1])
+    assert all(m.source != m.target for m in plan)
+    after = capacities(apply(peers, plan), 3)
+    assert min(after) > min(capacities(peers, 3))
+    assert sorted(after) == [20.0, 20.0, 30.0]
+
+
+def test_an_empty_stage_is_filled_first_and_none_is_emptied():
+    # everyone started on stage 0: stages 1..3 have no capacity at all
+    peers = peers_on({0: [5.0] * 8})
+    plan = plan_moves(peers, 4, margin=0.1)
+    after = apply(peers, plan)
+    assert sorted(capacities(after, 4)) == [10.0, 10.0, 10.0, 10.0]
+    # a stage with a single serving peer never gives it away, however much others need it
+    lone = peers_on({0: [100.0], 1: [1.0]})
+    assert plan_moves(lone, 2, margin=0.0) == []
+
+
+def test_joining_peers_count_as_capacity_but_never_keep_a_stage_alive():
+    # stage 1 has a joiner on its way: no one else needs to go there
+    peers = peers_on({0: [10, 10], 1: [10]}, joining={1: [10]})
+    assert plan_moves(peers, 2, margin=0.1) == []
+    # stage 0's only serving peer cannot leave even though a joiner is arriving there
+    peers = peers_on({0: [10], 1: []}, joining={0: [10]})
+    assert plan_moves(peers, 2, margin=0.1) == []
+
+
+@pytest.mark.parametrize("margin", [0.0, 0.05, 0.2])
+def test_equal_loads_do_not_oscillate(margin):
+    peers = peers_on({0: [4, 4], 1: [4, 4]})
+    assert plan_moves(peers, 2, margin=margin) == []
+    # whatever the start, applying plans reaches a fixed point: the next plan is empty
+    rng = random.Random(3)
+    for _ in range(50):
+        speeds = [rng.randint(1, 10) for _ in range(rng.randint(3, 12))]
+        peers = [PeerLoad(f"p{i}", rng.randrange(3), v) for i, v in enumerate(speeds)]
+        for _round in range(len(peers) + 1):
+            plan = plan_moves(peers, 3, margin=margin)
+            if not plan:
+                break
+            peers = apply(peers, plan)
+        assert plan_moves(peers, 3, margin=margin) == []
+
+
+def test_hysteresis_margin_holds_back_small_gains():
+    # moving one 10 peer lifts the lower of the two stages from 12 to 20: 0.8 of the mover's speed
+    peers = peers_on({0: [10, 10, 10], 1: [12]})
+    assert len(plan_moves(peers, 2, margin=0.5)) == 1
+    assert plan_moves(peers, 2, margin=0.9) == []
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_a_plan_always_leaves_each_stage_a_serving_peer_that_stays(seed):
+    rng = random.Random(seed)
+    num_stages = rng.randint(2, 5)
+    peers = [
+        PeerLoad(f"p{i}", rng.randrange(num_stages), rng.uniform(1, 10) * rng.choice([1, 1, 0.2]), rng.random() > 0.2)
+        for i in range(rng.randint(2, 12))
+    ]
+    plan = plan_moves(peers, num_stages, margin=rng.choice([0.0, 0.1]))
+    leaving = {m.peer_id for m in plan}
+    for stage in range(num_stages):
+        if any(p.serving and p.stage == stage for p in peers):
+            assert any(p.serving and p.stage == stage and p.peer_id not in leaving for p in peers), (stage, plan)
+
+
+def test_plans_agree_between_peers_and_respect_max_moves():
+    peers = peers_on({0: [3, 5, 7, 9, 11, 13], 1: [2], 2: [2]})
+    shuffled = list(reversed(peers))
+    assert plan_moves(peers, 3) == plan_moves(shuffled, 3)
+    assert len(plan_moves(peers, 3, max_moves=1)) == 1
+
+
+def test_stage_costs_scale_a_peers_speed_on_another_stage():
+    # stage 1 costs 3 times stage 0: a peer of 9 samples/s on stage 0 gives 3 samples/s there
+    peers = peers_on({0: [9, 9, 9], 1: [1]})
+    plan = plan_moves(peers, 2, margin=0.1, costs=[0.5, 1.5])
+    assert plan and plan[0].low_after == pytest.approx(4.0)
+    spec = get_model_spec("gpt-tiny")
+    costs = stage_costs(spec, 3)
+    assert sum(costs) == pytest.approx(3.0)
+    assert costs[2] > costs[1]  # the last stage also runs the head
+
+
+def test_newcomers_join_the_bottleneck_and_spread_over_empty_stages():
+    peers = peers_on({0: [10, 10], 1: [3], 2: [10]})
+    assert choose_stage(peers, 3, rng=random.Random(0)) == 1
+    chosen = {choose_stage([], 4, rng=random.Random(seed)) for seed in range(40)}
+    assert chosen == {0, 1, 2, 3}
+
+
+def test_loads_from_records_skip_leaving_peers():
+    def record(peer, stage, state):
+        return StageRecord(peer, stage, "gpt-tiny", 2, state, 0, 5.0, 1, 32, 0, 2, 99.0)
+
+    records = {0: [record("a", 0, SERVING), record("b", 0, LEAVING)], 1: [record("c", 1, JOINING)]}
+    loads = loads_from_records(records)
+    assert [(p.peer_id, p.serving) for p in loads] == [("a", True), ("c", False)]
+
+
+def brute_force(speeds, num_stages, costs=None):
+    return max(
+        assignment_throughput(speeds, stages, num_stages, costs)
+        for stages in itertools.product(range(num_stages), repeat=len(speeds))
+    )
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_ideal_assignment_is_exact(seed):
+    rng = random.Random(seed)
+    num_stages = rng.choice([2, 3])
+    speeds = [rng.randint(1, 10) for _ in range(rng.randint(num_stages, 8))]
+    costs = None if seed % 2 else [rng.choice([1.0, 2.0]) for _ in range(num_stages)]
+    value, stages, proven = ideal_assignment(speeds, num_stages, costs)
+    assert proven
+    assert value == pytest.approx(brute_force(speeds, num_stages, costs))
+    assert assignment_throughput(speeds, stages, num_stages, costs) == pytest.approx(value)
+    assert value <= upper_bound_throughput(speeds, num_stages, costs) + 1e-9
+
+
+def test_balance_rule_reaches_most_of_the_ideal_from_one_stage():
+    rng = random.Random(0)
+    speeds = [rng.randint(2, 20) for _ in range(24)]
+    ideal, _, proven = ideal_assignment(speeds, 4)
+    assert proven
+    peers = [PeerLoad(f"p{i:02d}", 0, float(v)) for i, v in enumerate(speeds)]
+    for _ in range(5):
+        peers = apply(peers, plan_moves(peers, 4, margin=0.05))
+    assert min(capacities(peers, 4)) >= 0.9 * ideal
