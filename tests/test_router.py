@@ -107,3 +107,14 @@ def test_records_survive_a_missed_read_until_they_expire_and_leaving_peers_get_n
     assert {r.peer_id for r in router.live_peers(0)} == {"a"}
     router.update({0: []}, now=11.0)
     assert router.live_peers(0) == [] and router.choose(0) is None
+
+
+def test_newcomers_are_routed_while_finish_times_are_negative():
+    # a newcomer starts below the current minimum: finish times go negative, ties must still resolve
+    for seed in range(20):
+        router = Router(rng=random.Random(seed), clock=Clock())
+        router.update({0: [record("a", 10.0), record("b", 1.0)]}, now=0.0)
+        assert router.choose(0) is not None
+        router.update({0: [record("c", 5.0)]}, now=0.0)
+        chosen = [router.choose(0).peer_id for _ in range(20)]
+        assert "c" in chosen
