@@ -17,7 +17,7 @@ from swarm.peer.preemption import notice_source, watch_for_preemption
 from swarm.peer.runtime import StageRuntime
 from swarm.proto import PROTOCOL_VERSION
 
-from swarm.balance import capacities, choose_stage, loads_from_records, plan_moves, stage_costs
+from swarm.balance import Move, capacities, choose_stage, loads_from_records, plan_moves, stage_costs
 from swarm.config import PeerConfig
 from swarm.dht_node import connect_to_daemon, start_dht
 from swarm.event_loop import run, stop_event_on_signals
@@ -266,6 +266,18 @@ class Peer:
         self.mates.serving = False
         await self.mates.stop()
 
+    async def _planned_move(self) -> Move | None:
+        """This peer's move in the balance rule's plan for the swarm as the DHT shows it now, if any."""
+        config = self.config
+        try:
+            records = await self._fetch_records()
+        except Exception as e:
+            logger.warning(f"Could not read the swarm's stages for rebalancing ({e})")
+            return None
+        plan = plan_moves(loads_from_records(records), config.num_stages, config.rebalance_margin, self.costs)
+        mine = next((m for m in plan if m.peer_id == self.peer_id), None)
+        return mine if mine is not None and mine.source == self.stage else None
+
     async def _balance_forever(self, move_to: asyncio.Queue) -> None:
         """Every randomised period, asks the balance rule whether this peer should move; tells `serve` where."""
         config = self.config
@@ -274,14 +286,14 @@ class Peer:
             await asyncio.sleep(config.rebalance_period * self.rng.uniform(0.5, 1.5))
             if self.state != SERVING:
                 continue
-            try:
-                records = await self._fetch_records()
-            except Exception as e:
-                logger.warning(f"Could not read the swarm's stages for rebalancing ({e})")
-                continue
-            plan = plan_moves(loads_from_records(records), config.num_stages, config.rebalance_margin, self.costs)
-            mine = next((m for m in plan if m.peer_id == self.peer_id), None)
-            if mine is not None and mine.source == self.stage:
+            mine = await self._planned_move()
+            if mine is not None:
+                # a second look a moment later: a DHT read that missed a stage, or a passing dip in
+                # someone's measured speed, must not send a peer away
+                await asyncio.sleep(self.rng.uniform(1, 2) * config.announce_period)
+                again = await self._planned_move()
+                mine = mine if again is not None and again.target == mine.target else None
+            if mine is not None:
                 logger.info(
                     f"Moving from stage {mine.source} to the bottleneck stage {mine.target}: the lower of the two "
                     f"goes from {mine.low_before:.1f} to {mine.low_after:.1f} samples/s"

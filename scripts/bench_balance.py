@@ -59,7 +59,7 @@ class SimulatedSwarm:
         rebalance = ["--rebalance-period", str(a.rebalance_period), "--rebalance-margin", str(a.margin)]
         return [
             *["--model", MODEL, "--num-stages", str(a.stages), "--target-batch-size", str(a.target_batch_size)],
-            *["--announce-period", "1", "--record-ttl", "5", "--averaging-timeout", "15"],
+            *["--announce-period", "2", "--record-ttl", "8", "--averaging-timeout", "15"],
             *(rebalance if self.rebalance else ["--rebalance-period", "0"]),
         ]
 
@@ -225,7 +225,7 @@ def main() -> None:
     parser.add_argument("--skew", type=float, default=0.6, help="share of peers that start on stage 0 (skewed)")
     parser.add_argument("--minutes", type=float, default=3.0, help="length of each static run")
     parser.add_argument("--rebalance-period", type=float, default=10.0, help="peers' mean seconds between checks")
-    parser.add_argument("--margin", type=float, default=0.1, help="the balance rule's hysteresis margin")
+    parser.add_argument("--margin", type=float, default=0.5, help="the balance rule's hysteresis margin")
     parser.add_argument("--target-batch-size", type=int, default=256, help="samples per optimizer step")
     parser.add_argument("--microbatch-size", type=int, default=4, help="samples per microbatch")
     parser.add_argument("--max-in-flight", type=int, default=64, help="microbatches the trainer keeps in flight")

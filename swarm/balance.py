@@ -115,7 +115,7 @@ def _improves(low_after: float, low_before: float, margin: float, speed: float) 
 def plan_moves(
     peers: Sequence[PeerLoad],
     num_stages: int,
-    margin: float = 0.1,
+    margin: float = 0.5,
     costs: Sequence[float] | None = None,
     max_moves: int | None = None,
 ) -> list[Move]:

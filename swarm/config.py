@@ -240,7 +240,9 @@ class PeerConfig(NetworkConfig, ModelConfig):
         60.0, "mean seconds between checks whether moving to the bottleneck stage helps (randomised; 0: never move)"
     )
     rebalance_margin: float = option(
-        0.1, "move only if it raises the bottleneck's capacity by more than this fraction (hysteresis)"
+        0.5,
+        "move only if the lower of the two stages gains more than this fraction of the peer's own throughput "
+        "(hysteresis against noisy speed measurements)",
     )
     simulated_speed: float = option(
         0.0,
