@@ -1,0 +1,166 @@
+"""The swarm simulator: rebalancing nears the ideal, moves never empty a stage, throughput follows capacity."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "simulate.py"
+SPOT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "aws-p3-spot.csv"
+
+
+def load_simulator():
+    spec = importlib.util.spec_from_file_location("simulate", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+sim = load_simulator()
+
+# small swarms: a peer is a large share of a stage, so single moves clear the hysteresis margin
+SMALL = sim.SimConfig(peers=24, stages=4, minutes=6, microbatch=16, rebalance_period=10.0, window=10.0)
+
+
+@pytest.mark.parametrize("start", ["skewed", "all-in-one"])
+@pytest.mark.parametrize("seed", [0, 3])
+def test_rebalancing_lifts_a_skewed_start_close_to_the_ideal(start, seed):
+    config = replace(SMALL, start=start, seed=seed)
+    moving = sim.run_scenario(config)
+    staying = sim.run_scenario(replace(config, rebalance=False))
+
+    assert moving["moves"] > 0
+    assert moving["steady_state_fraction_of_ideal"] >= 0.9
+    assert moving["time_to_90pct_s"] is not None and moving["time_to_90pct_s"] <= 180
+    assert staying["moves"] == 0
+    assert staying["steady_state_fraction_of_ideal"] <= 0.5
+    # the assignment is what the trainers get: the measured throughput follows it
+    assert moving["measured_fraction_of_ideal"] > 2 * staying["measured_fraction_of_ideal"]
+    assert moving["ideal_method"] == {"exact": len(range(10, 361, 10))}
+
+
+def test_no_stage_is_ever_emptied_by_a_move():
+    """The balance rule promises that a donor keeps a serving peer; moves are not instantaneous."""
+    # eager settings: no hysteresis, frequent checks, noisy throughputs, two peers a stage on average
+    config = replace(
+        SMALL, peers=8, start="all-in-one", margin=0.0, rebalance_period=4.0, throughput_noise=0.2, minutes=8
+    )
+    for seed in range(3):
+        simulation = sim.Simulation(replace(config, seed=seed))
+        left_behind: list[int] = []
+        serving_changed = simulation._serving_changed
+
+        def watch(peer, delta, cause, simulation=simulation, serving_changed=serving_changed, left=left_behind):
+            serving_changed(peer, delta, cause)
+            if cause == "move":  # counted independently of the simulation's own tally
+                left.append(simulation.serving_count[peer.source])
+
+        simulation._serving_changed = watch
+        report = simulation.run()
+        assert report["moves"] >= 3
+        assert min(left_behind) >= 1, f"seed {seed}: a move left its stage with no serving peer"
+        assert report["stage_emptied_by_move"] == 0
+
+
+def test_throughput_follows_the_assignment_capacity_with_enough_work_in_flight():
+    config = replace(SMALL, peers=16, start="auto", rebalance=False, microbatch=8, minutes=5)
+    for seed in range(2):
+        report = sim.run_scenario(replace(config, seed=seed))
+        assert report["samples_completed"] > 0
+        assert report["steady_state_samples_per_s"] > 0
+        assert 0.9 <= report["measured_fraction_of_capacity"] <= 1.02
+        assert report["failed_calls"]["timeouts"] == 0
+
+    # too little work in flight leaves peers idle: throughput falls short of the same capacity
+    starved = sim.run_scenario(replace(config, in_flight=2))
+    assert starved["measured_fraction_of_capacity"] < 0.6
+
+
+def test_stage_costs_slow_the_costly_stage_and_lower_the_ideal():
+    flat = replace(SMALL, peers=18, stages=3, start="skewed", minutes=5)
+    costly = sim.run_scenario(replace(flat, stage_costs=(1.0, 1.0, 2.0)))
+    even = sim.run_scenario(flat)
+    # the same peers: the ideal is at most sum(speeds)/sum(costs), 3/4 of what it is with unit costs
+    assert costly["steady_state_ideal"] <= 0.76 * even["steady_state_ideal"]
+    assert costly["steady_state_fraction_of_ideal"] >= 0.85
+    # calls on the costly stage take twice as long: throughput stays within the weighted capacity
+    assert 0.8 <= costly["measured_fraction_of_capacity"] <= 1.02
+
+
+def write_trace(path: Path) -> Path:
+    lines = [f"0,add,node{i}" for i in range(4)]
+    lines += ["60000,remove,node0", "90000,add,node4", "150000,remove,node1", "150000,remove,node2"]
+    lines += ["200000,add,node5", "200000,add,node6", "260000,remove,node4", "300000,add,node7"]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_trace_churn_runs_and_is_counted(tmp_path):
+    trace = str(write_trace(tmp_path / "trace.csv"))
+    config = replace(SMALL, peers=32, start="auto", trace=trace, minutes=5, trace_minutes=4)
+    report = sim.run_scenario(config)
+    # four nodes at the peak stand for 32 peers: the trace's 4 3 4 2 4 3 4 live nodes, 8 peers each
+    assert report["peak_live_peers"] == 32
+    assert report["joins"] == 8 + 16 + 8
+    assert report["removals"] == 8 + 16 + 8
+    assert report["samples_completed"] > 0
+    assert report["stage_emptied_by_move"] == 0
+    assert report["failed_calls"]["connection_errors"] > 0  # calls in flight on preempted peers fail
+
+
+def test_peers_of_a_node_preempted_while_booting_never_join(tmp_path):
+    trace = tmp_path / "trace.csv"
+    trace.write_text("0,add,node0\n0,add,node1\n60000,add,node2\n70000,remove,node2\n200000,remove,node1\n")
+    config = replace(SMALL, peers=30, stages=3, start="auto", trace=str(trace), minutes=4, trace_minutes=200 / 60)
+    together = sim.run_scenario(config)
+    spread = sim.run_scenario(replace(config, join_spread=20.0))
+    # node2's 10 peers start at once, or over 20 s of which only the first 10 pass before it is preempted
+    assert together["joins"] == 10 and together["removals"] == 20
+    assert 0 < spread["joins"] < 10 and spread["removals"] == 10 + spread["joins"]
+
+
+@pytest.mark.skipif(not SPOT_TRACE.exists(), reason="the shared spot traces are not checked out")
+def test_real_spot_trace_replays_without_error():
+    config = replace(SMALL, peers=64, stages=4, start="auto", trace=str(SPOT_TRACE), minutes=4, rebalance_period=20)
+    report = sim.run_scenario(config)
+    assert report["joins"] > 100 and report["removals"] > 100
+    assert report["peak_live_peers"] <= 64 + 2
+    assert report["samples_completed"] > 0
+    assert report["stage_emptied_by_move"] == 0
+
+
+def test_command_line_prints_one_json_object_with_every_margin_and_the_baseline():
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), "--peers", "12", "--stages", "3", "--minutes", "2", "--microbatch", "8"]
+        + ["--margins", "0.05,0.2", "--rebalance-period", "10", "--start", "all-in-one", "--margin", "0.1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert set(report["by_margin"]) == {"0.1", "0.05", "0.2"}
+    assert report["no_rebalance"]["moves"] == 0 and report["no_rebalance"]["rebalance"] is False
+    assert report["by_margin"]["0.1"]["moves"] == report["moves"]
+    for key in ("steady_state_fraction_of_ideal", "time_to_90pct_s", "moves_per_peer_hour", "empty_stage_seconds"):
+        assert key in report
+    assert report["total_wall_seconds"] > 0
+    assert "scenario: rebalancing off" in out.stderr
+
+
+def test_command_line_refuses_nonsense():
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), "--stages", "3", "--stage-costs", "1,2", "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2
+    assert "--stage-costs" in out.stderr
