@@ -158,6 +158,8 @@ class SimConfig:
     # False: as the real peer, a mover announces JOINING on its target only once it has drained its
     # queue; True: at once, when it decides to move (a proposed change to the peer)
     target_at_decision: bool = False
+    # False: as the real runtime, a peer computes a queued call even after its caller has given up
+    skip_abandoned: bool = False
     connection_error_seconds: float = 1.0
     deadline_floor: float = 15.0
     deadline_ceiling: float = 60.0
@@ -197,6 +199,7 @@ class SimPeer:
         "busy_until",
         "drained_at",
         "queue",
+        "running",
         "check_token",
         "left_at",
         "announced",
@@ -209,18 +212,17 @@ class SimPeer:
         self.alive = True
         self.busy_until = 0.0
         self.drained_at = 0.0
-        # (finish time, microbatch, its token) of every call accepted and not finished yet, in order
-        self.queue: deque[tuple[float, Microbatch, int]] = deque()
+        # (microbatch, its token, seconds of work) of every call accepted and not started yet, in order
+        self.queue: deque[tuple[Microbatch, int, float]] = deque()
+        self.running: tuple[Microbatch, int] | None = None  # the call it computes now
         self.check_token = 0
         self.left_at: dict[int, float] = {}
         self.announced: list[StageRecord] = []  # its latest records, which outlive it in the DHT
         self.seconds_per_sample = 0.0  # measured on its stage, as the real runtime's moving average
 
     def queue_length(self, now: float) -> int:
-        """Calls accepted and not finished at `now` (including ones whose caller gave up)."""
-        while self.queue and self.queue[0][0] <= now:
-            self.queue.popleft()
-        return len(self.queue)
+        """Calls accepted and not finished (including ones whose caller gave up)."""
+        return len(self.queue) + (self.running is not None)
 
     def draining(self, now: float) -> bool:
         """Whether it is moving and still finishing the calls queued on its source."""
@@ -347,6 +349,8 @@ class Simulation:
                 "would_stop_training",
                 "moves",
                 "moves_not_confirmed",
+                "abandoned_computed",
+                "abandoned_skipped",
                 "oscillations",
                 "joins",
                 "removals",
@@ -537,14 +541,37 @@ class Simulation:
             self._at(now + REJECT_SECONDS, self._call_failed, mb, mb.token)
         else:
             work = samples * self.costs[stage] / peer.speed
-            finish = max(now, peer.busy_until) + (work if backward else work * FORWARD_SHARE_OF_BACKWARD)
-            peer.busy_until = finish
-            peer.queue.append((finish, mb, mb.token))
-            if finish - now > mb.deadline:
-                mb.fail = "timeouts"  # the caller gives up; the peer still does the work
-                self._at(now + mb.deadline, self._call_failed, mb, mb.token)
-            else:
-                self._at(finish, self._call_done, mb, mb.token)
+            peer.queue.append((mb, mb.token, work if backward else work * FORWARD_SHARE_OF_BACKWARD))
+            mb.fail = "timeouts"  # if the deadline passes first, the caller gives up
+            self._at(now + mb.deadline, self._call_failed, mb, mb.token)
+            if peer.running is None:
+                self._start_next(peer)
+
+    def _start_next(self, peer: SimPeer) -> None:
+        """The peer takes its next queued call; a moving peer whose queue is done goes on to its target."""
+        while peer.queue:
+            mb, token, work = peer.queue.popleft()
+            if token != mb.token and self.config.skip_abandoned:
+                self.counters["abandoned_skipped"] += 1  # its caller gave up: no use computing it
+                continue
+            peer.running = (mb, token)
+            peer.busy_until = self.now + work
+            self._at(peer.busy_until, self._finished, peer, mb, token)
+            return
+        peer.running = None
+        if peer.state == SIM_MOVING and peer.drained_at == math.inf:
+            peer.drained_at = self.now
+            self._at(self.now, self._drained, peer, peer.check_token)
+
+    def _finished(self, peer: SimPeer, mb: Microbatch, token: int) -> None:
+        """The peer has computed a call: the caller gets the reply if it still waits for it."""
+        if not peer.alive:
+            return
+        if token != mb.token:
+            self.counters["abandoned_computed"] += 1
+        self._start_next(peer)
+        if token == mb.token:
+            self._call_done(mb, token)
 
     def _call_done(self, mb: Microbatch, token: int) -> None:
         if token != mb.token:
@@ -650,10 +677,12 @@ class Simulation:
         peer.source, peer.stage, peer.state = peer.stage, target, SIM_MOVING
         self._serving_changed(peer, -1, cause="move")  # judged on the view the move was planned from
         # it finishes what is queued on it, serving nothing new, then builds the target stage
-        peer.drained_at = max(now, peer.busy_until)
+        busy = peer.running is not None or bool(peer.queue)
+        peer.drained_at = math.inf if busy else now
         self._announce(peer)  # LEAVING on the source
         peer.check_token += 1
-        self._at(peer.drained_at, self._drained, peer, peer.check_token)
+        if not busy:
+            self._at(now, self._drained, peer, peer.check_token)
 
     def _drained(self, peer: SimPeer, token: int) -> None:
         """A moving peer's queue is done: it times a batch on the target, announces JOINING, downloads."""
@@ -707,13 +736,15 @@ class Simulation:
         self._ghosts += peer.announced
         self.counters["removals"] += 1
         now = self.now
-        for finish, mb, token in peer.queue:
-            if finish > now and token == mb.token:
+        held = [(mb, token) for mb, token, _ in peer.queue]
+        for mb, token in held + ([peer.running] if peer.running is not None else []):
+            if token == mb.token:
                 mb.token += 1
                 notice = now + self.config.connection_error_seconds
                 mb.fail = "connection_errors" if notice < mb.start + mb.deadline else "timeouts"
                 self._at(min(notice, mb.start + mb.deadline), self._call_failed, mb, mb.token)
         peer.queue.clear()
+        peer.running = None
 
     def _trace_target(self, wanted: int) -> None:
         """The trace's live-instance count changes: launch fresh instances, or preempt random ones."""
@@ -846,6 +877,8 @@ class Simulation:
                 k: counters[k] for k in ("timeouts", "rejected", "wrong_stage", "connection_errors", "requeues")
             },
             "would_stop_training": counters["would_stop_training"],
+            "abandoned_calls_computed": counters["abandoned_computed"],
+            "abandoned_calls_skipped": counters["abandoned_skipped"],
             "bans": sum(t.router.bans_issued for t in self.trainers),
             "joins": counters["joins"],
             "removals": counters["removals"],
@@ -975,6 +1008,11 @@ def build_parser() -> argparse.ArgumentParser:
         "drained its queue as the real peer does (to weigh that change)",
     )
     p.add_argument(
+        "--skip-abandoned",
+        action="store_true",
+        help="a peer drops a queued call whose caller has given up instead of computing it (to weigh that change)",
+    )
+    p.add_argument(
         "--connection-error-seconds",
         type=float,
         default=d.connection_error_seconds,
@@ -1024,6 +1062,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         bandwidth_mbit=args.bandwidth_mbit,
         throughput_noise=args.throughput_noise,
         target_at_decision=args.target_at_decision,
+        skip_abandoned=args.skip_abandoned,
         connection_error_seconds=args.connection_error_seconds,
         deadline_floor=args.deadline_floor,
         deadline_ceiling=args.deadline_ceiling,
