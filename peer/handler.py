@@ -115,6 +115,8 @@ class StageHandler:
     async def _serve(self, reader: asyncio.StreamReader, caller: str) -> list[StageReply]:
         request, parts = await read_frames(reader, StageRequest, self.limits)
         started = time.perf_counter()
+        # the caller's clock started earlier (the request was on the wire): this errs on computing
+        give_up_at = time.monotonic() + request.deadline_s if request.deadline_s > 0 else None
         if request.protocol_version != PROTOCOL_VERSION:
             return [
                 self._error(
@@ -166,7 +168,7 @@ class StageHandler:
         try:
             key = (caller, request.microbatch_id) if request.microbatch_id else None
             version = request.step if backward else None
-            result = await asyncio.wrap_future(self.runtime.submit(backward, tensors, key, version))
+            result = await asyncio.wrap_future(self.runtime.submit(backward, tensors, key, version, give_up_at))
         except StaleGradientError as e:
             return [self._error(ErrorCode.STALE, str(e))]
         except RuntimeError as e:
@@ -226,4 +228,5 @@ class StageHandler:
             requests_served=self.requests_served,
             resyncs=self.resyncs(),
             samples_stepped=self.runtime.samples_stepped,
+            abandoned_calls=self.runtime.abandoned,
         )

@@ -26,6 +26,10 @@ from swarm.optimizer import apply_accumulated_step
 logger = logging.getLogger(__name__)
 
 
+class CallAbandonedError(RuntimeError):
+    """The caller's deadline passed before the runtime started the request: computing it would be wasted."""
+
+
 class StaleGradientError(RuntimeError):
     """A backward whose forward ran against a model version older than the peer accepts."""
 
@@ -61,6 +65,7 @@ class _Task:
     accumulate: bool = True
     version: int | None = None  # the step a backward's forward ran at
     exclusive: Callable[[], Any] | None = None  # runs alone on the runtime thread
+    give_up_at: float | None = None  # time.monotonic() when the caller stops waiting for the reply
     future: Future = field(default_factory=Future)
 
     @property
@@ -111,6 +116,7 @@ class StageRuntime:
         self._applied: OrderedDict[Hashable, None] = OrderedDict()
         self.max_remembered = 100_000
         self.duplicates = 0
+        self.abandoned = 0  # requests dropped unstarted because their caller had given up
         self._queue: deque[_Task] = deque()
         self._cond = threading.Condition()
         self._stopping = False
@@ -122,7 +128,12 @@ class StageRuntime:
         self._thread.start()
 
     def submit(
-        self, backward: bool, tensors: list[torch.Tensor], key: Hashable = None, version: int | None = None
+        self,
+        backward: bool,
+        tensors: list[torch.Tensor],
+        key: Hashable = None,
+        version: int | None = None,
+        give_up_at: float | None = None,
     ) -> Future:
         """Queues a request; the future resolves to a StageResult or to the exception it raised.
 
@@ -130,8 +141,11 @@ class StageRuntime:
         already applied is answered without accumulating its gradients again. `version` is the
         step a backward's forward ran at: up to `max_staleness` steps behind, its gradient is
         applied and counted as stale; further behind, it is refused with StaleGradientError.
+        `give_up_at` (time.monotonic()) is when the caller stops waiting: a request not started by
+        then is dropped with CallAbandonedError, so an overloaded peer does not spend its time on
+        replies nobody reads while the callers' retries queue up behind them.
         """
-        task = _Task(backward, tensors, key, version=version)
+        task = _Task(backward, tensors, key, version=version, give_up_at=give_up_at)
         with self._cond:
             if self._stopping:
                 raise RuntimeError("the runtime is shutting down")
@@ -204,21 +218,49 @@ class StageRuntime:
     # --- the worker thread -----------------------------------------------------------------------
 
     def _next_batch(self) -> list[_Task] | None:
-        with self._cond:
-            while not self._queue:
-                if self._stopping:
-                    return None
-                self._cond.wait()
-            batch = [self._queue.popleft()]
-            total = batch[0].num_samples
-            for task in list(self._queue):
-                if total + task.num_samples > self.max_batch_samples:
-                    break
-                if batch[0].batches_with(task):
-                    self._queue.remove(task)
-                    batch.append(task)
-                    total += task.num_samples
-            return batch
+        while True:
+            with self._cond:
+                while not self._queue:
+                    if self._stopping:
+                        return None
+                    self._cond.wait()
+                abandoned = self._take_abandoned()
+                batch = self._take_batch() if self._queue else None
+            for task in abandoned:
+                task.future.set_exception(
+                    CallAbandonedError("the caller's deadline passed before this peer could start the request")
+                )
+            if batch is not None:
+                return batch
+
+    def _take_abandoned(self) -> list[_Task]:
+        """Removes queued requests whose caller has given up; called with the lock held."""
+        now = time.monotonic()
+        abandoned = [t for t in self._queue if t.give_up_at is not None and t.give_up_at <= now]
+        for task in abandoned:
+            self._queue.remove(task)
+            if task.accumulate:  # never applied: a retry of it must accumulate
+                self._applied.pop(task.key, None)
+        if abandoned:
+            self.abandoned += len(abandoned)
+            logger.info(
+                f"Stage {self.module.stage}: dropped {len(abandoned)} queued request(s) whose caller had given up "
+                f"({self.abandoned} so far); this peer is overloaded"
+            )
+        return abandoned
+
+    def _take_batch(self) -> list[_Task]:
+        """The next task and the queued ones that merge with it; called with the lock held."""
+        batch = [self._queue.popleft()]
+        total = batch[0].num_samples
+        for task in list(self._queue):
+            if total + task.num_samples > self.max_batch_samples:
+                break
+            if batch[0].batches_with(task):
+                self._queue.remove(task)
+                batch.append(task)
+                total += task.num_samples
+        return batch
 
     def _run(self) -> None:
         while (batch := self._next_batch()) is not None:

@@ -62,7 +62,7 @@ class Error(_message.Message):
     def __init__(self, code: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ...) -> None: ...
 
 class StageRequest(_message.Message):
-    __slots__ = ("protocol_version", "kind", "model", "stage", "microbatch_id", "step", "tensors", "more")
+    __slots__ = ("protocol_version", "kind", "model", "stage", "microbatch_id", "step", "tensors", "more", "deadline_s")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +71,7 @@ class StageRequest(_message.Message):
     STEP_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     kind: CallKind
     model: str
@@ -79,7 +80,8 @@ class StageRequest(_message.Message):
     step: int
     tensors: _containers.RepeatedCompositeFieldContainer[Tensor]
     more: bool
-    def __init__(self, protocol_version: _Optional[int] = ..., kind: _Optional[_Union[CallKind, str]] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch_id: _Optional[int] = ..., step: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., more: _Optional[bool] = ...) -> None: ...
+    deadline_s: float
+    def __init__(self, protocol_version: _Optional[int] = ..., kind: _Optional[_Union[CallKind, str]] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch_id: _Optional[int] = ..., step: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., more: _Optional[bool] = ..., deadline_s: _Optional[float] = ...) -> None: ...
 
 class StageReply(_message.Message):
     __slots__ = ("protocol_version", "error", "step", "tensors", "loss", "num_samples", "more", "server_seconds", "short_step", "lost_peers")
@@ -112,7 +114,7 @@ class PeerInfoRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ...) -> None: ...
 
 class PeerInfo(_message.Message):
-    __slots__ = ("protocol_version", "error", "model", "stage", "num_stages", "step", "throughput", "queue_length", "state", "samples_accumulated", "target_batch_size", "stale_gradients", "requests_served", "resyncs", "samples_stepped")
+    __slots__ = ("protocol_version", "error", "model", "stage", "num_stages", "step", "throughput", "queue_length", "state", "samples_accumulated", "target_batch_size", "stale_gradients", "requests_served", "resyncs", "samples_stepped", "abandoned_calls")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +130,7 @@ class PeerInfo(_message.Message):
     REQUESTS_SERVED_FIELD_NUMBER: _ClassVar[int]
     RESYNCS_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_STEPPED_FIELD_NUMBER: _ClassVar[int]
+    ABANDONED_CALLS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     error: Error
     model: str
@@ -143,7 +146,8 @@ class PeerInfo(_message.Message):
     requests_served: int
     resyncs: int
     samples_stepped: int
-    def __init__(self, protocol_version: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., step: _Optional[int] = ..., throughput: _Optional[float] = ..., queue_length: _Optional[int] = ..., state: _Optional[str] = ..., samples_accumulated: _Optional[int] = ..., target_batch_size: _Optional[int] = ..., stale_gradients: _Optional[int] = ..., requests_served: _Optional[int] = ..., resyncs: _Optional[int] = ..., samples_stepped: _Optional[int] = ...) -> None: ...
+    abandoned_calls: int
+    def __init__(self, protocol_version: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., step: _Optional[int] = ..., throughput: _Optional[float] = ..., queue_length: _Optional[int] = ..., state: _Optional[str] = ..., samples_accumulated: _Optional[int] = ..., target_batch_size: _Optional[int] = ..., stale_gradients: _Optional[int] = ..., requests_served: _Optional[int] = ..., resyncs: _Optional[int] = ..., samples_stepped: _Optional[int] = ..., abandoned_calls: _Optional[int] = ...) -> None: ...
 
 class MateProgress(_message.Message):
     __slots__ = ("protocol_version", "model", "stage", "step", "samples")

@@ -52,9 +52,13 @@ What is not modelled: network transfers and latency (a call costs only its compu
 steps and averaging between stage-mates (no pause per step), stale gradients, a peer merging
 queued calls into one batch (total work is the same), partial failures other than a peer
 vanishing, the time a moving peer takes to hand over its gradients and build the new stage
-(part of `--move-seconds`), and DHT read delays beyond the announce period. A peer does not drop
-a call whose caller gave up (the real runtime has no such cancellation), so a timed-out call
-still costs it.
+(part of `--move-seconds`), and DHT read delays beyond the announce period.
+
+Overload: a peer serves its calls in order; as the real runtime, it drops a queued call whose
+caller's deadline passed before it could start it (the caller has retried elsewhere), but a call
+it has started runs to the end. `--compute-abandoned` computes every call, as the runtime did
+before: under overload the queues then fill with work nobody waits for, the retries pile on, and
+the swarm stays congested after the overload has passed.
 
 Measures, per window of `--window` simulated seconds: samples completed per second; the
 assignment throughput (the least stage capacity from the true speeds of serving peers), at the
@@ -158,8 +162,8 @@ class SimConfig:
     # False: as the real peer, a mover announces JOINING on its target only once it has drained its
     # queue; True: at once, when it decides to move (a proposed change to the peer)
     target_at_decision: bool = False
-    # False: as the real runtime, a peer computes a queued call even after its caller has given up
-    skip_abandoned: bool = False
+    # True: as the real runtime, a peer drops a queued call whose caller has given up (False: computes it)
+    skip_abandoned: bool = True
     connection_error_seconds: float = 1.0
     deadline_floor: float = 15.0
     deadline_ceiling: float = 60.0
@@ -1008,9 +1012,10 @@ def build_parser() -> argparse.ArgumentParser:
         "drained its queue as the real peer does (to weigh that change)",
     )
     p.add_argument(
-        "--skip-abandoned",
+        "--compute-abandoned",
         action="store_true",
-        help="a peer drops a queued call whose caller has given up instead of computing it (to weigh that change)",
+        help="a peer computes a queued call even after its caller has given up, instead of dropping it as the "
+        "real runtime does (to weigh that rule)",
     )
     p.add_argument(
         "--connection-error-seconds",
@@ -1062,7 +1067,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         bandwidth_mbit=args.bandwidth_mbit,
         throughput_noise=args.throughput_noise,
         target_at_decision=args.target_at_decision,
-        skip_abandoned=args.skip_abandoned,
+        skip_abandoned=not args.compute_abandoned,
         connection_error_seconds=args.connection_error_seconds,
         deadline_floor=args.deadline_floor,
         deadline_ceiling=args.deadline_ceiling,

@@ -108,6 +108,7 @@ async def call_stage(
     `stats`, if given, is filled in; `shaper`, if given, delays the call as an emulated slow link would.
     """
     request.protocol_version = PROTOCOL_VERSION
+    request.deadline_s = timeout
     loop = asyncio.get_running_loop()
     # encoding and decoding are CPU work: keep them off the event loop
     parts = await loop.run_in_executor(None, lambda: [p for t in tensors for p in encode_tensor(t, codec)])

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import time
+
+import pytest
 import torch
-from swarm.peer.runtime import StageRuntime
+from swarm.peer.runtime import CallAbandonedError, StageRuntime
 
 from swarm.models import build_stage, get_model_spec
 from swarm.optimizer import OptimizerSettings, build_optimizer
@@ -96,4 +99,24 @@ def test_failed_batch_reports_the_error_and_runtime_keeps_going():
     assert runtime.samples_accumulated == 0
     runtime.submit(True, backward_inputs(2, 0), key=("t", 1)).result(30)
     assert runtime.samples_accumulated == 2  # the retry of a failed request is accumulated
+    runtime.shutdown()
+
+
+def test_a_request_whose_caller_gave_up_is_dropped_unstarted_and_can_be_retried():
+    """An overloaded peer must not spend its time on replies nobody waits for any more."""
+    runtime = make_runtime(target=100)
+    runtime.start()
+    # the worker is busy for 0.3 s: the requests below wait in the queue meanwhile
+    busy = runtime.run_exclusive(lambda: time.sleep(0.3))
+    expired = runtime.submit(True, backward_inputs(4, 1), key=("trainer", 2), give_up_at=time.monotonic() + 0.05)
+    patient = runtime.submit(True, backward_inputs(4, 2), key=("trainer", 3), give_up_at=time.monotonic() + 30)
+    busy.result(30)
+    assert patient.result(30).step == 0
+    with pytest.raises(CallAbandonedError, match="deadline passed"):
+        expired.result(30)
+    assert runtime.abandoned == 1
+    assert runtime.samples_accumulated == 4  # the dropped one was not applied
+    # its retry is a first attempt, not a duplicate: it accumulates
+    runtime.submit(True, backward_inputs(4, 1), key=("trainer", 2)).result(30)
+    assert runtime.samples_accumulated == 8 and runtime.duplicates == 0
     runtime.shutdown()
