@@ -181,6 +181,8 @@ def run_phase(args: argparse.Namespace, rebalance: bool, churn: bool, workdir: P
                     sys.exit(f"the trainer stopped early; see {swarm.workdir}")
                 time.sleep(args.sample_every)
             swarm.stop("trainer", signal.SIGTERM, timeout=60)
+            if not summary_file.exists():
+                sys.exit(f"the trainer left no summary; see {swarm.log_path('trainer')}")
             trained = json.loads(summary_file.read_text())
             moves = sum(swarm.log_path(n).read_text(errors="replace").count("Moving from stage") for n in sim.speed)
         finally:
@@ -253,6 +255,8 @@ def main() -> None:
             continue
         print(f"running {key}", file=sys.stderr)
         result[key] = run_phase(args, rebalance, churn, workdir)
+        # each phase takes minutes: what it found is kept even if a later one fails
+        print(f"{key}: {json.dumps(result[key])}", file=sys.stderr, flush=True)
     if "static_off" in result:
         result["steady_state_ratio_on_to_off"] = round(
             result["static_on"]["steady_state_fraction"] / max(result["static_off"]["steady_state_fraction"], 1e-9), 3

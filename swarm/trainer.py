@@ -10,6 +10,7 @@ so every call can be retried on another peer of the stage (peers keep no activat
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import random
@@ -318,6 +319,19 @@ class Trainer:
 
     # --- the run ---------------------------------------------------------------------------------
 
+    async def _step_unless_stopped(self, batch: torch.Tensor, stop: asyncio.Event) -> float | None:
+        """The step's loss, or None if a stop was requested first (a step waiting for peers can take long)."""
+        stepping = asyncio.create_task(self.run_step(batch))
+        stopping = asyncio.create_task(stop.wait())
+        await asyncio.wait([stepping, stopping], return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if stepping.done():
+            return stepping.result()
+        stepping.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await stepping
+        return None
+
     async def train(self) -> TrainingSummary:
         config = self.config
         stop = stop_event_on_signals()
@@ -338,7 +352,10 @@ class Trainer:
                     logger.info("Stopping early on request")
                     break
                 batch = self.corpus.batch(self.step, target_batch_size, self.spec.seq_len, config.seed)
-                loss = await self.run_step(batch)
+                loss = await self._step_unless_stopped(batch, stop)
+                if loss is None:
+                    logger.info(f"Stopping on request; step {self.step} was not finished and is not counted")
+                    break
                 self.step += 1
                 summary.steps += 1
                 summary.samples += target_batch_size
