@@ -7,9 +7,8 @@ reads the same announcements, so every peer can compute the same plan and carry 
 A move takes a peer from a donor stage to the bottleneck. It is made only if it raises the
 capacity of the lower of the two stages by more than a hysteresis margin (a fraction of the moving
 peer's own throughput): the bottleneck must gain and the donor must not fall to where the
-bottleneck was. When the bottleneck was the only stage at
-the minimum, the swarm's throughput rises; when several stages tie, one fewer sits at the minimum
-and the next move can lift the rest. Two stages with equal loads never trade a peer back and forth
+bottleneck was. When the bottleneck was the only stage at the minimum, the swarm's throughput
+rises; when several stages tie, one fewer sits at the minimum and the next move can lift the rest. Two stages with equal loads never trade a peer back and forth
 (the donor would end lower than the bottleneck started), and a donor keeps at least one serving
 peer, so no stage is ever left empty.
 
