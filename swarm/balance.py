@@ -8,9 +8,9 @@ A move takes a peer from a donor stage to the bottleneck. It is made only if it 
 capacity of the lower of the two stages by more than a hysteresis margin (a fraction of the moving
 peer's own throughput): the bottleneck must gain and the donor must not fall to where the
 bottleneck was. When the bottleneck was the only stage at the minimum, the swarm's throughput
-rises; when several stages tie, one fewer sits at the minimum and the next move can lift the rest. Two stages with equal loads never trade a peer back and forth
-(the donor would end lower than the bottleneck started), and a donor keeps at least one serving
-peer, so no stage is ever left empty.
+rises; when several stages tie, one fewer sits at the minimum and the next move can lift the rest.
+Two stages with equal loads never trade a peer back and forth (the donor would end lower than the
+bottleneck started), and a donor keeps at least one serving peer, so no stage is ever left empty.
 
 Peers differ in speed and stages in cost (a stage with more layers takes longer per sample), so a
 peer's throughput on another stage is estimated as its throughput on its own, scaled by the ratio
