@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from swarm.compression import get_codec
 from swarm.peer.runtime import StageRuntime, StaleGradientError
@@ -56,6 +56,7 @@ class StageHandler:
         step_wait: float = 40.0,
         resyncs: Callable[[], int] = lambda: 0,
         lost_samples: Callable[[int], dict[str, int]] = lambda step: {},
+        progress_delivered: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.runtime = runtime
         self.stage: GPTStage = runtime.module
@@ -66,6 +67,7 @@ class StageHandler:
         self.step_wait = step_wait
         self.resyncs = resyncs
         self.lost_samples = lost_samples
+        self.progress_delivered = progress_delivered
         self.requests_served = 0
         self.requests_refused = 0
         self._step_changed = asyncio.Event()
@@ -173,6 +175,9 @@ class StageHandler:
             return [self._error(ErrorCode.STALE, str(e))]
         except RuntimeError as e:
             return [self._error(ErrorCode.UNAVAILABLE, str(e))]
+        if backward and self.progress_delivered is not None:
+            # the mates hear of these samples before the caller does (see StageMates.progress_delivered)
+            await self.progress_delivered()
 
         # answer in the codec the caller used for its first tensor
         codec = get_codec(parts[0].codec or "none")

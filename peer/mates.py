@@ -122,6 +122,8 @@ class StageMates:
         self._round_step: int | None = None
         self._handed_over: set[str] = set()  # mates that left after handing over their gradients
         self.on_short: Callable[[], None] | None = None  # wakes requests waiting for a step that is short
+        self._progress_sends: dict[asyncio.Task, str] = {}  # progress on its way, and the mate it goes to
+        self._silent: set[str] = set()  # mates the last progress did not reach: not waited for
 
     async def start(self, p2p: P2P) -> None:
         """Registers the mate protocols on the peer's P2P and hooks into the runtime."""
@@ -219,8 +221,22 @@ class StageMates:
     def _on_local_progress(self, step: int, samples: int) -> None:
         self.progress[step][self.peer_id] = samples
         for peer_id in self.mates:
-            self._spawn(self._send_progress(peer_id, step, samples))
+            task = self._spawn(self._send_progress(peer_id, step, samples))
+            self._progress_sends[task] = peer_id
+            task.add_done_callback(lambda t: self._progress_sends.pop(t, None))
         self._check_trigger(step)
+
+    async def progress_delivered(self) -> None:
+        """Waits (at most `PROGRESS_TIMEOUT`) until the mates have heard of every sample accumulated so far.
+
+        A backward is answered only after this: once a trainer holds the reply, the mates count its
+        samples, so should this peer die before the round they know those samples are lost and ask for
+        them again, instead of waiting for a batch that never fills. Mates the last progress did not
+        reach are not waited for, so a dead mate does not slow every backward down.
+        """
+        pending = [task for task, mate in self._progress_sends.items() if mate not in self._silent]
+        if pending:
+            await asyncio.wait(pending, timeout=PROGRESS_TIMEOUT)
 
     async def _send_progress(self, peer_id: str, step: int, samples: int) -> None:
         message = MateProgress(
@@ -231,7 +247,9 @@ class StageMates:
                 exchange(self.p2p, PeerID.from_base58(peer_id), PROGRESS_PROTOCOL, [message], MateReply, WireLimits()),
                 PROGRESS_TIMEOUT,
             )
-        except Exception as e:  # progress is advisory: the round itself tolerates a silent mate
+            self._silent.discard(peer_id)
+        except Exception as e:  # the round itself tolerates a silent mate
+            self._silent.add(peer_id)
             logger.debug(f"Could not send progress to {peer_id}: {type(e).__name__}: {e}")
 
     async def _handle_progress(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
@@ -503,6 +521,7 @@ class StageMates:
                     step=step,
                     has_optimizer_state=has_optimizer_state,
                     samples_stepped=samples_stepped,
+                    progress={p: n for p, n in self.progress.get(step, {}).items() if p != requester and n > 0},
                 )
                 frames = pack_frames(reply, parts)
         except WireError as e:
@@ -519,7 +538,7 @@ class StageMates:
         Raises StageStateError if the mate refuses, sends a state that does not fit, or is at a
         step before `minimum_step`.
         """
-        step, tensors, has_optimizer_state, samples_stepped = await request_state(
+        step, tensors, has_optimizer_state, samples_stepped, progress = await request_state(
             self.p2p, peer_id, self.model, self.stage, self.limits, timeout
         )
         if step < minimum_step:
@@ -534,6 +553,12 @@ class StageMates:
             runtime.run_exclusive(lambda: runtime.load_state(step, apply, samples_stepped), front=True)
         )
         logger.info(f"Loaded stage {self.stage} state of step {step} (fingerprint {state_fingerprint(tensors)})")
+        # the giver's view of who holds samples toward the next step: should one of them die before the
+        # round, this peer counts its samples as lost and asks for them again instead of waiting forever
+        known = self.progress[step]
+        for mate, samples in progress.items():
+            if mate != self.peer_id:
+                known[mate] = max(known.get(mate, 0), samples)
         return step
 
     async def sync_from_mates(self, minimum_step: int = 0) -> str | None:
@@ -568,8 +593,12 @@ class StageMates:
 
 async def request_state(
     p2p: P2P, peer_id: str, model: str, stage: int, limits: WireLimits, timeout: float = 120.0
-) -> tuple[int, list[torch.Tensor], bool, int]:
-    """Asks a peer for its stage's state: (step, tensors, has_optimizer_state, samples_stepped), or StageStateError."""
+) -> tuple[int, list[torch.Tensor], bool, int, dict[str, int]]:
+    """Asks a peer for its stage's state, or StageStateError.
+
+    Returns (step, tensors, has_optimizer_state, samples_stepped, progress): progress is the samples
+    each other member is known to hold toward the next step.
+    """
     request = StateRequest(protocol_version=PROTOCOL_VERSION, model=model, stage=stage)
     reply, parts = await asyncio.wait_for(
         exchange(p2p, PeerID.from_base58(peer_id), STATE_PROTOCOL, [request], StateReply, limits), timeout
@@ -577,4 +606,4 @@ async def request_state(
     if reply.error.code != ErrorCode.OK:
         raise StageStateError(f"{ErrorCode.Name(reply.error.code)}: {reply.error.message}")
     tensors = await asyncio.get_running_loop().run_in_executor(None, decode_tensors, parts, limits)
-    return reply.step, tensors, reply.has_optimizer_state, reply.samples_stepped
+    return reply.step, tensors, reply.has_optimizer_state, reply.samples_stepped, dict(reply.progress)

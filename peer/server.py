@@ -101,6 +101,7 @@ class Peer:
             step_wait=config.averaging_timeout + 10,
             resyncs=lambda: mates.resyncs,
             lost_samples=lambda step: mates.short.get(step, {}),
+            progress_delivered=mates.progress_delivered,
         )
         self.mates.on_short = self.handler.notify_step
 
@@ -139,6 +140,7 @@ class Peer:
             target_batch_size=config.target_batch_size,
             stale_gradients=self.runtime.stale_gradients,
             protocol_version=PROTOCOL_VERSION,
+            movable=config.rebalance_period > 0,
         )
 
     async def _announce(self, record: StageRecord | None = None) -> None:
@@ -194,7 +196,7 @@ class Peer:
         guess = config.simulated_speed / self.costs[stage] if config.simulated_speed else typical
         placeholder = StageRecord(
             self.peer_id, stage, config.model, config.num_stages, JOINING, 0, guess, 0,
-            config.target_batch_size, 0, PROTOCOL_VERSION,
+            config.target_batch_size, 0, PROTOCOL_VERSION, movable=config.rebalance_period > 0,
         )  # fmt: skip
         try:
             await self._announce(placeholder)

@@ -208,7 +208,14 @@ class StateRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ...) -> None: ...
 
 class StateReply(_message.Message):
-    __slots__ = ("protocol_version", "error", "step", "has_optimizer_state", "tensors", "more", "samples_stepped")
+    __slots__ = ("protocol_version", "error", "step", "has_optimizer_state", "tensors", "more", "samples_stepped", "progress")
+    class ProgressEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -216,6 +223,7 @@ class StateReply(_message.Message):
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_STEPPED_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     error: Error
     step: int
@@ -223,4 +231,5 @@ class StateReply(_message.Message):
     tensors: _containers.RepeatedCompositeFieldContainer[Tensor]
     more: bool
     samples_stepped: int
-    def __init__(self, protocol_version: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., step: _Optional[int] = ..., has_optimizer_state: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., more: _Optional[bool] = ..., samples_stepped: _Optional[int] = ...) -> None: ...
+    progress: _containers.ScalarMap[str, int]
+    def __init__(self, protocol_version: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., step: _Optional[int] = ..., has_optimizer_state: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., more: _Optional[bool] = ..., samples_stepped: _Optional[int] = ..., progress: _Optional[_Mapping[str, int]] = ...) -> None: ...

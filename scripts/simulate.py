@@ -27,8 +27,9 @@ What is modelled:
   trainer does); a call to a vanished peer fails after `--connection-error-seconds`; a call
   running past `router.deadline` times out (the peer still does the work). Every failure is
   reported to the router and the call retried on another peer; after `max_retries` attempts it
-  is re-queued after a backoff, as the real trainer does (which stops training after
-  `max_requeues` of those; the simulation counts how often that would have happened instead).
+  is re-queued after a backoff, as the real trainer does (which stops training when a call runs
+  out of attempts after its stage has completed no call for `stage_wait_timeout`; the simulation
+  counts how often that would have happened instead).
 - Rebalancing, as the real peer does it: every `--rebalance-period` seconds times a random factor
   in [0.5, 1.5], a serving peer computes `plan_moves` on the current view (computed once per view
   and shared, since every peer reading that view computes the same plan) and carries out its own
@@ -111,10 +112,11 @@ from swarm.balance import (
     plan_moves,
     upper_bound_throughput,
 )
-from swarm.config import PeerConfig
+from swarm.config import PeerConfig, TrainerConfig
 from swarm.router import FORWARD_SHARE_OF_BACKWARD, Router
 from swarm.spot_trace import live_peer_targets, read_trace
 from swarm.stage_records import JOINING, LEAVING, SERVING, StageRecord
+from swarm.trainer import REQUEUE_PAUSE_MAX
 
 # a sample costs a forward and a backward on every stage: capacity (backward samples/s) over this
 WORK_PER_SAMPLE = 1 + FORWARD_SHARE_OF_BACKWARD
@@ -124,7 +126,7 @@ IDEAL_NODE_LIMIT = 20_000
 OSCILLATION_SECONDS = 300.0
 REJECT_SECONDS = 0.1  # a refusal (peer not serving the stage) comes back after a round trip
 STAGE_POLL_SECONDS = 0.5  # a trainer with no live peer for a stage looks again this often
-MAX_RETRIES, MAX_REQUEUES = 5, 3  # the real trainer's defaults
+TRAINER_DEFAULTS = TrainerConfig()  # the real trainer's attempts per call and patience with a stalled stage
 PEER_DEFAULTS = PeerConfig()  # the real peer's rebalancing period and margin are the simulation's defaults
 DEFAULT_MARGINS = (0.0, 0.1, 0.25, 0.5, 1.0)  # the sweep of hysteresis margins a study runs
 THROUGHPUT_EWMA = 0.1  # weight of the newest batch in the runtime's seconds-per-sample average
@@ -263,7 +265,9 @@ class SimPeer:
 class Microbatch:
     """One microbatch of a trainer, and the one call of it that is out now."""
 
-    __slots__ = ("trainer", "position", "tried", "attempts", "requeues", "token", "peer", "start", "deadline", "fail")
+    __slots__ = (
+        "trainer", "position", "tried", "attempts", "requeues", "token", "peer", "start", "deadline", "fail", "since",
+    )  # fmt: skip
 
     def __init__(self, trainer: SimTrainer) -> None:
         self.trainer = trainer
@@ -274,6 +278,7 @@ class Microbatch:
         self.peer: SimPeer | None = None
         self.start = self.deadline = 0.0
         self.fail = ""  # how the call out now will fail, if it does
+        self.since = 0.0  # when the current call (all its attempts) began
 
 
 class SimTrainer:
@@ -283,6 +288,7 @@ class SimTrainer:
         self.router = router
         self.microbatches = [Microbatch(self) for _ in range(microbatches)]
         self.parked: dict[int, list[Microbatch]] = {}  # stage -> microbatches waiting for a live peer
+        self.last_success: dict[int, float] = {}  # stage -> when a call to it last completed
         self.polling = False
 
 
@@ -589,7 +595,8 @@ class Simulation:
             # the runtime's moving average of its backward timings (a draining peer's is thrown away)
             peer.seconds_per_sample += THROUGHPUT_EWMA * (self._timing(peer) - peer.seconds_per_sample)
         self.counters["completed_calls"] += 1
-        mb.tried, mb.attempts, mb.requeues = [], 0, 0
+        mb.trainer.last_success[mb.position if mb.position < stages else 2 * stages - 1 - mb.position] = self.now
+        mb.tried, mb.attempts, mb.requeues, mb.since = [], 0, 0, self.now
         mb.position += 1
         if mb.position == 2 * stages:
             self.counters["samples_completed"] += self.config.microbatch
@@ -605,15 +612,18 @@ class Simulation:
         mb.trainer.router.report_failure(mb.peer.peer_id)
         mb.tried.append(mb.peer.peer_id)
         mb.attempts += 1
-        if mb.attempts < MAX_RETRIES:
+        if mb.attempts < TRAINER_DEFAULTS.max_retries:
             self._dispatch(mb)
             return
         mb.requeues += 1
         self.counters["requeues"] += 1
-        if mb.requeues == MAX_REQUEUES + 1:
+        stages = self.num_stages
+        stage = mb.position if mb.position < stages else 2 * stages - 1 - mb.position
+        if self.now - max(mb.trainer.last_success.get(stage, 0.0), mb.since) > TRAINER_DEFAULTS.stage_wait_timeout:
             self.counters["would_stop_training"] += 1
+            mb.since = self.now  # counted once per stall
         mb.attempts, mb.tried = 0, []
-        self._at(self.now + min(30.0, 2.0**mb.requeues), self._retry, mb, mb.token)
+        self._at(self.now + min(REQUEUE_PAUSE_MAX, 2.0**mb.requeues), self._retry, mb, mb.token)
 
     def _retry(self, mb: Microbatch, token: int) -> None:
         if token == mb.token:

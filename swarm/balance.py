@@ -39,6 +39,7 @@ class PeerLoad:
     throughput: float  # samples per second on its stage
     serving: bool = True  # False: joining, so it adds capacity but holds no state to keep a stage alive
     queue_length: int = 0
+    movable: bool = True  # False: it never rebalances, so no plan may count on moving it
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ class Move:
 def loads_from_records(records: dict[int, list[StageRecord]]) -> list[PeerLoad]:
     """The peers that count toward capacity: serving ones, and joining ones (about to serve)."""
     return [
-        PeerLoad(r.peer_id, stage, max(float(r.throughput), 0.0), r.state == SERVING, r.queue_length)
+        PeerLoad(r.peer_id, stage, max(float(r.throughput), 0.0), r.state == SERVING, r.queue_length, r.movable)
         for stage, found in records.items()
         for r in found
         if r.state in (SERVING, JOINING) and r.stage == stage
@@ -142,7 +143,7 @@ def plan_moves(
         best: tuple[float, str] | None = None
         for p in placed.values():
             # a peer moves once per plan; a joiner holds no state yet, so it has none to move
-            if p.peer_id in moved or not p.serving or p.stage == target or holders[p.stage] < 2:
+            if p.peer_id in moved or not (p.serving and p.movable) or p.stage == target or holders[p.stage] < 2:
                 continue
             speed = p.throughput * cost[p.stage] / cost[target]
             low_after = min(caps[target] + speed, caps[p.stage] - p.throughput)
@@ -182,10 +183,10 @@ def _best_swap(
     """The exchange of a donor's peer with one of the bottleneck's that lifts the lower of the two stages most."""
     if holders[target] < 2:
         return None
-    here = [p for p in placed.values() if p.stage == target and p.serving and p.peer_id not in moved]
+    here = [p for p in placed.values() if p.stage == target and p.serving and p.movable and p.peer_id not in moved]
     best: tuple[float, str, str] | None = None
     for a in placed.values():
-        if a.stage == target or not a.serving or a.peer_id in moved or holders[a.stage] < 2:
+        if a.stage == target or not (a.serving and a.movable) or a.peer_id in moved or holders[a.stage] < 2:
             continue
         d = a.stage
         for b in here:

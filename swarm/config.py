@@ -237,7 +237,7 @@ class PeerConfig(NetworkConfig, ModelConfig):
         1, "apply a backward whose forward ran up to N steps ago (counted as stale); refuse older ones"
     )
     rebalance_period: float = option(
-        60.0, "mean seconds between checks whether moving to the bottleneck stage helps (randomised; 0: never move)"
+        60.0, "mean seconds between checks whether moving to the bottleneck helps (randomised; 0: pinned, never moves)"
     )
     rebalance_margin: float = option(
         0.5,
@@ -318,8 +318,11 @@ class TrainerConfig(NetworkConfig, ModelConfig):
     )
     call_timeout_floor: float = option(15.0, "shortest deadline given to a stage call, however fast the peer")
     max_retries: int = option(5, "attempts per stage call (on different peers) before it is re-queued")
-    max_requeues: int = option(3, "times a call that ran out of attempts is re-queued before training stops")
-    stage_wait_timeout: float = option(120.0, "seconds to wait for a stage with no live peer before giving up")
+    stage_wait_timeout: float = option(
+        120.0,
+        "seconds a stage may go without a live peer, or without completing any call while one is re-queued, "
+        "before training stops with an error",
+    )
     summary_file: str | None = option(None, "write a JSON summary of the run to FILE")
     progress: bool = option(True, "show a progress bar")
 

@@ -8,7 +8,7 @@ remote processes, so reading them never trusts their content: a malformed one is
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 
 from hivemind import DHT
 from hivemind.utils import get_dht_time
@@ -35,6 +35,8 @@ class StageRecord:
     stale_gradients: int
     protocol_version: int
     expiration: float = 0.0
+    # False for a peer that never rebalances (`--rebalance-period 0`): others must not plan its move
+    movable: bool = True
 
     def to_value(self) -> dict:
         value = asdict(self)
@@ -47,7 +49,12 @@ class StageRecord:
         if not isinstance(value, dict):
             return None
         try:
-            kwargs = {f.name: value[f.name] for f in fields(cls) if f.name != "expiration"}
+            # a field with a default may be missing: records of peers from before it existed
+            kwargs = {
+                f.name: value[f.name]
+                for f in fields(cls)
+                if f.name != "expiration" and (f.name in value or f.default is MISSING)
+            }
             record = cls(**kwargs, expiration=float(expiration))
         except (KeyError, TypeError, ValueError):
             return None
@@ -58,6 +65,7 @@ class StageRecord:
                 for name in ("stage", "num_stages", "step", "queue_length", "stale_gradients")
             )
             and isinstance(record.throughput, (int, float))
+            and isinstance(record.movable, bool)
             and record.state in STATES
         )
         return record if types_ok else None

@@ -38,6 +38,7 @@ from swarm.transport import CallStats, StageCallError, call_stage
 logger = logging.getLogger(__name__)
 
 REFRESH_PERIOD = 2.0
+REQUEUE_PAUSE_MAX = 8.0  # seconds: a re-queued call waits 2, 4, 8, 8... s, short of a stall worth the name
 
 
 class TrainingError(RuntimeError):
@@ -95,6 +96,7 @@ class Trainer:
         self._resent: set[tuple[int, int, str]] = set()
         self._resending = asyncio.Lock()
         self._served_by = ""  # the peer that served the last call (read right after awaiting it)
+        self._last_success: dict[int, float] = {}  # per stage, when a call to it last succeeded (monotonic)
 
     # --- peers -----------------------------------------------------------------------------------
 
@@ -169,19 +171,23 @@ class Trainer:
         tried: list[str] = []
         last_error: Exception | None = None
         attempts, short_since, requeues = 0, None, 0
+        started_at = time.monotonic()
         while True:
             if attempts >= self.config.max_retries:
-                # out of attempts for now: said out loud, the call waits and goes round again, a bounded
-                # number of times; past that, training stops with the error rather than drop the microbatch
-                if requeues >= self.config.max_requeues:
+                # out of attempts for now: said out loud, the call waits and goes round again. Under churn
+                # that can happen many times while the stage still works for other calls, so the bound is
+                # the stage's progress: no call to it completed for stage_wait_timeout stops training with
+                # the error rather than drop the microbatch.
+                idle = time.monotonic() - max(self._last_success.get(stage, 0.0), started_at)
+                if idle > self.config.stage_wait_timeout:
                     break
                 requeues += 1
                 self.summary.requeued += 1
                 logger.warning(
                     f"Stage {stage}: microbatch {microbatch_id} failed {attempts} attempts ({last_error}); "
-                    f"re-queued ({requeues}/{self.config.max_requeues})"
+                    f"re-queued (time {requeues}; the stage last completed a call {idle:.0f}s ago)"
                 )
-                await asyncio.sleep(min(30.0, 2.0**requeues))
+                await asyncio.sleep(min(REQUEUE_PAUSE_MAX, 2.0**requeues))
                 attempts, tried = 0, []
             samples = tensors[0].shape[0]
             preferred = [r for r in self.router.live_peers(stage) if r.peer_id == prefer and prefer not in tried]
@@ -232,6 +238,7 @@ class Trainer:
                 logger.warning(f"Stage {stage} call failed ({e}); peer banned for {ban:.0f}s, retrying")
                 continue
             self.router.report_success(record.peer_id, backward, samples, time.perf_counter() - started)
+            self._last_success[stage] = time.monotonic()
             if backward:  # remembered until the stage has stepped past it, in case that peer dies first
                 self._applied.setdefault((stage, reply.step), []).append((record.peer_id, microbatch_id, tensors))
             self.summary.bytes_sent += stats.bytes_sent
@@ -241,8 +248,8 @@ class Trainer:
             self._served_by = record.peer_id
             return reply, outputs
         raise TrainingError(
-            f"stage {stage} call failed after {self.config.max_retries} attempts, "
-            f"{self.config.max_requeues} times over: {last_error}"
+            f"stage {stage} completed no call for {self.config.stage_wait_timeout:.0f}s; microbatch "
+            f"{microbatch_id} failed {self.config.max_retries} attempts, {requeues + 1} times over: {last_error}"
         )
 
     async def resend_lost(self, stage: int, step: int, lost_peers: list[str], to: str) -> None:

@@ -137,6 +137,32 @@ def test_loads_from_records_skip_leaving_peers():
     assert [(p.peer_id, p.serving) for p in loads] == [("a", True), ("c", False)]
 
 
+def test_pinned_peers_hold_their_stage_but_are_never_planned_to_move():
+    # a peer that never rebalances would block the move forever if the plan counted on it
+    free = [PeerLoad("pinned", 0, 10.0, movable=False), PeerLoad("free", 0, 14.0), PeerLoad("b", 1, 5.0)]
+    assert [(m.peer_id, m.target) for m in plan_moves(free, 2, margin=0.1)] == [("free", 1)]
+    # the slower pinned peer would have been the better mover; with it free, the plan picks it
+    assert [m.peer_id for m in plan_moves([PeerLoad("pinned", 0, 10.0), *free[1:]], 2, margin=0.1)] == ["pinned"]
+    # a pinned peer still keeps its stage alive, and a stage of pinned peers gives none away
+    assert plan_moves([PeerLoad("a", 0, 10.0, movable=False), PeerLoad("b", 1, 1.0)], 2, margin=0.1) == []
+    # only a trade helps here (5 to stage 1, the 1 back); a pinned slow peer cannot be traded
+    trade = [PeerLoad("a", 0, 5.0), PeerLoad("b", 0, 10.0), PeerLoad("slow", 1, 1.0), PeerLoad("c", 1, 9.0)]
+    assert {(m.peer_id, m.target) for m in plan_moves(trade, 2, margin=0.1)} == {("a", 1), ("slow", 0)}
+    trade[2] = PeerLoad("slow", 1, 1.0, movable=False)
+    assert plan_moves(trade, 2, margin=0.1) == []
+
+
+def test_records_carry_whether_a_peer_may_move_and_older_records_still_parse():
+    pinned = StageRecord("a", 0, "gpt-tiny", 2, SERVING, 0, 5.0, 1, 32, 0, 2, 99.0, movable=False)
+    parsed = StageRecord.from_value(pinned.to_value(), 99.0)
+    assert parsed == pinned
+    assert loads_from_records({0: [parsed]})[0].movable is False
+    older = pinned.to_value()
+    del older["movable"]
+    assert StageRecord.from_value(older, 99.0).movable is True
+    assert StageRecord.from_value({**pinned.to_value(), "movable": "yes"}, 99.0) is None
+
+
 def brute_force(speeds, num_stages, costs=None):
     return max(
         assignment_throughput(speeds, stages, num_stages, costs)

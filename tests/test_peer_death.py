@@ -3,26 +3,34 @@
 from __future__ import annotations
 
 import json
+import os
+import random
+import re
 import signal
+import subprocess
 import time
 
 import pytest
 from conftest import (
+    TARGET,
     assert_matches_reference,
     peer_flags,
     reference_run,
     reordering_noise,
+    run_p2p_client,
     trainer_flags,
     wait_for_records,
 )
+from hivemind.p2p import PeerID
 from swarm.peer.checkpoint import load_checkpoint
 
 from swarm.stage_records import SERVING
+from swarm.transport import get_peer_info
 
 
-@pytest.mark.timeout(300)
-def test_killed_peer_loses_no_microbatch(local_swarm, tmp_path):
-    steps, micro, kill_at = 8, 1, 3
+def start_two_mates_and_trainer(local_swarm, tmp_path, steps: int, in_flight: int, *extra: str):
+    """Stages 0 and 2 with one peer each, stage 1 with peer1a and peer1b; a trainer of one-sample
+    microbatches over 100 ms links. Returns the trainer's process and its summary file."""
     local_swarm.start_bootstrap()
     names = {0: ["peer0"], 1: ["peer1a", "peer1b"], 2: ["peer2"]}
     for stage, peers in names.items():
@@ -31,14 +39,29 @@ def test_killed_peer_loses_no_microbatch(local_swarm, tmp_path):
     counts = [lambda r, s=s: sum(p.state == SERVING for p in r[s]) for s in range(3)]
     wait_for_records(local_swarm.initial_peers, lambda r: [count(r) for count in counts] == [1, 2, 1])
     summary_file = tmp_path / "summary.json"
+    flags = [*trainer_flags(steps, summary_file, 1, in_flight), "--emulate-latency-ms", "100", *extra]
+    return local_swarm.start_trainer("trainer", flags), summary_file
+
+
+def trainer_exit_code(local_swarm, trainer, timeout: float) -> int:
+    """The trainer's exit code; a failure with the end of its log if it is still running after `timeout`."""
+    try:
+        return trainer.wait(timeout)
+    except subprocess.TimeoutExpired:
+        log = local_swarm.log_path("trainer").read_text()[-6000:]
+        pytest.fail(f"the trainer still runs after {timeout:.0f}s:\n{log}")
+
+
+@pytest.mark.timeout(300)
+def test_killed_peer_loses_no_microbatch(local_swarm, tmp_path):
+    steps, micro, kill_at = 8, 1, 3
     # one sample per microbatch, many in flight, 100 ms each way: a kill lands between forwards and backwards
-    flags = [*trainer_flags(steps, summary_file, micro, in_flight=8), "--emulate-latency-ms", "100"]
-    trainer = local_swarm.start_trainer("trainer", flags)
+    trainer, summary_file = start_two_mates_and_trainer(local_swarm, tmp_path, steps, in_flight=8)
     wait_for_records(local_swarm.initial_peers, lambda r: any(p.step >= kill_at for p in r[1]), timeout=150)
     time.sleep(1.5)  # into the next step (about 3 s long), while the peer holds gradients it has not averaged
     local_swarm.stop("peer1a", signal.SIGKILL)
 
-    assert trainer.wait(240) == 0, local_swarm.log_path("trainer").read_text()
+    assert trainer_exit_code(local_swarm, trainer, 240) == 0, local_swarm.log_path("trainer").read_text()[-3000:]
     summary = json.loads(summary_file.read_text())
     assert summary["steps"] == steps
     assert summary["backwards_moved"] > 0, "no backward had to move to the surviving stage-mate"
@@ -50,3 +73,103 @@ def test_killed_peer_loses_no_microbatch(local_swarm, tmp_path):
     assert checkpoint.step == steps and checkpoint.samples_stepped == steps * 24
     noise = reordering_noise(steps, 1, micro)
     assert_matches_reference(reference_run(steps, micro).stages[1], checkpoint.parameters, "stage 1", noise)
+
+
+@pytest.mark.timeout(300)
+def test_a_backward_is_answered_only_once_the_stage_mates_count_it(local_swarm, tmp_path):
+    # stage 1: B is frozen (its daemon too) at a step boundary, so the progress A sends it hangs; A takes
+    # backwards and dies within the progress timeout. Had A answered them, the trainer would count them
+    # done, and should B never hear of them it would wait forever for a batch the trainer believes
+    # complete. Unanswered, they fail over to B like any call to a dead peer: nothing has to be resent
+    steps = 4
+    trainer, summary_file = start_two_mates_and_trainer(local_swarm, tmp_path, steps, 4, "--stage-wait-timeout", "60")
+    wait_for_records(local_swarm.initial_peers, lambda r: any(p.step >= 1 for p in r[1]), timeout=150)
+    for _ in range(30):  # pause the trainer between steps: A holds no sample of the step to come
+        local_swarm.signal("trainer", signal.SIGSTOP)
+        time.sleep(1.5)  # calls already out land
+        if accumulated(local_swarm, ["peer1a"]) == [0]:
+            break
+        local_swarm.signal("trainer", signal.SIGCONT)
+        time.sleep(random.uniform(0.2, 1.0))
+    else:
+        pytest.fail("never caught peer1a between steps")
+    frozen = local_swarm.processes["peer1b"].pid
+    try:
+        os.killpg(frozen, signal.SIGSTOP)
+        local_swarm.signal("trainer", signal.SIGCONT)
+        time.sleep(2.5)  # the step's first backwards reach A; its progress to B hangs (timeout: 5 s)
+        local_swarm.stop("peer1a", signal.SIGKILL)
+    finally:
+        os.killpg(frozen, signal.SIGCONT)
+        local_swarm.signal("trainer", signal.SIGCONT)
+
+    assert trainer_exit_code(local_swarm, trainer, 200) == 0, local_swarm.log_path("trainer").read_text()[-3000:]
+    summary = json.loads(summary_file.read_text())
+    assert summary["steps"] == steps
+    assert summary["backwards_moved"] > 0, "peer1a held no unanswered backward when it died"
+    assert summary["samples_resent"] == 0, "peer1a answered backwards its mate had not heard of"
+    for name in ("peer0", "peer1b", "peer2"):
+        assert local_swarm.stop(name) == 0
+    checkpoint = load_checkpoint(tmp_path / "peer1b", "gpt-tiny", 1, 3)
+    assert checkpoint.step == steps and checkpoint.samples_stepped == steps * TARGET
+
+
+def peer_id_of(local_swarm, name: str) -> str:
+    return re.search(r"peer id (\w+)", local_swarm.log_path(name).read_text()).group(1)
+
+
+def accumulated(local_swarm, names: list[str]) -> list[int]:
+    """Samples each named peer holds toward its stage's next step, asked over the wire."""
+
+    async def ask(p2p) -> list[int]:
+        infos = [await get_peer_info(p2p, PeerID.from_base58(peer_id_of(local_swarm, n))) for n in names]
+        return [info.samples_accumulated for info in infos]
+
+    return run_p2p_client(local_swarm.initial_peers, ask)
+
+
+@pytest.mark.timeout(300)
+def test_newcomer_learns_samples_lost_with_a_mate_that_died_before_it_joined(local_swarm, tmp_path):
+    # stage 1: A and B hold samples of a step; A dies; C joins from B; B dies. Only C is left, and only
+    # B's word tells it that A held samples: without it, C would wait for a batch that never fills
+    steps = 4
+    trainer, summary_file = start_two_mates_and_trainer(local_swarm, tmp_path, steps, 4, "--stage-wait-timeout", "60")
+    wait_for_records(local_swarm.initial_peers, lambda r: any(p.step >= 1 for p in r[1]), timeout=150)
+    # pause the trainer at a moment both stage-1 peers hold samples of an unfinished step
+    for _ in range(20):
+        local_swarm.signal("trainer", signal.SIGSTOP)
+        time.sleep(2)  # calls already out land
+        held = accumulated(local_swarm, ["peer1a", "peer1b"])
+        if min(held) > 0:
+            break
+        local_swarm.signal("trainer", signal.SIGCONT)
+        time.sleep(1)
+    else:
+        pytest.fail("the stage-1 peers never both held samples while the trainer was paused")
+    try:
+        local_swarm.stop("peer1a", signal.SIGKILL)
+        local_swarm.start_peer("peer1c", 1, peer_flags(tmp_path / "peer1c"))
+        newcomer = peer_id_of_when_serving(local_swarm, "peer1c")
+        wait_for_records(local_swarm.initial_peers, lambda r: any(p.peer_id == newcomer for p in r[1]))
+        local_swarm.stop("peer1b", signal.SIGKILL)
+    finally:
+        local_swarm.signal("trainer", signal.SIGCONT)
+
+    assert trainer_exit_code(local_swarm, trainer, 200) == 0, local_swarm.log_path("trainer").read_text()[-3000:]
+    summary = json.loads(summary_file.read_text())
+    assert summary["steps"] == steps
+    assert summary["samples_resent"] >= sum(held), summary
+    assert "died holding" in local_swarm.log_path("peer1c").read_text()
+    for name in ("peer0", "peer1c", "peer2"):
+        assert local_swarm.stop(name) == 0
+    checkpoint = load_checkpoint(tmp_path / "peer1c", "gpt-tiny", 1, 3)
+    assert checkpoint.step == steps and checkpoint.samples_stepped == steps * TARGET
+
+
+def peer_id_of_when_serving(local_swarm, name: str, timeout: float = 60.0) -> str:
+    deadline = time.monotonic() + timeout
+    while not re.search(r"Serving stage .* peer id (\w+)", local_swarm.log_path(name).read_text(errors="replace")):
+        assert time.monotonic() < deadline, f"{name} never served"
+        assert local_swarm.processes[name].poll() is None, f"{name} exited"
+        time.sleep(0.3)
+    return peer_id_of(local_swarm, name)

@@ -38,11 +38,13 @@ def test_peer_moves_to_the_bottleneck_and_newcomer_joins_where_needed(local_swar
         return peer_flags(tmp_path / name, "--simulated-speed", str(speed), *extra)
 
     local_swarm.start_bootstrap()
-    # stage 2 is the bottleneck (one slow peer); stage 0 has a peer to spare
-    local_swarm.start_peer("peer0", 0, flags("peer0", 20))
+    # stage 2 is the bottleneck (one slow peer); stage 0 has a peer to spare. The others are pinned
+    # (`--rebalance-period 0`), so the plan moves the mover, not its twin on stage 0.
+    pinned = ("--rebalance-period", "0")
+    local_swarm.start_peer("peer0", 0, flags("peer0", 20, *pinned))
     local_swarm.start_peer("mover", 0, flags("mover", 20, "--rebalance-period", "8", "--rebalance-margin", "0.1"))
-    local_swarm.start_peer("peer1", 1, flags("peer1", 40))
-    local_swarm.start_peer("peer2", 2, flags("peer2", 10))
+    local_swarm.start_peer("peer1", 1, flags("peer1", 40, *pinned))
+    local_swarm.start_peer("peer2", 2, flags("peer2", 10, *pinned))
     serving = [lambda r, s=s: sum(p.state == SERVING for p in r[s]) for s in range(3)]
     wait_for_records(local_swarm.initial_peers, lambda r: [count(r) for count in serving] == [2, 1, 1])
     summary_file = tmp_path / "summary.json"
