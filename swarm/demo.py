@@ -22,6 +22,8 @@ logger = logging.getLogger(__name__)
 def run_demo(config: DemoConfig) -> int:
     """Runs the demo swarm; returns the trainer's exit code."""
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop cleanly on SIGTERM as on Ctrl-C
+    # a shell without job control starts background jobs with SIGINT ignored: `kill -INT` must still stop us
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     workdir = config.log_dir or tempfile.mkdtemp(prefix="swarm-demo-")
     summary_file = config.summary_file or f"{workdir}/summary.json"
     model_flags = [

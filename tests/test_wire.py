@@ -54,7 +54,11 @@ def test_generated_code_matches_proto(tmp_path):
     )
     compiled = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes()).file[0]
     committed = descriptor_pb2.FileDescriptorProto.FromString(swarm_pb2.DESCRIPTOR.serialized_pb)
-    for message in compiled.message_type:  # protoc adds derived json names that generated code omits
+    # protoc adds derived json names that generated code omits, in nested types (map entries) too
+    messages = list(compiled.message_type)
+    while messages:
+        message = messages.pop()
+        messages.extend(message.nested_type)
         for field in message.field:
             field.ClearField("json_name")
     assert compiled == committed, "proto/swarm_pb2.py is stale: run scripts/generate_proto.sh"
