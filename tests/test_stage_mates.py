@@ -68,7 +68,7 @@ def test_two_peers_per_stage_match_one_process(local_swarm, tmp_path):
 
 @pytest.mark.timeout(300)
 def test_peer_joining_mid_training_takes_its_mates_state(local_swarm, tmp_path):
-    # small microbatches, one at a time: slow enough that the newcomer starts mid-run
+    # small microbatches, one at a time, over slow links: the newcomer starts mid-run
     steps, join_at, micro = 14, 2, 2
     local_swarm.start_bootstrap()
     names = {0: ["peer0"], 1: ["peer1a", "peer1b"], 2: ["peer2"]}
@@ -77,7 +77,9 @@ def test_peer_joining_mid_training_takes_its_mates_state(local_swarm, tmp_path):
             local_swarm.start_peer(name, stage, peer_flags(tmp_path / name))
     wait_for_records(local_swarm.initial_peers, lambda r: [len(serving(r, s)) for s in range(3)] == [1, 2, 1])
     summary_file = tmp_path / "summary.json"
-    trainer = local_swarm.start_trainer("trainer", trainer_flags(steps, summary_file, micro, in_flight=1))
+    # 30 ms each way: steps of a few seconds on any machine, so the newcomer arrives well before the end
+    flags = [*trainer_flags(steps, summary_file, micro, in_flight=1), "--emulate-latency-ms", "30"]
+    trainer = local_swarm.start_trainer("trainer", flags)
     wait_for_records(local_swarm.initial_peers, lambda r: any(p.step >= join_at for p in serving(r, 1)), timeout=150)
     local_swarm.start_peer("peer1c", 1, peer_flags(tmp_path / "peer1c"))
     assert trainer.wait(240) == 0, local_swarm.log_path("trainer").read_text()
