@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from swarm.compression import CodecError, get_codec
+from swarm.compression import get_codec
 from swarm.peer.runtime import StageRuntime, StaleGradientError
 from swarm.proto import (
     BACKWARD,
@@ -137,10 +137,6 @@ class StageHandler:
             ]
         if request.kind not in (FORWARD, BACKWARD):
             return [self._error(ErrorCode.BAD_REQUEST, f"unknown call kind {request.kind}")]
-        try:
-            codec = get_codec(request.reply_codec or (parts[0].codec if parts else "") or "none")
-        except CodecError as e:
-            return [self._error(ErrorCode.BAD_REQUEST, f"reply codec: {e}")]
         if self.state() != SERVING:
             return [self._error(ErrorCode.UNAVAILABLE, f"this peer is {self.state()}, not serving")]
 
@@ -174,18 +170,17 @@ class StageHandler:
         try:
             key = (caller, request.microbatch_id) if request.microbatch_id else None
             version = request.step if backward else None
-            exact = 0 if request.resend else None
-            result = await asyncio.wrap_future(self.runtime.submit(backward, tensors, key, version, give_up_at, exact))
+            result = await asyncio.wrap_future(self.runtime.submit(backward, tensors, key, version, give_up_at))
         except StaleGradientError as e:
-            reply = self._error(ErrorCode.STALE, str(e))
-            reply.step = self.runtime.step  # the caller may send the backward again at this step
-            return [reply]
+            return [self._error(ErrorCode.STALE, str(e))]
         except RuntimeError as e:
             return [self._error(ErrorCode.UNAVAILABLE, str(e))]
         if backward and self.progress_delivered is not None:
             # the mates hear of these samples before the caller does (see StageMates.progress_delivered)
             await self.progress_delivered()
 
+        # answer in the codec the caller used for its first tensor
+        codec = get_codec(parts[0].codec or "none")
         reply = StageReply(protocol_version=PROTOCOL_VERSION, step=result.step, num_samples=tensors[0].shape[0])
         if result.losses is not None:
             reply.loss = float(result.losses.mean())

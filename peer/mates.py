@@ -124,9 +124,6 @@ class StageMates:
         self.on_short: Callable[[], None] | None = None  # wakes requests waiting for a step that is short
         self._progress_sends: dict[asyncio.Task, str] = {}  # progress on its way, and the mate it goes to
         self._silent: set[str] = set()  # mates the last progress did not reach: not waited for
-        # peers that took this peer's state and do not show as serving mates in the DHT yet: they hear
-        # its progress all the same, or samples it took meanwhile would be unknown to them if it died
-        self._joiners: set[str] = set()
 
     async def start(self, p2p: P2P) -> None:
         """Registers the mate protocols on the peer's P2P and hooks into the runtime."""
@@ -166,7 +163,6 @@ class StageMates:
         }
         new = set(mates) - set(self.mates)
         self.mates = mates
-        self._joiners -= set(mates)
         if not self.serving:
             return
         step = self.runtime.step
@@ -224,7 +220,7 @@ class StageMates:
 
     def _on_local_progress(self, step: int, samples: int) -> None:
         self.progress[step][self.peer_id] = samples
-        for peer_id in self.mates.keys() | self._joiners:
+        for peer_id in self.mates:
             task = self._spawn(self._send_progress(peer_id, step, samples))
             self._progress_sends[task] = peer_id
             task.add_done_callback(lambda t: self._progress_sends.pop(t, None))
@@ -254,7 +250,6 @@ class StageMates:
             self._silent.discard(peer_id)
         except Exception as e:  # the round itself tolerates a silent mate
             self._silent.add(peer_id)
-            self._joiners.discard(peer_id)
             logger.debug(f"Could not send progress to {peer_id}: {type(e).__name__}: {e}")
 
     async def _handle_progress(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
@@ -514,7 +509,6 @@ class StageMates:
                 # the newcomer is a member from the step it takes: rounds from then on include it
                 self.progress[step].setdefault(requester, 0)
                 self._departed.discard(requester)
-                self._joiners.add(requester)
                 logger.info(
                     f"Giving stage {self.stage} state of step {step} (fingerprint {state_fingerprint(tensors)}) "
                     f"to {requester}"

@@ -66,7 +66,6 @@ class _Task:
     version: int | None = None  # the step a backward's forward ran at
     exclusive: Callable[[], Any] | None = None  # runs alone on the runtime thread
     give_up_at: float | None = None  # time.monotonic() when the caller stops waiting for the reply
-    max_staleness: int | None = None  # this task's own limit, instead of the runtime's
     future: Future = field(default_factory=Future)
 
     @property
@@ -135,7 +134,6 @@ class StageRuntime:
         key: Hashable = None,
         version: int | None = None,
         give_up_at: float | None = None,
-        max_staleness: int | None = None,
     ) -> Future:
         """Queues a request; the future resolves to a StageResult or to the exception it raised.
 
@@ -145,10 +143,9 @@ class StageRuntime:
         applied and counted as stale; further behind, it is refused with StaleGradientError.
         `give_up_at` (time.monotonic()) is when the caller stops waiting: a request not started by
         then is dropped with CallAbandonedError, so an overloaded peer does not spend its time on
-        replies nobody reads while the callers' retries queue up behind them. `max_staleness`, if
-        given, replaces the runtime's limit for this request.
+        replies nobody reads while the callers' retries queue up behind them.
         """
-        task = _Task(backward, tensors, key, version=version, give_up_at=give_up_at, max_staleness=max_staleness)
+        task = _Task(backward, tensors, key, version=version, give_up_at=give_up_at)
         with self._cond:
             if self._stopping:
                 raise RuntimeError("the runtime is shutting down")
@@ -297,14 +294,13 @@ class StageRuntime:
         kept = []
         for task in batch:
             behind = self.step - task.version if task.version is not None else 0
-            limit = self.max_staleness if task.max_staleness is None else task.max_staleness
-            if behind > limit:
+            if behind > self.max_staleness:
                 with self._cond:
                     self._applied.pop(task.key, None)
                 task.future.set_exception(
                     StaleGradientError(
                         f"the forward ran at step {task.version}, this peer is at step {self.step}; "
-                        f"at most {limit} step(s) behind are accepted: send it again at this step"
+                        f"at most {self.max_staleness} step(s) behind are accepted: run the microbatch again"
                     )
                 )
                 continue

@@ -60,7 +60,6 @@ class TrainingSummary:
     samples_resent: int = 0  # backwards sent again because the peer that applied them died before its step
     requeued: int = 0  # calls that ran out of attempts and were queued again after a pause
     backwards_moved: int = 0  # backwards served by another peer than their forward (its peer gone or busy)
-    backwards_refreshed: int = 0  # too stale backwards sent again at the stage's current step
     bans: int = 0
     step_seconds: list[float] = field(default_factory=list)  # since the start, at the end of each step
     bytes_sent: int = 0
@@ -163,7 +162,6 @@ class Trainer:
         microbatch_id: int,
         step: int,
         prefer: str | None = None,
-        resend: bool = False,
     ):
         """One stage call, retried on other peers of the stage when a peer fails or vanishes.
 
@@ -204,7 +202,6 @@ class Trainer:
                 stage=stage,
                 microbatch_id=microbatch_id,
                 step=step,
-                resend=resend,
             )
             codec = self.chooser.codec_for(record.peer_id) if self.chooser else self.config.compression
             stats = CallStats()
@@ -272,18 +269,9 @@ class Trainer:
                     f"Stage {stage} lost the gradients of {samples} samples of step {step} with peer {peer_id}; "
                     "sending them again"
                 )
-                resent = 0
-                try:
-                    for _, microbatch_id, tensors in work:
-                        await self.call(stage, True, tensors, microbatch_id, step, prefer=to, resend=True)
-                        resent += tensors[0].shape[0]
-                except StageCallError as e:
-                    if e.code != ErrorCode.STALE:
-                        raise
-                    # the stage stepped past `step` meanwhile, which it does only once the loss is made up
-                    # some other way (a mate had the samples after all): sending the rest would count them twice
-                    logger.info(f"Stage {stage} has moved past step {step}; not resending the rest of its samples")
-                self.summary.samples_resent += resent
+                for _, microbatch_id, tensors in work:
+                    await self.call(stage, True, tensors, microbatch_id, step, prefer=to)
+                self.summary.samples_resent += samples
 
     def _forget_applied(self) -> None:
         """Keeps, per stage, the backwards of its two latest steps: older ones can no longer be lost."""
@@ -295,8 +283,8 @@ class Trainer:
     async def run_microbatch(self, tokens: torch.Tensor) -> float:
         """Forward and backward of one microbatch through every stage; returns its mean loss.
 
-        The last stage refusing its backward as too stale (it stepped since the step began) gets
-        the whole microbatch again, from its first forward; earlier stages, see `_backward`.
+        A stage that refuses a backward as too stale (it stepped since the forward) gets the
+        whole microbatch again, from its first forward.
         """
         for _attempt in range(self.config.max_retries):
             try:
@@ -320,29 +308,10 @@ class Trainer:
         reply, grads = await self.call(last, True, [stage_inputs[last], targets], mb, self.step)
         for stage in reversed(range(last)):
             (grad,) = grads
-            _, grads = await self._backward(stage, [stage_inputs[stage], grad], mb, versions[stage])
+            _, grads = await self.call(stage, True, [stage_inputs[stage], grad], mb, versions[stage])
             if self._served_by != forward_peers[stage]:  # stateless serving: any stage-mate can do it
                 self.summary.backwards_moved += 1
         return reply.loss
-
-    async def _backward(self, stage: int, tensors: list[torch.Tensor], mb: int, version: int):
-        """A backward of a stage before the last; one refused as too stale goes again at the stage's step.
-
-        The later stages have applied their backwards already, so running the whole microbatch again
-        would count it twice there. The backward carries the stage's input, so the peer recomputes the
-        forward at its current step; only the gradient from the next stage is older, as with any stale
-        gradient the peer accepts.
-        """
-        for _ in range(self.config.max_retries):
-            try:
-                return await self.call(stage, True, tensors, mb, version)
-            except StageCallError as e:
-                if e.code != ErrorCode.STALE or e.reply is None or e.reply.step <= version:
-                    raise
-                logger.info(f"Stage {stage} stepped to {e.reply.step} since microbatch {mb}'s forward; resending")
-                self.summary.backwards_refreshed += 1
-                version = e.reply.step
-        return await self.call(stage, True, tensors, mb, version)
 
     async def run_step(self, batch: torch.Tensor) -> float:
         """One optimizer step's worth of microbatches; returns the mean loss over the batch."""

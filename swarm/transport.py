@@ -109,7 +109,6 @@ async def call_stage(
     """
     request.protocol_version = PROTOCOL_VERSION
     request.deadline_s = timeout
-    request.reply_codec = request.reply_codec or codec.name
     loop = asyncio.get_running_loop()
     # encoding and decoding are CPU work: keep them off the event loop
     parts = await loop.run_in_executor(None, lambda: [p for t in tensors for p in encode_tensor(t, codec)])

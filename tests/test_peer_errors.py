@@ -14,15 +14,7 @@ from swarm.compression import get_codec
 from swarm.proto import BACKWARD, FORWARD, PROTOCOL_VERSION, ErrorCode, StageReply, StageRequest
 
 from swarm.stage_records import fetch_stage_records
-from swarm.transport import (
-    STAGE_PROTOCOL,
-    CallStats,
-    StageCallError,
-    call_stage,
-    exchange,
-    get_peer_info,
-    open_stream,
-)
+from swarm.transport import STAGE_PROTOCOL, StageCallError, call_stage, exchange, get_peer_info, open_stream
 from swarm.wire import HEADER_BYTES, WireLimits, encode_tensor, pack_frames, read_frames
 
 D_MODEL, SEQ = 128, 64  # gpt-tiny
@@ -79,36 +71,6 @@ def assert_still_serving(swarm, peer_id, process) -> None:
     reply, (out,) = call(swarm, peer_id, request(), [torch.randn(2, SEQ, D_MODEL)])
     assert out.shape == (2, SEQ, D_MODEL) and reply.error.code == ErrorCode.OK
     assert process.poll() is None
-
-
-def test_reply_comes_in_the_codec_the_caller_asks_for(stage1_peer):
-    swarm, peer_id, process = stage1_peer
-    x = torch.randn(4, SEQ, D_MODEL)
-
-    def reply_bytes(codec: str) -> int:
-        async def go(p2p):
-            stats = CallStats()
-            req = request(reply_codec=codec)  # the input itself goes raw
-            await call_stage(p2p, PeerID.from_base58(peer_id), req, [x], NONE, timeout=60, stats=stats)
-            return stats.bytes_received
-
-        return run_client(swarm, go)
-
-    assert reply_bytes("8bit") < 0.3 * reply_bytes("none")
-    expect_error(swarm, peer_id, request(reply_codec="9bit"), [x], ErrorCode.BAD_REQUEST, "unknown codec")
-    assert_still_serving(swarm, peer_id, process)
-
-
-def test_a_resent_backward_is_applied_only_at_its_own_step(stage1_peer):
-    # a stage at step 0 takes ordinary backwards whose forward ran one step earlier (as stale), but not
-    # resent ones: those it refuses with its own step, since it has moved past the step they belong to
-    swarm, peer_id, process = stage1_peer
-    tensors = [torch.randn(2, SEQ, D_MODEL), torch.randn(2, SEQ, D_MODEL)]
-    req = StageRequest(kind=BACKWARD, model="gpt-tiny", stage=1, step=-1, resend=True, microbatch_id=77)
-    with pytest.raises(StageCallError) as info:
-        call(swarm, peer_id, req, tensors)
-    assert info.value.code == ErrorCode.STALE and info.value.reply.step == 0, str(info.value)
-    assert_still_serving(swarm, peer_id, process)
 
 
 def test_valid_forward_and_info(stage1_peer):
