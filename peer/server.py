@@ -45,6 +45,7 @@ class Peer:
         self.costs = stage_costs(self.spec, config.num_stages)
         self.state = JOINING
         self.moves = 0
+        self.movable = config.rebalance_period > 0  # pinned otherwise: it never rebalances, and says so
         self.rng = random.Random()
         torch.set_num_threads(config.num_threads)
         # the DHT forks: create it before any thread exists
@@ -140,7 +141,7 @@ class Peer:
             target_batch_size=config.target_batch_size,
             stale_gradients=self.runtime.stale_gradients,
             protocol_version=PROTOCOL_VERSION,
-            movable=config.rebalance_period > 0,
+            movable=self.movable,
         )
 
     async def _announce(self, record: StageRecord | None = None) -> None:
@@ -196,7 +197,7 @@ class Peer:
         guess = config.simulated_speed / self.costs[stage] if config.simulated_speed else typical
         placeholder = StageRecord(
             self.peer_id, stage, config.model, config.num_stages, JOINING, 0, guess, 0,
-            config.target_batch_size, 0, PROTOCOL_VERSION, movable=config.rebalance_period > 0,
+            config.target_batch_size, 0, PROTOCOL_VERSION, movable=self.movable,
         )  # fmt: skip
         try:
             await self._announce(placeholder)
@@ -329,7 +330,7 @@ class Peer:
                     f"{self.peer_id}. Others can join with --initial-peers {maddrs}"
                 )
                 move_to: asyncio.Queue[int] = asyncio.Queue()
-                balancing = asyncio.create_task(self._balance_forever(move_to)) if config.rebalance_period > 0 else None
+                balancing = asyncio.create_task(self._balance_forever(move_to)) if self.movable else None
                 moving = asyncio.create_task(move_to.get())
                 stopping = asyncio.create_task(stop.wait())
                 await asyncio.wait([moving, stopping], return_when=asyncio.FIRST_COMPLETED)

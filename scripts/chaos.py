@@ -141,6 +141,8 @@ def main() -> None:
     parser.add_argument("--max-peers", type=int, default=6, help="live peers at the trace's peak (scaled)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random choices")
     args = parser.parse_args()
+    # a caller's timeout (or Ctrl-C) still stops every process this run started, on the way out of LocalSwarm
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
 
     workdir = Path(tempfile.mkdtemp(prefix="chaos-"))
     rng = random.Random(args.seed)

@@ -526,11 +526,16 @@ class Simulation:
 
     # --- calls -----------------------------------------------------------------------------------
 
+    def _stage_of(self, mb: Microbatch) -> int:
+        """The stage of the microbatch's current call: forwards go 0..S-1, then backwards S-1..0."""
+        stages = self.num_stages
+        return mb.position if mb.position < stages else 2 * stages - 1 - mb.position
+
     def _dispatch(self, mb: Microbatch) -> None:
         """Routes the microbatch's next call with its trainer's router and starts it on the chosen peer."""
         stages, samples = self.num_stages, self.config.microbatch
         backward = mb.position >= stages
-        stage = 2 * stages - 1 - mb.position if backward else mb.position
+        stage = self._stage_of(mb)
         router = mb.trainer.router
         record = router.choose(stage, backward, samples, exclude=mb.tried)
         if record is None:
@@ -595,7 +600,7 @@ class Simulation:
             # the runtime's moving average of its backward timings (a draining peer's is thrown away)
             peer.seconds_per_sample += THROUGHPUT_EWMA * (self._timing(peer) - peer.seconds_per_sample)
         self.counters["completed_calls"] += 1
-        mb.trainer.last_success[mb.position if mb.position < stages else 2 * stages - 1 - mb.position] = self.now
+        mb.trainer.last_success[self._stage_of(mb)] = self.now
         mb.tried, mb.attempts, mb.requeues, mb.since = [], 0, 0, self.now
         mb.position += 1
         if mb.position == 2 * stages:
@@ -617,8 +622,7 @@ class Simulation:
             return
         mb.requeues += 1
         self.counters["requeues"] += 1
-        stages = self.num_stages
-        stage = mb.position if mb.position < stages else 2 * stages - 1 - mb.position
+        stage = self._stage_of(mb)
         if self.now - max(mb.trainer.last_success.get(stage, 0.0), mb.since) > TRAINER_DEFAULTS.stage_wait_timeout:
             self.counters["would_stop_training"] += 1
             mb.since = self.now  # counted once per stall

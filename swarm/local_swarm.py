@@ -14,7 +14,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import ClassVar
 
 
 class LaunchError(RuntimeError):
@@ -29,9 +28,6 @@ def _tail(path: Path, lines: int = 20) -> str:
 
 class LocalSwarm:
     """A bootstrap node, peers and trainers as child processes, stopped together on exit."""
-
-    #: process groups of every process started by any LocalSwarm of this process (for leak checks)
-    process_groups: ClassVar[set[int]] = set()
 
     def __init__(self, workdir: str | os.PathLike | None = None, env: dict[str, str] | None = None) -> None:
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="swarm-"))
@@ -59,7 +55,6 @@ class LocalSwarm:
             if output is not None:
                 output.close()
         self.processes[name] = process
-        LocalSwarm.process_groups.add(process.pid)
         return process
 
     def start_bootstrap(self, timeout: float = 60.0) -> list[str]:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-import subprocess
+import signal
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -15,39 +17,37 @@ from swarm.local_swarm import LocalSwarm
 SMALL_CORPUS = str(Path(__import__("argparse").__file__))
 
 
-def _p2pd_pids() -> set[int]:
-    out = subprocess.run(["pgrep", "-f", "hivemind_cli/p2pd"], capture_output=True, text=True).stdout
-    return {int(pid) for pid in out.split()}
+# Every process a test starts inherits this tag, however deep: a peer whose parent was killed is
+# re-parented to init, but its environment still says which test session started it.
+SESSION_TAG = f"PYTEST_SWARM_SESSION={uuid.uuid4().hex}"
+os.environ["PYTEST_SWARM_SESSION"] = SESSION_TAG.split("=", 1)[1]
 
 
-def _parent(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as file:
-        return int(file.read().rsplit(")", 1)[1].split()[1])
-
-
-def _started_here(pid: int) -> bool:
-    """Whether a process belongs to this test session: a descendant, or in a LocalSwarm's group."""
-    try:
-        if os.getpgid(pid) in LocalSwarm.process_groups:
-            return True
-        while pid > 1:
-            pid = _parent(pid)
-            if pid == os.getpid():
-                return True
-    except (OSError, ValueError, IndexError):
-        pass
-    return False
+def _tagged_processes() -> dict[int, str]:
+    """Processes started by this test session, other than pytest itself: pid -> command line."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if SESSION_TAG.encode() in (entry / "environ").read_bytes().split(b"\0"):
+                found[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return found
 
 
 @pytest.fixture(autouse=True, scope="session")
-def no_leftover_daemons():
-    """Fails the session if its tests leave libp2p daemons running (other sessions' are left alone)."""
-    before = _p2pd_pids()
+def no_leftover_processes():
+    """Kills whatever this session's tests left running (other sessions' are left alone); fails on p2pd."""
     yield
-    left = [pid for pid in _p2pd_pids() - before if _started_here(pid)]
-    if left:
-        subprocess.run(["kill", "-9", *map(str, left)], check=False)
-        pytest.fail(f"tests left {len(left)} p2pd processes running", pytrace=False)
+    left = _tagged_processes()
+    for pid in left:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    daemons = [pid for pid, cmd in left.items() if "hivemind_cli/p2pd" in cmd]
+    if daemons:
+        pytest.fail(f"tests left {len(daemons)} p2pd processes running", pytrace=False)
 
 
 def run_p2p_client(initial_peers: list[str], coroutine_fn):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -92,7 +93,10 @@ def test_demo_ctrl_c_stops_everything(tmp_path):
             try:
                 demo.wait(60)
             except subprocess.TimeoutExpired:
-                os.kill(demo.pid, signal.SIGKILL)
+                # the demo could not stop its swarm: kill it and what it started (their own sessions)
+                for pid in {demo.pid} | (swarm_processes() - before):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
     assert demo.returncode != 0 or "Demo summary" in output
     assert "Shutting the swarm down" in output
     assert not wait_gone(started), "processes survived Ctrl-C"
