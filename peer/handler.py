@@ -10,9 +10,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
-from swarm.compression import get_codec
+from swarm.compression import CodecError, get_codec
+from swarm.peer.faults import DropReply, FaultPlan
+from swarm.peer.mates import StageMates, ids_to_wire
 from swarm.peer.runtime import StageRuntime, StaleGradientError
 from swarm.proto import (
     BACKWARD,
@@ -53,10 +55,9 @@ class StageHandler:
         limits: WireLimits,
         max_batch_samples: int,
         state: Callable[[], str],
+        mates: StageMates,
         step_wait: float = 40.0,
-        resyncs: Callable[[], int] = lambda: 0,
-        lost_samples: Callable[[int], dict[str, int]] = lambda step: {},
-        progress_delivered: Callable[[], Awaitable[None]] | None = None,
+        faults: FaultPlan | None = None,
     ) -> None:
         self.runtime = runtime
         self.stage: GPTStage = runtime.module
@@ -64,28 +65,30 @@ class StageHandler:
         self.limits = limits
         self.max_batch_samples = max_batch_samples
         self.state = state
+        self.mates = mates
         self.step_wait = step_wait
-        self.resyncs = resyncs
-        self.lost_samples = lost_samples
-        self.progress_delivered = progress_delivered
+        self.faults = faults or FaultPlan()
         self.requests_served = 0
         self.requests_refused = 0
         self._step_changed = asyncio.Event()
 
     def notify_step(self) -> None:
-        """Wakes requests waiting for the stage to reach their step; call on the event loop."""
+        """Wakes requests waiting on the stage's step machine; call on the event loop."""
         self._step_changed.set()
         self._step_changed = asyncio.Event()
 
     async def _wait_for_step(self, step: int) -> bool | None:
-        """Waits until the stage has reached `step` (at most `step_wait` seconds); whether it has.
+        """Waits until the stage may serve a forward that asks for `step` (at most `step_wait` seconds).
 
-        None: the stage cannot get there until lost samples are sent again (see `lost_samples`).
+        A stage behind `step` that is still accumulating serves at once: with several trainers, the
+        step a trainer asks for may need other trainers' samples. One that has its batch waits for
+        its step, so a lone trainer sees exactly the parameters one process would. Returns whether
+        it may serve; None while the step is short of samples lost with a mate (see `StageMates.lost`).
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.step_wait
-        while self.runtime.step < step:
-            if self.lost_samples(self.runtime.step):
+        while self.runtime.step < step and self.mates.is_full():
+            if self.mates.lost():
                 return None
             remaining = deadline - loop.time()
             if remaining <= 0:
@@ -98,6 +101,10 @@ class StageHandler:
         """Entry point of one stage call stream (registered with the P2P daemon)."""
         try:
             frames = await self._serve(reader, str(stream_info.peer_id))
+        except DropReply:
+            with contextlib.suppress(Exception):
+                writer.close()
+            return
         except WireError as e:
             frames = [self._error(e.code, str(e))]
         except asyncio.TimeoutError:
@@ -147,18 +154,23 @@ class StageHandler:
             check_stage_inputs(self.stage, backward, tensors, self.max_batch_samples)
         except StageInputError as e:
             return [self._error(ErrorCode.BAD_REQUEST, str(e))]
+        # answer in the codec the caller asked for, else in that of its first tensor
+        try:
+            codec = get_codec(request.reply_codec or parts[0].codec or "none")
+        except CodecError as e:
+            return [self._error(ErrorCode.BAD_REQUEST, f"reply codec: {e}")]
         # the caller expects the stage at request.step: its previous step must be applied first
         reached = await self._wait_for_step(request.step)
         if reached is None:
             short_step = self.runtime.step
-            lost = self.lost_samples(short_step)
+            lost = self.mates.lost()
             reply = self._error(
                 ErrorCode.SHORT,
-                f"step {short_step} lost {sum(lost.values())} samples with mate(s) {sorted(lost)}; "
-                "send the backwards they had applied again",
+                f"step {short_step} lost {sum(lost.values())} samples ({len(lost)} microbatches) with a mate; "
+                "their trainers should send them again",
             )
             reply.short_step = short_step
-            reply.lost_peers.extend(sorted(lost))
+            reply.lost.extend(ids_to_wire(lost))
             return [reply]
         if not reached:
             return [
@@ -169,18 +181,20 @@ class StageHandler:
             ]
         try:
             key = (caller, request.microbatch_id) if request.microbatch_id else None
-            version = request.step if backward else None
+            # the last stage recomputes its forward from the targets: its gradient is never stale
+            version = request.step if backward and not self.stage.is_last else None
             result = await asyncio.wrap_future(self.runtime.submit(backward, tensors, key, version, give_up_at))
         except StaleGradientError as e:
-            return [self._error(ErrorCode.STALE, str(e))]
+            reply = self._error(ErrorCode.STALE, str(e))
+            reply.step = self.runtime.step  # the caller sends it again at this step
+            return [reply]
         except RuntimeError as e:
             return [self._error(ErrorCode.UNAVAILABLE, str(e))]
-        if backward and self.progress_delivered is not None:
+        if backward:
+            await self.faults.hit("after_backward")
             # the mates hear of these samples before the caller does (see StageMates.progress_delivered)
-            await self.progress_delivered()
+            await self.mates.progress_delivered()
 
-        # answer in the codec the caller used for its first tensor
-        codec = get_codec(parts[0].codec or "none")
         reply = StageReply(protocol_version=PROTOCOL_VERSION, step=result.step, num_samples=tensors[0].shape[0])
         if result.losses is not None:
             reply.loss = float(result.losses.mean())
@@ -231,7 +245,12 @@ class StageHandler:
             target_batch_size=self.runtime.target_batch_size,
             stale_gradients=self.runtime.stale_gradients,
             requests_served=self.requests_served,
-            resyncs=self.resyncs(),
+            resyncs=self.mates.resyncs,
             samples_stepped=self.runtime.samples_stepped,
             abandoned_calls=self.runtime.abandoned,
+            fingerprint=self.runtime.fingerprint,
+            samples_lost=self.mates.samples_lost,
+            samples_doubled=self.mates.samples_doubled,
+            divergences=self.mates.divergences,
+            step_state=self.mates.phase(),
         )

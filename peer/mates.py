@@ -1,24 +1,35 @@
-"""Stage-mates: the peers that host one stage train as one data-parallel group.
+"""Stage-mates: the peers that host one stage train as one data-parallel group, step by step.
 
-Each peer accumulates the gradient sums of the microbatches it serves and tells its mates how many
-samples it holds toward the current step (`MateProgress`). When the stage as a whole has seen the
-target batch, every member sends its gradient sum to every other member (`GradContribution`) and
-each adds up all contributions in the order of their peer ids, so every member ends the round
-with the very same bits; then each divides by the group's sample count and steps its optimizer.
-A member that served nothing contributes zero samples and still steps with the rest.
+Each step of the stage is one state machine, run on the peer's event loop (`StepState`,
+advanced only by `StageMates._advance`):
 
-Membership is what a peer sees in the DHT (mates announced as serving), widened by every peer
-that sent it progress or a contribution for the step and by the member lists those carry. A mate
-that cannot be reached is dropped from the round at once; one that stays silent is dropped when
-`averaging_timeout` runs out. A peer that finds itself behind its mates (a contribution or an
-announcement from a later step, or a round that diverged) downloads their state and goes on.
+    accumulating --(the group holds the target batch, or a mate starts a round)--> averaging
+    averaging --(every member agrees on the same contributions, nothing missing)--> stepped
+    averaging --(a member died holding samples)--> short --(they are sent again, or --short-wait)--> averaging
+
+Accounting is by identity: every backward is named (trainer, microbatch), and progress,
+contributions and state hand-overs carry which microbatches a peer holds. A round has two phases.
+In the first, every member sends its gradient sum, the microbatches in it and every microbatch it
+knows a member held (`GradContribution`). In the second, every member tells the others which
+contributions it holds (`RoundCommit`); each then sums only the contributions every member holds,
+in the order of their peer ids, so all step on the same bits. What the agreed contributions knew
+of but do not hold was lost with a dead member: the stage goes short and the trainers are asked
+(in the SHORT reply to their next forward) to send those microbatches again. It waits at most
+`short_wait` seconds, then steps without them and counts them as lost, by id. Every decision is
+taken from the agreed contributions alone, so every member takes the same one.
+
+After a step, mates compare fingerprints of their parameters (carried by progress messages); a
+replica that differs from the majority takes its mates' state and says so. Membership is what a
+peer sees in the DHT (mates announced as serving), widened by every peer that sent it progress or
+a contribution for the step and by the member lists those carry. A mate that cannot be reached is
+dropped from the round at once; one that stays silent is dropped when `averaging_timeout` runs out.
 
 This is our own protocol rather than hivemind's Optimizer, for reasons measured on these machines
 (2 peers, a 1.2M-parameter model, target batch 32): its progress goes through the DHT and groups
 form by matchmaking, so an epoch took 1.0 to 1.5 s against 0.15 to 0.3 s of compute, and shorter
 matchmaking times failed to form groups; a failed round stepped on zeroed gradients; and replicas
 never held bit-identical parameters, because each applies the all-reduce as a difference to its
-own values. Here a round costs one exchange of gradients and replicas stay bit-identical.
+own values. Here a round costs two exchanges and replicas stay bit-identical.
 """
 
 from __future__ import annotations
@@ -26,14 +37,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from hivemind.p2p import P2P, PeerID
 from swarm.compression import Codec, get_codec
-from swarm.peer.runtime import StageRuntime
+from swarm.peer.faults import FaultPlan
+from swarm.peer.runtime import RoundResult, SampleKey, StageRuntime
 from swarm.peer.stage_state import (
     StageStateError,
     check_state_tensors,
@@ -46,14 +58,18 @@ from swarm.proto import (
     Error,
     ErrorCode,
     GradContribution,
+    HeldSamples,
     MateProgress,
     MateReply,
+    RoundCommit,
+    SampleId,
     StateReply,
     StateRequest,
 )
 
+from swarm.sample_ledger import SampleLedger, step_record
 from swarm.stage_records import SERVING, StageRecord
-from swarm.transport import GRAD_PROTOCOL, PROGRESS_PROTOCOL, STATE_PROTOCOL, exchange
+from swarm.transport import COMMIT_PROTOCOL, GRAD_PROTOCOL, PROGRESS_PROTOCOL, STATE_PROTOCOL, exchange
 from swarm.wire import (
     WireError,
     WireLimits,
@@ -70,6 +86,22 @@ logger = logging.getLogger(__name__)
 SEND_ATTEMPTS = 3
 PROGRESS_TIMEOUT = 5.0
 
+ACCUMULATING, AVERAGING, SHORT = "accumulating", "averaging", "short"
+
+Held = dict[SampleKey, int]  # microbatch id -> samples
+
+
+def ids_to_wire(held: Held) -> list[SampleId]:
+    return [SampleId(trainer=trainer, microbatch=mb, samples=n) for (trainer, mb), n in held.items()]
+
+
+def ids_from_wire(ids) -> Held:
+    return {(i.trainer, int(i.microbatch)): int(i.samples) for i in ids}
+
+
+def as_triples(held: Held) -> list[tuple[str, int, int]]:
+    return [(trainer, mb, n) for (trainer, mb), n in sorted(held.items())]
+
 
 @dataclass
 class Contribution:
@@ -78,10 +110,33 @@ class Contribution:
     samples: int
     grad_sum: torch.Tensor | None
     members: frozenset[str]
+    held: Held = field(default_factory=dict)  # the microbatches summed into grad_sum
+    known: Held = field(default_factory=dict)  # every microbatch the member knew someone held at the step
+    give_up: bool = False  # the member has waited long enough for lost samples
+
+
+@dataclass
+class StepState:
+    """The state machine of one step of the stage, as this peer sees it."""
+
+    phase: str = ACCUMULATING
+    attempt: int = 0  # rounds at this step that came up short so far
+    progress: dict[str, Held] = field(default_factory=dict)  # what each member holds toward the step
+    mailbox: dict[int, dict[str, Contribution]] = field(default_factory=lambda: defaultdict(dict))  # by attempt
+    commits: dict[int, dict[str, frozenset[str]]] = field(default_factory=lambda: defaultdict(dict))  # by attempt
+    lost: Held = field(default_factory=dict)  # while short: what the stage waits for
+    short_deadline: float | None = None  # loop time: then the stage steps without what is still lost
+
+    def known(self) -> Held:
+        """Every microbatch a member is known to hold at this step."""
+        merged: Held = {}
+        for held in self.progress.values():
+            merged.update(held)
+        return merged
 
 
 class StageMates:
-    """A peer's view of its stage-mates and its side of their averaging rounds and state transfers."""
+    """A peer's view of its stage-mates, the step machine of its stage, and state transfers."""
 
     def __init__(
         self,
@@ -90,6 +145,9 @@ class StageMates:
         model: str,
         averaging_timeout: float = 30.0,
         codec: Codec | None = None,
+        short_wait: float = 20.0,
+        faults: FaultPlan | None = None,
+        ledger: SampleLedger | None = None,
     ) -> None:
         self.runtime = runtime
         self.peer_id = peer_id
@@ -97,19 +155,22 @@ class StageMates:
         self.stage = runtime.module.stage
         self.num_stages = runtime.module.num_stages
         self.averaging_timeout = averaging_timeout
+        self.short_wait = short_wait
         self.codec = codec or get_codec("none")
+        self.faults = faults or FaultPlan()
+        self.ledger = ledger or SampleLedger(None)
         self.num_parameters = sum(p.numel() for p in runtime.module.parameters())
         state_bytes = 16 * self.num_parameters + 2**20
         self.limits = WireLimits(max_message_bytes=state_bytes, max_tensor_bytes=state_bytes)
         self.mates: dict[str, StageRecord] = {}
-        self.progress: dict[int, dict[str, int]] = defaultdict(dict)
-        # contributions by (step, attempt): a round that came up short is tried again as the next attempt
-        self.mailbox: dict[tuple[int, int], dict[str, Contribution | None]] = defaultdict(dict)
-        self.attempts: dict[int, int] = defaultdict(int)
-        self.short: dict[int, dict[str, int]] = {}  # per step: samples lost with each dead mate
+        self.steps: dict[int, StepState] = defaultdict(StepState)
+        self.fingerprints: dict[str, tuple[int, str]] = {}  # per mate: its latest (step, fingerprint)
         self.rounds = 0
         self.resyncs = 0
+        self.divergences = 0
         self.dropped_members = 0
+        self.samples_lost = 0
+        self.samples_doubled = 0
         self.serving = False  # set by the peer once it has the stage's state
         self.p2p: P2P | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -119,9 +180,8 @@ class StageMates:
         self._resyncing = False
         # peers that asked for this peer's state: they will not contribute to the round under way
         self._departed: set[str] = set()
-        self._round_step: int | None = None
         self._handed_over: set[str] = set()  # mates that left after handing over their gradients
-        self.on_short: Callable[[], None] | None = None  # wakes requests waiting for a step that is short
+        self.on_phase: Callable[[], None] | None = None  # wakes requests waiting on the step machine
         self._progress_sends: dict[asyncio.Task, str] = {}  # progress on its way, and the mate it goes to
         self._silent: set[str] = set()  # mates the last progress did not reach: not waited for
 
@@ -132,6 +192,7 @@ class StageMates:
         self._changed = asyncio.Event()
         await p2p.add_binary_stream_handler(PROGRESS_PROTOCOL, self._handle_progress)
         await p2p.add_binary_stream_handler(GRAD_PROTOCOL, self._handle_contribution)
+        await p2p.add_binary_stream_handler(COMMIT_PROTOCOL, self._handle_commit)
         await p2p.add_binary_stream_handler(STATE_PROTOCOL, self._handle_state)
         self.runtime.coordinator = self
 
@@ -139,7 +200,7 @@ class StageMates:
         for task in list(self._tasks):
             task.cancel()
         if self.p2p is not None:
-            for protocol in (PROGRESS_PROTOCOL, GRAD_PROTOCOL, STATE_PROTOCOL):
+            for protocol in (PROGRESS_PROTOCOL, GRAD_PROTOCOL, COMMIT_PROTOCOL, STATE_PROTOCOL):
                 with contextlib.suppress(Exception):
                     await self.p2p.remove_binary_stream_handler(protocol)
 
@@ -149,7 +210,44 @@ class StageMates:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    # --- the view of the group (event loop) --------------------------------------------------------
+    # --- the step machine (event loop) ---------------------------------------------------------------
+
+    def phase(self) -> str:
+        """The phase of the stage's current step."""
+        return self.steps[self.runtime.step].phase
+
+    def lost(self) -> Held:
+        """While the current step is short: the microbatches it waits for."""
+        state = self.steps[self.runtime.step]
+        return dict(state.lost) if state.phase == SHORT else {}
+
+    def is_full(self) -> bool:
+        """Whether the current step has reached its target batch (or its round has begun): it will step."""
+        state = self.steps[self.runtime.step]
+        if state.phase != ACCUMULATING:
+            return True
+        return sum(state.known().values()) >= self.runtime.target_batch_size or self._started_by_mate(state)
+
+    def _started_by_mate(self, state: StepState) -> bool:
+        box = state.mailbox.get(state.attempt, {})
+        return any(p != self.peer_id and p not in self._handed_over for p in box)
+
+    def _advance(self, step: int) -> None:
+        """The one place that decides whether the stage's current step starts (or retries) its round."""
+        if step != self.runtime.step or not self.serving:
+            return
+        state = self.steps[step]
+        if state.phase == AVERAGING:
+            return
+        if state.phase == SHORT:
+            known = state.known()
+            back = all(key in known for key in state.lost)
+            expired = self.loop.time() >= state.short_deadline
+            if back or expired or self._started_by_mate(state):
+                self.runtime.request_step(step)
+            return
+        if self.is_full():
+            self.runtime.request_step(step)
 
     def update_records(self, records: list[StageRecord]) -> None:
         """Takes in the stage's records from the DHT: who serves, and whether this peer fell behind."""
@@ -166,81 +264,87 @@ class StageMates:
         if not self.serving:
             return
         step = self.runtime.step
-        samples = self.progress[step].get(self.peer_id, 0)
         for peer_id in new:  # a mate that has just appeared has not heard this peer's progress
-            self._spawn(self._send_progress(peer_id, step, samples))
+            self._spawn(self._send_progress(peer_id, step, self._own(step)))
         ahead = max((r.step for r in mates.values()), default=step) - step
         self._behind_checks = self._behind_checks + 1 if ahead >= 1 else 0
         # one step ahead for a moment is normal (a mate finishing a round first); longer is not
         if ahead >= 2 or self._behind_checks >= 2:
             self.schedule_resync(f"mates announce step {step + ahead}, this peer is at {step}")
-        self._check_trigger(step)
+        self._advance(step)
+
+    def _own(self, step: int) -> Held:
+        return dict(self.steps[step].progress.get(self.peer_id, {})) if step in self.steps else {}
 
     def start_serving(self) -> None:
         """Marks this peer as holding the stage's state; it may then start or join rounds."""
         self.serving = True
-        self._check_trigger(self.runtime.step)
+        self._advance(self.runtime.step)
 
-    def _check_trigger(self, step: int) -> None:
-        if step != self.runtime.step or not self.serving:
-            return
-        total = sum(self.progress[step].values())
-        box = self.mailbox.get((step, self.attempts[step]), {})
-        started_by_mate = any(peer_id != self.peer_id and peer_id not in self._handed_over for peer_id in box)
-        if total >= self.runtime.target_batch_size or started_by_mate:
-            self.runtime.request_step(step)
-
-    def on_step(self, step: int) -> None:
+    def on_step(self, step: int, fingerprint: str) -> None:
         """Called from the runtime thread after every step or state load."""
+        result = self.runtime.last_round
         if self.loop is not None:
-            self.loop.call_soon_threadsafe(self._after_step, step)
+            self.loop.call_soon_threadsafe(self._after_step, step, fingerprint, result)
 
-    def _after_step(self, step: int) -> None:
+    def _after_step(self, step: int, fingerprint: str, result: RoundResult | None) -> None:
         self._departed.clear()
-        for old in [s for s in self.progress if s < step]:
-            del self.progress[old]
-        for old in [key for key in self.mailbox if key[0] < step]:
-            del self.mailbox[old]
-        for table in (self.attempts, self.short):
-            for old in [s for s in table if s < step]:
-                del table[old]
-        self._check_trigger(step)
+        for old in [s for s in self.steps if s < step]:
+            del self.steps[old]
+        if result is not None:
+            self.ledger.write(step_record(self.peer_id, self.stage, step - 1, result.ids, result.lost, fingerprint))
+        if self.serving:  # the mates compare fingerprints, and learn this peer has reached the step
+            for peer_id in self.mates:
+                self._spawn(self._send_progress(peer_id, step, self._own(step)))
+            self._compare_fingerprints()
+        if self.on_phase is not None:
+            self.on_phase()
+        self._advance(step)
 
     # --- StepCoordinator: called on the runtime thread --------------------------------------------
 
-    def local_progress(self, step: int, samples: int) -> None:
+    def local_progress(self, step: int, held: Held) -> None:
         if self.loop is not None:
-            self.loop.call_soon_threadsafe(self._on_local_progress, step, samples)
+            self.loop.call_soon_threadsafe(self._on_local_progress, step, held)
 
-    def average(self, step: int, grad_sum: torch.Tensor | None, samples: int) -> tuple[torch.Tensor | None, int]:
-        future = asyncio.run_coroutine_threadsafe(self._round(step, grad_sum, samples), self.loop)
-        return future.result(self.averaging_timeout + 30)
+    def average(self, step: int, grad_sum: torch.Tensor | None, held: Held) -> RoundResult | None:
+        future = asyncio.run_coroutine_threadsafe(self._round(step, grad_sum, held), self.loop)
+        return future.result(3 * self.averaging_timeout + 30)
 
     # --- progress -----------------------------------------------------------------------------------
 
-    def _on_local_progress(self, step: int, samples: int) -> None:
-        self.progress[step][self.peer_id] = samples
+    def _on_local_progress(self, step: int, held: Held) -> None:
+        if step != self.runtime.step:
+            return
+        self.steps[step].progress[self.peer_id] = held
         for peer_id in self.mates:
-            task = self._spawn(self._send_progress(peer_id, step, samples))
+            task = self._spawn(self._send_progress(peer_id, step, held))
             self._progress_sends[task] = peer_id
             task.add_done_callback(lambda t: self._progress_sends.pop(t, None))
-        self._check_trigger(step)
+        self._advance(step)
 
     async def progress_delivered(self) -> None:
         """Waits (at most `PROGRESS_TIMEOUT`) until the mates have heard of every sample accumulated so far.
 
-        A backward is answered only after this: once a trainer holds the reply, the mates count its
-        samples, so should this peer die before the round they know those samples are lost and ask for
-        them again, instead of waiting for a batch that never fills. Mates the last progress did not
-        reach are not waited for, so a dead mate does not slow every backward down.
+        A backward is answered only after this: once a trainer holds the reply, the mates know which
+        microbatches this peer holds, so should it die before the round they know exactly what was
+        lost and ask for it again, instead of waiting for a batch that never fills. Mates the last
+        progress did not reach are not waited for, so a dead mate does not slow every backward down.
         """
         pending = [task for task, mate in self._progress_sends.items() if mate not in self._silent]
         if pending:
             await asyncio.wait(pending, timeout=PROGRESS_TIMEOUT)
 
-    async def _send_progress(self, peer_id: str, step: int, samples: int) -> None:
+    async def _send_progress(self, peer_id: str, step: int, held: Held) -> None:
+        await self.faults.hit("progress")
         message = MateProgress(
-            protocol_version=PROTOCOL_VERSION, model=self.model, stage=self.stage, step=step, samples=samples
+            protocol_version=PROTOCOL_VERSION,
+            model=self.model,
+            stage=self.stage,
+            step=step,
+            samples=sum(held.values()),
+            held=ids_to_wire(held),
+            fingerprint=self.runtime.fingerprint if step == self.runtime.step else "",
         )
         try:
             await asyncio.wait_for(
@@ -256,14 +360,40 @@ class StageMates:
         reply = MateReply(protocol_version=PROTOCOL_VERSION, step=self.runtime.step)
         try:
             message, _ = await read_frames(reader, MateProgress, WireLimits())
+            sender = str(stream_info.peer_id)
             if (error := self._check_header(message)) is not None:
                 reply.error.CopyFrom(error)
             elif message.step >= self.runtime.step:  # older progress no longer matters
-                self.progress[message.step][str(stream_info.peer_id)] = message.samples
-                self._check_trigger(message.step)
+                self.steps[message.step].progress[sender] = ids_from_wire(message.held)
+                if message.fingerprint:
+                    self.fingerprints[sender] = (message.step, message.fingerprint)
+                    self._compare_fingerprints()
+                self._advance(message.step)
         except WireError as e:
             reply.error.CopyFrom(Error(code=e.code, message=str(e)))
         await self._reply(reader, writer, [reply])
+
+    def _compare_fingerprints(self) -> None:
+        """A replica whose parameters differ from most of its mates' at the same step takes their state."""
+        step = self.runtime.step
+        if not self.serving or self._resyncing or self.phase() != ACCUMULATING:
+            return
+        table = {p: fp for p, (s, fp) in self.fingerprints.items() if s == step and p in self.mates}
+        if not table:
+            return
+        table[self.peer_id] = self.runtime.fingerprint
+        counts = Counter(table.values())
+        # the most common fingerprint; on a tie, the one the smallest peer id holds
+        majority = min(counts, key=lambda fp: (-counts[fp], min(p for p, f in table.items() if f == fp)))
+        if majority == self.runtime.fingerprint:
+            return
+        holders = sorted(p for p, fp in table.items() if fp == majority)
+        self.divergences += 1
+        logger.warning(
+            f"Stage {self.stage} step {step}: this replica's parameters ({self.runtime.fingerprint}) differ from "
+            f"{counts[majority]} of {len(table)} replicas' ({majority}); taking the state of {holders[0]}"
+        )
+        self.schedule_resync("its parameters differ from its mates'", source=holders[0], minimum_step=step)
 
     def _check_header(self, message) -> Error | None:
         if message.protocol_version != PROTOCOL_VERSION:
@@ -285,91 +415,190 @@ class StageMates:
 
     # --- averaging rounds ------------------------------------------------------------------------------
 
-    async def _round(self, step: int, grad_sum: torch.Tensor | None, samples: int) -> tuple[torch.Tensor | None, int]:
-        """This peer's side of the averaging round at `step`; returns the group's gradient sum and samples."""
-        attempt = self.attempts[step]
-        box = self.mailbox[step, attempt]
-        members = {self.peer_id, *self.mates, *self.progress.get(step, {})}
-        members |= self._named_in(box)
-        own = Contribution(samples, grad_sum, frozenset(members))
-        box[self.peer_id] = own
-        self._round_step = step
+    async def _round(self, step: int, grad_sum: torch.Tensor | None, held: Held) -> RoundResult | None:
+        """This peer's side of the averaging round at `step`: what the group agreed to step on, or None."""
+        state = self.steps[step]
+        state.phase = AVERAGING
         try:
-            summed, total = await self._gather(step, attempt, box, members, own)
+            return await self._agree(step, state, grad_sum, held)
         finally:
-            self._round_step = None
-        # a mate that announced samples but never sent them died holding them: those samples must be
-        # sent again by the trainers, so the stage waits instead of stepping on a short batch
-        lost = {
-            peer_id: count
-            for peer_id, count in self.progress.get(step, {}).items()
-            if count > 0 and peer_id not in box and peer_id != self.peer_id
-        }
-        if lost:
-            self.short.setdefault(step, {}).update(lost)
-            for peer_id in lost:
-                self.progress[step].pop(peer_id, None)
-            self.attempts[step] = attempt + 1
-            # what leaving mates handed over is still good: it goes into the next attempt as it is
-            for peer_id in self._handed_over & set(box):
-                self.mailbox[step, attempt + 1][peer_id] = box[peer_id]
+            if state.phase == AVERAGING:
+                state.phase = ACCUMULATING
+            if self.on_phase is not None:
+                self.on_phase()
+            self.loop.call_soon(self._advance, step)
+
+    async def _agree(self, step: int, state: StepState, grad_sum: torch.Tensor | None, held: Held):
+        attempt = state.attempt
+        give_up = state.short_deadline is not None and self.loop.time() >= state.short_deadline
+        state.progress[self.peer_id] = held
+        box = state.mailbox[attempt]
+        members = {self.peer_id, *self.mates, *state.progress} | self._named_in(box)
+        own = Contribution(sum(held.values()), grad_sum, frozenset(members), held, state.known(), give_up)
+        box[self.peer_id] = own
+        await self.faults.hit("before_contribution")
+        await self._gather(step, attempt, box, members, own)
+        await self.faults.hit("after_contribution")
+        agreed = await self._commit(step, attempt, state, set(box))
+        contributions = [box[p] for p in sorted(agreed)]
+        self.rounds += 1
+        # everything below follows from the agreed contributions alone: every member decides alike
+        expected: Held = {}
+        for contribution in contributions:
+            expected.update(contribution.known)
+        summed: Counter[SampleKey] = Counter()
+        for contribution in contributions:
+            summed.update(contribution.held.keys())
+        lost = {key: n for key, n in expected.items() if key not in summed}
+        if lost and not any(c.give_up for c in contributions):
+            self._go_short(step, state, attempt, agreed, box, lost)
+            return None
+        total, grad = 0, None
+        ids: list[tuple[str, int, int]] = []
+        for contribution in contributions:
+            total += contribution.samples
+            ids += as_triples(contribution.held)
+            if contribution.grad_sum is not None:
+                grad = contribution.grad_sum.clone() if grad is None else grad.add_(contribution.grad_sum)
+        doubled = sum(expected.get(key, 0) * (count - 1) for key, count in summed.items() if count > 1)
+        if doubled:
+            self.samples_doubled += doubled
             logger.warning(
-                f"Stage {self.stage} step {step}: mate(s) {sorted(lost)} died holding {sum(lost.values())} samples; "
-                "waiting for the trainers to send them again"
+                f"Stage {self.stage} step {step}: {doubled} samples were held by two mates and count twice "
+                f"(microbatches {sorted(mb for (_, mb), c in summed.items() if c > 1)})"
             )
-            if self.on_short is not None:
-                self.on_short()
-            return None, -1
-        return summed, total
+        if lost:
+            self.samples_lost += sum(lost.values())
+            logger.warning(
+                f"Stage {self.stage} step {step}: stepping without {sum(lost.values())} lost samples "
+                f"({len(lost)} microbatches: their holder died and they were not sent again within "
+                f"{self.short_wait:.0f}s)"
+            )
+        if len(contributions) > 1:
+            logger.debug(f"Stage {self.stage} step {step}: averaged {total} samples over {len(contributions)} peers")
+        return RoundResult(grad, total, ids, as_triples(lost))
+
+    def _go_short(
+        self, step: int, state: StepState, attempt: int, agreed: set[str], box: dict[str, Contribution], lost: Held
+    ) -> None:
+        """The round found samples missing: wait (bounded) for the trainers to send them again."""
+        state.phase = SHORT
+        state.lost = lost
+        state.attempt = attempt + 1
+        # members outside the agreed set are gone: what they held is exactly what is lost
+        for peer_id in [p for p in state.progress if p not in agreed and p != self.peer_id]:
+            del state.progress[peer_id]
+        # what leaving mates handed over is still good: it goes into the next attempt as it is
+        for peer_id in self._handed_over & set(box):
+            state.mailbox[attempt + 1][peer_id] = box[peer_id]
+        if state.short_deadline is None:
+            state.short_deadline = self.loop.time() + self.short_wait
+            self.loop.call_later(self.short_wait + 0.01, self._advance, step)
+        logger.warning(
+            f"Stage {self.stage} step {step}: {sum(lost.values())} samples ({len(lost)} microbatches) died with a "
+            f"mate; waiting up to {state.short_deadline - self.loop.time():.0f}s for their trainers to send them again"
+        )
 
     async def _gather(
-        self, step: int, attempt: int, box: dict[str, Contribution | None], members: set[str], own: Contribution
-    ) -> tuple[torch.Tensor | None, int]:
+        self, step: int, attempt: int, box: dict[str, Contribution], members: set[str], own: Contribution
+    ) -> None:
         loop = asyncio.get_running_loop()
         unreachable: set[str] = set()
         sent = {self.peer_id}
-        sends = []
         deadline = loop.time() + self.averaging_timeout
         while True:
             for peer_id in members - sent:
                 sent.add(peer_id)
-                sends.append(
-                    self._spawn(self._send_contribution(peer_id, step, own, members, unreachable, attempt=attempt))
-                )
+                self._spawn(self._send_contribution(peer_id, step, own, members, unreachable, attempt=attempt))
             self._changed.clear()
             members |= self._named_in(box)
             missing = members - set(box) - unreachable - self._departed
             if not missing and not (members - sent):
-                break
+                return
             if missing and loop.time() >= deadline:
                 self.dropped_members += len(missing)
                 logger.warning(
                     f"Stage {self.stage} step {step}: no gradients from {len(missing)} mate(s) within "
                     f"{self.averaging_timeout:.0f}s; averaging without them"
                 )
+                return
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), max(0.01, deadline - loop.time()))
+
+    async def _commit(self, step: int, attempt: int, state: StepState, view: set[str]) -> set[str]:
+        """Second phase: tells the contributors which contributions this peer holds; returns those all hold."""
+        loop = asyncio.get_running_loop()
+        others = view - {self.peer_id} - self._handed_over
+        commits = state.commits[attempt]
+        commits[self.peer_id] = frozenset(view)
+        gone: set[str] = set()
+        message = RoundCommit(
+            protocol_version=PROTOCOL_VERSION,
+            model=self.model,
+            stage=self.stage,
+            step=step,
+            attempt=attempt,
+            contributors=sorted(view),
+        )
+        for peer_id in others:
+            self._spawn(self._send_commit(peer_id, message, gone))
+        deadline = loop.time() + self.averaging_timeout
+        while True:
+            self._changed.clear()
+            waiting = others - set(commits) - gone
+            if not waiting or loop.time() >= deadline:
                 break
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), max(0.01, deadline - loop.time()))
-        # every member adds the same contributions in the same order, so all get identical sums
-        total, summed = 0, None
-        for peer_id in sorted(box):
-            contribution = box[peer_id]
-            if contribution is None:
-                continue
-            total += contribution.samples
-            if contribution.grad_sum is not None:
-                summed = contribution.grad_sum.clone() if summed is None else summed.add_(contribution.grad_sum)
-        self.rounds += 1
-        if len(box) > 1:
-            logger.debug(f"Stage {self.stage} step {step}: averaged {total} samples over {len(box)} peers")
-        return summed, total
+        agreed = set(view) - (others - set(commits))
+        for peer_id in others & set(commits):
+            agreed &= commits[peer_id] | self._handed_over
+        if agreed != view:
+            logger.warning(
+                f"Stage {self.stage} step {step}: the mates agree on {len(agreed)} of the {len(view)} contributions "
+                f"this peer holds; summing those"
+            )
+        return agreed
+
+    async def _send_commit(self, peer_id: str, message: RoundCommit, gone: set[str]) -> None:
+        for attempt in range(SEND_ATTEMPTS):
+            try:
+                exchanging = exchange(
+                    self.p2p, PeerID.from_base58(peer_id), COMMIT_PROTOCOL, [message], MateReply, WireLimits()
+                )
+                reply, _ = await asyncio.wait_for(exchanging, self.averaging_timeout)
+                if reply.error.code == ErrorCode.OK:
+                    return
+                break
+            except Exception:
+                await asyncio.sleep(0.2 * (attempt + 1))
+        gone.add(peer_id)
+        self._changed.set()
+
+    async def _handle_commit(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        reply = MateReply(protocol_version=PROTOCOL_VERSION, step=self.runtime.step)
+        try:
+            message, _ = await read_frames(reader, RoundCommit, WireLimits())
+            if (error := self._check_header(message)) is not None:
+                reply.error.CopyFrom(error)
+            elif self.runtime.step <= message.step <= self.runtime.step + 1:
+                self.steps[message.step].commits[message.attempt][str(stream_info.peer_id)] = frozenset(
+                    message.contributors
+                )
+                self._changed.set()
+            else:
+                reply.error.CopyFrom(
+                    Error(code=ErrorCode.OUT_OF_SYNC, message=f"this peer is at step {self.runtime.step}")
+                )
+        except WireError as e:
+            reply.error.CopyFrom(Error(code=e.code, message=str(e)))
+        await self._reply(reader, writer, [reply])
 
     @staticmethod
-    def _named_in(box: dict[str, Contribution | None]) -> set[str]:
+    def _named_in(box: dict[str, Contribution]) -> set[str]:
         named = set(box)
         for contribution in box.values():
-            if contribution is not None:
-                named |= contribution.members
+            named |= contribution.members
         return named
 
     async def _send_contribution(
@@ -391,21 +620,24 @@ class StageMates:
             members=sorted(members),
             handover=handover,
             attempt=attempt,
+            held=ids_to_wire(own.held),
+            known=ids_to_wire(own.known),
+            give_up=own.give_up,
         )
         loop = asyncio.get_running_loop()
         parts = []
         if own.grad_sum is not None:
             parts = await loop.run_in_executor(None, encode_tensor, own.grad_sum, self.codec)
         frames = pack_frames(header, parts)
-        for attempt in range(SEND_ATTEMPTS):
+        for send in range(SEND_ATTEMPTS):
             try:
                 reply, _ = await asyncio.wait_for(
                     exchange(self.p2p, PeerID.from_base58(peer_id), GRAD_PROTOCOL, frames, MateReply, WireLimits()),
                     self.averaging_timeout,
                 )
             except Exception as e:
-                if attempt + 1 < SEND_ATTEMPTS:
-                    await asyncio.sleep(0.2 * (attempt + 1))
+                if send + 1 < SEND_ATTEMPTS:
+                    await asyncio.sleep(0.2 * (send + 1))
                     continue
                 logger.warning(f"Stage {self.stage} step {step}: mate {peer_id} is unreachable ({e}); dropping it")
                 break
@@ -448,15 +680,22 @@ class StageMates:
             if not torch.isfinite(tensors[0]).all():
                 return Error(code=ErrorCode.BAD_REQUEST, message="gradients hold NaN or infinity")
             grad_sum = tensors[0]
-        if header.attempt < self.attempts[header.step]:
+        state = self.steps[header.step]
+        if header.attempt < state.attempt:
             return Error(code=ErrorCode.OK)  # from a round already found short here: superseded
-        key = (header.step, header.attempt)
-        self.mailbox[key][sender] = Contribution(header.samples, grad_sum, frozenset(header.members))
+        state.mailbox[header.attempt][sender] = Contribution(
+            header.samples,
+            grad_sum,
+            frozenset(header.members),
+            ids_from_wire(header.held),
+            ids_from_wire(header.known),
+            header.give_up,
+        )
         self._changed.set()
         if header.handover:  # a leaving peer's gradients wait for the round the stage would hold anyway
             self._handed_over.add(sender)
         else:
-            self._check_trigger(header.step)
+            self._advance(header.step)
         return Error(code=ErrorCode.OK)
 
     async def hand_over(self, timeout: float = 10.0) -> None:
@@ -465,23 +704,25 @@ class StageMates:
             return
         self.serving = False  # no new rounds and no resyncs from here on
         runtime = self.runtime
-        step, grad_sum, samples = await asyncio.wrap_future(
-            runtime.run_exclusive(lambda: (runtime.step, runtime.flat_gradient(), runtime.samples_accumulated))
+        step, grad_sum, held = await asyncio.wrap_future(
+            runtime.run_exclusive(lambda: (runtime.step, runtime.flat_gradient(), dict(runtime.held)))
         )
-        if samples == 0:
+        if not held:
             return
         members = {self.peer_id, *self.mates}
-        own = Contribution(samples, grad_sum, frozenset(members))
+        state = self.steps[step]
+        own = Contribution(sum(held.values()), grad_sum, frozenset(members), held, state.known())
         unreachable: set[str] = set()
-        attempt = self.attempts[step]
         sends = [
-            self._send_contribution(p, step, own, members, unreachable, handover=True, attempt=attempt)
+            self._send_contribution(p, step, own, members, unreachable, handover=True, attempt=state.attempt)
             for p in self.mates
         ]
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(asyncio.gather(*sends, return_exceptions=True), timeout)
         taken = len(self.mates) - len(unreachable)
-        logger.info(f"Handed {samples} samples of step {step} to {taken} of {len(self.mates)} stage-mate(s)")
+        logger.info(
+            f"Handed {own.samples} samples of step {step} to {taken} of {len(self.mates)} stage-mate(s)"
+        )
 
     # --- state transfer --------------------------------------------------------------------------------
 
@@ -499,7 +740,7 @@ class StageMates:
                 # a snapshot on the runtime thread sees the state between steps, never mid-step
                 # it will not contribute to a round under way here: stop waiting for it
                 requester = str(stream_info.peer_id)
-                if self._round_step is not None:
+                if self.phase() == AVERAGING:
                     self._departed.add(requester)
                     self._changed.set()
                 snapshot = runtime.run_exclusive(
@@ -507,8 +748,10 @@ class StageMates:
                 )
                 step, samples_stepped, tensors, has_optimizer_state = await asyncio.wrap_future(snapshot)
                 # the newcomer is a member from the step it takes: rounds from then on include it
-                self.progress[step].setdefault(requester, 0)
+                self.steps[step].progress.setdefault(requester, {})
                 self._departed.discard(requester)
+                # it learns the progress of this peer's mates from here until it shows in the DHT
+                self._spawn(self._send_progress(requester, step, self._own(step)))
                 logger.info(
                     f"Giving stage {self.stage} state of step {step} (fingerprint {state_fingerprint(tensors)}) "
                     f"to {requester}"
@@ -521,7 +764,11 @@ class StageMates:
                     step=step,
                     has_optimizer_state=has_optimizer_state,
                     samples_stepped=samples_stepped,
-                    progress={p: n for p, n in self.progress.get(step, {}).items() if p != requester and n > 0},
+                    held=[
+                        HeldSamples(peer=p, ids=ids_to_wire(held))
+                        for p, held in self.steps[step].progress.items()
+                        if p != requester and held
+                    ],
                 )
                 frames = pack_frames(reply, parts)
         except WireError as e:
@@ -538,7 +785,7 @@ class StageMates:
         Raises StageStateError if the mate refuses, sends a state that does not fit, or is at a
         step before `minimum_step`.
         """
-        step, tensors, has_optimizer_state, samples_stepped, progress = await request_state(
+        step, tensors, has_optimizer_state, samples_stepped, held = await request_state(
             self.p2p, peer_id, self.model, self.stage, self.limits, timeout
         )
         if step < minimum_step:
@@ -553,36 +800,39 @@ class StageMates:
             runtime.run_exclusive(lambda: runtime.load_state(step, apply, samples_stepped), front=True)
         )
         logger.info(f"Loaded stage {self.stage} state of step {step} (fingerprint {state_fingerprint(tensors)})")
-        # the giver's view of who holds samples toward the next step: should one of them die before the
-        # round, this peer counts its samples as lost and asks for them again instead of waiting forever
-        known = self.progress[step]
-        for mate, samples in progress.items():
+        # the giver's view of who holds what toward the next step: should one of them die before the
+        # round, this peer knows exactly which samples were lost and asks for them again
+        progress = self.steps[step].progress
+        for mate, ids in held.items():
             if mate != self.peer_id:
-                known[mate] = max(known.get(mate, 0), samples)
+                progress.setdefault(mate, {}).update(ids)
         return step
 
-    async def sync_from_mates(self, minimum_step: int = 0) -> str | None:
-        """Takes the state of the most advanced serving mate at `minimum_step` or later; its peer id, or None."""
-        for record in sorted(self.mates.values(), key=lambda r: r.step, reverse=True):
+    async def sync_from_mates(self, minimum_step: int = 0, source: str | None = None) -> str | None:
+        """Takes the state of `source`, else of the most advanced serving mate, at `minimum_step` or later;
+        returns the peer id it came from, or None."""
+        ranked = [r.peer_id for r in sorted(self.mates.values(), key=lambda r: r.step, reverse=True)]
+        for peer_id in [source] if source else ranked:
             try:
-                step = await self.download_state(record.peer_id, minimum_step)
+                step = await self.download_state(peer_id, minimum_step)
             except Exception as e:
-                logger.warning(f"Could not take stage {self.stage} state from {record.peer_id}: {e}")
+                logger.warning(f"Could not take stage {self.stage} state from {peer_id}: {e}")
                 continue
-            logger.info(f"Took stage {self.stage} state at step {step} from mate {record.peer_id}")
-            return record.peer_id
+            logger.info(f"Took stage {self.stage} state at step {step} from mate {peer_id}")
+            return peer_id
         return None
 
-    def schedule_resync(self, reason: str) -> None:
+    def schedule_resync(self, reason: str, source: str | None = None, minimum_step: int | None = None) -> None:
         """Downloads a mate's state in the background, once at a time."""
         if self._resyncing or not self.serving:
             return
         self._resyncing = True
-        logger.warning(f"Stage {self.stage} is behind its mates ({reason}); downloading their state")
+        logger.warning(f"Stage {self.stage} takes its mates' state: {reason}")
+        wanted = self.runtime.step + 1 if minimum_step is None else minimum_step
 
         async def resync() -> None:
             try:
-                if await self.sync_from_mates(self.runtime.step + 1) is not None:
+                if await self.sync_from_mates(wanted, source) is not None:
                     self.resyncs += 1
             finally:
                 self._resyncing = False
@@ -593,11 +843,11 @@ class StageMates:
 
 async def request_state(
     p2p: P2P, peer_id: str, model: str, stage: int, limits: WireLimits, timeout: float = 120.0
-) -> tuple[int, list[torch.Tensor], bool, int, dict[str, int]]:
+) -> tuple[int, list[torch.Tensor], bool, int, dict[str, Held]]:
     """Asks a peer for its stage's state, or StageStateError.
 
-    Returns (step, tensors, has_optimizer_state, samples_stepped, progress): progress is the samples
-    each other member is known to hold toward the next step.
+    Returns (step, tensors, has_optimizer_state, samples_stepped, held): held is the microbatches each
+    other member is known to hold toward the next step.
     """
     request = StateRequest(protocol_version=PROTOCOL_VERSION, model=model, stage=stage)
     reply, parts = await asyncio.wait_for(
@@ -606,4 +856,5 @@ async def request_state(
     if reply.error.code != ErrorCode.OK:
         raise StageStateError(f"{ErrorCode.Name(reply.error.code)}: {reply.error.message}")
     tensors = await asyncio.get_running_loop().run_in_executor(None, decode_tensors, parts, limits)
-    return reply.step, tensors, reply.has_optimizer_state, reply.samples_stepped, dict(reply.progress)
+    held = {entry.peer: ids_from_wire(entry.ids) for entry in reply.held}
+    return reply.step, tensors, reply.has_optimizer_state, reply.samples_stepped, held

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+from swarm.peer.stage_state import parameter_fingerprint
 
 from swarm.models import GPTStage
 from swarm.optimizer import apply_accumulated_step
@@ -34,17 +35,30 @@ class StaleGradientError(RuntimeError):
     """A backward whose forward ran against a model version older than the peer accepts."""
 
 
+SampleKey = tuple[str, int]  # a microbatch's global id: (trainer, microbatch id)
+
+
+@dataclass
+class RoundResult:
+    """What an averaging round agreed on: the group's gradient sum and exactly which samples it holds."""
+
+    grad_sum: torch.Tensor | None
+    samples: int
+    ids: list[tuple[str, int, int]] = field(default_factory=list)  # (trainer, microbatch, samples) summed
+    lost: list[tuple[str, int, int]] = field(default_factory=list)  # given up: their holder died with them
+
+
 class StepCoordinator(Protocol):
     """Decides when a stage steps and averages gradients with its stage-mates (see `peer/mates.py`)."""
 
-    def local_progress(self, step: int, samples: int) -> None:
-        """Called on the runtime thread whenever this peer's accumulated samples change."""
+    def local_progress(self, step: int, held: dict[SampleKey, int]) -> None:
+        """Called on the runtime thread whenever the microbatches this peer holds toward `step` change."""
 
-    def average(self, step: int, grad_sum: torch.Tensor | None, samples: int) -> tuple[torch.Tensor | None, int]:
-        """Blocks the runtime thread for one averaging round; returns the group's gradient sum and sample count.
+    def average(self, step: int, grad_sum: torch.Tensor | None, held: dict[SampleKey, int]) -> RoundResult | None:
+        """Blocks the runtime thread for one averaging round; returns what the group agreed to step on.
 
-        A negative count means the round came up short (a mate died holding gradients): the stage
-        keeps what it has accumulated and steps later, once the lost samples have been sent again.
+        None means not now (the round came up short, or failed): the stage keeps what it has
+        accumulated and steps when the coordinator asks again.
         """
 
 
@@ -72,6 +86,9 @@ class _Task:
     def num_samples(self) -> int:
         return self.tensors[0].shape[0] if self.tensors else 0
 
+    def late(self, now: float) -> bool:
+        return self.give_up_at is not None and self.give_up_at <= now
+
     def batches_with(self, other: _Task) -> bool:
         if self.exclusive is not None or other.exclusive is not None:
             return False
@@ -91,7 +108,7 @@ class StageRuntime:
         device: str = "cpu",
         max_batch_samples: int = 256,
         step: int = 0,
-        on_step: Callable[[int], None] | None = None,
+        on_step: Callable[[int, str], None] | None = None,
         max_staleness: int = 1,
         simulated_speed: float = 0.0,
     ) -> None:
@@ -102,6 +119,10 @@ class StageRuntime:
         self.max_batch_samples = max_batch_samples
         self.step = step
         self.samples_accumulated = 0
+        self.held: dict[SampleKey, int] = {}  # the microbatches accumulated toward the current step
+        self._anonymous = 0  # backwards that came without an id get a local one
+        self.fingerprint = parameter_fingerprint(module)  # of the parameters at `step`
+        self.last_round: RoundResult | None = None  # what the latest step summed
         self.on_step = on_step
         self.coordinator: StepCoordinator | None = None  # None: step alone at the target batch
         self.max_staleness = max_staleness
@@ -116,7 +137,7 @@ class StageRuntime:
         self._applied: OrderedDict[Hashable, None] = OrderedDict()
         self.max_remembered = 100_000
         self.duplicates = 0
-        self.abandoned = 0  # requests dropped unstarted because their caller had given up
+        self.abandoned = 0  # requests dropped because their caller had given up before they were applied
         self._queue: deque[_Task] = deque()
         self._cond = threading.Condition()
         self._stopping = False
@@ -137,19 +158,24 @@ class StageRuntime:
     ) -> Future:
         """Queues a request; the future resolves to a StageResult or to the exception it raised.
 
-        `key` names a backward request uniquely (caller and microbatch); a backward with a key
-        already applied is answered without accumulating its gradients again. `version` is the
+        `key` names a backward request uniquely (trainer and microbatch); a backward with a key
+        already applied is answered without accumulating its gradients again. A backward's gradient is
+        committed only while its caller still waits for the reply (before `give_up_at`): one that
+        finishes later is dropped, so a retry on a stage-mate does not count it twice. `version` is the
         step a backward's forward ran at: up to `max_staleness` steps behind, its gradient is
         applied and counted as stale; further behind, it is refused with StaleGradientError.
         `give_up_at` (time.monotonic()) is when the caller stops waiting: a request not started by
         then is dropped with CallAbandonedError, so an overloaded peer does not spend its time on
         replies nobody reads while the callers' retries queue up behind them.
         """
-        task = _Task(backward, tensors, key, version=version, give_up_at=give_up_at)
         with self._cond:
             if self._stopping:
                 raise RuntimeError("the runtime is shutting down")
-            if backward and key is not None:
+            if backward and key is None:
+                self._anonymous += 1
+                key = ("", self._anonymous)
+            task = _Task(backward, tensors, key, version=version, give_up_at=give_up_at)
+            if backward:
                 if key in self._applied:
                     task.accumulate = False
                     self.duplicates += 1
@@ -236,7 +262,7 @@ class StageRuntime:
     def _take_abandoned(self) -> list[_Task]:
         """Removes queued requests whose caller has given up; called with the lock held."""
         now = time.monotonic()
-        abandoned = [t for t in self._queue if t.give_up_at is not None and t.give_up_at <= now]
+        abandoned = [t for t in self._queue if t.late(now)]
         for task in abandoned:
             self._queue.remove(task)
             if task.accumulate:  # never applied: a retry of it must accumulate
@@ -287,7 +313,10 @@ class StageRuntime:
                     task.future.set_exception(e)
                 continue
             for task, result in zip(batch, results):
-                task.future.set_result(result)
+                if isinstance(result, Exception):
+                    task.future.set_exception(result)
+                elif result is not None:  # None: put back in the queue to run again
+                    task.future.set_result(result)
 
     def _drop_too_stale(self, batch: list[_Task]) -> list[_Task]:
         """Refuses backwards too far behind; counts the stale ones that will be applied."""
@@ -309,7 +338,7 @@ class StageRuntime:
             kept.append(task)
         return kept
 
-    def _run_batch(self, batch: list[_Task]) -> list[StageResult]:
+    def _run_batch(self, batch: list[_Task]) -> list[StageResult | Exception | None]:
         step = self.step
         sizes = [task.num_samples for task in batch]
         merged = [torch.cat(column) if len(batch) > 1 else column[0] for column in zip(*(t.tensors for t in batch))]
@@ -325,20 +354,61 @@ class StageRuntime:
             input_grad, losses = self._backward(merged, accumulate=False)
             self._pad_to_simulated_speed(start, sum(sizes), backward=True)
         else:
-            input_grad, losses = self._backward(merged)
+            params = list(self.module.parameters())
+            # the batch's gradients go into fresh buffers, added to the step's sums only if committed
+            previous = [p.grad for p in params]
+            for param in params:
+                param.grad = None
+            try:
+                input_grad, losses = self._backward(merged)
+            except Exception:
+                for param, grad in zip(params, previous):
+                    param.grad = grad
+                raise
             self._pad_to_simulated_speed(start, sum(sizes), backward=True)
+            now = time.monotonic()
+            if any(task.late(now) for task in batch):
+                for param, grad in zip(params, previous):
+                    param.grad = grad
+                return self._requeue_on_time(batch, now)
+            for param, grad in zip(params, previous):
+                if grad is not None:
+                    param.grad = grad if param.grad is None else param.grad.add_(grad)
             elapsed = (time.perf_counter() - start) / sum(sizes)
             self.seconds_per_sample = (
                 elapsed if self.seconds_per_sample is None else (0.9 * self.seconds_per_sample + 0.1 * elapsed)
             )
             self.samples_accumulated += sum(sizes)
+            for task, size in zip(batch, sizes):
+                self.held[task.key] = self.held.get(task.key, 0) + size
             if self.coordinator is not None:
-                self.coordinator.local_progress(self.step, self.samples_accumulated)
+                self.coordinator.local_progress(self.step, dict(self.held))
             elif self.samples_accumulated >= self.target_batch_size:
                 self._average_and_step(self.step)
         grads = input_grad.cpu().split(sizes) if input_grad is not None else [None] * len(batch)
         loss_parts = losses.cpu().split(sizes) if losses is not None else [None] * len(batch)
         return [StageResult([] if grad is None else [grad], loss, step) for grad, loss in zip(grads, loss_parts)]
+
+    def _requeue_on_time(self, batch: list[_Task], now: float) -> list[Exception | None]:
+        """A batch finished after some caller gave up: its gradients are dropped; the late requests are
+        answered as abandoned, the others go back to the front of the queue to run without them."""
+        late = [task for task in batch if task.late(now)]
+        with self._cond:
+            for task in late:
+                self._applied.pop(task.key, None)
+            for task in reversed([t for t in batch if not t.late(now)]):
+                self._queue.appendleft(task)
+            self.abandoned += len(late)
+        logger.info(
+            f"Stage {self.module.stage}: {len(late)} backward(s) finished after their caller gave up; "
+            "not applied (the caller sends them elsewhere)"
+        )
+        return [
+            CallAbandonedError("the caller's deadline passed before this peer could apply the request")
+            if task.late(now)
+            else None
+            for task in batch
+        ]
 
     def _pad_to_simulated_speed(self, start: float, samples: int, backward: bool) -> None:
         """With a simulated speed, sleeps until the work has taken as long as that device would take."""
@@ -388,46 +458,48 @@ class StageRuntime:
         """One step at `step`: averages with the stage-mates (if any), then applies the optimizer."""
         if step != self.step:
             return  # a request that crossed a state download or an earlier step
-        samples = self.samples_accumulated
         if self.coordinator is None:
-            total = samples
+            ids = [(trainer, mb, n) for (trainer, mb), n in self.held.items()]
+            result = RoundResult(None, self.samples_accumulated, ids)
         else:
             try:
-                grad_sum, total = self.coordinator.average(step, self.flat_gradient(), samples)
-                if total < 0:
-                    with self._cond:
-                        self._step_requested = None
-                    return
+                result = self.coordinator.average(step, self.flat_gradient(), dict(self.held))
             except Exception as e:
                 # keep the gradients; the coordinator asks for this step again on its next check
                 logger.error(f"Stage {self.module.stage}: averaging at step {step} failed ({e!r}); will retry")
+                result = None
+            if result is None:
                 with self._cond:
                     self._step_requested = None
                 return
-            if total > 0 and grad_sum is not None:
+            if result.samples > 0 and result.grad_sum is not None:
                 offset = 0
                 for param in self.module.parameters():
                     numel = param.numel()
-                    param.grad = grad_sum[offset : offset + numel].view_as(param).to(param.device, param.dtype)
+                    param.grad = result.grad_sum[offset : offset + numel].view_as(param).to(param.device, param.dtype)
                     offset += numel
         with self._cond:
             self._step_requested = None
-        if total <= 0:
-            logger.warning(f"Stage {self.module.stage}: the group had no samples at step {step}; not stepping")
-            self.module.zero_grad(set_to_none=True)
-            self.samples_accumulated = 0
-            return
-        if total != self.target_batch_size:
-            logger.warning(
-                f"Stage {self.module.stage} steps on {total} samples, "
-                f"target is {self.target_batch_size}: microbatches crossed the step boundary"
-            )
-        apply_accumulated_step(self.module, self.optimizer, total)
+        total = result.samples
+        self.held = {}
         self.samples_accumulated = 0
-        self.samples_stepped += total
+        if total <= 0:
+            # the group steps together even on nothing, so that its replicas stay at one step
+            logger.warning(f"Stage {self.module.stage}: the group had no samples at step {step}; skipping it")
+            self.module.zero_grad(set_to_none=True)
+        else:
+            if total != self.target_batch_size:
+                logger.info(
+                    f"Stage {self.module.stage} steps on {total} samples, target is {self.target_batch_size}: "
+                    "microbatches crossed the step boundary"
+                )
+            apply_accumulated_step(self.module, self.optimizer, total)
+            self.samples_stepped += total
         self.step += 1
+        self.fingerprint = parameter_fingerprint(self.module)
+        self.last_round = result
         if self.on_step is not None:
-            self.on_step(self.step)
+            self.on_step(self.step, self.fingerprint)
 
     def load_state(self, step: int, apply: Callable[[], None], samples_stepped: int = 0) -> None:
         """Replaces the stage's state (on the runtime thread): `apply` loads it; accumulated gradients are dropped."""
@@ -438,10 +510,13 @@ class StageRuntime:
             )
         self.module.zero_grad(set_to_none=True)
         self.samples_accumulated = 0
+        self.held = {}
         apply()
         with self._cond:
             self._step_requested = None
         self.step = step
         self.samples_stepped = samples_stepped
+        self.fingerprint = parameter_fingerprint(self.module)
+        self.last_round = None
         if self.on_step is not None:
-            self.on_step(self.step)
+            self.on_step(self.step, self.fingerprint)

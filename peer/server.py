@@ -11,6 +11,7 @@ import torch
 from hivemind.p2p import P2P
 from swarm.compression import get_codec
 from swarm.peer.checkpoint import checkpoint_path, load_checkpoint, restore, save_checkpoint
+from swarm.peer.faults import FaultPlan
 from swarm.peer.handler import StageHandler
 from swarm.peer.mates import StageMates
 from swarm.peer.preemption import notice_source, watch_for_preemption
@@ -23,6 +24,7 @@ from swarm.dht_node import connect_to_daemon, start_dht
 from swarm.event_loop import run, stop_event_on_signals
 from swarm.models import build_stage, get_model_spec
 from swarm.optimizer import OptimizerSettings, build_optimizer
+from swarm.sample_ledger import SampleLedger
 from swarm.stage_records import JOINING, LEAVING, SERVING, StageRecord, announce, fetch_stage_records
 from swarm.transport import INFO_PROTOCOL, STAGE_PROTOCOL
 from swarm.wire import WireLimits
@@ -46,6 +48,8 @@ class Peer:
         self.state = JOINING
         self.moves = 0
         self.movable = config.rebalance_period > 0  # pinned otherwise: it never rebalances, and says so
+        self.faults = FaultPlan(config.faults)
+        self.ledger = SampleLedger(config.ledger)
         self.rng = random.Random()
         torch.set_num_threads(config.num_threads)
         # the DHT forks: create it before any thread exists
@@ -90,31 +94,37 @@ class Peer:
             config.model,
             averaging_timeout=config.averaging_timeout,
             codec=get_codec(config.averaging_codec),
+            short_wait=config.short_wait,
+            faults=self.faults,
+            ledger=self.ledger,
         )
         max_bytes = int(config.max_request_mb * 2**20)
-        mates = self.mates
         self.handler = StageHandler(
             self.runtime,
             config.model,
             WireLimits(max_message_bytes=max_bytes, max_tensor_bytes=max_bytes),
             config.max_batch_samples,
             state=lambda: self.state,
+            mates=self.mates,
             step_wait=config.averaging_timeout + 10,
-            resyncs=lambda: mates.resyncs,
-            lost_samples=lambda step: mates.short.get(step, {}),
-            progress_delivered=mates.progress_delivered,
+            faults=self.faults,
         )
-        self.mates.on_short = self.handler.notify_step
+        self.mates.on_phase = self.handler.notify_step
 
-    def _on_step(self, step: int) -> None:
+    def _on_step(self, step: int, fingerprint: str) -> None:
         """Runs on the runtime thread after every step (or state taken from a mate)."""
-        self.mates.on_step(step)
+        self.mates.on_step(step, fingerprint)
         if self.loop is not None:
-            self.loop.call_soon_threadsafe(self.handler.notify_step)
+            self.loop.call_soon_threadsafe(self._after_step)
         if step % 10 == 0:
             logger.info(f"Stage {self.stage} reached step {step}")
         if self.config.checkpoint_dir and self.config.checkpoint_every and step % self.config.checkpoint_every == 0:
             self.save_checkpoint()
+
+    def _after_step(self) -> None:
+        self.handler.notify_step()
+        if self.faults.faults:
+            asyncio.ensure_future(self.faults.hit("after_step"))
 
     def save_checkpoint(self) -> None:
         path = save_checkpoint(

@@ -77,3 +77,11 @@ def state_fingerprint(tensors: list[torch.Tensor]) -> str:
     for tensor in tensors:
         digest.update(tensor.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()[:16]
+
+
+def parameter_fingerprint(module: nn.Module) -> str:
+    """A short hash of the parameters' exact bits: replicas of a stage that agree show the same."""
+    digest = hashlib.sha256()
+    for param in module.parameters():
+        digest.update(param.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]

@@ -12,10 +12,13 @@ from swarm.proto.swarm_pb2 import (
     Error,
     ErrorCode,
     GradContribution,
+    HeldSamples,
     MateProgress,
     MateReply,
     PeerInfo,
     PeerInfoRequest,
+    RoundCommit,
+    SampleId,
     StageReply,
     StageRequest,
     StateReply,
@@ -24,7 +27,7 @@ from swarm.proto.swarm_pb2 import (
 )
 
 # Bump on any change to the messages or their meaning that an older peer would misread.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 __all__ = [
     "BACKWARD",
@@ -34,10 +37,13 @@ __all__ = [
     "Error",
     "ErrorCode",
     "GradContribution",
+    "HeldSamples",
     "MateProgress",
     "MateReply",
     "PeerInfo",
     "PeerInfoRequest",
+    "RoundCommit",
+    "SampleId",
     "StageReply",
     "StageRequest",
     "StateReply",

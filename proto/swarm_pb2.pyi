@@ -39,6 +39,16 @@ STALE: ErrorCode
 OUT_OF_SYNC: ErrorCode
 SHORT: ErrorCode
 
+class SampleId(_message.Message):
+    __slots__ = ("trainer", "microbatch", "samples")
+    TRAINER_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    trainer: str
+    microbatch: int
+    samples: int
+    def __init__(self, trainer: _Optional[str] = ..., microbatch: _Optional[int] = ..., samples: _Optional[int] = ...) -> None: ...
+
 class Tensor(_message.Message):
     __slots__ = ("buffer", "shape", "dtype", "codec", "num_parts")
     BUFFER_FIELD_NUMBER: _ClassVar[int]
@@ -62,7 +72,7 @@ class Error(_message.Message):
     def __init__(self, code: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ...) -> None: ...
 
 class StageRequest(_message.Message):
-    __slots__ = ("protocol_version", "kind", "model", "stage", "microbatch_id", "step", "tensors", "more", "deadline_s")
+    __slots__ = ("protocol_version", "kind", "model", "stage", "microbatch_id", "step", "tensors", "more", "deadline_s", "reply_codec")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +82,7 @@ class StageRequest(_message.Message):
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    REPLY_CODEC_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     kind: CallKind
     model: str
@@ -81,10 +92,11 @@ class StageRequest(_message.Message):
     tensors: _containers.RepeatedCompositeFieldContainer[Tensor]
     more: bool
     deadline_s: float
-    def __init__(self, protocol_version: _Optional[int] = ..., kind: _Optional[_Union[CallKind, str]] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch_id: _Optional[int] = ..., step: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., more: _Optional[bool] = ..., deadline_s: _Optional[float] = ...) -> None: ...
+    reply_codec: str
+    def __init__(self, protocol_version: _Optional[int] = ..., kind: _Optional[_Union[CallKind, str]] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch_id: _Optional[int] = ..., step: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., more: _Optional[bool] = ..., deadline_s: _Optional[float] = ..., reply_codec: _Optional[str] = ...) -> None: ...
 
 class StageReply(_message.Message):
-    __slots__ = ("protocol_version", "error", "step", "tensors", "loss", "num_samples", "more", "server_seconds", "short_step", "lost_peers")
+    __slots__ = ("protocol_version", "error", "step", "tensors", "loss", "num_samples", "more", "server_seconds", "short_step", "lost_peers", "lost", "full")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +107,8 @@ class StageReply(_message.Message):
     SERVER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SHORT_STEP_FIELD_NUMBER: _ClassVar[int]
     LOST_PEERS_FIELD_NUMBER: _ClassVar[int]
+    LOST_FIELD_NUMBER: _ClassVar[int]
+    FULL_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     error: Error
     step: int
@@ -105,7 +119,9 @@ class StageReply(_message.Message):
     server_seconds: float
     short_step: int
     lost_peers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, protocol_version: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., step: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., loss: _Optional[float] = ..., num_samples: _Optional[int] = ..., more: _Optional[bool] = ..., server_seconds: _Optional[float] = ..., short_step: _Optional[int] = ..., lost_peers: _Optional[_Iterable[str]] = ...) -> None: ...
+    lost: _containers.RepeatedCompositeFieldContainer[SampleId]
+    full: bool
+    def __init__(self, protocol_version: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., step: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., loss: _Optional[float] = ..., num_samples: _Optional[int] = ..., more: _Optional[bool] = ..., server_seconds: _Optional[float] = ..., short_step: _Optional[int] = ..., lost_peers: _Optional[_Iterable[str]] = ..., lost: _Optional[_Iterable[_Union[SampleId, _Mapping]]] = ..., full: _Optional[bool] = ...) -> None: ...
 
 class PeerInfoRequest(_message.Message):
     __slots__ = ("protocol_version",)
@@ -114,7 +130,7 @@ class PeerInfoRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ...) -> None: ...
 
 class PeerInfo(_message.Message):
-    __slots__ = ("protocol_version", "error", "model", "stage", "num_stages", "step", "throughput", "queue_length", "state", "samples_accumulated", "target_batch_size", "stale_gradients", "requests_served", "resyncs", "samples_stepped", "abandoned_calls")
+    __slots__ = ("protocol_version", "error", "model", "stage", "num_stages", "step", "throughput", "queue_length", "state", "samples_accumulated", "target_batch_size", "stale_gradients", "requests_served", "resyncs", "samples_stepped", "abandoned_calls", "fingerprint", "samples_lost", "samples_doubled", "divergences", "step_state")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +147,11 @@ class PeerInfo(_message.Message):
     RESYNCS_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_STEPPED_FIELD_NUMBER: _ClassVar[int]
     ABANDONED_CALLS_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_LOST_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_DOUBLED_FIELD_NUMBER: _ClassVar[int]
+    DIVERGENCES_FIELD_NUMBER: _ClassVar[int]
+    STEP_STATE_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     error: Error
     model: str
@@ -147,24 +168,33 @@ class PeerInfo(_message.Message):
     resyncs: int
     samples_stepped: int
     abandoned_calls: int
-    def __init__(self, protocol_version: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., step: _Optional[int] = ..., throughput: _Optional[float] = ..., queue_length: _Optional[int] = ..., state: _Optional[str] = ..., samples_accumulated: _Optional[int] = ..., target_batch_size: _Optional[int] = ..., stale_gradients: _Optional[int] = ..., requests_served: _Optional[int] = ..., resyncs: _Optional[int] = ..., samples_stepped: _Optional[int] = ..., abandoned_calls: _Optional[int] = ...) -> None: ...
+    fingerprint: str
+    samples_lost: int
+    samples_doubled: int
+    divergences: int
+    step_state: str
+    def __init__(self, protocol_version: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., step: _Optional[int] = ..., throughput: _Optional[float] = ..., queue_length: _Optional[int] = ..., state: _Optional[str] = ..., samples_accumulated: _Optional[int] = ..., target_batch_size: _Optional[int] = ..., stale_gradients: _Optional[int] = ..., requests_served: _Optional[int] = ..., resyncs: _Optional[int] = ..., samples_stepped: _Optional[int] = ..., abandoned_calls: _Optional[int] = ..., fingerprint: _Optional[str] = ..., samples_lost: _Optional[int] = ..., samples_doubled: _Optional[int] = ..., divergences: _Optional[int] = ..., step_state: _Optional[str] = ...) -> None: ...
 
 class MateProgress(_message.Message):
-    __slots__ = ("protocol_version", "model", "stage", "step", "samples")
+    __slots__ = ("protocol_version", "model", "stage", "step", "samples", "held", "fingerprint")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     model: str
     stage: int
     step: int
     samples: int
-    def __init__(self, protocol_version: _Optional[int] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., samples: _Optional[int] = ...) -> None: ...
+    held: _containers.RepeatedCompositeFieldContainer[SampleId]
+    fingerprint: str
+    def __init__(self, protocol_version: _Optional[int] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., samples: _Optional[int] = ..., held: _Optional[_Iterable[_Union[SampleId, _Mapping]]] = ..., fingerprint: _Optional[str] = ...) -> None: ...
 
 class GradContribution(_message.Message):
-    __slots__ = ("protocol_version", "model", "stage", "step", "samples", "members", "tensors", "more", "handover", "attempt")
+    __slots__ = ("protocol_version", "model", "stage", "step", "samples", "members", "tensors", "more", "handover", "attempt", "held", "known", "give_up")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +205,9 @@ class GradContribution(_message.Message):
     MORE_FIELD_NUMBER: _ClassVar[int]
     HANDOVER_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    GIVE_UP_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     model: str
     stage: int
@@ -185,7 +218,34 @@ class GradContribution(_message.Message):
     more: bool
     handover: bool
     attempt: int
-    def __init__(self, protocol_version: _Optional[int] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., samples: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., more: _Optional[bool] = ..., handover: _Optional[bool] = ..., attempt: _Optional[int] = ...) -> None: ...
+    held: _containers.RepeatedCompositeFieldContainer[SampleId]
+    known: _containers.RepeatedCompositeFieldContainer[SampleId]
+    give_up: bool
+    def __init__(self, protocol_version: _Optional[int] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., samples: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., more: _Optional[bool] = ..., handover: _Optional[bool] = ..., attempt: _Optional[int] = ..., held: _Optional[_Iterable[_Union[SampleId, _Mapping]]] = ..., known: _Optional[_Iterable[_Union[SampleId, _Mapping]]] = ..., give_up: _Optional[bool] = ...) -> None: ...
+
+class RoundCommit(_message.Message):
+    __slots__ = ("protocol_version", "model", "stage", "step", "attempt", "contributors")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    model: str
+    stage: int
+    step: int
+    attempt: int
+    contributors: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, protocol_version: _Optional[int] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., attempt: _Optional[int] = ..., contributors: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class HeldSamples(_message.Message):
+    __slots__ = ("peer", "ids")
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    peer: str
+    ids: _containers.RepeatedCompositeFieldContainer[SampleId]
+    def __init__(self, peer: _Optional[str] = ..., ids: _Optional[_Iterable[_Union[SampleId, _Mapping]]] = ...) -> None: ...
 
 class MateReply(_message.Message):
     __slots__ = ("protocol_version", "error", "step")
@@ -208,7 +268,7 @@ class StateRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ...) -> None: ...
 
 class StateReply(_message.Message):
-    __slots__ = ("protocol_version", "error", "step", "has_optimizer_state", "tensors", "more", "samples_stepped", "progress")
+    __slots__ = ("protocol_version", "error", "step", "has_optimizer_state", "tensors", "more", "samples_stepped", "progress", "held")
     class ProgressEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -224,6 +284,7 @@ class StateReply(_message.Message):
     MORE_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_STEPPED_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     error: Error
     step: int
@@ -232,4 +293,5 @@ class StateReply(_message.Message):
     more: bool
     samples_stepped: int
     progress: _containers.ScalarMap[str, int]
-    def __init__(self, protocol_version: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., step: _Optional[int] = ..., has_optimizer_state: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., more: _Optional[bool] = ..., samples_stepped: _Optional[int] = ..., progress: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    held: _containers.RepeatedCompositeFieldContainer[HeldSamples]
+    def __init__(self, protocol_version: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., step: _Optional[int] = ..., has_optimizer_state: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., more: _Optional[bool] = ..., samples_stepped: _Optional[int] = ..., progress: _Optional[_Mapping[str, int]] = ..., held: _Optional[_Iterable[_Union[HeldSamples, _Mapping]]] = ...) -> None: ...

@@ -18,6 +18,7 @@ from swarm.config import (
     add_options,
     load_config,
 )
+from swarm.lifeline import die_with_launcher
 
 
 def _peer(config: PeerConfig) -> int:
@@ -90,6 +91,8 @@ def setup_logging(level: str, role: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The `swarm` command: parses `argv` and runs the role it names; returns the exit code."""
+    die_with_launcher()  # first: a launcher killed while this process starts must still take it along
     parser = build_parser()
     args = vars(parser.parse_args(argv))
     command, level = args.pop("command"), args.pop("log_level")

@@ -236,6 +236,19 @@ class PeerConfig(NetworkConfig, ModelConfig):
     max_staleness: int = option(
         1, "apply a backward whose forward ran up to N steps ago (counted as stale); refuse older ones"
     )
+    short_wait: float = option(
+        20.0,
+        "seconds a stage whose mate died holding samples waits for the trainers to send them again, "
+        "before it steps without them (counting them as lost)",
+    )
+    ledger: str | None = option(
+        None, "append a JSON line per step to FILE: the microbatches summed and lost, by id (for chaos tests)"
+    )
+    faults: str = option(
+        "",
+        "for tests: deterministic faults, comma-separated POINT:ACTION[:N] (see swarm/peer/faults.py), "
+        "e.g. after_backward:drop_reply:1",
+    )
     rebalance_period: float = option(
         60.0, "mean seconds between checks whether moving to the bottleneck helps (randomised; 0: pinned, never moves)"
     )
@@ -286,6 +299,14 @@ class PeerConfig(NetworkConfig, ModelConfig):
             raise ConfigError(f"--preemption-notice: {e}") from None
         if self.max_staleness < 0:
             raise ConfigError("--max-staleness must be 0 or more")
+        if self.short_wait <= 0:
+            raise ConfigError("--short-wait must be positive")
+        from swarm.peer.faults import FaultError, parse_faults
+
+        try:
+            parse_faults(self.faults)
+        except FaultError as e:
+            raise ConfigError(f"--faults: {e}") from None
         from swarm.compression import CODECS
 
         if self.averaging_codec not in CODECS:
@@ -323,6 +344,14 @@ class TrainerConfig(NetworkConfig, ModelConfig):
         "seconds a stage may go without a live peer, or without completing any call while one is re-queued, "
         "before training stops with an error",
     )
+    resend_buffer_mb: float = option(
+        256.0,
+        "MiB of applied backwards' inputs kept to send again if the peer that applied them dies before its "
+        "stage steps (oldest dropped first; 0: keep none, such samples are then lost and counted)",
+    )
+    ledger: str | None = option(
+        None, "append a JSON line per microbatch fed through every stage to FILE, by id (for chaos tests)"
+    )
     summary_file: str | None = option(None, "write a JSON summary of the run to FILE")
     progress: bool = option(True, "show a progress bar")
 
@@ -339,6 +368,8 @@ class TrainerConfig(NetworkConfig, ModelConfig):
             raise ConfigError(f"--compression must be auto or one of {sorted(CODECS)}, got {self.compression!r}")
         if self.max_codec_error < 0:
             raise ConfigError("--max-codec-error must be 0 or more")
+        if self.resend_buffer_mb < 0:
+            raise ConfigError("--resend-buffer-mb must be 0 or more")
         if self.emulate_bandwidth_mbit < 0 or self.emulate_latency_ms < 0:
             raise ConfigError("--emulate-bandwidth-mbit and --emulate-latency-ms must be 0 or more")
 

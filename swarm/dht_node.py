@@ -3,22 +3,58 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
+import signal
+import time
 
 from hivemind import DHT
 from hivemind.p2p import P2P
 
 from swarm.config import NetworkConfig
+from swarm.lifeline import child_pids, watch_parent
 
 logger = logging.getLogger(__name__)
+
+
+class TetheredDHT(DHT):
+    """A hivemind DHT whose child process, with its libp2p daemon, ends when its parent process dies.
+
+    hivemind's child outlives a parent killed by SIGKILL (or by any signal before it shut the DHT
+    down): it holds both ends of its command pipe, so it never sees the parent go, and its p2pd
+    stays with it. Here the child watches its parent and shuts down when it has gone.
+    """
+
+    def run(self) -> None:
+        """The child process: hivemind's DHT loop, and a thread that ends it when the parent dies."""
+        # hivemind stops a child that does not shut down in time with SIGTERM, but the child inherits
+        # its parent's handling of it: a handler, or blocked (the bootstrap node waits for it in sigwait)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        watch_parent(self._parent_pid, self._shutdown_orphan, name="dht-parent-watch")
+        super().run()
+
+    def _shutdown_orphan(self) -> None:
+        logger.warning("The process that started this DHT node has gone; shutting the node down")
+        # the request DHT.shutdown sends: the node stops its libp2p daemon and removes its sockets
+        with contextlib.suppress(OSError, ValueError):
+            self._outer_pipe.send(("_shutdown", [], {}))
+        time.sleep(self.shutdown_timeout)
+        # still here: the node's loop is stuck; end its daemon too rather than count on SIGPIPE
+        for pid in child_pids():
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        os._exit(1)
 
 
 def start_dht(config: NetworkConfig) -> DHT:
     """Starts a DHT node (a child process with its own libp2p daemon) and joins the swarm.
 
-    It forks, so call it before starting threads or touching CUDA.
+    The node's process and daemon end with this process, however it ends. It forks, so call it
+    before starting threads or touching CUDA.
     """
-    return DHT(
+    return TetheredDHT(
         initial_peers=config.initial_peers or None,
         host_maddrs=config.host_maddrs,
         announce_maddrs=config.announce_maddrs or None,

@@ -2,6 +2,11 @@
 
 Every process runs in its own session (process group), so stopping it also stops the DHT child
 and the libp2p daemons it started, and none is left behind.
+
+Nothing is left behind either when the launcher itself is stopped: used as a context manager, a
+LocalSwarm stops its processes in order on SIGTERM or SIGINT as on an exception; and if the launcher
+dies without that (SIGKILL, a second signal), each process it started leaves on its own
+(see `swarm.lifeline`).
 """
 
 from __future__ import annotations
@@ -12,8 +17,12 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+from types import FrameType
+
+from swarm.lifeline import LAUNCHER_PID_ENV, PARENT_DEATH_SIGNAL_ENV
 
 
 class LaunchError(RuntimeError):
@@ -26,6 +35,10 @@ def _tail(path: Path, lines: int = 20) -> str:
     return ""
 
 
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
+
+
 class LocalSwarm:
     """A bootstrap node, peers and trainers as child processes, stopped together on exit."""
 
@@ -35,20 +48,27 @@ class LocalSwarm:
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
         self.processes: dict[str, subprocess.Popen] = {}
         self.initial_peers: list[str] = []
+        self._saved_handlers: dict[int, object] = {}
 
     def log_path(self, name: str) -> Path:
         return self.workdir / f"{name}.log"
 
     def spawn(self, name: str, role: str, flags: list[str], log: bool = True) -> subprocess.Popen:
-        """Starts `swarm ROLE FLAGS` as process `name`, its output in NAME.log (or this console)."""
+        """Starts `swarm ROLE FLAGS` as process `name`, its output in NAME.log (or this console).
+
+        The process leaves, with its DHT child and daemons, when this one dies (see swarm.lifeline).
+        """
         command = [sys.executable, "-m", "swarm", role, *flags]
+        env = {**self.env, LAUNCHER_PID_ENV: str(os.getpid())}
+        # the kernel's parent-death signal fires when the forking thread ends: only the main thread lives as long
+        env[PARENT_DEATH_SIGNAL_ENV] = "1" if threading.current_thread() is threading.main_thread() else "0"
         output = open(self.log_path(name), "ab") if log else None
         try:
             process = subprocess.Popen(
                 command,
                 stdout=output,
                 stderr=subprocess.STDOUT if log else None,
-                env=self.env,
+                env=env,
                 start_new_session=True,
             )
         finally:
@@ -120,7 +140,20 @@ class LocalSwarm:
                 self._reap(name, max(0.1, deadline - time.monotonic()))
 
     def __enter__(self) -> LocalSwarm:
+        """Makes SIGTERM (and SIGINT, if ignored) raise KeyboardInterrupt, so that `with` stops the swarm.
+
+        Only where nothing else handles them and on the main thread, the only one that gets signals.
+        """
+        if threading.current_thread() is threading.main_thread():
+            # `timeout` and service managers send SIGTERM; a shell starts background jobs with SIGINT ignored
+            for sig, unhandled in ((signal.SIGTERM, signal.SIG_DFL), (signal.SIGINT, signal.SIG_IGN)):
+                if signal.getsignal(sig) == unhandled:
+                    self._saved_handlers[sig] = signal.signal(sig, _interrupt)
         return self
 
     def __exit__(self, *exc_info) -> None:
+        # a second signal while stopping ends this process at once; its children then leave by themselves
+        for sig, handler in self._saved_handlers.items():
+            signal.signal(sig, handler)
+        self._saved_handlers.clear()
         self.stop_all()

@@ -5,6 +5,13 @@ flight, so that every stage works at once. A microbatch goes forward through sta
 the last stage computes the loss and its input gradient in one call, then gradients flow back
 through stages N-2..0. The trainer keeps each stage's input until that stage's backward is done,
 so every call can be retried on another peer of the stage (peers keep no activations).
+
+Every microbatch has a global id (this trainer's peer id, a microbatch number). A stage whose
+peer died holding applied backwards names the lost ids in its SHORT reply; the trainer sends
+again those it still holds in a bounded buffer (`--resend-buffer-mb`). Nothing depends on that
+buffer surviving: a stage waits for lost samples only a bounded time, then steps without them.
+Several trainers may feed one swarm; each asks a stage for the step after the one its own last
+backwards reached, and a stage still short of its batch serves at once.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import json
 import logging
 import random
 import time
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -32,6 +40,7 @@ from swarm.link_shaper import LinkShape, LinkShaper
 from swarm.models import get_model_spec
 from swarm.proto import BACKWARD, FORWARD, ErrorCode, StageRequest
 from swarm.router import Router
+from swarm.sample_ledger import SampleLedger, fed_record
 from swarm.stage_records import StageRecord, fetch_stage_records
 from swarm.transport import CallStats, StageCallError, call_stage
 
@@ -58,6 +67,8 @@ class TrainingSummary:
     last_loss: float = float("nan")
     retries: int = 0
     samples_resent: int = 0  # backwards sent again because the peer that applied them died before its step
+    lost_not_held: int = 0  # samples a stage asked for again that the resend buffer no longer held
+    stale_resent: int = 0  # backwards refused as too stale, sent again at the stage's current step
     requeued: int = 0  # calls that ran out of attempts and were queued again after a pause
     backwards_moved: int = 0  # backwards served by another peer than their forward (its peer gone or busy)
     bans: int = 0
@@ -66,6 +77,33 @@ class TrainingSummary:
     bytes_received: int = 0
     codecs: dict[str, str] = field(default_factory=dict)  # per peer, at the end (with --compression auto)
     losses: list[float] = field(default_factory=list)
+
+
+class ResendBuffer:
+    """The inputs of applied backwards, by (stage, microbatch), oldest dropped first past a byte budget."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._items: OrderedDict[tuple[int, int], tuple[list[torch.Tensor], int]] = OrderedDict()
+
+    def put(self, key: tuple[int, int], tensors: list[torch.Tensor]) -> None:
+        size = sum(t.numel() * t.element_size() for t in tensors)
+        if size > self.max_bytes:
+            return
+        if key in self._items:
+            self.bytes -= self._items.pop(key)[1]
+        self._items[key] = (tensors, size)
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            self.bytes -= self._items.popitem(last=False)[1][1]
+
+    def get(self, key: tuple[int, int]) -> list[torch.Tensor] | None:
+        item = self._items.get(key)
+        return None if item is None else item[0]
+
+    def __len__(self) -> int:
+        return len(self._items)
 
 
 class Trainer:
@@ -89,12 +127,15 @@ class Trainer:
         self.corpus = ByteCorpus(config.data, int(config.max_corpus_mb * 2**20))
         self.p2p: P2P | None = None
         self.step = 0
+        self.trainer_id = str(self.dht.peer_id)  # the caller id peers see: half of every microbatch's id
+        self.ledger = SampleLedger(config.ledger)
         # random start: a restarted trainer with the same identity must not reuse microbatch ids
         self._microbatch_ids = random.getrandbits(62)
-        # backwards applied per (stage, step): (peer, microbatch id, tensors); resent if that peer dies
-        self._applied: dict[tuple[int, int], list[tuple[str, int, list[torch.Tensor]]]] = {}
-        self._resent: set[tuple[int, int, str]] = set()
-        self._resending = asyncio.Lock()
+        # per stage, the step to ask a forward for: the one after the step its latest backwards reached
+        self._want: dict[int, int] = {}
+        self._reached: dict[int, int] = {}
+        self._resend_buffer = ResendBuffer(int(config.resend_buffer_mb * 2**20))
+        self._resending: set[tuple[int, int]] = set()  # (stage, microbatch) being sent again
         self._served_by = ""  # the peer that served the last call (read right after awaiting it)
         self._last_success: dict[int, float] = {}  # per stage, when a call to it last succeeded (monotonic)
 
@@ -165,8 +206,9 @@ class Trainer:
     ):
         """One stage call, retried on other peers of the stage when a peer fails or vanishes.
 
-        `step` is the model version: for a forward the step the stage is expected at, for a
-        backward the step its forward ran at.
+        `step` is the model version: for a forward the step the stage is asked for, for a
+        backward the step its forward ran at (a backward refused as too stale goes again at the
+        stage's current step).
         """
         tried: list[str] = []
         last_error: Exception | None = None
@@ -196,14 +238,15 @@ class Trainer:
                 await self.wait_for_stage(stage)
                 continue
             attempts += 1
+            codec = self.chooser.codec_for(record.peer_id) if self.chooser else self.config.compression
             request = StageRequest(
                 kind=BACKWARD if backward else FORWARD,
                 model=self.config.model,
                 stage=stage,
                 microbatch_id=microbatch_id,
                 step=step,
+                reply_codec=codec,
             )
-            codec = self.chooser.codec_for(record.peer_id) if self.chooser else self.config.compression
             stats = CallStats()
             started = time.perf_counter()
             try:
@@ -218,11 +261,17 @@ class Trainer:
                     shaper=self.shaper,
                 )
             except StageCallError as e:
-                if e.code == ErrorCode.STALE:
-                    raise
+                if e.code == ErrorCode.STALE and e.reply is not None and backward and e.reply.step > step:
+                    # the stage stepped twice since the forward: the gradient is applied at its current step
+                    # instead of running the microbatch again from the first stage (later stages have it)
+                    logger.info(f"Stage {stage}: microbatch {microbatch_id} too stale; sent at step {e.reply.step}")
+                    self.summary.stale_resent += 1
+                    step = e.reply.step
+                    attempts -= 1
+                    continue
                 if e.code == ErrorCode.SHORT and e.reply is not None:
-                    # not the peer's fault: the stage waits for lost samples; send them and wait for its step
-                    await self.resend_lost(stage, e.reply.short_step, list(e.reply.lost_peers), record.peer_id)
+                    # not the peer's fault: the stage waits for lost samples; send ours and wait for its step
+                    await self.resend_lost(stage, e.reply, record.peer_id)
                     short_since = short_since or time.monotonic()
                     if time.monotonic() - short_since > self.config.stage_wait_timeout:
                         raise TrainingError(f"stage {stage} stayed short of lost samples: {e}") from e
@@ -239,8 +288,9 @@ class Trainer:
                 continue
             self.router.report_success(record.peer_id, backward, samples, time.perf_counter() - started)
             self._last_success[stage] = time.monotonic()
-            if backward:  # remembered until the stage has stepped past it, in case that peer dies first
-                self._applied.setdefault((stage, reply.step), []).append((record.peer_id, microbatch_id, tensors))
+            if backward:  # kept (bounded) in case that peer dies before its stage steps
+                self._resend_buffer.put((stage, microbatch_id), tensors)
+                self._reached[stage] = max(self._reached.get(stage, reply.step), reply.step)
             self.summary.bytes_sent += stats.bytes_sent
             self.summary.bytes_received += stats.bytes_received
             if self.chooser is not None:
@@ -252,65 +302,52 @@ class Trainer:
             f"{microbatch_id} failed {self.config.max_retries} attempts, {requeues + 1} times over: {last_error}"
         )
 
-    async def resend_lost(self, stage: int, step: int, lost_peers: list[str], to: str) -> None:
-        """Sends again the backwards of `step` that peers of `stage` applied before dying with them.
+    async def resend_lost(self, stage: int, reply, to: str) -> None:
+        """Sends again this trainer's backwards that a SHORT reply names as lost with a dead peer of `stage`.
 
-        They go to `to`, the peer that reported the loss: it is certainly still at `step`, while a
-        mate that did get the dead peer's gradients may have stepped past it already.
+        They go to `to`, the peer that reported the loss, at the step it is short at. Those no longer in
+        the resend buffer are counted; the stage steps without them after its --short-wait.
         """
-        async with self._resending:
-            for peer_id in lost_peers:
-                if (stage, step, peer_id) in self._resent:
-                    continue
-                self._resent.add((stage, step, peer_id))
-                work = [item for item in self._applied.get((stage, step), []) if item[0] == peer_id]
-                samples = sum(tensors[0].shape[0] for _, _, tensors in work)
+        mine = [i for i in reply.lost if i.trainer == self.trainer_id]
+        for lost in mine:
+            key = (stage, int(lost.microbatch))
+            if key in self._resending:
+                continue
+            tensors = self._resend_buffer.get(key)
+            if tensors is None:
+                self.summary.lost_not_held += lost.samples
+                self._resending.add(key)  # asked once is enough: it is not coming back
+                continue
+            self._resending.add(key)
+            try:
                 logger.warning(
-                    f"Stage {stage} lost the gradients of {samples} samples of step {step} with peer {peer_id}; "
-                    "sending them again"
+                    f"Stage {stage} lost microbatch {key[1]} ({lost.samples} samples) of step {reply.short_step} "
+                    "with a peer that died; sending it again"
                 )
-                for _, microbatch_id, tensors in work:
-                    await self.call(stage, True, tensors, microbatch_id, step, prefer=to)
-                self.summary.samples_resent += samples
-
-    def _forget_applied(self) -> None:
-        """Keeps, per stage, the backwards of its two latest steps: older ones can no longer be lost."""
-        for stage in range(self.config.num_stages):
-            steps = sorted(step for s, step in self._applied if s == stage)
-            for step in steps[:-2]:
-                del self._applied[stage, step]
+                await self.call(stage, True, tensors, key[1], reply.short_step, prefer=to)
+                self.summary.samples_resent += lost.samples
+            finally:
+                self._resending.discard(key)
 
     async def run_microbatch(self, tokens: torch.Tensor) -> float:
-        """Forward and backward of one microbatch through every stage; returns its mean loss.
-
-        A stage that refuses a backward as too stale (it stepped since the forward) gets the
-        whole microbatch again, from its first forward.
-        """
-        for _attempt in range(self.config.max_retries):
-            try:
-                return await self._run_microbatch_once(tokens)
-            except StageCallError as e:
-                self.summary.retries += 1
-                logger.warning(f"Running a microbatch again: {e}")
-        raise TrainingError(f"a microbatch was refused as stale {self.config.max_retries} times")
-
-    async def _run_microbatch_once(self, tokens: torch.Tensor) -> float:
+        """Forward and backward of one microbatch through every stage; returns its mean loss."""
         self._microbatch_ids += 1
         mb = self._microbatch_ids
         last = self.config.num_stages - 1
         inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
         stage_inputs, versions, forward_peers = [inputs], [], []
         for stage in range(last):
-            reply, (hidden,) = await self.call(stage, False, [stage_inputs[-1]], mb, self.step)
+            reply, (hidden,) = await self.call(stage, False, [stage_inputs[-1]], mb, self._want[stage])
             stage_inputs.append(hidden)
             versions.append(reply.step)
             forward_peers.append(self._served_by)
-        reply, grads = await self.call(last, True, [stage_inputs[last], targets], mb, self.step)
+        reply, grads = await self.call(last, True, [stage_inputs[last], targets], mb, self._want[last])
         for stage in reversed(range(last)):
             (grad,) = grads
             _, grads = await self.call(stage, True, [stage_inputs[stage], grad], mb, versions[stage])
             if self._served_by != forward_peers[stage]:  # stateless serving: any stage-mate can do it
                 self.summary.backwards_moved += 1
+        self.ledger.write(fed_record(self.trainer_id, mb, len(tokens)))
         return reply.loss
 
     async def run_step(self, batch: torch.Tensor) -> float:
@@ -322,6 +359,10 @@ class Trainer:
                 return await self.run_microbatch(tokens), len(tokens)
 
         results = await asyncio.gather(*(limited(mb) for mb in batch.split(self.config.microbatch_size)))
+        # the next step's forwards ask each stage for the step after the one these backwards reached: a
+        # stage that has its batch waits to get there, one still short of it serves at once
+        for stage, reached in self._reached.items():
+            self._want[stage] = max(self._want.get(stage, 0), reached + 1)
         return sum(loss * n for loss, n in results) / sum(n for _, n in results)
 
     # --- the run ---------------------------------------------------------------------------------
@@ -346,6 +387,7 @@ class Trainer:
         refreshing = asyncio.create_task(self._refresh_forever())
         try:
             target_batch_size, self.step = await self.wait_for_swarm()
+            self._want = {stage: self.step for stage in range(config.num_stages)}
             logger.info(
                 f"Found all {config.num_stages} stages of {config.model}; training {config.steps} steps "
                 f"of {target_batch_size} samples from step {self.step}"
@@ -371,7 +413,6 @@ class Trainer:
                 summary.samples_per_second = summary.samples / summary.seconds
                 summary.step_seconds.append(round(summary.seconds, 3))
                 summary.bans = self.router.bans_issued
-                self._forget_applied()
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.3f}", samples_s=f"{summary.samples_per_second:.1f}")
                 if not config.progress and summary.steps % 10 == 0:

@@ -30,6 +30,7 @@ INFO_PROTOCOL = "/swarm/info"
 PROGRESS_PROTOCOL = "/swarm/mates/progress"
 GRAD_PROTOCOL = "/swarm/mates/grad"
 STATE_PROTOCOL = "/swarm/mates/state"
+COMMIT_PROTOCOL = "/swarm/mates/commit"
 
 # Codes worth retrying on another peer of the same stage; the rest mean the request itself is wrong.
 # WRONG_STAGE comes from a peer that has moved to another stage since the caller read its record.
@@ -40,6 +41,9 @@ RETRIABLE = {ErrorCode.UNAVAILABLE, ErrorCode.INTERNAL, ErrorCode.WRONG_STAGE}
 ROUTING_WARMUP_ERROR = "failed to find any peer in table"
 CONNECT_RETRY_DELAYS = (0.2, 0.5, 1.0, 2.0)
 REPLY_HEADER_BYTES = 64  # about what a reply carries besides tensor data
+# A peer applies a backward only within this share of the caller's timeout, which leaves the rest for
+# the reply to arrive: a gradient applied after its caller gave up (and retried elsewhere) would count twice.
+COMMIT_SHARE = 0.75
 
 
 class StageCallError(Exception):
@@ -108,7 +112,7 @@ async def call_stage(
     `stats`, if given, is filled in; `shaper`, if given, delays the call as an emulated slow link would.
     """
     request.protocol_version = PROTOCOL_VERSION
-    request.deadline_s = timeout
+    request.deadline_s = timeout * COMMIT_SHARE
     loop = asyncio.get_running_loop()
     # encoding and decoding are CPU work: keep them off the event loop
     parts = await loop.run_in_executor(None, lambda: [p for t in tensors for p in encode_tensor(t, codec)])

@@ -1,0 +1,110 @@
+"""Processes that die with the process that started them, so a killed launcher leaves nothing behind.
+
+Two links of the chain live here:
+- a role started by `LocalSwarm` (`swarm peer`, `swarm train`, ...) learns its launcher's pid from
+  the environment and leaves as on SIGTERM when the launcher dies, then kills its own process group
+  if leaving takes too long (`die_with_launcher`, called first thing by the CLI);
+- a DHT node's child process ends when the process that started it dies (see `swarm.dht_node`).
+  Its libp2p daemon needs nothing more: p2pd writes to a pipe read only by the DHT child, and dies
+  of SIGPIPE within milliseconds of that child's death (measured with hivemind 1.1.12).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+# set by LocalSwarm in each child's environment; read (and removed) by the child's CLI entry point
+LAUNCHER_PID_ENV = "SWARM_LAUNCHER_PID"
+# set as well when the launcher started the child from its main thread: the kernel's parent-death
+# signal fires when the *thread* that forked the child ends, so it is only safe from the main thread
+PARENT_DEATH_SIGNAL_ENV = "SWARM_PARENT_DEATH_SIGNAL"
+
+# how long a role may take to leave gracefully after its launcher died before its group is killed;
+# the same as LocalSwarm gives a process it stops
+LEAVE_GRACE_S = 20.0
+POLL_S = 0.25
+_PR_SET_PDEATHSIG = 1
+
+
+def set_parent_death_signal(sig: int) -> bool:
+    """Asks the kernel to send `sig` to this process when its parent dies; False where unsupported.
+
+    The setting survives exec but not fork, and refers to the thread that forked this process.
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+    except (OSError, AttributeError):  # not Linux
+        return False
+
+
+def watch_parent(parent_pid: int, on_orphaned: Callable[[], None], name: str = "parent-watch") -> threading.Thread:
+    """Calls `on_orphaned()` on a daemon thread once this process's parent is no longer `parent_pid`.
+
+    Polls getppid: an orphan is re-parented (to init or a subreaper), whichever thread started it.
+    """
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(POLL_S)
+        on_orphaned()
+
+    thread = threading.Thread(target=watch, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
+def child_pids(pid: int | None = None) -> list[int]:
+    """The pids of the live children of process `pid` (this one by default), read from /proc."""
+    parent = os.getpid() if pid is None else pid
+    children = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            # the command name in parentheses may hold spaces: the fields after the last ')' are fixed
+            state, ppid = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+            if int(ppid) == parent and state != "Z":
+                children.append(int(entry.name))
+    return children
+
+
+def die_with_launcher(grace: float = LEAVE_GRACE_S) -> None:
+    """In a process started by LocalSwarm: leave when the launcher dies, and be gone `grace` s later.
+
+    Leaving is what SIGTERM does (a peer leaves its stage, shuts down its DHT node and daemons).
+    If that has not ended the process `grace` seconds later, its process group is killed: LocalSwarm
+    starts each process in a session of its own, holding its DHT child and p2pd. A no-op for a
+    process not started by LocalSwarm.
+    """
+    value = os.environ.pop(LAUNCHER_PID_ENV, None)  # not inherited further: grandchildren have other parents
+    use_signal = os.environ.pop(PARENT_DEATH_SIGNAL_ENV, None) == "1"
+    if not value:
+        return
+    launcher = int(value)
+    # immediate where available; the watch below covers the rest
+    signalled = use_signal and set_parent_death_signal(signal.SIGTERM)
+    if os.getppid() != launcher:  # gone before the kernel was asked: no signal will come from it
+        signalled = False
+
+    def on_orphaned() -> None:
+        logger.warning("The launcher of this process has gone; leaving")
+        if not signalled:
+            os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace)
+        logger.error(f"Still running {grace:.0f}s after the launcher died; killing this process and its children")
+        if os.getpgrp() == os.getpid():
+            os.killpg(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    watch_parent(launcher, on_orphaned, name="launcher-watch")
