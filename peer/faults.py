@@ -6,7 +6,8 @@
   every time;
 - ACTION is `die` (the whole process group is SIGKILLed on the spot, daemons included: a machine
   that vanishes), `drop_reply` (the work is done but the caller gets no answer, as when a reply is
-  lost on the way) or `delay:SECONDS` (the point is held up that long).
+  lost on the way), `delay:SECONDS` (the point is held up that long) or `perturb` (at `after_step`
+  only: the parameters are nudged, a replica gone wrong that its mates must catch).
 
 For example `after_backward@3=drop_reply,progress=delay:2`. Tests use this instead of timing
 signals against log lines: the fault happens at exactly the point named.
@@ -18,19 +19,22 @@ import asyncio
 import logging
 import os
 import signal
+import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
 POINTS = {
+    "before_commit": "a backward was computed, before its gradient is added to the step's (runtime thread)",
     "after_backward": "a backward was applied (its samples accumulated), before the reply is sent",
     "progress": "before this peer sends its progress to a mate",
     "before_contribution": "an averaging round starts, before this peer sends its gradients to its mates",
     "after_contribution": "this peer's gradients went out, before it commits to the round",
     "after_step": "the stage has stepped",
 }
-ACTIONS = ("die", "drop_reply", "delay")
+ACTIONS = ("die", "drop_reply", "delay", "perturb")
 
 
 class FaultError(ValueError):
@@ -69,6 +73,8 @@ def parse_faults(text: str) -> list[Fault]:
             raise FaultError(f"{entry!r}: @N must be a whole number and delay's argument seconds") from None
         if number is not None and number < 1:
             raise FaultError(f"{entry!r}: hits count from 1")
+        if action == "perturb" and point != "after_step":
+            raise FaultError(f"{entry!r}: perturb applies at after_step only")
         faults.append(Fault(point, action, number, seconds))
     return faults
 
@@ -86,13 +92,25 @@ class FaultPlan:
         self.hits[point] += 1
         return [f for f in self.faults if f.point == point and f.hit in (None, self.hits[point])]
 
-    async def hit(self, point: str) -> None:
-        """Reached `point` on the event loop: dies, raises DropReply or sleeps as planned."""
+    def hit_sync(self, point: str) -> None:
+        """Reached `point` on a worker thread: dies or sleeps as planned (other actions do not apply there)."""
+        for fault in self._strikes(point):
+            logger.warning(f"Fault injected at {point} (hit {self.hits[point]}): {fault.action}")
+            if fault.action == "die":
+                os.killpg(os.getpgrp(), signal.SIGKILL)
+            elif fault.action == "delay":
+                time.sleep(fault.seconds)
+
+    async def hit(self, point: str, perturb: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Reached `point` on the event loop: dies, raises DropReply, sleeps or calls `perturb` as planned."""
         for fault in self._strikes(point):
             logger.warning(f"Fault injected at {point} (hit {self.hits[point]}): {fault.action}")
             if fault.action == "die":
                 os.killpg(os.getpgrp(), signal.SIGKILL)
             elif fault.action == "delay":
                 await asyncio.sleep(fault.seconds)
+            elif fault.action == "perturb":
+                if perturb is not None:
+                    await perturb()
             else:
                 raise DropReply(point)

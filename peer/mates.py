@@ -495,8 +495,9 @@ class StageMates:
             state.short_deadline = self.loop.time() + self.short_wait
             self.loop.call_later(self.short_wait + 0.01, self._advance, step)
         logger.warning(
-            f"Stage {self.stage} step {step}: {sum(lost.values())} samples ({len(lost)} microbatches) died with a "
-            f"mate; waiting up to {state.short_deadline - self.loop.time():.0f}s for their trainers to send them again"
+            f"Stage {self.stage} step {step}: a mate died holding {sum(lost.values())} samples ({len(lost)} "
+            f"microbatches); waiting up to {state.short_deadline - self.loop.time():.0f}s for their trainers to "
+            "send them again"
         )
 
     async def _gather(

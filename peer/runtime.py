@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+from swarm.peer.faults import FaultPlan
 from swarm.peer.stage_state import parameter_fingerprint
 
 from swarm.models import GPTStage
@@ -111,6 +112,7 @@ class StageRuntime:
         on_step: Callable[[int, str], None] | None = None,
         max_staleness: int = 1,
         simulated_speed: float = 0.0,
+        faults: FaultPlan | None = None,
     ) -> None:
         self.module = module.to(device)
         self.optimizer = optimizer
@@ -131,6 +133,7 @@ class StageRuntime:
         self.seconds_per_sample: float | None = None
         # > 0: behave as a device of this many samples/s of backward work (compute padded with sleep)
         self.simulated_speed = simulated_speed
+        self.faults = faults or FaultPlan()
         self._step_requested: int | None = None
         # keys of recently applied backward requests: a retried backward whose first attempt was
         # applied (its reply lost on the way) gets its input gradient again but is not accumulated twice
@@ -366,6 +369,7 @@ class StageRuntime:
                     param.grad = grad
                 raise
             self._pad_to_simulated_speed(start, sum(sizes), backward=True)
+            self.faults.hit_sync("before_commit")
             now = time.monotonic()
             if any(task.late(now) for task in batch):
                 for param, grad in zip(params, previous):

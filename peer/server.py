@@ -16,6 +16,7 @@ from swarm.peer.handler import StageHandler
 from swarm.peer.mates import StageMates
 from swarm.peer.preemption import notice_source, watch_for_preemption
 from swarm.peer.runtime import StageRuntime
+from swarm.peer.stage_state import parameter_fingerprint
 from swarm.proto import PROTOCOL_VERSION
 
 from swarm.balance import Move, capacities, choose_stage, loads_from_records, plan_moves, stage_costs
@@ -86,6 +87,7 @@ class Peer:
             on_step=self._on_step,
             max_staleness=config.max_staleness,
             simulated_speed=simulated,
+            faults=self.faults,
         )
         self.runtime.samples_stepped = samples_stepped
         self.mates = StageMates(
@@ -124,7 +126,18 @@ class Peer:
     def _after_step(self) -> None:
         self.handler.notify_step()
         if self.faults.faults:
-            asyncio.ensure_future(self.faults.hit("after_step"))
+            asyncio.ensure_future(self.faults.hit("after_step", perturb=self._perturb))
+
+    async def _perturb(self) -> None:
+        """A fault for tests: nudges the parameters, as a replica that went wrong would hold others."""
+        runtime = self.runtime
+
+        def nudge() -> None:
+            with torch.no_grad():
+                next(runtime.module.parameters()).add_(1e-3)
+            runtime.fingerprint = parameter_fingerprint(runtime.module)
+
+        await asyncio.wrap_future(runtime.run_exclusive(nudge))
 
     def save_checkpoint(self) -> None:
         path = save_checkpoint(

@@ -322,6 +322,9 @@ class TrainerConfig(NetworkConfig, ModelConfig):
     max_in_flight: int = option(8, "microbatches in flight at once")
     data: str | None = option(None, "text file or folder to train on (default: Python's standard library)")
     max_corpus_mb: float = option(32.0, "read at most this many MiB of the corpus")
+    data_seed: int | None = option(
+        None, "seed of the order samples are drawn in (default: --seed); give each trainer of a swarm its own"
+    )
     compression: str = option(
         "auto",
         "codec for activations and gradients, both ways: auto (chosen per peer from its measured bandwidth), "

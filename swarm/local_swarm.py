@@ -21,6 +21,7 @@ import threading
 import time
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from swarm.lifeline import LAUNCHER_PID_ENV, PARENT_DEATH_SIGNAL_ENV
 
@@ -35,8 +36,9 @@ def _tail(path: Path, lines: int = 20) -> str:
     return ""
 
 
-def _interrupt(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
+def _exit_on_signal(signum: int, frame: FrameType | None) -> None:
+    # unwinds like sys.exit: `finally` blocks and `with LocalSwarm` stop what was started
+    raise SystemExit(128 + signum)
 
 
 class LocalSwarm:
@@ -48,7 +50,7 @@ class LocalSwarm:
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
         self.processes: dict[str, subprocess.Popen] = {}
         self.initial_peers: list[str] = []
-        self._saved_handlers: dict[int, object] = {}
+        self._saved_handlers: dict[int, Any] = {}  # signal -> the handler to restore
 
     def log_path(self, name: str) -> Path:
         return self.workdir / f"{name}.log"
@@ -140,15 +142,17 @@ class LocalSwarm:
                 self._reap(name, max(0.1, deadline - time.monotonic()))
 
     def __enter__(self) -> LocalSwarm:
-        """Makes SIGTERM (and SIGINT, if ignored) raise KeyboardInterrupt, so that `with` stops the swarm.
+        """Makes SIGTERM exit (and an ignored SIGINT interrupt) through `with`, which stops the swarm.
 
-        Only where nothing else handles them and on the main thread, the only one that gets signals.
+        Only where the program has not handled them itself, and from the main thread (the one that
+        runs Python's signal handlers).
         """
         if threading.current_thread() is threading.main_thread():
             # `timeout` and service managers send SIGTERM; a shell starts background jobs with SIGINT ignored
-            for sig, unhandled in ((signal.SIGTERM, signal.SIG_DFL), (signal.SIGINT, signal.SIG_IGN)):
-                if signal.getsignal(sig) == unhandled:
-                    self._saved_handlers[sig] = signal.signal(sig, _interrupt)
+            if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+                self._saved_handlers[signal.SIGTERM] = signal.signal(signal.SIGTERM, _exit_on_signal)
+            if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+                self._saved_handlers[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
         return self
 
     def __exit__(self, *exc_info) -> None:

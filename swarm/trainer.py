@@ -400,7 +400,8 @@ class Trainer:
                 if stop.is_set():
                     logger.info("Stopping early on request")
                     break
-                batch = self.corpus.batch(self.step, target_batch_size, self.spec.seq_len, config.seed)
+                data_seed = config.seed if config.data_seed is None else config.data_seed
+                batch = self.corpus.batch(self.step, target_batch_size, self.spec.seq_len, data_seed)
                 loss = await self._step_unless_stopped(batch, stop)
                 if loss is None:
                     logger.info(f"Stopping on request; step {self.step} was not finished and is not counted")
