@@ -434,7 +434,9 @@ class StageMates:
         state.progress[self.peer_id] = held
         box = state.mailbox[attempt]
         members = {self.peer_id, *self.mates, *state.progress} | self._named_in(box)
-        own = Contribution(sum(held.values()), grad_sum, frozenset(members), held, state.known(), give_up)
+        # what the stage already waits for stays expected: a give-up round must count it as lost
+        known = {**state.lost, **state.known()}
+        own = Contribution(sum(held.values()), grad_sum, frozenset(members), held, known, give_up)
         box[self.peer_id] = own
         await self.faults.hit("before_contribution")
         await self._gather(step, attempt, box, members, own)

@@ -34,6 +34,7 @@ from pathlib import Path
 from hivemind import DHT
 
 from swarm.balance import ideal_assignment, stage_costs
+from swarm.dht_node import TetheredDHT
 from swarm.local_swarm import LocalSwarm
 from swarm.models import get_model_spec
 from swarm.router import FORWARD_SHARE_OF_BACKWARD
@@ -141,7 +142,7 @@ def run_phase(args: argparse.Namespace, rebalance: bool, churn: bool, workdir: P
     phase = f"{'churn' if churn else 'static'}-{'on' if rebalance else 'off'}"
     with LocalSwarm(workdir / phase) as swarm:
         swarm.start_bootstrap()
-        dht = DHT(initial_peers=swarm.initial_peers, start=True)
+        dht = TetheredDHT(initial_peers=swarm.initial_peers, start=True)  # ends with this process
         try:
             sim = SimulatedSwarm(swarm, dht, args, rebalance)
             targets = live_peer_targets(args.trace, args.churn_minutes, args.peers, args.stages) if churn else []

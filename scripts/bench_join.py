@@ -18,6 +18,7 @@ import time
 
 from hivemind import DHT
 
+from swarm.dht_node import TetheredDHT
 from swarm.local_swarm import LocalSwarm
 from swarm.stage_records import SERVING, fetch_stage_records
 
@@ -40,7 +41,7 @@ def main() -> None:
     flags = ["--model", "gpt-tiny", "--num-stages", "3", "--announce-period", "0.5"]
     with LocalSwarm(tempfile.mkdtemp(prefix="bench-join-")) as swarm:
         swarm.start_bootstrap()
-        dht = DHT(initial_peers=swarm.initial_peers, start=True)
+        dht = TetheredDHT(initial_peers=swarm.initial_peers, start=True)  # ends with this process
         try:
             first = []
             for stage in range(3):

@@ -9,10 +9,16 @@ Two kinds of churn:
   and SIGKILLing random ones.
 
 A stage's last serving peer is never killed (its state would be gone; checkpoints cover that
-case, not churn). First a trainer runs with no churn to measure the baseline throughput; then a
-trainer runs through the churn. The report gives steps, samples/s over time, throughput under
-churn as a fraction of the baseline, retries, bans, resent samples, the longest stall between
-steps, and, per stage, the samples its optimizer stepped on against the samples fed.
+case, not churn). Each of `--runs` runs is a fresh local swarm: `--trainers` trainers (each on its
+own shard of the standard library when there are several) train with no churn to measure the
+baseline, then through the churn, then, with the starting layout restored, with no churn again
+(throughput drifts as a swarm warms up and its model trains, so one baseline alone would flatter or
+blame the churn). Every process writes a sample ledger (`--ledger`) in the run's folder. The report
+gives, per run and in total: steps, samples/s over time, throughput under churn against the mean
+of the two baselines, retries, bans, resent samples, the longest stall between steps and the runs
+with a stall over 30 s; from the ledger, per stage and by microbatch id, samples lost, counted
+twice and orphaned, and steps whose replicas wrote different fingerprints; and at the end, every
+live peer's parameter fingerprint, replicas of a stage at one step that differ counted as divergent.
 """
 
 from __future__ import annotations
@@ -23,53 +29,113 @@ import json
 import random
 import re
 import signal
+import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
 from hivemind import DHT
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2P, PeerID
 
+from swarm.config import PeerConfig, TrainerConfig
+from swarm.dht_node import TetheredDHT
 from swarm.local_swarm import LocalSwarm
+from swarm.sample_ledger import account, read_ledger
 from swarm.spot_trace import live_peer_targets
 from swarm.stage_records import SERVING, fetch_stage_records
 from swarm.transport import get_peer_info
 
-MODEL_FLAGS = ["--model", "gpt-tiny", "--num-stages", "3"]
+NUM_STAGES = 3
+MODEL_FLAGS = ["--model", "gpt-tiny", "--num-stages", str(NUM_STAGES)]
+PEER_FLAGS = [*MODEL_FLAGS, "--announce-period", "1", "--record-ttl", "6"]
+TRAINER_FLAGS = [*MODEL_FLAGS, "--compression", "none", "--stage-wait-timeout", "300", "--no-progress"]
+STALL_BOUND = 30.0  # seconds between two steps: a run with a longer gap is counted
+# disjoint corners of the standard library, one per trainer, each large enough for gpt-tiny
+SHARDS = ["asyncio", "email", "unittest", "xml", "multiprocessing", "tkinter", "idlelib", "http"]
+READY = re.compile(r"Found all \d+ stages")  # the trainer's log line just before its clock starts
+POLL = 0.2  # seconds between looks at the processes: short against a step (about a second)
+IDS_SHOWN = 20  # microbatch ids listed per stage and kind in the report; the counts cover them all
+
+
+class RunFailed(RuntimeError):
+    """A run could not go on: a trainer failed, or the swarm did not come up in time."""
+
+
+def supports_ledger() -> bool:
+    """Whether this checkout's peers and trainers take `--ledger` (the sample ledger)."""
+    return all("ledger" in {f.name for f in fields(config)} for config in (PeerConfig, TrainerConfig))
+
+
+def shard(index: int) -> list[str]:
+    """`--data` flags for the trainer numbered `index`: a corner of the standard library of its own."""
+    if index >= len(SHARDS):
+        raise SystemExit(f"at most {len(SHARDS)} trainers (one data shard each)")
+    return ["--data", str(Path(sysconfig.get_paths()["stdlib"]) / SHARDS[index])]
 
 
 class Churn:
     """Kills and starts peers of a LocalSwarm, keeping a count of what it did."""
 
-    def __init__(self, swarm: LocalSwarm, dht: DHT, sig: int, rng: random.Random) -> None:
-        self.swarm, self.dht, self.sig, self.rng = swarm, dht, sig, rng
+    def __init__(
+        self,
+        swarm: LocalSwarm,
+        dht: DHT,
+        sig: int,
+        rng: random.Random,
+        ledger_dir: Path | None,
+        peer_flags: list[str] = PEER_FLAGS,
+    ) -> None:
+        self.swarm, self.dht, self.sig, self.rng, self.ledger_dir = swarm, dht, sig, rng, ledger_dir
+        self.peer_flags = peer_flags
         self.serial = 0
         self.stage_of: dict[str, int] = {}
-        self.kills = self.starts = self.skipped = 0
+        self.process: dict[str, subprocess.Popen] = {}
+        self.peer_ids: dict[str, str] = {}
+        self.kills = self.starts = self.skipped = self.died = self.retired = 0
 
     def start(self, stage: int) -> str:
         self.serial += 1
         name = f"peer{stage}-{self.serial}"
-        self.swarm.start_peer(name, stage, [*MODEL_FLAGS, "--announce-period", "1", "--record-ttl", "6"])
+        ledger = ["--ledger", str(self.ledger_dir / f"{name}.jsonl")] if self.ledger_dir else []
+        self.process[name] = self.swarm.start_peer(name, stage, [*self.peer_flags, *ledger])
         self.stage_of[name] = stage
         self.starts += 1
         return name
 
     def peer_id(self, name: str) -> str | None:
-        found = re.search(r"peer id (\w+)", self.swarm.log_path(name).read_text(errors="replace"))
-        return found.group(1) if found else None
+        if name not in self.peer_ids:  # read once found: logs grow, and this is asked every poll
+            found = re.search(r"peer id (\w+)", self.swarm.log_path(name).read_text(errors="replace"))
+            if not found:
+                return None
+            self.peer_ids[name] = found.group(1)
+        return self.peer_ids[name]
+
+    def forget_dead(self) -> None:
+        """Drops peers that exited unasked (a crash is a finding: counted, and the stage left one short)."""
+        for name in [n for n in self.stage_of if self.process[n].poll() is not None]:
+            del self.stage_of[name]
+            self.died += 1
 
     def serving(self, stage: int) -> list[str]:
         """Names of this stage's live processes whose record says serving (a fresh record, not a dead one's)."""
-        records = fetch_stage_records(self.dht, "swarm", 3, only=stage)[stage]
+        records = fetch_stage_records(self.dht, "swarm", NUM_STAGES, only=stage)[stage]
         serving = {r.peer_id for r in records if r.state == SERVING}
-        alive = [n for n, s in self.stage_of.items() if s == stage and self.swarm.processes[n].poll() is None]
+        alive = [n for n, s in self.stage_of.items() if s == stage and self.process[n].poll() is None]
         return [n for n in alive if self.peer_id(n) in serving]
+
+    def layout(self) -> list[int]:
+        return [sum(s == stage for s in self.stage_of.values()) for stage in range(NUM_STAGES)]
 
     def kill(self, name: str) -> bool:
         stage = self.stage_of[name]
-        if name not in self.serving(stage) or len(self.serving(stage)) < 2:
+        serving = self.serving(stage)
+        if name not in serving or len(serving) < 2:
             self.skipped += 1  # never the stage's last serving peer, nor one still joining
             return False
         self.swarm.stop(name, self.sig, timeout=30)
@@ -85,95 +151,298 @@ class Churn:
                 self.start(stage)
 
     def least_served_stage(self) -> int:
-        return min(range(3), key=lambda stage: sum(s == stage for s in self.stage_of.values()))
+        return min(range(NUM_STAGES), key=lambda stage: sum(s == stage for s in self.stage_of.values()))
+
+    def wait_serving(self, timeout: float) -> None:
+        """Waits until every live peer serves (none still joining) and every stage has one."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.forget_dead()
+            layout = self.layout()
+            if all(len(self.serving(stage)) == layout[stage] > 0 for stage in range(NUM_STAGES)):
+                return
+            if time.monotonic() > deadline:
+                raise RunFailed(f"peers not all serving after {timeout:.0f}s (layout {layout})")
+            time.sleep(0.5)
+
+    def restore(self, layout: list[int], timeout: float) -> None:
+        """Brings every stage back to `layout`'s peer count (extra peers leave gracefully), all serving."""
+        self.forget_dead()
+        for stage, wanted in enumerate(layout):
+            for _ in range(wanted - self.layout()[stage]):
+                self.start(stage)
+        self.wait_serving(timeout)
+        for stage, wanted in enumerate(layout):
+            for name in sorted(self.serving(stage))[: max(0, self.layout()[stage] - wanted)]:
+                self.swarm.stop(name, signal.SIGTERM, timeout=30)
+                del self.stage_of[name]
+                self.retired += 1
 
 
-def trainer_run(swarm: LocalSwarm, name: str, steps: int, workdir: Path) -> dict:
+@dataclass
+class TrainerRun:
+    """One trainer process, and when (time.monotonic) its clock started and it exited."""
+
+    name: str
+    process: subprocess.Popen
+    log: Path
+    summary_file: Path
+    ledger: Path | None
+    ready: float | None = None  # when its log said it found the swarm: its summary's clock starts there
+    ended: float | None = None
+    summary: dict[str, Any] | None = None
+
+    def poll(self) -> bool:
+        """Notes what the trainer has done since the last look; True while it runs."""
+        now = time.monotonic()
+        if self.ready is None and self.log.exists() and READY.search(self.log.read_text(errors="replace")):
+            self.ready = now
+        if self.ended is None and self.process.poll() is not None:
+            self.ended = now
+        return self.ended is None
+
+    @property
+    def start(self) -> float:
+        """When its first step began; without the log line, its exit less the seconds it trained."""
+        assert self.summary is not None and self.ended is not None
+        return self.ready if self.ready is not None else self.ended - self.summary["seconds"]
+
+    def samples_by(self, moment: float) -> float:
+        """Samples done by `moment`, interpolated within steps (its summary gives each step's end)."""
+        assert self.summary is not None
+        per_step = self.summary["samples"] / max(1, self.summary["steps"])
+        points = [(self.start, 0.0)] + [
+            (self.start + t, per_step * (i + 1)) for i, t in enumerate(self.summary["step_seconds"])
+        ]
+        if moment <= points[0][0]:
+            return 0.0
+        for (t0, s0), (t1, s1) in zip(points, points[1:]):
+            if moment <= t1:
+                return s0 + (s1 - s0) * (moment - t0) / max(t1 - t0, 1e-9)
+        return points[-1][1]
+
+
+def start_trainer(
+    swarm: LocalSwarm, name: str, steps: int, workdir: Path, ledger_dir: Path | None, data: list[str]
+) -> TrainerRun:
+    """Starts `swarm train` for `steps` steps with a summary file (and a ledger, if `ledger_dir`)."""
     summary_file = workdir / f"{name}.json"
-    flags = [*MODEL_FLAGS, "--steps", str(steps), "--summary-file", str(summary_file), "--no-progress"]
-    trainer = swarm.start_trainer(name, [*flags, "--compression", "none", "--stage-wait-timeout", "300"])
-    return {"process": trainer, "summary_file": summary_file}
+    ledger = ledger_dir / f"{name}.jsonl" if ledger_dir else None
+    flags = [*TRAINER_FLAGS, "--steps", str(steps), "--summary-file", str(summary_file), *data]
+    if ledger:
+        flags += ["--ledger", str(ledger)]
+    process = swarm.start_trainer(name, flags)
+    return TrainerRun(name, process, swarm.log_path(name), summary_file, ledger)
 
 
-def finish(run: dict, timeout: float) -> dict:
-    if run["process"].wait(timeout) != 0:
-        sys.exit(f"a trainer failed; see {run['summary_file'].parent}")
-    return json.loads(run["summary_file"].read_text())
+def run_trainers(
+    swarm: LocalSwarm,
+    phase: str,
+    count: int,
+    steps: int,
+    workdir: Path,
+    ledger_dir: Path | None,
+    timeout: float,
+    meanwhile: Callable[[float], None] | None = None,
+    sharded: bool = True,
+) -> list[TrainerRun]:
+    """Runs `count` trainers at once, `steps` steps each, calling `meanwhile(seconds since start)` as they go.
+
+    Each trainer reads its own shard of the data, unless not `sharded` (all read the default corpus).
+    """
+    runs = [
+        start_trainer(swarm, f"trainer-{phase}-{i}", steps, workdir, ledger_dir, shard(i) if sharded else [])
+        for i in range(count)
+    ]
+    started = time.monotonic()
+    while any([run.poll() for run in runs]):  # a list: every trainer is polled each time
+        if time.monotonic() - started > timeout:
+            raise RunFailed(f"{phase} trainers still running after {timeout:.0f}s")
+        if meanwhile is not None:
+            meanwhile(time.monotonic() - started)
+        time.sleep(POLL)
+    for run in runs:
+        if run.process.returncode != 0:
+            raise RunFailed(f"{run.name} exited {run.process.returncode}; see {run.log}")
+        run.summary = json.loads(run.summary_file.read_text())
+    return runs
 
 
-def samples_stepped(swarm: LocalSwarm, dht: DHT) -> dict[int, int]:
-    """Per stage, the samples its optimizer has stepped on, from its most advanced live peer."""
-    records = fetch_stage_records(dht, "swarm", 3)
+def concurrent_rate(runs: list[TrainerRun]) -> tuple[float, float]:
+    """Samples/s of trainers together while all of them ran, and that window's share of the whole span.
 
-    async def ask(p2p) -> dict[int, int]:
-        counts = {}
-        for stage, peers in records.items():
-            infos = []
-            for record in peers:
-                try:
-                    infos.append(await get_peer_info(p2p, PeerID.from_base58(record.peer_id)))
-                except Exception:
-                    continue
-            counts[stage] = max((info.samples_stepped for info in infos), default=-1)
-        return counts
-
-    from hivemind.p2p import P2P
-
-    async def main() -> dict[int, int]:
-        p2p = await P2P.create(initial_peers=swarm.initial_peers)
-        try:
-            return await ask(p2p)
-        finally:
-            await p2p.shutdown()
-
-    return asyncio.run(main())
+    The sum of each trainer's own rate would credit a trainer that finished early with the speed the
+    others then had alone; the window counts only the time they shared.
+    """
+    starts = [run.start for run in runs]
+    ends = [run.start + run.summary["seconds"] for run in runs]
+    low, high = max(starts), min(ends)
+    if high - low <= 0:  # never all at once
+        return sum(run.summary["samples_per_second"] for run in runs), 0.0
+    rate = sum(run.samples_by(high) - run.samples_by(low) for run in runs) / (high - low)
+    return rate, (high - low) / max(max(ends) - min(starts), 1e-9)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--peers-per-stage", type=int, default=2, help="peers per stage at the start")
-    parser.add_argument("--baseline-steps", type=int, default=20, help="steps trained with no churn first")
-    parser.add_argument("--duration", type=float, default=90.0, help="seconds of churn (kill mode)")
-    parser.add_argument("--kill-every", type=float, default=8.0, help="mean seconds between kills (kill mode)")
-    parser.add_argument("--signal", choices=["kill", "term"], default="kill", help="how peers are taken down")
-    parser.add_argument("--trace", help="replay this spot trace instead of random kills")
-    parser.add_argument("--trace-minutes", type=float, default=10.0, help="compress the trace into this long")
-    parser.add_argument("--max-peers", type=int, default=6, help="live peers at the trace's peak (scaled)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random choices")
-    args = parser.parse_args()
-    # a caller's timeout (or Ctrl-C) still stops every process this run started, on the way out of LocalSwarm
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+def stall(runs: list[TrainerRun]) -> float:
+    """The longest gap between two steps of one trainer (its start counts as a step)."""
+    gaps = []
+    for run in runs:
+        times = [0.0, *run.summary["step_seconds"]]
+        gaps += [b - a for a, b in zip(times, times[1:])]
+    return max(gaps, default=0.0)
 
-    workdir = Path(tempfile.mkdtemp(prefix="chaos-"))
-    rng = random.Random(args.seed)
+
+def samples_over_time(runs: list[TrainerRun], window: float = 10.0) -> list[float]:
+    """Samples/s of all trainers together in consecutive windows from the first one's start."""
+    origin = min(run.start for run in runs)
+    done = []
+    for run in runs:
+        per_step = run.summary["samples"] / max(1, run.summary["steps"])
+        done += [(run.start + t - origin, per_step) for t in run.summary["step_seconds"]]
+    end = max((t for t, _ in done), default=0.0)
+    return [
+        round(sum(n for t, n in done if start <= t < start + window) / window, 2)
+        for start in [i * window for i in range(int(end // window) + 1)]
+    ]
+
+
+async def _peer_infos(initial_peers: list[str], peer_ids: dict[str, str]) -> dict[str, Any]:
+    p2p = await P2P.create(initial_peers=initial_peers)
+    try:
+        infos = {}
+        for name, peer_id in peer_ids.items():
+            try:
+                infos[name] = await get_peer_info(p2p, PeerID.from_base58(peer_id))
+            except Exception:
+                continue  # gone or busy: it is not counted among the replicas checked
+        return infos
+    finally:
+        await p2p.shutdown()
+
+
+def end_state(churn: Churn, initial_peers: list[str], timeout: float) -> dict[str, Any]:
+    """Every live peer's step and parameter fingerprint once the swarm is quiet, and the replicas that differ.
+
+    The last steps' averaging rounds finish just after the trainers' last replies, so this asks
+    again (up to `timeout`) until no peer holds samples and every stage's replicas are at one step.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        churn.forget_dead()
+        ids = {name: pid for name in churn.stage_of if (pid := churn.peer_id(name))}
+        infos = asyncio.run(_peer_infos(initial_peers, ids))
+        by_stage: dict[int, list[Any]] = {}
+        for info in infos.values():
+            by_stage.setdefault(info.stage, []).append(info)
+        settled = all(info.samples_accumulated == 0 for info in infos.values()) and all(
+            len({info.step for info in group}) == 1 for group in by_stage.values()
+        )
+        if settled or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
+    divergent = behind = 0
+    for group in by_stage.values():
+        top = max(info.step for info in group)
+        behind += sum(info.step < top for info in group)
+        for step in {info.step for info in group}:
+            fingerprints = Counter(info.fingerprint for info in group if info.step == step)
+            divergent += sum(fingerprints.values()) - max(fingerprints.values())  # all but the majority
+    return {
+        "settled": settled,
+        "replicas_checked": len(infos),
+        "fingerprints_missing": sum(not info.fingerprint for info in infos.values()),
+        "divergent_replicas": divergent,
+        "replicas_behind": behind,
+        "steps_per_stage": {stage: sorted({i.step for i in g}) for stage, g in sorted(by_stage.items())},
+        "samples_stepped_per_stage": {
+            stage: max(i.samples_stepped for i in g) for stage, g in sorted(by_stage.items())
+        },
+        "peer_counters": {
+            name: sum(getattr(info, name) for info in infos.values())
+            for name in ("samples_lost", "samples_doubled", "divergences", "resyncs", "stale_gradients")
+        },
+    }
+
+
+def ledger_report(ledger_dir: Path) -> dict[str, Any]:
+    """The run's ledger accounted for (see swarm.sample_ledger.account), ids cut to the first few."""
+    records = read_ledger(sorted(ledger_dir.glob("*.jsonl")))
+    accounted = account(records, records)
+    stages = accounted["stages"]
+    return {
+        "samples_fed": accounted["totals"]["samples_fed"],
+        "totals": accounted["totals"],
+        **{
+            f"{name}_per_stage": {stage: counts[name] for stage, counts in stages.items()}
+            for name in (
+                "samples_stepped",
+                "samples_lost",
+                "samples_doubled",
+                "samples_orphaned",
+                "samples_silently_lost",
+                "samples_declared_lost",
+            )
+        },
+        "divergent_steps_per_stage": {stage: counts["divergent_steps"] for stage, counts in stages.items()},
+        "ids": {
+            stage: {kind: counts[f"{kind}_ids"][:IDS_SHOWN] for kind in ("lost", "doubled", "orphan")}
+            for stage, counts in stages.items()
+        },
+    }
+
+
+def one_run(args: argparse.Namespace, index: int, workdir: Path, report: dict[str, Any]) -> None:
+    """One fresh swarm: baseline, churn, baseline again, end state; fills `report` as it goes."""
+    rng = random.Random(args.seed * 1_000_003 + index)
     sig = signal.SIGKILL if args.signal == "kill" else signal.SIGTERM
+    ledger_dir = workdir / "ledger" if supports_ledger() else None
+    if ledger_dir:
+        ledger_dir.mkdir(parents=True)
+    report["workdir"] = str(workdir)
     with LocalSwarm(workdir) as swarm:
         swarm.start_bootstrap()
-        dht = DHT(initial_peers=swarm.initial_peers, start=True)
+        dht = TetheredDHT(initial_peers=swarm.initial_peers, start=True)  # ends with this process
         try:
-            churn = Churn(swarm, dht, sig, rng)
+            churn = Churn(swarm, dht, sig, rng, ledger_dir)
             trace = live_peer_targets(args.trace, args.trace_minutes, args.max_peers, min_peers=3) if args.trace else []
-            if trace:
+            if args.trace:
                 _, wanted = trace.pop(0)
-                for index in range(wanted):
-                    churn.start(index % 3)
+                for i in range(wanted):
+                    churn.start(i % NUM_STAGES)
             else:
-                for stage in range(3):
+                for stage in range(NUM_STAGES):
                     for _ in range(args.peers_per_stage):
                         churn.start(stage)
-            while any(not churn.serving(stage) for stage in range(3)):
-                time.sleep(0.5)
-            baseline = finish(trainer_run(swarm, "trainer-baseline", args.baseline_steps, workdir), 600)
+            churn.wait_serving(300)
+            layout = churn.layout()
 
-            duration = args.trace_minutes * 60 if trace else args.duration
-            # the steps the baseline would train in `duration`; churn goes on until they are done
-            steps = max(1, int(baseline["samples_per_second"] * duration / 32))
-            run = trainer_run(swarm, "trainer-churn", steps, workdir)
-            started = time.monotonic()
-            next_kill = started + rng.expovariate(1 / args.kill_every)
-            while run["process"].poll() is None:
-                now = time.monotonic() - started
-                if trace:
+            def trainers(phase: str, steps: int, meanwhile: Callable[[float], None] | None = None) -> list[TrainerRun]:
+                # one trainer reads the default corpus, as chaos runs always did; several get a shard each
+                return run_trainers(
+                    swarm,
+                    phase,
+                    args.trainers,
+                    steps,
+                    workdir,
+                    ledger_dir,
+                    args.phase_timeout,
+                    meanwhile,
+                    sharded=args.trainers > 1,
+                )
+
+            before = trainers("before", args.baseline_steps)
+            before_rate, _ = concurrent_rate(before)
+            report["baseline_before_samples_per_s"] = round(before_rate, 2)
+            duration = args.trace_minutes * 60 if args.trace else args.duration
+            per_step = before[0].summary["samples"] / max(1, before[0].summary["steps"])
+            # the steps each trainer would train in `duration` at the baseline; churn goes on until they are done
+            steps = max(1, int(before_rate / args.trainers * duration / per_step))
+            report["steps_requested"] = steps * args.trainers
+            next_kill = rng.expovariate(1 / args.kill_every)
+
+            def churn_step(now: float) -> None:
+                nonlocal next_kill
+                if args.trace:  # once the trace is all replayed, the swarm stays as it is
                     while trace and trace[0][0] <= now:
                         _, wanted = trace.pop(0)
                         while len(churn.stage_of) < wanted:
@@ -182,49 +451,132 @@ def main() -> None:
                             if len(churn.stage_of) <= wanted:
                                 break
                             churn.kill(name)
-                elif not args.trace and time.monotonic() >= next_kill:
+                elif now >= next_kill:
                     churn.kill_random()
-                    next_kill = time.monotonic() + rng.expovariate(1 / args.kill_every)
-                time.sleep(0.2)
-            churned = finish(run, 300)
-            trace_left = len(trace)
-            time.sleep(3)  # the last step's averaging rounds finish just after the trainer's step
-            stepped = samples_stepped(swarm, dht)
+                    next_kill = now + rng.expovariate(1 / args.kill_every)
+
+            try:
+                churned = trainers("churn", steps, churn_step)
+            finally:
+                report.update(
+                    kills=churn.kills,
+                    kills_skipped_last_peer=churn.skipped,
+                    peers_started=churn.starts,
+                    trace_targets_not_replayed=len(trace) if args.trace else None,
+                )
+            churn_rate, overlap = concurrent_rate(churned)
+            longest = stall(churned)
+            report.update(
+                steps=sum(run.summary["steps"] for run in churned),
+                churn_seconds=round(
+                    max(r.start + r.summary["seconds"] for r in churned) - min(r.start for r in churned), 1
+                ),
+                churn_samples_per_s=round(churn_rate, 2),
+                trainers_overlap=round(overlap, 3),
+                samples_per_s_per_10s=samples_over_time(churned),
+                longest_stall_s=round(longest, 2),
+                stall_over_30s=longest > STALL_BOUND,
+                loss_first_last=[
+                    [round(r.summary["first_loss"], 3), round(r.summary["last_loss"], 3)] for r in churned
+                ],
+                **{
+                    name: sum(run.summary.get(name, 0) for run in churned)
+                    for name in ("retries", "bans", "backwards_moved", "samples_resent", "requeued")
+                },
+            )
+
+            churn.restore(layout, 300)  # the same peers per stage as the first baseline had
+            after = trainers("after", args.baseline_steps)
+            after_rate, _ = concurrent_rate(after)
+            baseline = (before_rate + after_rate) / 2
+            report.update(
+                baseline_after_samples_per_s=round(after_rate, 2),
+                baseline_samples_per_s=round(baseline, 2),
+                throughput_fraction=round(churn_rate / baseline, 3),
+                samples_fed_by_trainers=sum(r.summary["samples"] for r in [*before, *churned, *after]),
+            )
+            report["end"] = end_state(churn, swarm.initial_peers, 60)
+            report["peers_died_unasked"] = churn.died
+            report["peers_retired_for_baseline"] = churn.retired
         finally:
             dht.shutdown()
+    # every process has stopped: the ledger files are complete
+    if ledger_dir:
+        report["ledger"] = ledger_report(ledger_dir)
 
-    times = [0.0, *churned["step_seconds"]]
-    gaps = [b - a for a, b in zip(times, times[1:])]
-    window = 10.0
-    over_time = []
-    for start in range(0, int(times[-1]) + 1, int(window)):
-        done = sum(1 for t in churned["step_seconds"] if start <= t < start + window)
-        over_time.append(round(done * 32 / window, 2))
-    fed_total = baseline["samples"] + churned["samples"]
+
+def totals(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The runs summed up: counts added, the worst stall, throughput fractions' mean and minimum."""
+    done = [run for run in runs if "error" not in run]
+    ledgers = [run["ledger"]["totals"] for run in done if "ledger" in run]
+    fractions = [run["throughput_fraction"] for run in done]
+    total: dict[str, Any] = {
+        "runs": len(runs),
+        "runs_failed": len(runs) - len(done),
+        "runs_with_gap_over_30s": sum(run.get("stall_over_30s", False) for run in runs),
+        "longest_stall_s": max((run.get("longest_stall_s", 0.0) for run in runs), default=0.0),
+        **{name: sum(run.get(name, 0) for run in runs) for name in ("kills", "steps", "steps_requested")},
+        "throughput_fraction_mean": round(sum(fractions) / len(fractions), 3) if fractions else None,
+        "throughput_fraction_min": min(fractions, default=None),
+        "divergent_replicas_end": sum(run["end"]["divergent_replicas"] for run in done),
+        "replicas_checked_end": sum(run["end"]["replicas_checked"] for run in done),
+    }
+    if ledgers:
+        for name in ("samples_fed", "samples_lost", "samples_doubled", "samples_orphaned", "samples_silently_lost"):
+            total[name] = sum(ledger[name] for ledger in ledgers)
+        total["divergent_steps"] = sum(ledger["divergent_steps"] for ledger in ledgers)
+    return total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=1, help="runs back to back, each a fresh swarm")
+    parser.add_argument("--trainers", type=int, default=1, help="trainers at once, each on its own data shard")
+    parser.add_argument("--peers-per-stage", type=int, default=2, help="peers per stage at the start")
+    parser.add_argument(
+        "--baseline-steps", type=int, default=20, help="steps per trainer with no churn, before and after"
+    )
+    parser.add_argument("--duration", type=float, default=90.0, help="seconds of churn (kill mode)")
+    parser.add_argument("--kill-every", type=float, default=8.0, help="mean seconds between kills (kill mode)")
+    parser.add_argument("--signal", choices=["kill", "term"], default="kill", help="how peers are taken down")
+    parser.add_argument("--trace", help="replay this spot trace instead of random kills")
+    parser.add_argument("--trace-minutes", type=float, default=10.0, help="compress the trace into this long")
+    parser.add_argument("--max-peers", type=int, default=6, help="live peers at the trace's peak (scaled)")
+    parser.add_argument("--phase-timeout", type=float, default=900.0, help="seconds one phase's trainers may take")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random choices")
+    args = parser.parse_args()
+    if not 1 <= args.trainers <= len(SHARDS) or args.runs < 1:
+        parser.error(f"--runs must be 1 or more and --trainers within 1..{len(SHARDS)} (one data shard each)")
+    # a caller's timeout (or Ctrl-C) still stops every process this run started, on the way out of LocalSwarm
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+
+    workdir = Path(tempfile.mkdtemp(prefix="chaos-"))
+    runs: list[dict[str, Any]] = []
+    interrupted = False
+    try:
+        for index in range(args.runs):
+            runs.append({"run": index})
+            try:
+                one_run(args, index, workdir / f"run{index}", runs[-1])
+            except RunFailed as e:
+                runs[-1]["error"] = str(e)  # the next run is a fresh swarm: go on, and count this one failed
+            print(f"run {index}: {json.dumps(runs[-1])}", file=sys.stderr)
+    except KeyboardInterrupt:
+        interrupted = True
+        if runs:
+            runs[-1].setdefault("error", "interrupted")
     result = {
         "mode": f"trace {args.trace} in {args.trace_minutes} min" if args.trace else f"kill every {args.kill_every}s",
         "signal": args.signal,
-        "kills": churn.kills,
-        "kills_skipped_last_peer": churn.skipped,
-        "peers_started": churn.starts,
-        "steps_requested": steps,
-        "steps": churned["steps"],
-        "churn_seconds": round(churned["seconds"], 1),
-        "trace_targets_not_replayed": trace_left if args.trace else None,
-        "baseline_samples_per_s": round(baseline["samples_per_second"], 2),
-        "churn_samples_per_s": round(churned["samples_per_second"], 2),
-        "throughput_fraction": round(churned["samples_per_second"] / baseline["samples_per_second"], 3),
-        "samples_per_s_per_10s": over_time,
-        "longest_stall_s": round(max(gaps, default=0.0), 2),
-        "retries": churned["retries"],
-        "bans": churned["bans"],
-        "backwards_moved": churned["backwards_moved"],
-        "samples_resent": churned["samples_resent"],
-        "loss_first_last": [round(churned["first_loss"], 3), round(churned["last_loss"], 3)],
-        "samples_fed": fed_total,
-        "samples_stepped_per_stage": stepped,
+        "trainers": args.trainers,
+        "ledger": supports_ledger(),
+        "workdir": str(workdir),
+        "interrupted": interrupted,
+        "total": totals(runs),
+        "per_run": runs,
     }
     print(json.dumps(result))
+    sys.exit(130 if interrupted else 1 if result["total"]["runs_failed"] else 0)
 
 
 if __name__ == "__main__":

@@ -52,6 +52,7 @@ def watch_parent(parent_pid: int, on_orphaned: Callable[[], None], name: str = "
     """Calls `on_orphaned()` on a daemon thread once this process's parent is no longer `parent_pid`.
 
     Polls getppid: an orphan is re-parented (to init or a subreaper), whichever thread started it.
+    The thread holds no lock while it waits, so the process may still fork (hivemind's DHT does).
     """
 
     def watch() -> None:

@@ -1,0 +1,211 @@
+"""The step protocol under faults injected at named points: nothing counted twice, losses counted by id,
+replicas that differ caught, several trainers on one swarm, a trainer that dies replaced."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from collections import Counter
+
+import pytest
+from conftest import (
+    assert_matches_reference,
+    peer_flags,
+    reference_run,
+    reordering_noise,
+    run_p2p_client,
+    trainer_flags,
+    wait_for_records,
+)
+from hivemind.p2p import PeerID
+from swarm.peer.checkpoint import load_checkpoint
+from test_peer_death import trainer_exit_code
+
+from swarm.stage_records import SERVING
+from swarm.transport import get_peer_info
+
+
+def read_lines(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def start_swarm(local_swarm, tmp_path, layout: dict[int, list[str]], extra: dict[str, list[str]] = {}) -> None:
+    """Peers named in `layout` (stage -> names), each with a ledger NAME.ledger and its `extra` flags."""
+    local_swarm.start_bootstrap()
+    for stage, names in layout.items():
+        for name in names:
+            flags = peer_flags(tmp_path / name, "--ledger", str(tmp_path / f"{name}.ledger"), *extra.get(name, []))
+            local_swarm.start_peer(name, stage, flags)
+    wanted = [len(layout[s]) for s in range(3)]
+    wait_for_records(
+        local_swarm.initial_peers, lambda r: [sum(p.state == SERVING for p in r[s]) for s in range(3)] == wanted
+    )
+
+
+def peer_infos(local_swarm, stage: int) -> list:
+    """PeerInfo of every serving peer of `stage`."""
+    records = wait_for_records(local_swarm.initial_peers, lambda r: bool(r[stage]))[stage]
+    ids = [r.peer_id for r in records if r.state == SERVING]
+
+    async def ask(p2p):
+        return [await get_peer_info(p2p, PeerID.from_base58(i)) for i in ids]
+
+    return run_p2p_client(local_swarm.initial_peers, ask)
+
+
+@pytest.mark.timeout(300)
+def test_a_backward_finished_after_its_caller_gave_up_is_not_applied(local_swarm, tmp_path):
+    """peer1b takes 6 s over its first backward, past the trainer's 4 s deadline: the trainer sends it to
+    peer1a, and peer1b must drop its late gradient; the swarm still matches one process exactly."""
+    steps = 4
+    start_swarm(
+        local_swarm,
+        tmp_path,
+        {0: ["peer0"], 1: ["peer1a", "peer1b"], 2: ["peer2"]},
+        {"peer1b": ["--faults", "before_commit@1=delay:6"]},
+    )
+    summary_file = tmp_path / "summary.json"
+    flags = [*trainer_flags(steps, summary_file), "--call-timeout", "4", "--call-timeout-floor", "4"]
+    trainer = local_swarm.start_trainer("trainer", flags)
+    assert trainer_exit_code(local_swarm, trainer, 200) == 0, local_swarm.log_path("trainer").read_text()[-3000:]
+    infos = peer_infos(local_swarm, 1)
+    assert sum(i.abandoned_calls for i in infos) >= 1, infos  # the late backward was dropped, not applied
+    assert sum(i.samples_doubled for i in infos) == 0, infos
+    local_swarm.stop_all()
+    reference = reference_run(steps)
+    for stage, name in [(0, "peer0"), (1, "peer1a"), (2, "peer2")]:
+        checkpoint = load_checkpoint(tmp_path / name, "gpt-tiny", stage, 3)
+        assert checkpoint.step == steps
+        assert_matches_reference(
+            reference.stages[stage], checkpoint.parameters, f"stage {stage}", reordering_noise(steps, stage)
+        )
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("resend_buffer_mb", ["0", "64"])
+def test_samples_that_die_with_a_peer_are_resent_or_counted_lost_by_id(local_swarm, tmp_path, resend_buffer_mb):
+    """peer1a dies on the spot as its first round starts, holding the backwards it answered. With a
+    resend buffer the trainer sends it again and nothing is lost; without one (a restarted trainer) the
+    stage waits --short-wait, steps without it and counts it as lost, by id."""
+    steps = 4
+    start_swarm(
+        local_swarm,
+        tmp_path,
+        {0: ["peer0"], 1: ["peer1a", "peer1b"], 2: ["peer2"]},
+        {
+            "peer1a": ["--faults", "before_contribution@1=die", "--short-wait", "3"],
+            "peer1b": ["--short-wait", "3"],
+        },
+    )
+    summary_file = tmp_path / "summary.json"
+    ledger = tmp_path / "trainer.ledger"
+    flags = [
+        *trainer_flags(steps, summary_file, microbatch_size=1, in_flight=8),
+        "--emulate-latency-ms", "50", "--resend-buffer-mb", resend_buffer_mb, "--ledger", str(ledger),
+    ]  # fmt: skip
+    trainer = local_swarm.start_trainer("trainer", flags)
+    assert trainer_exit_code(local_swarm, trainer, 240) == 0, local_swarm.log_path("trainer").read_text()[-3000:]
+    summary = json.loads(summary_file.read_text())
+    wait_for_records(local_swarm.initial_peers, lambda r: any(p.step >= steps for p in r[1]))
+    (survivor,) = peer_infos(local_swarm, 1)
+    lost_lines = [entry for line in read_lines(tmp_path / "peer1b.ledger") for entry in line["lost"]]
+    if resend_buffer_mb == "0":
+        assert survivor.samples_lost >= 1, survivor
+        assert sum(n for _, _, n in lost_lines) == survivor.samples_lost
+        # the trainer was asked for them and no longer held them (it may also have been asked for one whose
+        # retry was still on its way: the stage's count is the exact one)
+        assert summary["lost_not_held"] >= survivor.samples_lost
+        fed = {(line["trainer"], line["mb"]) for line in read_lines(ledger)}
+        assert {(t, mb) for t, mb, _ in lost_lines} <= fed  # named by id: microbatches the trainer fed
+    else:
+        assert survivor.samples_lost == 0 and not lost_lines, survivor
+        assert summary["samples_resent"] >= 1, summary
+        local_swarm.stop_all()
+        reference = reference_run(steps, microbatch_size=1)
+        checkpoint = load_checkpoint(tmp_path / "peer1b", "gpt-tiny", 1, 3)
+        assert_matches_reference(reference.stages[1], checkpoint.parameters, "stage 1", (4e-4, 3e-6))
+
+
+@pytest.mark.timeout(300)
+def test_a_replica_that_differs_from_its_mates_takes_their_state(local_swarm, tmp_path):
+    """peer1a's parameters are nudged after its second step: its mates' fingerprints outvote it, it says so
+    and takes their state, and the three replicas end identical."""
+    names = ["peer1a", "peer1b", "peer1c"]
+    start_swarm(
+        local_swarm, tmp_path, {0: ["peer0"], 1: names, 2: ["peer2"]}, {"peer1a": ["--faults", "after_step@2=perturb"]}
+    )
+    trainer = local_swarm.start_trainer("trainer", trainer_flags(8, tmp_path / "summary.json"))
+    assert trainer_exit_code(local_swarm, trainer, 240) == 0, local_swarm.log_path("trainer").read_text()[-3000:]
+    assert "differ from" in local_swarm.log_path("peer1a").read_text()
+    deadline = time.monotonic() + 60
+    while True:  # the last step's round may still be finishing: wait until the replicas are at one step
+        infos = peer_infos(local_swarm, 1)
+        if len({(i.step, i.fingerprint) for i in infos}) == 1 and len(infos) == 3:
+            break
+        assert time.monotonic() < deadline, [(i.step, i.fingerprint, i.divergences) for i in infos]
+        time.sleep(0.5)
+    assert sum(i.divergences for i in infos) == 1, infos
+
+
+def summed_per_stage(tmp_path, names: dict[int, str]) -> dict[int, Counter]:
+    """Per stage, how many times each (trainer, microbatch) was summed into a step (one replica's ledger)."""
+    return {
+        stage: Counter((t, mb) for line in read_lines(tmp_path / f"{name}.ledger") for t, mb, _ in line["ids"])
+        for stage, name in names.items()
+    }
+
+
+@pytest.mark.timeout(300)
+def test_two_trainers_train_one_model_and_stale_backwards_go_again_at_the_current_step(local_swarm, tmp_path):
+    """Two trainers, each with its own data, on one peer per stage that refuses any stale gradient: both
+    finish and lower the loss; a refused backward is sent again at the stage's current step, so no
+    microbatch is summed twice at any stage and none is summed that was not fed."""
+    names = {0: "peer0", 1: "peer1", 2: "peer2"}
+    start_swarm(
+        local_swarm,
+        tmp_path,
+        {stage: [name] for stage, name in names.items()},
+        {name: ["--max-staleness", "0"] for name in names.values()},
+    )
+    trainers = {}
+    for index in range(2):
+        flags = [
+            *trainer_flags(10, tmp_path / f"summary{index}.json"),
+            "--data-seed", str(100 + index), "--ledger", str(tmp_path / f"trainer{index}.ledger"),
+        ]  # fmt: skip
+        trainers[index] = local_swarm.start_trainer(f"trainer{index}", flags)
+    for index, trainer in trainers.items():
+        assert trainer.wait(240) == 0, local_swarm.log_path(f"trainer{index}").read_text()[-3000:]
+    summaries = [json.loads((tmp_path / f"summary{i}.json").read_text()) for i in trainers]
+    for summary in summaries:
+        assert summary["steps"] == 10 and summary["last_loss"] < summary["first_loss"], summary
+    assert sum(s["stale_resent"] for s in summaries) >= 1, summaries
+    fed = Counter(
+        (line["trainer"], line["mb"]) for i in trainers for line in read_lines(tmp_path / f"trainer{i}.ledger")
+    )
+    assert len(fed) == 2 * 10 * 5 and set(fed.values()) == {1}
+    for stage, summed in summed_per_stage(tmp_path, names).items():
+        assert set(summed.values()) <= {1}, f"stage {stage} summed a microbatch twice"
+        assert set(summed) <= set(fed), f"stage {stage} summed a microbatch no trainer finished"
+
+
+@pytest.mark.timeout(300)
+def test_a_trainer_killed_mid_step_costs_only_its_microbatches_in_flight(local_swarm, tmp_path):
+    """A trainer SIGKILLed in the middle of a step, then a new one: the new one trains within 60 s."""
+    start_swarm(local_swarm, tmp_path, {0: ["peer0"], 1: ["peer1"], 2: ["peer2"]})
+    first_ledger = tmp_path / "first.ledger"
+    flags = [*trainer_flags(1000, tmp_path / "first.json"), "--ledger", str(first_ledger)]
+    local_swarm.start_trainer("trainer-first", flags)
+    deadline = time.monotonic() + 120
+    while len(read_lines(first_ledger)) < 12:  # two steps and a bit: mid-step
+        assert time.monotonic() < deadline, local_swarm.log_path("trainer-first").read_text()[-3000:]
+        time.sleep(0.1)
+    local_swarm.stop("trainer-first", signal.SIGKILL)
+    killed_at = time.monotonic()
+    summary_file = tmp_path / "second.json"
+    second = local_swarm.start_trainer("trainer-second", trainer_flags(3, summary_file))
+    assert second.wait(90) == 0, local_swarm.log_path("trainer-second").read_text()[-3000:]
+    summary = json.loads(summary_file.read_text())
+    assert summary["steps"] == 3
+    assert time.monotonic() - killed_at < 90
