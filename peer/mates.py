@@ -344,7 +344,7 @@ class StageMates:
             step=step,
             samples=sum(held.values()),
             held=ids_to_wire(held),
-            fingerprint=self.runtime.fingerprint if step == self.runtime.step else "",
+            fingerprint=self.runtime.fingerprint_at(step),
         )
         try:
             await asyncio.wait_for(
@@ -375,22 +375,22 @@ class StageMates:
 
     def _compare_fingerprints(self) -> None:
         """A replica whose parameters differ from most of its mates' at the same step takes their state."""
-        step = self.runtime.step
-        if not self.serving or self._resyncing or self.phase() != ACCUMULATING:
+        step, mine = self.runtime.version
+        if not self.serving or self._resyncing or self.steps[step].phase != ACCUMULATING:
             return
         table = {p: fp for p, (s, fp) in self.fingerprints.items() if s == step and p in self.mates}
         if not table:
             return
-        table[self.peer_id] = self.runtime.fingerprint
+        table[self.peer_id] = mine
         counts = Counter(table.values())
         # the most common fingerprint; on a tie, the one the smallest peer id holds
         majority = min(counts, key=lambda fp: (-counts[fp], min(p for p, f in table.items() if f == fp)))
-        if majority == self.runtime.fingerprint:
+        if majority == mine:
             return
         holders = sorted(p for p, fp in table.items() if fp == majority)
         self.divergences += 1
         logger.warning(
-            f"Stage {self.stage} step {step}: this replica's parameters ({self.runtime.fingerprint}) differ from "
+            f"Stage {self.stage} step {step}: this replica's parameters ({mine}) differ from "
             f"{counts[majority]} of {len(table)} replicas' ({majority}); taking the state of {holders[0]}"
         )
         self.schedule_resync("its parameters differ from its mates'", source=holders[0], minimum_step=step)
@@ -723,9 +723,7 @@ class StageMates:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(asyncio.gather(*sends, return_exceptions=True), timeout)
         taken = len(self.mates) - len(unreachable)
-        logger.info(
-            f"Handed {own.samples} samples of step {step} to {taken} of {len(self.mates)} stage-mate(s)"
-        )
+        logger.info(f"Handed {own.samples} samples of step {step} to {taken} of {len(self.mates)} stage-mate(s)")
 
     # --- state transfer --------------------------------------------------------------------------------
 

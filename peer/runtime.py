@@ -123,7 +123,9 @@ class StageRuntime:
         self.samples_accumulated = 0
         self.held: dict[SampleKey, int] = {}  # the microbatches accumulated toward the current step
         self._anonymous = 0  # backwards that came without an id get a local one
-        self.fingerprint = parameter_fingerprint(module)  # of the parameters at `step`
+        # (step, fingerprint of the parameters at that step), replaced as one: readers on other threads
+        # must never pair a new step with the previous step's fingerprint
+        self.version: tuple[int, str] = (step, parameter_fingerprint(module))
         self.last_round: RoundResult | None = None  # what the latest step summed
         self.on_step = on_step
         self.coordinator: StepCoordinator | None = None  # None: step alone at the target batch
@@ -214,6 +216,16 @@ class StageRuntime:
                 return
             self._step_requested = step
         self.run_exclusive(lambda: self._average_and_step(step), front=True)
+
+    @property
+    def fingerprint(self) -> str:
+        """The fingerprint of the parameters at the stage's current step."""
+        return self.version[1]
+
+    def fingerprint_at(self, step: int) -> str:
+        """The parameters' fingerprint if the stage is at `step`, else the empty string."""
+        at, fingerprint = self.version
+        return fingerprint if at == step else ""
 
     @property
     def queue_length(self) -> int:
@@ -499,11 +511,12 @@ class StageRuntime:
                 )
             apply_accumulated_step(self.module, self.optimizer, total)
             self.samples_stepped += total
+        fingerprint = parameter_fingerprint(self.module)
         self.step += 1
-        self.fingerprint = parameter_fingerprint(self.module)
+        self.version = (self.step, fingerprint)
         self.last_round = result
         if self.on_step is not None:
-            self.on_step(self.step, self.fingerprint)
+            self.on_step(self.step, fingerprint)
 
     def load_state(self, step: int, apply: Callable[[], None], samples_stepped: int = 0) -> None:
         """Replaces the stage's state (on the runtime thread): `apply` loads it; accumulated gradients are dropped."""
@@ -520,7 +533,8 @@ class StageRuntime:
             self._step_requested = None
         self.step = step
         self.samples_stepped = samples_stepped
-        self.fingerprint = parameter_fingerprint(self.module)
+        fingerprint = parameter_fingerprint(self.module)
+        self.version = (step, fingerprint)
         self.last_round = None
         if self.on_step is not None:
-            self.on_step(self.step, self.fingerprint)
+            self.on_step(self.step, fingerprint)

@@ -135,7 +135,7 @@ class Peer:
         def nudge() -> None:
             with torch.no_grad():
                 next(runtime.module.parameters()).add_(1e-3)
-            runtime.fingerprint = parameter_fingerprint(runtime.module)
+            runtime.version = (runtime.step, parameter_fingerprint(runtime.module))
 
         await asyncio.wrap_future(runtime.run_exclusive(nudge))
 

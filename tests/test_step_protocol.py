@@ -30,12 +30,13 @@ def read_lines(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def start_swarm(local_swarm, tmp_path, layout: dict[int, list[str]], extra: dict[str, list[str]] = {}) -> None:
+def start_swarm(local_swarm, tmp_path, layout: dict[int, list[str]], extra: dict[str, list[str]] | None = None) -> None:
     """Peers named in `layout` (stage -> names), each with a ledger NAME.ledger and its `extra` flags."""
     local_swarm.start_bootstrap()
     for stage, names in layout.items():
         for name in names:
-            flags = peer_flags(tmp_path / name, "--ledger", str(tmp_path / f"{name}.ledger"), *extra.get(name, []))
+            own = (extra or {}).get(name, [])
+            flags = peer_flags(tmp_path / name, "--ledger", str(tmp_path / f"{name}.ledger"), *own)
             local_swarm.start_peer(name, stage, flags)
     wanted = [len(layout[s]) for s in range(3)]
     wait_for_records(
