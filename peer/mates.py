@@ -316,8 +316,10 @@ class StageMates:
     def _on_local_progress(self, step: int, held: Held) -> None:
         if step != self.runtime.step:
             return
-        self.steps[step].progress[self.peer_id] = held
-        for peer_id in self.mates:
+        state = self.steps[step]
+        state.progress[self.peer_id] = held
+        # every member hears, also one that took a mate's state and is not in the DHT yet
+        for peer_id in (set(self.mates) | set(state.progress)) - {self.peer_id}:
             task = self._spawn(self._send_progress(peer_id, step, held))
             self._progress_sends[task] = peer_id
             task.add_done_callback(lambda t: self._progress_sends.pop(t, None))
@@ -807,6 +809,11 @@ class StageMates:
         for mate, ids in held.items():
             if mate != self.peer_id:
                 progress.setdefault(mate, {}).update(ids)
+        # tell every member this peer is one now, so that each sends it its progress before answering
+        # backwards: otherwise this peer could not tell that the stage has its batch and should wait
+        members = ({peer_id, *held, *self.mates}) - {self.peer_id}
+        sends = [self._send_progress(mate, step, {}) for mate in members]
+        await asyncio.gather(*sends, return_exceptions=True)
         return step
 
     async def sync_from_mates(self, minimum_step: int = 0, source: str | None = None) -> str | None:

@@ -527,6 +527,9 @@ class StageRuntime:
             )
         self.module.zero_grad(set_to_none=True)
         self.samples_accumulated = 0
+        with self._cond:  # dropped, not applied: sent again, they must accumulate
+            for key in self.held:
+                self._applied.pop(key, None)
         self.held = {}
         apply()
         with self._cond:
