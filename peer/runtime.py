@@ -9,12 +9,13 @@ joining mate, loading a mate's state) runs on this thread too, as an exclusive t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -72,7 +73,7 @@ class StageResult:
     step: int
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: queue removals must not compare tensors
 class _Task:
     backward: bool
     tensors: list[torch.Tensor]
@@ -96,6 +97,18 @@ class _Task:
         return (self.backward, self.accumulate) == (other.backward, other.accumulate) and all(
             a.dtype == b.dtype and a.shape[1:] == b.shape[1:] for a, b in zip(self.tensors, other.tensors)
         )
+
+
+def _settle(future: Future, result: Any) -> None:
+    """Resolves a request's future unless its caller cancelled it (it went away): never raises."""
+    with contextlib.suppress(InvalidStateError):
+        future.set_result(result)
+
+
+def _fail(future: Future, error: BaseException) -> None:
+    """Fails a request's future unless its caller cancelled it: never raises."""
+    with contextlib.suppress(InvalidStateError):
+        future.set_exception(error)
 
 
 class StageRuntime:
@@ -244,7 +257,7 @@ class StageRuntime:
         if self._thread.is_alive():
             self._thread.join(timeout)
         for task in self._queue:
-            task.future.set_exception(RuntimeError("the peer shut down before running this request"))
+            _fail(task.future, RuntimeError("the peer shut down before running this request"))
         self._queue.clear()
 
     def measure_throughput(self, sample: list[torch.Tensor]) -> float:
@@ -268,8 +281,9 @@ class StageRuntime:
                 abandoned = self._take_abandoned()
                 batch = self._take_batch() if self._queue else None
             for task in abandoned:
-                task.future.set_exception(
-                    CallAbandonedError("the caller's deadline passed before this peer could start the request")
+                _fail(
+                    task.future,
+                    CallAbandonedError("the caller's deadline passed before this peer could start the request"),
                 )
             if batch is not None:
                 return batch
@@ -307,10 +321,10 @@ class StageRuntime:
         while (batch := self._next_batch()) is not None:
             if batch[0].exclusive is not None:
                 try:
-                    batch[0].future.set_result(batch[0].exclusive())
+                    _settle(batch[0].future, batch[0].exclusive())
                 except Exception as e:
                     logger.exception(f"Stage {self.module.stage}: an exclusive task failed")
-                    batch[0].future.set_exception(e)
+                    _fail(batch[0].future, e)
                 continue
             if batch[0].backward:
                 batch = self._drop_too_stale(batch)
@@ -325,13 +339,13 @@ class StageRuntime:
                         if task.accumulate:
                             self._applied.pop(task.key, None)
                 for task in batch:
-                    task.future.set_exception(e)
+                    _fail(task.future, e)
                 continue
             for task, result in zip(batch, results):
                 if isinstance(result, Exception):
-                    task.future.set_exception(result)
+                    _fail(task.future, result)
                 elif result is not None:  # None: put back in the queue to run again
-                    task.future.set_result(result)
+                    _settle(task.future, result)
 
     def _drop_too_stale(self, batch: list[_Task]) -> list[_Task]:
         """Refuses backwards too far behind; counts the stale ones that will be applied."""
@@ -341,11 +355,12 @@ class StageRuntime:
             if behind > self.max_staleness:
                 with self._cond:
                     self._applied.pop(task.key, None)
-                task.future.set_exception(
+                _fail(
+                    task.future,
                     StaleGradientError(
                         f"the forward ran at step {task.version}, this peer is at step {self.step}; "
                         f"at most {self.max_staleness} step(s) behind are accepted: run the microbatch again"
-                    )
+                    ),
                 )
                 continue
             if behind > 0 and task.accumulate:
