@@ -288,14 +288,28 @@ class StageRuntime:
             if batch is not None:
                 return batch
 
+    def _release(self, task: _Task) -> None:
+        """`task` will not be applied: a retry of it must accumulate. Called with the lock held.
+
+        A duplicate of it already queued (the caller retried on this same peer, the only one of its
+        stage) was queued not to accumulate: it now carries the gradient instead of losing it.
+        """
+        if not task.accumulate:
+            return
+        twin = next((t for t in self._queue if t.key == task.key and t.backward and not t.accumulate), None)
+        if twin is not None:
+            twin.accumulate = True
+        else:
+            self._applied.pop(task.key, None)
+
     def _take_abandoned(self) -> list[_Task]:
         """Removes queued requests whose caller has given up; called with the lock held."""
         now = time.monotonic()
         abandoned = [t for t in self._queue if t.late(now)]
         for task in abandoned:
             self._queue.remove(task)
-            if task.accumulate:  # never applied: a retry of it must accumulate
-                self._applied.pop(task.key, None)
+        for task in abandoned:
+            self._release(task)
         if abandoned:
             self.abandoned += len(abandoned)
             logger.info(
@@ -336,8 +350,7 @@ class StageRuntime:
                 logger.exception(f"Stage {self.module.stage} failed to run a batch of {len(batch)} requests")
                 with self._cond:  # nothing was applied: a retry must accumulate
                     for task in batch:
-                        if task.accumulate:
-                            self._applied.pop(task.key, None)
+                        self._release(task)
                 for task in batch:
                     _fail(task.future, e)
                 continue
@@ -354,7 +367,7 @@ class StageRuntime:
             behind = self.step - task.version if task.version is not None else 0
             if behind > self.max_staleness:
                 with self._cond:
-                    self._applied.pop(task.key, None)
+                    self._release(task)
                 _fail(
                     task.future,
                     StaleGradientError(
@@ -425,10 +438,10 @@ class StageRuntime:
         answered as abandoned, the others go back to the front of the queue to run without them."""
         late = [task for task in batch if task.late(now)]
         with self._cond:
-            for task in late:
-                self._applied.pop(task.key, None)
             for task in reversed([t for t in batch if not t.late(now)]):
                 self._queue.appendleft(task)
+            for task in late:
+                self._release(task)
             self.abandoned += len(late)
         logger.info(
             f"Stage {self.module.stage}: {len(late)} backward(s) finished after their caller gave up; "

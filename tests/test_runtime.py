@@ -6,6 +6,7 @@ import time
 
 import pytest
 import torch
+from swarm.peer.faults import FaultPlan
 from swarm.peer.runtime import CallAbandonedError, StageRuntime
 
 from swarm.models import build_stage, get_model_spec
@@ -119,4 +120,36 @@ def test_a_request_whose_caller_gave_up_is_dropped_unstarted_and_can_be_retried(
     # its retry is a first attempt, not a duplicate: it accumulates
     runtime.submit(True, backward_inputs(4, 1), key=("trainer", 2)).result(30)
     assert runtime.samples_accumulated == 8 and runtime.duplicates == 0
+    runtime.shutdown()
+
+
+def test_a_queued_retry_carries_the_gradient_when_its_original_expires_unstarted():
+    """On an overloaded single-peer stage the trainer retries a backward on the same peer; the retry is
+    queued as a duplicate (not to accumulate). When the original expires unstarted, the retry must
+    accumulate it, or the sample is lost."""
+    runtime = make_runtime(target=100)
+    inputs = backward_inputs(2, seed=5)
+    original = runtime.submit(True, inputs, key=("trainer", 7), give_up_at=time.monotonic() - 1)
+    retry = runtime.submit(True, inputs, key=("trainer", 7))
+    runtime.start()
+    with pytest.raises(CallAbandonedError):
+        original.result(30)
+    retry.result(30)
+    assert runtime.samples_accumulated == 2
+    assert runtime.held == {("trainer", 7): 2}
+    runtime.shutdown()
+
+
+def test_a_backward_finished_after_its_caller_gave_up_leaves_the_gradients_as_they_were():
+    runtime = make_runtime(target=100)
+    runtime.faults = FaultPlan("before_commit@2=delay:0.5")  # the second backward computes past its deadline
+    runtime.start()
+    runtime.submit(True, backward_inputs(2, seed=1), key=("trainer", 1)).result(30)
+    before = [p.grad.clone() for p in runtime.module.parameters()]
+    late = runtime.submit(True, backward_inputs(2, seed=2), key=("trainer", 2), give_up_at=time.monotonic() + 0.25)
+    with pytest.raises(CallAbandonedError):
+        late.result(30)
+    assert runtime.samples_accumulated == 2 and ("trainer", 2) not in runtime.held
+    for p, grad in zip(runtime.module.parameters(), before):
+        assert torch.equal(p.grad, grad)
     runtime.shutdown()
