@@ -85,6 +85,7 @@ logger = logging.getLogger(__name__)
 
 SEND_ATTEMPTS = 3
 PROGRESS_TIMEOUT = 5.0
+ABSENT_GRACE = 5.0  # seconds a round waits for a member whose DHT record no longer says it serves
 
 ACCUMULATING, AVERAGING, SHORT = "accumulating", "averaging", "short"
 
@@ -510,7 +511,7 @@ class StageMates:
         loop = asyncio.get_running_loop()
         unreachable: set[str] = set()
         sent = {self.peer_id}
-        deadline = loop.time() + self.averaging_timeout
+        started = loop.time()
         while True:
             for peer_id in members - sent:
                 sent.add(peer_id)
@@ -520,15 +521,29 @@ class StageMates:
             missing = members - set(box) - unreachable - self._departed
             if not missing and not (members - sent):
                 return
-            if missing and loop.time() >= deadline:
+            wait = self._wait_for(missing, started)
+            if wait <= 0:
                 self.dropped_members += len(missing)
                 logger.warning(
                     f"Stage {self.stage} step {step}: no gradients from {len(missing)} mate(s) within "
-                    f"{self.averaging_timeout:.0f}s; averaging without them"
+                    f"{loop.time() - started:.0f}s; averaging without them"
                 )
                 return
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), max(0.01, deadline - loop.time()))
+                await asyncio.wait_for(self._changed.wait(), wait)
+
+    def _wait_for(self, missing: set[str], started: float) -> float:
+        """Seconds a round still waits for `missing` members (0: no longer).
+
+        A member that no longer announces itself serving is given `ABSENT_GRACE` seconds, one that does
+        the whole `averaging_timeout`: a peer that has just died can leave a connection that hangs
+        rather than fails, and its expired record says it is gone long before the timeout would.
+        """
+        now = self.loop.time()
+        limit = self.averaging_timeout if missing & set(self.mates) else min(ABSENT_GRACE, self.averaging_timeout)
+        remaining = started + limit - now
+        # wake up at least every second: the DHT view may drop the member meanwhile
+        return 0.0 if remaining <= 0 else max(0.01, min(remaining, 1.0))
 
     async def _commit(self, step: int, attempt: int, state: StepState, view: set[str]) -> set[str]:
         """Second phase: tells the contributors which contributions this peer holds; returns those all hold."""
@@ -547,14 +562,15 @@ class StageMates:
         )
         for peer_id in others:
             self._spawn(self._send_commit(peer_id, message, gone))
-        deadline = loop.time() + self.averaging_timeout
+        started = loop.time()
         while True:
             self._changed.clear()
             waiting = others - set(commits) - gone
-            if not waiting or loop.time() >= deadline:
+            wait = self._wait_for(waiting, started) if waiting else 0.0
+            if wait <= 0:
                 break
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), max(0.01, deadline - loop.time()))
+                await asyncio.wait_for(self._changed.wait(), wait)
         agreed = set(view) - (others - set(commits))
         for peer_id in others & set(commits):
             agreed &= commits[peer_id] | self._handed_over
