@@ -220,7 +220,10 @@ class StageMates:
     def lost(self) -> Held:
         """While the current step is short: the microbatches it waits for."""
         state = self.steps[self.runtime.step]
-        return dict(state.lost) if state.phase == SHORT else {}
+        if state.phase != SHORT:
+            return {}
+        known = state.known()  # those sent again already are not asked for twice
+        return {key: n for key, n in state.lost.items() if key not in known}
 
     def is_full(self) -> bool:
         """Whether the current step has reached its target batch (or its round has begun): it will step."""
