@@ -707,6 +707,9 @@ class StageMates:
         state = self.steps[header.step]
         if header.attempt < state.attempt:
             return Error(code=ErrorCode.OK)  # from a round already found short here: superseded
+        if header.attempt > state.attempt and state.phase != AVERAGING:
+            # the mates retry a round this peer missed (it joined since, or heard of the loss later): join it
+            state.attempt = header.attempt
         state.mailbox[header.attempt][sender] = Contribution(
             header.samples,
             grad_sum,
