@@ -81,7 +81,4 @@ def state_fingerprint(tensors: list[torch.Tensor]) -> str:
 
 def parameter_fingerprint(module: nn.Module) -> str:
     """A short hash of the parameters' exact bits: replicas of a stage that agree show the same."""
-    digest = hashlib.sha256()
-    for param in module.parameters():
-        digest.update(param.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()[:16]
+    return state_fingerprint([param.detach() for param in module.parameters()])
