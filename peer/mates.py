@@ -85,6 +85,7 @@ logger = logging.getLogger(__name__)
 
 SEND_ATTEMPTS = 3
 PROGRESS_TIMEOUT = 5.0
+MAX_IDS = 65536  # microbatch ids a mate may name in one message: far above any step's
 ABSENT_GRACE = 5.0  # seconds a round waits for a member whose DHT record no longer says it serves
 
 ACCUMULATING, AVERAGING, SHORT = "accumulating", "averaging", "short"
@@ -367,7 +368,7 @@ class StageMates:
         try:
             message, _ = await read_frames(reader, MateProgress, WireLimits())
             sender = str(stream_info.peer_id)
-            if (error := self._check_header(message)) is not None:
+            if (error := self._check_header(message) or self._check_ids(message.held)) is not None:
                 reply.error.CopyFrom(error)
             elif message.step >= self.runtime.step:  # older progress no longer matters
                 self.steps[message.step].progress[sender] = ids_from_wire(message.held)
@@ -400,6 +401,15 @@ class StageMates:
             f"{counts[majority]} of {len(table)} replicas' ({majority}); taking the state of {holders[0]}"
         )
         self.schedule_resync("its parameters differ from its mates'", source=holders[0], minimum_step=step)
+
+    def _check_ids(self, *id_lists) -> Error | None:
+        """A remote's microbatch ids are bounded before they cost memory or count as samples."""
+        for ids in id_lists:
+            if len(ids) > MAX_IDS:
+                return Error(code=ErrorCode.BAD_REQUEST, message=f"more than {MAX_IDS} microbatch ids")
+            if any(not 0 < i.samples <= self.runtime.max_batch_samples for i in ids):
+                return Error(code=ErrorCode.BAD_REQUEST, message="a microbatch id with an impossible sample count")
+        return None
 
     def _check_header(self, message) -> Error | None:
         if message.protocol_version != PROTOCOL_VERSION:
@@ -688,7 +698,7 @@ class StageMates:
         await self._reply(reader, writer, [reply])
 
     async def _accept_contribution(self, sender: str, header: GradContribution, parts: list) -> Error:
-        if (error := self._check_header(header)) is not None:
+        if (error := self._check_header(header) or self._check_ids(header.held, header.known)) is not None:
             return error
         step = self.runtime.step
         # a peer that has just loaded a mate's state takes part in rounds before it serves
@@ -707,7 +717,9 @@ class StageMates:
         state = self.steps[header.step]
         if header.attempt < state.attempt:
             return Error(code=ErrorCode.OK)  # from a round already found short here: superseded
-        if header.attempt > state.attempt and state.phase != AVERAGING:
+        if header.attempt > state.attempt + 1:
+            return Error(code=ErrorCode.OUT_OF_SYNC, message=f"this peer is at round attempt {state.attempt}")
+        if header.attempt == state.attempt + 1 and state.phase != AVERAGING:
             # the mates retry a round this peer missed (it joined since, or heard of the loss later): join it
             state.attempt = header.attempt
         state.mailbox[header.attempt][sender] = Contribution(
