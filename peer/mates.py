@@ -186,6 +186,10 @@ class StageMates:
         self.on_phase: Callable[[], None] | None = None  # wakes requests waiting on the step machine
         self._progress_sends: dict[asyncio.Task, str] = {}  # progress on its way, and the mate it goes to
         self._silent: set[str] = set()  # mates the last progress did not reach: not waited for
+        # mates a round could not reach, and the expiration of the record they had then: such a mate is
+        # left out of rounds until it announces itself again or sends something, so that a dead mate
+        # costs one failed round, not one per step until its record expires
+        self._unreachable: dict[str, float] = {}
 
     async def start(self, p2p: P2P) -> None:
         """Registers the mate protocols on the peer's P2P and hooks into the runtime."""
@@ -264,6 +268,11 @@ class StageMates:
             and r.model == self.model
             and r.num_stages == self.num_stages
         }
+        for peer_id, expiration in list(self._unreachable.items()):
+            if peer_id in mates and mates[peer_id].expiration <= expiration:
+                del mates[peer_id]  # the record it had when it could not be reached: not a sign of life
+            else:
+                del self._unreachable[peer_id]  # it announced itself since, or its record is gone
         new = set(mates) - set(self.mates)
         self.mates = mates
         if not self.serving:
@@ -277,6 +286,16 @@ class StageMates:
         if ahead >= 2 or self._behind_checks >= 2:
             self.schedule_resync(f"mates announce step {step + ahead}, this peer is at {step}")
         self._advance(step)
+
+    def _mark_unreachable(self, peer_id: str) -> None:
+        """Leaves a mate that could not be reached out of later rounds until it shows a sign of life."""
+        record = self.mates.pop(peer_id, None)
+        if record is not None:
+            self._unreachable[peer_id] = record.expiration
+
+    def _heard_from(self, peer_id: str) -> None:
+        """A mate sent something: it is reachable (it rejoins the rounds with its next record)."""
+        self._unreachable.pop(peer_id, None)
 
     def _own(self, step: int) -> Held:
         return dict(self.steps[step].progress.get(self.peer_id, {})) if step in self.steps else {}
@@ -297,7 +316,10 @@ class StageMates:
         for old in [s for s in self.steps if s < step]:
             del self.steps[old]
         if result is not None:
-            self.ledger.write(step_record(self.peer_id, self.stage, step - 1, result.ids, result.lost, fingerprint))
+            record = step_record(
+                self.peer_id, self.stage, step - 1, result.ids, result.lost, fingerprint, result.seconds
+            )
+            self.ledger.write(record)
         if self.serving:  # the mates compare fingerprints, and learn this peer has reached the step
             for peer_id in self.mates:
                 self._spawn(self._send_progress(peer_id, step, self._own(step)))
@@ -368,6 +390,7 @@ class StageMates:
         try:
             message, _ = await read_frames(reader, MateProgress, WireLimits())
             sender = str(stream_info.peer_id)
+            self._heard_from(sender)
             if (error := self._check_header(message) or self._check_ids(message.held)) is not None:
                 reply.error.CopyFrom(error)
             elif message.step >= self.runtime.step:  # older progress no longer matters
@@ -435,8 +458,12 @@ class StageMates:
         """This peer's side of the averaging round at `step`: what the group agreed to step on, or None."""
         state = self.steps[step]
         state.phase = AVERAGING
+        started = self.loop.time()
         try:
-            return await self._agree(step, state, grad_sum, held)
+            result = await self._agree(step, state, grad_sum, held)
+            if result is not None:
+                result.seconds = self.loop.time() - started
+            return result
         finally:
             if state.phase == AVERAGING:
                 state.phase = ACCUMULATING
@@ -606,6 +633,8 @@ class StageMates:
                 break
             except Exception:
                 await asyncio.sleep(0.2 * (attempt + 1))
+        else:
+            self._mark_unreachable(peer_id)
         gone.add(peer_id)
         self._changed.set()
 
@@ -613,6 +642,7 @@ class StageMates:
         reply = MateReply(protocol_version=PROTOCOL_VERSION, step=self.runtime.step)
         try:
             message, _ = await read_frames(reader, RoundCommit, WireLimits())
+            self._heard_from(str(stream_info.peer_id))
             if (error := self._check_header(message)) is not None:
                 reply.error.CopyFrom(error)
             elif self.runtime.step <= message.step <= self.runtime.step + 1:
@@ -674,6 +704,7 @@ class StageMates:
                     await asyncio.sleep(0.2 * (send + 1))
                     continue
                 logger.warning(f"Stage {self.stage} step {step}: mate {peer_id} is unreachable ({e}); dropping it")
+                self._mark_unreachable(peer_id)
                 break
             if reply.error.code == ErrorCode.OK:
                 return
@@ -689,6 +720,7 @@ class StageMates:
         reply = MateReply(protocol_version=PROTOCOL_VERSION, step=self.runtime.step)
         try:
             header, parts = await read_frames(reader, GradContribution, self.limits)
+            self._heard_from(sender)
             reply.error.CopyFrom(await self._accept_contribution(sender, header, parts))
         except WireError as e:
             reply.error.CopyFrom(Error(code=e.code, message=str(e)))

@@ -48,6 +48,7 @@ class RoundResult:
     samples: int
     ids: list[tuple[str, int, int]] = field(default_factory=list)  # (trainer, microbatch, samples) summed
     lost: list[tuple[str, int, int]] = field(default_factory=list)  # given up: their holder died with them
+    seconds: float = 0.0  # how long the round held up the runtime
 
 
 class StepCoordinator(Protocol):

@@ -6,7 +6,11 @@ Two kinds of churn:
 - `--trace FILE`: a spot availability trace (`time_ms,add|remove,node` lines, as in
   ../shared/traces) replayed compressed into `--trace-minutes`: the trace's live node count, scaled
   so that its peak is `--max-peers`, is followed by starting peers (on the stage with the fewest)
-  and SIGKILLing random ones.
+  and SIGKILLing random ones. The swarm starts, and its baselines run, with the trace's mean live
+  count (weighted by time): on a machine whose cores all peers share, a swarm's speed depends on
+  how many peers it has (more peers average more and compute no faster), so a baseline at another
+  size would measure the size, not the churn. Throughput under churn is measured over the trace's
+  window only: the trainers finish their steps after it with no churn.
 
 A stage's last serving peer is never killed (its state would be gone; checkpoints cover that
 case, not churn). Each of `--runs` runs is a fresh local swarm: `--trainers` trainers (each on its
@@ -47,7 +51,7 @@ from swarm.config import PeerConfig, TrainerConfig
 from swarm.dht_node import TetheredDHT
 from swarm.local_swarm import LocalSwarm
 from swarm.sample_ledger import account, read_ledger
-from swarm.spot_trace import live_peer_targets
+from swarm.spot_trace import live_peer_targets, mean_live_peers
 from swarm.stage_records import SERVING, fetch_stage_records
 from swarm.transport import get_peer_info
 
@@ -98,6 +102,7 @@ class Churn:
         self.process: dict[str, subprocess.Popen] = {}
         self.peer_ids: dict[str, str] = {}
         self.kills = self.starts = self.skipped = self.died = self.retired = 0
+        self.events: list[tuple[float, str, int]] = []  # (wall clock, "start" or "kill", stage)
 
     def start(self, stage: int) -> str:
         self.serial += 1
@@ -106,6 +111,7 @@ class Churn:
         self.process[name] = self.swarm.start_peer(name, stage, [*self.peer_flags, *ledger])
         self.stage_of[name] = stage
         self.starts += 1
+        self.events.append((round(time.time(), 3), "start", stage))
         return name
 
     def peer_id(self, name: str) -> str | None:
@@ -141,6 +147,7 @@ class Churn:
         self.swarm.stop(name, self.sig, timeout=30)
         del self.stage_of[name]
         self.kills += 1
+        self.events.append((round(time.time(), 3), "kill", stage))
         return True
 
     def kill_random(self) -> None:
@@ -188,6 +195,7 @@ class TrainerRun:
     log: Path
     summary_file: Path
     ledger: Path | None
+    launched: float = 0.0  # time.monotonic() when the process was started
     ready: float | None = None  # when its log said it found the swarm: its summary's clock starts there
     ended: float | None = None
     summary: dict[str, Any] | None = None
@@ -231,8 +239,9 @@ def start_trainer(
     flags = [*TRAINER_FLAGS, "--steps", str(steps), "--summary-file", str(summary_file), *data]
     if ledger:
         flags += ["--ledger", str(ledger)]
+    launched = time.monotonic()
     process = swarm.start_trainer(name, flags)
-    return TrainerRun(name, process, swarm.log_path(name), summary_file, ledger)
+    return TrainerRun(name, process, swarm.log_path(name), summary_file, ledger, launched=launched)
 
 
 def run_trainers(
@@ -268,15 +277,16 @@ def run_trainers(
     return runs
 
 
-def concurrent_rate(runs: list[TrainerRun]) -> tuple[float, float]:
-    """Samples/s of trainers together while all of them ran, and that window's share of the whole span.
+def concurrent_rate(runs: list[TrainerRun], until: float | None = None) -> tuple[float, float]:
+    """Samples/s of trainers together while all of them ran (and before `until`), and that window's
+    share of the whole span.
 
     The sum of each trainer's own rate would credit a trainer that finished early with the speed the
     others then had alone; the window counts only the time they shared.
     """
     starts = [run.start for run in runs]
     ends = [run.start + run.summary["seconds"] for run in runs]
-    low, high = max(starts), min(ends)
+    low, high = max(starts), min([*ends, until if until is not None else float("inf")])
     if high - low <= 0:  # never all at once
         return sum(run.summary["samples_per_second"] for run in runs), 0.0
     rate = sum(run.samples_by(high) - run.samples_by(low) for run in runs) / (high - low)
@@ -406,8 +416,13 @@ def one_run(args: argparse.Namespace, index: int, workdir: Path, report: dict[st
             churn = Churn(swarm, dht, sig, rng, ledger_dir)
             trace = live_peer_targets(args.trace, args.trace_minutes, args.max_peers, min_peers=3) if args.trace else []
             if args.trace:
-                _, wanted = trace.pop(0)
-                for i in range(wanted):
+                # the swarm at its mean size over the replay; what the trace does at its first instant
+                # (nodes coming up) is that starting swarm, not churn
+                mean = mean_live_peers(trace, args.trace_minutes * 60)
+                report["trace_mean_live_peers"] = round(mean, 2)
+                while trace and trace[0][0] <= 0:
+                    trace.pop(0)
+                for i in range(max(NUM_STAGES, round(mean))):
                     churn.start(i % NUM_STAGES)
             else:
                 for stage in range(NUM_STAGES):
@@ -415,6 +430,7 @@ def one_run(args: argparse.Namespace, index: int, workdir: Path, report: dict[st
                         churn.start(stage)
             churn.wait_serving(300)
             layout = churn.layout()
+            report["baseline_layout"] = layout
 
             def trainers(phase: str, steps: int, meanwhile: Callable[[float], None] | None = None) -> list[TrainerRun]:
                 # one trainer reads the default corpus, as chaos runs always did; several get a shard each
@@ -455,6 +471,7 @@ def one_run(args: argparse.Namespace, index: int, workdir: Path, report: dict[st
                     churn.kill_random()
                     next_kill = now + rng.expovariate(1 / args.kill_every)
 
+            churn_started = time.time()
             try:
                 churned = trainers("churn", steps, churn_step)
             finally:
@@ -463,8 +480,11 @@ def one_run(args: argparse.Namespace, index: int, workdir: Path, report: dict[st
                     kills_skipped_last_peer=churn.skipped,
                     peers_started=churn.starts,
                     trace_targets_not_replayed=len(trace) if args.trace else None,
+                    churn_events=[e for e in churn.events if e[0] >= churn_started],
                 )
-            churn_rate, overlap = concurrent_rate(churned)
+            # with a trace, only its window is churn: after it the trainers finish with the swarm left as it is
+            window_end = churned[0].launched + duration if args.trace else None
+            churn_rate, overlap = concurrent_rate(churned, until=window_end)
             longest = stall(churned)
             report.update(
                 steps=sum(run.summary["steps"] for run in churned),
@@ -472,6 +492,7 @@ def one_run(args: argparse.Namespace, index: int, workdir: Path, report: dict[st
                     max(r.start + r.summary["seconds"] for r in churned) - min(r.start for r in churned), 1
                 ),
                 churn_samples_per_s=round(churn_rate, 2),
+                churn_window_s=round(window_end - max(r.start for r in churned), 1) if window_end else None,
                 trainers_overlap=round(overlap, 3),
                 samples_per_s_per_10s=samples_over_time(churned),
                 longest_stall_s=round(longest, 2),

@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import threading
+import time
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 from typing import Any
@@ -47,9 +48,11 @@ def step_record(
     ids: list[tuple[str, int, int]],
     lost: list[tuple[str, int, int]],
     fingerprint: str,
+    round_seconds: float = 0.0,
 ) -> dict[str, Any]:
     """A peer's line: at `step` its stage summed `ids` ((trainer, microbatch, samples), a repeat counted twice)
-    and gave up `lost`; `fingerprint` names the parameters after the step."""
+    and gave up `lost`; `fingerprint` names the parameters after the step. `time` (wall clock) says when,
+    and `round_seconds` how long the stage's work waited on the averaging round that agreed on it."""
     return {
         "kind": "step",
         "peer": peer,
@@ -58,6 +61,8 @@ def step_record(
         "ids": [list(i) for i in ids],
         "lost": [list(i) for i in lost],
         "fingerprint": fingerprint,
+        "time": round(time.time(), 3),
+        "round_seconds": round(round_seconds, 4),
     }
 
 

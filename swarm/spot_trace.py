@@ -46,3 +46,15 @@ def live_peer_targets(path: str | Path, minutes: float, max_peers: int, min_peer
         elif not targets or targets[-1][1] != wanted:
             targets.append((t, wanted))
     return targets
+
+
+def mean_live_peers(targets: list[tuple[float, int]], seconds: float) -> float:
+    """The live-peer count of `targets` averaged over time from 0 to `seconds` (each holds until the next)."""
+    if not targets or seconds <= 0:
+        raise ValueError("need at least one target and a positive duration")
+    total = 0.0
+    ends = [t for t, _ in targets[1:]] + [seconds]
+    for (start, count), end in zip(targets, ends):
+        start, end = min(start, seconds), min(end, seconds)
+        total += max(0.0, end - start) * count
+    return total / seconds

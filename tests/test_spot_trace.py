@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from swarm.spot_trace import live_peer_targets, read_trace
+from swarm.spot_trace import live_peer_targets, mean_live_peers, read_trace
 
 
 def test_live_count_is_scaled_so_the_peak_becomes_the_peer_count(tmp_path):
@@ -21,6 +21,15 @@ def test_the_count_never_falls_below_the_floor_and_simultaneous_events_count_onc
     targets = live_peer_targets(trace, minutes=1, max_peers=8, min_peers=3)
     # at 500 ms the trace holds one node (2 peers), raised to the floor; no entry for the passing 6 and 4
     assert targets == [(0.0, 8), (30.0, 3), (60.0, 4)]
+
+
+def test_the_mean_live_count_weighs_each_count_by_how_long_it_holds():
+    targets = [(0.0, 20), (15.0, 30), (30.0, 20), (60.0, 30)]
+    # 15 s at 20, 15 s at 30, 30 s at 20 over the first minute; the last target holds past the end
+    assert mean_live_peers(targets, 60) == pytest.approx((15 * 20 + 15 * 30 + 30 * 20) / 60)
+    assert mean_live_peers(targets, 90) == pytest.approx((15 * 20 + 15 * 30 + 30 * 20 + 30 * 30) / 90)
+    with pytest.raises(ValueError):
+        mean_live_peers([], 60)
 
 
 @pytest.mark.parametrize(
