@@ -190,6 +190,10 @@ class StageMates:
         # left out of rounds until it announces itself again or sends something, so that a dead mate
         # costs one failed round, not one per step until its record expires
         self._unreachable: dict[str, float] = {}
+        # peers this peer gave its state to, until they announce themselves serving: they are members
+        # from the step they took, and must hear this peer's progress before its backwards are answered
+        self._newcomers: set[str] = set()
+        self._state_source: str | None = None  # the mate whose state this peer is downloading now
 
     async def start(self, p2p: P2P) -> None:
         """Registers the mate protocols on the peer's P2P and hooks into the runtime."""
@@ -275,6 +279,7 @@ class StageMates:
                 del self._unreachable[peer_id]  # it announced itself since, or its record is gone
         new = set(mates) - set(self.mates)
         self.mates = mates
+        self._newcomers -= set(mates)  # they hear progress as mates from now on
         if not self.serving:
             return
         step = self.runtime.step
@@ -292,6 +297,7 @@ class StageMates:
         record = self.mates.pop(peer_id, None)
         if record is not None:
             self._unreachable[peer_id] = record.expiration
+        self._newcomers.discard(peer_id)
 
     def _heard_from(self, peer_id: str) -> None:
         """A mate sent something: it is reachable (it rejoins the rounds with its next record)."""
@@ -321,7 +327,7 @@ class StageMates:
             )
             self.ledger.write(record)
         if self.serving:  # the mates compare fingerprints, and learn this peer has reached the step
-            for peer_id in self.mates:
+            for peer_id in set(self.mates) | self._newcomers:
                 self._spawn(self._send_progress(peer_id, step, self._own(step)))
             self._compare_fingerprints()
         if self.on_phase is not None:
@@ -346,7 +352,7 @@ class StageMates:
         state = self.steps[step]
         state.progress[self.peer_id] = held
         # every member hears, also one that took a mate's state and is not in the DHT yet
-        for peer_id in (set(self.mates) | set(state.progress)) - {self.peer_id}:
+        for peer_id in (set(self.mates) | set(state.progress) | self._newcomers) - {self.peer_id}:
             task = self._spawn(self._send_progress(peer_id, step, held))
             self._progress_sends[task] = peer_id
             task.add_done_callback(lambda t: self._progress_sends.pop(t, None))
@@ -383,6 +389,7 @@ class StageMates:
             self._silent.discard(peer_id)
         except Exception as e:  # the round itself tolerates a silent mate
             self._silent.add(peer_id)
+            self._newcomers.discard(peer_id)  # one that never came up; a live one speaks for itself
             logger.debug(f"Could not send progress to {peer_id}: {type(e).__name__}: {e}")
 
     async def _handle_progress(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
@@ -733,8 +740,10 @@ class StageMates:
         if (error := self._check_header(header) or self._check_ids(header.held, header.known)) is not None:
             return error
         step = self.runtime.step
-        # a peer that has just loaded a mate's state takes part in rounds before it serves
-        if not step <= header.step <= step + 1:
+        # a peer that has just loaded a mate's state takes part in rounds before it serves; while it loads,
+        # the round its source holds at the step it hands over waits for it: refusing would split the group
+        loading = sender == self._state_source and header.step >= step
+        if not (step <= header.step <= step + 1 or loading):
             if self.serving and header.step > step:
                 self.schedule_resync(f"mate {sender} averages step {header.step}, this peer is at {step}")
             return Error(code=ErrorCode.OUT_OF_SYNC, message=f"this peer is at step {step}, not {header.step}")
@@ -747,6 +756,8 @@ class StageMates:
                 return Error(code=ErrorCode.BAD_REQUEST, message="gradients hold NaN or infinity")
             grad_sum = tensors[0]
         state = self.steps[header.step]
+        if loading:
+            state.attempt = max(state.attempt, header.attempt)  # the source's rounds so far at that step
         if header.attempt < state.attempt:
             return Error(code=ErrorCode.OK)  # from a round already found short here: superseded
         if header.attempt > state.attempt + 1:
@@ -818,6 +829,8 @@ class StageMates:
                 step, samples_stepped, tensors, has_optimizer_state = await asyncio.wrap_future(snapshot)
                 # the newcomer is a member from the step it takes: rounds from then on include it
                 self.steps[step].progress.setdefault(requester, {})
+                if requester not in self.mates:
+                    self._newcomers.add(requester)
                 self._departed.discard(requester)
                 # it learns the progress of this peer's mates from here until it shows in the DHT
                 self._spawn(self._send_progress(requester, step, self._own(step)))
@@ -854,20 +867,24 @@ class StageMates:
         Raises StageStateError if the mate refuses, sends a state that does not fit, or is at a
         step before `minimum_step`.
         """
-        step, tensors, has_optimizer_state, samples_stepped, held = await request_state(
-            self.p2p, peer_id, self.model, self.stage, self.limits, timeout
-        )
-        if step < minimum_step:
-            raise StageStateError(f"the mate is at step {step}, not past {minimum_step}")
-        runtime = self.runtime
-        check_state_tensors(runtime.module, tensors, has_optimizer_state)
+        self._state_source = peer_id
+        try:
+            step, tensors, has_optimizer_state, samples_stepped, held = await request_state(
+                self.p2p, peer_id, self.model, self.stage, self.limits, timeout
+            )
+            if step < minimum_step:
+                raise StageStateError(f"the mate is at step {step}, not past {minimum_step}")
+            runtime = self.runtime
+            check_state_tensors(runtime.module, tensors, has_optimizer_state)
 
-        def apply() -> None:
-            load_state_tensors(runtime.module, runtime.optimizer, tensors, has_optimizer_state)
+            def apply() -> None:
+                load_state_tensors(runtime.module, runtime.optimizer, tensors, has_optimizer_state)
 
-        await asyncio.wrap_future(
-            runtime.run_exclusive(lambda: runtime.load_state(step, apply, samples_stepped), front=True)
-        )
+            await asyncio.wrap_future(
+                runtime.run_exclusive(lambda: runtime.load_state(step, apply, samples_stepped), front=True)
+            )
+        finally:
+            self._state_source = None
         logger.info(f"Loaded stage {self.stage} state of step {step} (fingerprint {state_fingerprint(tensors)})")
         # the giver's view of who holds what toward the next step: should one of them die before the
         # round, this peer knows exactly which samples were lost and asks for them again
