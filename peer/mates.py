@@ -401,7 +401,9 @@ class StageMates:
             if (error := self._check_header(message) or self._check_ids(message.held)) is not None:
                 reply.error.CopyFrom(error)
             elif message.step >= self.runtime.step:  # older progress no longer matters
-                self.steps[message.step].progress[sender] = ids_from_wire(message.held)
+                # within a step a peer's holdings only grow, and progress messages may arrive out of order:
+                # an older, shorter one must not make this peer forget microbatches the sender holds
+                self.steps[message.step].progress.setdefault(sender, {}).update(ids_from_wire(message.held))
                 if message.fingerprint:
                     self.fingerprints[sender] = (message.step, message.fingerprint)
                     self._compare_fingerprints()
