@@ -9,6 +9,7 @@ import time
 from collections import Counter
 
 import pytest
+import torch
 from conftest import (
     assert_matches_reference,
     peer_flags,
@@ -19,11 +20,14 @@ from conftest import (
     wait_for_records,
 )
 from hivemind.p2p import PeerID
+from swarm.compression import get_codec
 from swarm.peer.checkpoint import load_checkpoint
+from swarm.proto import FORWARD, PROTOCOL_VERSION, ErrorCode, MateProgress, MateReply, SampleId, StageRequest
 from test_peer_death import trainer_exit_code
 
 from swarm.stage_records import SERVING
-from swarm.transport import StageCallError, get_peer_info
+from swarm.transport import PROGRESS_PROTOCOL, StageCallError, call_stage, exchange, get_peer_info
+from swarm.wire import WireLimits
 
 
 def read_lines(path) -> list[dict]:
@@ -216,3 +220,37 @@ def test_a_trainer_killed_mid_step_costs_only_its_microbatches_in_flight(local_s
     summary = json.loads(summary_file.read_text())
     assert summary["steps"] == 3
     assert time.monotonic() - killed_at < 90
+
+
+@pytest.mark.timeout(300)
+def test_progress_that_arrives_out_of_order_does_not_make_a_peer_forget_what_its_mate_held(local_swarm, tmp_path):
+    """A mate's progress names microbatches A and B, then an older message naming A alone arrives last.
+    The mate then vanishes: the peer must count both A and B as lost and ask for them, not A alone
+    (with progress replaced instead of merged, B was lost silently)."""
+    start_swarm(local_swarm, tmp_path, {0: ["peer0"], 1: ["peer1"], 2: ["peer2"]})
+    (record,) = wait_for_records(local_swarm.initial_peers, lambda r: bool(r[1]))[1]
+    trainer = "12D3KooWHC2fW5dayrHQFixWeqLUbXSpBFYcsCEGbpuJWffMLvEE"
+    a, b = SampleId(trainer=trainer, microbatch=1, samples=12), SampleId(trainer=trainer, microbatch=2, samples=12)
+
+    def progress(*held: SampleId) -> MateProgress:
+        message = MateProgress(protocol_version=PROTOCOL_VERSION, model="gpt-tiny", stage=1, step=record.step)
+        message.held.extend(held)
+        message.samples = sum(i.samples for i in held)
+        return message
+
+    async def go(p2p):
+        peer = PeerID.from_base58(record.peer_id)
+        for message in (progress(a, b), progress(a)):  # the newer first, the older last
+            reply, _ = await exchange(p2p, peer, PROGRESS_PROTOCOL, [message], MateReply, WireLimits())
+            assert reply.error.code == ErrorCode.OK, reply
+        # the stage now counts 24 samples held: full. This "mate" serves no round, so the peer finds it
+        # gone and goes short of what it held; a forward for the next step is answered SHORT, naming them
+        request = StageRequest(kind=FORWARD, model="gpt-tiny", stage=1, step=record.step + 1)
+        hidden = torch.randn(2, 64, 128)
+        with pytest.raises(StageCallError) as info:
+            await call_stage(p2p, peer, request, [hidden], get_codec("none"), timeout=60)
+        return info.value
+
+    error = run_p2p_client(local_swarm.initial_peers, go)
+    assert error.code == ErrorCode.SHORT, error
+    assert sorted(i.microbatch for i in error.reply.lost) == [1, 2], error.reply
