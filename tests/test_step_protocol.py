@@ -19,7 +19,7 @@ from conftest import (
     trainer_flags,
     wait_for_records,
 )
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2P, PeerID
 from swarm.compression import get_codec
 from swarm.peer.checkpoint import load_checkpoint
 from swarm.proto import FORWARD, PROTOCOL_VERSION, ErrorCode, MateProgress, MateReply, SampleId, StageRequest
@@ -224,13 +224,14 @@ def test_a_trainer_killed_mid_step_costs_only_its_microbatches_in_flight(local_s
 
 @pytest.mark.timeout(300)
 def test_progress_that_arrives_out_of_order_does_not_make_a_peer_forget_what_its_mate_held(local_swarm, tmp_path):
-    """A mate's progress names microbatches A and B, then an older message naming A alone arrives last.
-    The mate then vanishes: the peer must count both A and B as lost and ask for them, not A alone
-    (with progress replaced instead of merged, B was lost silently)."""
+    """Mate X's progress names microbatches A and B, then an older message naming A alone arrives last; mate Y
+    holds C. A, B and C fill the stage's batch. Both "mates" then serve no round: the peer must count A, B and C
+    lost and ask for them. With progress replaced instead of merged, it forgot B: it saw no full batch and
+    would have stepped later without B, which was lost silently."""
     start_swarm(local_swarm, tmp_path, {0: ["peer0"], 1: ["peer1"], 2: ["peer2"]})
     (record,) = wait_for_records(local_swarm.initial_peers, lambda r: bool(r[1]))[1]
     trainer = "12D3KooWHC2fW5dayrHQFixWeqLUbXSpBFYcsCEGbpuJWffMLvEE"
-    a, b = SampleId(trainer=trainer, microbatch=1, samples=12), SampleId(trainer=trainer, microbatch=2, samples=12)
+    a, b, c = (SampleId(trainer=trainer, microbatch=mb, samples=8) for mb in (1, 2, 3))  # 24: the target batch
 
     def progress(*held: SampleId) -> MateProgress:
         message = MateProgress(protocol_version=PROTOCOL_VERSION, model="gpt-tiny", stage=1, step=record.step)
@@ -238,19 +239,20 @@ def test_progress_that_arrives_out_of_order_does_not_make_a_peer_forget_what_its
         message.samples = sum(i.samples for i in held)
         return message
 
-    async def go(p2p):
+    async def go(x):
         peer = PeerID.from_base58(record.peer_id)
-        for message in (progress(a, b), progress(a)):  # the newer first, the older last
-            reply, _ = await exchange(p2p, peer, PROGRESS_PROTOCOL, [message], MateReply, WireLimits())
-            assert reply.error.code == ErrorCode.OK, reply
-        # the stage now counts 24 samples held: full. This "mate" serves no round, so the peer finds it
-        # gone and goes short of what it held; a forward for the next step is answered SHORT, naming them
+        y = await P2P.create(initial_peers=local_swarm.initial_peers)
+        try:
+            for sender, message in ((x, progress(a, b)), (x, progress(a)), (y, progress(c))):
+                reply, _ = await exchange(sender, peer, PROGRESS_PROTOCOL, [message], MateReply, WireLimits())
+                assert reply.error.code == ErrorCode.OK, reply
+        finally:
+            await y.shutdown()
         request = StageRequest(kind=FORWARD, model="gpt-tiny", stage=1, step=record.step + 1)
-        hidden = torch.randn(2, 64, 128)
         with pytest.raises(StageCallError) as info:
-            await call_stage(p2p, peer, request, [hidden], get_codec("none"), timeout=60)
+            await call_stage(x, peer, request, [torch.randn(2, 64, 128)], get_codec("none"), timeout=60)
         return info.value
 
     error = run_p2p_client(local_swarm.initial_peers, go)
     assert error.code == ErrorCode.SHORT, error
-    assert sorted(i.microbatch for i in error.reply.lost) == [1, 2], error.reply
+    assert sorted(i.microbatch for i in error.reply.lost) == [1, 2, 3], error.reply
