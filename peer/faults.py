@@ -6,8 +6,9 @@
   every time;
 - ACTION is `die` (the whole process group is SIGKILLed on the spot, daemons included: a machine
   that vanishes), `drop_reply` (the work is done but the caller gets no answer, as when a reply is
-  lost on the way), `delay:SECONDS` (the point is held up that long) or `perturb` (at `after_step`
-  only: the parameters are nudged, a replica gone wrong that its mates must catch).
+  lost on the way), `delay:SECONDS` (the point is held up that long), `perturb` (at `after_step`
+  only: the parameters are nudged, a replica gone wrong that its mates must catch) or `nan` (at
+  `reply` only: the reply's tensors are all NaN, a peer gone bad that its callers must catch).
 
 For example `after_backward@3=drop_reply,progress=delay:2`. Tests use this instead of timing
 signals against log lines: the fault happens at exactly the point named.
@@ -33,8 +34,10 @@ POINTS = {
     "before_contribution": "an averaging round starts, before this peer sends its gradients to its mates",
     "after_contribution": "this peer's gradients went out, before it commits to the round",
     "after_step": "the stage has stepped",
+    "reply": "a forward or backward was computed, before its reply is encoded",
 }
-ACTIONS = ("die", "drop_reply", "delay", "perturb")
+ACTIONS = ("die", "drop_reply", "delay", "perturb", "nan")
+ONLY_AT = {"perturb": "after_step", "nan": "reply"}  # actions that make sense at one point only
 
 
 class FaultError(ValueError):
@@ -73,8 +76,8 @@ def parse_faults(text: str) -> list[Fault]:
             raise FaultError(f"{entry!r}: @N must be a whole number and delay's argument seconds") from None
         if number is not None and number < 1:
             raise FaultError(f"{entry!r}: hits count from 1")
-        if action == "perturb" and point != "after_step":
-            raise FaultError(f"{entry!r}: perturb applies at after_step only")
+        if action in ONLY_AT and point != ONLY_AT[action]:
+            raise FaultError(f"{entry!r}: {action} applies at {ONLY_AT[action]} only")
         faults.append(Fault(point, action, number, seconds))
     return faults
 
@@ -101,16 +104,17 @@ class FaultPlan:
             elif fault.action == "delay":
                 time.sleep(fault.seconds)
 
-    async def hit(self, point: str, perturb: Callable[[], Awaitable[None]] | None = None) -> None:
-        """Reached `point` on the event loop: dies, raises DropReply, sleeps or calls `perturb` as planned."""
+    async def hit(self, point: str, act: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Reached `point` on the event loop: dies, raises DropReply, sleeps, or has `act` do the point's
+        own action (`perturb`, `nan`), as planned."""
         for fault in self._strikes(point):
             logger.warning(f"Fault injected at {point} (hit {self.hits[point]}): {fault.action}")
             if fault.action == "die":
                 os.killpg(os.getpgrp(), signal.SIGKILL)
             elif fault.action == "delay":
                 await asyncio.sleep(fault.seconds)
-            elif fault.action == "perturb":
-                if perturb is not None:
-                    await perturb()
+            elif fault.action in ONLY_AT:
+                if act is not None:
+                    await act()
             else:
                 raise DropReply(point)

@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import Callable
 
+import torch
 from swarm.compression import CodecError, get_codec
 from swarm.peer.faults import DropReply, FaultPlan
 from swarm.peer.mates import StageMates, ids_to_wire
@@ -195,6 +196,14 @@ class StageHandler:
             # the mates hear of these samples before the caller does (see StageMates.progress_delivered)
             await self.mates.progress_delivered()
 
+        if any(not bool(torch.isfinite(t).all()) for t in result.tensors):
+            # its parameters went bad: never pass NaN on as an answer (the caller goes elsewhere)
+            return [self._error(ErrorCode.INTERNAL, "this peer computed non-finite values; its state is broken")]
+
+        async def poison() -> None:  # a peer gone bad past its own checks: its callers must catch it
+            result.tensors = [torch.full_like(t, float("nan")) for t in result.tensors]
+
+        await self.faults.hit("reply", act=poison)
         reply = StageReply(protocol_version=PROTOCOL_VERSION, step=result.step, num_samples=tensors[0].shape[0])
         if result.losses is not None:
             reply.loss = float(result.losses.mean())

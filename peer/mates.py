@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 import torch
 from hivemind.p2p import P2P, PeerID
 from swarm.compression import Codec, get_codec
+from swarm.peer.contribution_bounds import clip_scales
 from swarm.peer.faults import FaultPlan
 from swarm.peer.runtime import RoundResult, SampleKey, StageRuntime
 from swarm.peer.stage_state import (
@@ -68,7 +69,7 @@ from swarm.proto import (
 )
 
 from swarm.sample_ledger import SampleLedger, step_record
-from swarm.stage_records import SERVING, StageRecord
+from swarm.stage_records import PEER_ID, SERVING, StageRecord
 from swarm.transport import COMMIT_PROTOCOL, GRAD_PROTOCOL, PROGRESS_PROTOCOL, STATE_PROTOCOL, exchange
 from swarm.wire import (
     WireError,
@@ -86,6 +87,7 @@ logger = logging.getLogger(__name__)
 SEND_ATTEMPTS = 3
 PROGRESS_TIMEOUT = 5.0
 MAX_IDS = 65536  # microbatch ids a mate may name in one message: far above any step's
+MAX_MEMBERS = 256  # peers a mate may name as its group in one message: far above any stage's replicas
 ABSENT_GRACE = 5.0  # seconds a round waits for a member whose DHT record no longer says it serves
 
 ACCUMULATING, AVERAGING, SHORT = "accumulating", "averaging", "short"
@@ -173,6 +175,7 @@ class StageMates:
         self.dropped_members = 0
         self.samples_lost = 0
         self.samples_doubled = 0
+        self.clipped_contributions = 0  # mates' gradients scaled down to the group's bound
         self.serving = False  # set by the peer once it has the stage's state
         self.p2p: P2P | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -443,6 +446,15 @@ class StageMates:
                 return Error(code=ErrorCode.BAD_REQUEST, message="a microbatch id with an impossible sample count")
         return None
 
+    @staticmethod
+    def _check_members(members) -> Error | None:
+        """A remote's list of peers is bounded and holds peer ids only: each one would cost a send."""
+        if len(members) > MAX_MEMBERS:
+            return Error(code=ErrorCode.BAD_REQUEST, message=f"more than {MAX_MEMBERS} members named")
+        if not all(PEER_ID.fullmatch(member) for member in members):
+            return Error(code=ErrorCode.BAD_REQUEST, message="a member that is no peer id")
+        return None
+
     def _check_header(self, message) -> Error | None:
         if message.protocol_version != PROTOCOL_VERSION:
             return Error(code=ErrorCode.VERSION_MISMATCH, message=f"this peer speaks protocol {PROTOCOL_VERSION}")
@@ -509,11 +521,13 @@ class StageMates:
             return None
         total, grad = 0, None
         ids: list[tuple[str, int, int]] = []
-        for contribution in contributions:
+        scales = self._clip_scales(step, sorted(agreed), contributions)
+        for contribution, scale in zip(contributions, scales):
             total += contribution.samples
             ids += as_triples(contribution.held)
             if contribution.grad_sum is not None:
-                grad = contribution.grad_sum.clone() if grad is None else grad.add_(contribution.grad_sum)
+                part = contribution.grad_sum if scale == 1.0 else contribution.grad_sum * scale
+                grad = part.clone() if grad is None else grad.add_(part)
         doubled = sum(expected.get(key, 0) * (count - 1) for key, count in summed.items() if count > 1)
         if doubled:
             self.samples_doubled += doubled
@@ -531,6 +545,21 @@ class StageMates:
         if len(contributions) > 1:
             logger.debug(f"Stage {self.stage} step {step}: averaged {total} samples over {len(contributions)} peers")
         return RoundResult(grad, total, ids, as_triples(lost))
+
+    def _clip_scales(self, step: int, senders: list[str], contributions: list[Contribution]) -> list[float]:
+        """Per contribution, the share of its gradient the round takes (see `contribution_bounds`)."""
+        measured = [i for i, c in enumerate(contributions) if c.grad_sum is not None and c.samples > 0]
+        norms = [float(contributions[i].grad_sum.norm()) / contributions[i].samples for i in measured]
+        scales = [1.0] * len(contributions)
+        for i, scale in zip(measured, clip_scales(norms)):
+            scales[i] = scale
+            if scale < 1.0:
+                self.clipped_contributions += 1
+                logger.warning(
+                    f"Stage {self.stage} step {step}: the gradient of {senders[i]} is {1 / scale:.3g} times the "
+                    f"group's bound; scaled down to it ({self.clipped_contributions} clipped so far)"
+                )
+        return scales
 
     def _go_short(
         self, step: int, state: StepState, attempt: int, agreed: set[str], box: dict[str, Contribution], lost: Held
@@ -652,13 +681,17 @@ class StageMates:
         try:
             message, _ = await read_frames(reader, RoundCommit, WireLimits())
             self._heard_from(str(stream_info.peer_id))
-            if (error := self._check_header(message)) is not None:
+            if (error := self._check_header(message) or self._check_members(message.contributors)) is not None:
                 reply.error.CopyFrom(error)
             elif self.runtime.step <= message.step <= self.runtime.step + 1:
-                self.steps[message.step].commits[message.attempt][str(stream_info.peer_id)] = frozenset(
-                    message.contributors
-                )
-                self._changed.set()
+                state = self.steps[message.step]
+                if not state.attempt <= message.attempt <= state.attempt + 1:  # each attempt kept costs memory
+                    reply.error.CopyFrom(
+                        Error(code=ErrorCode.OUT_OF_SYNC, message=f"this peer is at round attempt {state.attempt}")
+                    )
+                else:
+                    state.commits[message.attempt][str(stream_info.peer_id)] = frozenset(message.contributors)
+                    self._changed.set()
             else:
                 reply.error.CopyFrom(
                     Error(code=ErrorCode.OUT_OF_SYNC, message=f"this peer is at step {self.runtime.step}")
@@ -739,8 +772,12 @@ class StageMates:
         await self._reply(reader, writer, [reply])
 
     async def _accept_contribution(self, sender: str, header: GradContribution, parts: list) -> Error:
-        if (error := self._check_header(header) or self._check_ids(header.held, header.known)) is not None:
+        error = self._check_header(header) or self._check_ids(header.held, header.known)
+        if (error := error or self._check_members(header.members)) is not None:
             return error
+        if header.samples != sum(i.samples for i in header.held):
+            # the count is what the round steps on: it must be the microbatches named, not a number sent
+            return Error(code=ErrorCode.BAD_REQUEST, message="samples do not add up to the microbatches held")
         step = self.runtime.step
         # a peer that has just loaded a mate's state takes part in rounds before it serves; while it loads,
         # the round its source holds at the step it hands over waits for it: refusing would split the group

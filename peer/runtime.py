@@ -37,6 +37,10 @@ class StaleGradientError(RuntimeError):
     """A backward whose forward ran against a model version older than the peer accepts."""
 
 
+class QueueFullError(RuntimeError):
+    """The peer already holds as many queued requests as it accepts: the caller should go elsewhere."""
+
+
 SampleKey = tuple[str, int]  # a microbatch's global id: (trainer, microbatch id)
 
 
@@ -127,6 +131,7 @@ class StageRuntime:
         max_staleness: int = 1,
         simulated_speed: float = 0.0,
         faults: FaultPlan | None = None,
+        max_queue: int = 1024,
     ) -> None:
         self.module = module.to(device)
         self.optimizer = optimizer
@@ -150,6 +155,9 @@ class StageRuntime:
         # > 0: behave as a device of this many samples/s of backward work (compute padded with sleep)
         self.simulated_speed = simulated_speed
         self.faults = faults or FaultPlan()
+        self.max_queue = max_queue
+        self.busy_refusals = 0  # requests refused because the queue was full
+        self.nonfinite_steps = 0  # steps whose summed gradient was not finite: skipped by every replica alike
         self._step_requested: int | None = None
         # keys of recently applied backward requests: a retried backward whose first attempt was
         # applied (its reply lost on the way) gets its input gradient again but is not accumulated twice
@@ -190,6 +198,9 @@ class StageRuntime:
         with self._cond:
             if self._stopping:
                 raise RuntimeError("the runtime is shutting down")
+            if len(self._queue) >= self.max_queue:
+                self.busy_refusals += 1
+                raise QueueFullError(f"this peer is busy: {len(self._queue)} requests queued, its limit")
             if backward and key is None:
                 self._anonymous += 1
                 key = ("", self._anonymous)
@@ -532,6 +543,14 @@ class StageRuntime:
             # the group steps together even on nothing, so that its replicas stay at one step
             logger.warning(f"Stage {self.module.stage}: the group had no samples at step {step}; skipping it")
             self.module.zero_grad(set_to_none=True)
+        elif not self._gradients_finite():
+            # every replica sums the same agreed contributions, so every replica skips alike
+            self.nonfinite_steps += 1
+            logger.error(
+                f"Stage {self.module.stage}: the summed gradient of step {step} is not finite; skipping its "
+                f"update ({self.nonfinite_steps} so far): a contribution was broken"
+            )
+            self.module.zero_grad(set_to_none=True)
         else:
             if total != self.target_batch_size:
                 logger.info(
@@ -546,6 +565,9 @@ class StageRuntime:
         self.last_round = result
         if self.on_step is not None:
             self.on_step(self.step, fingerprint)
+
+    def _gradients_finite(self) -> bool:
+        return all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in self.module.parameters())
 
     def load_state(self, step: int, apply: Callable[[], None], samples_stepped: int = 0) -> None:
         """Replaces the stage's state (on the runtime thread): `apply` loads it; accumulated gradients are dropped."""

@@ -88,6 +88,7 @@ class Peer:
             max_staleness=config.max_staleness,
             simulated_speed=simulated,
             faults=self.faults,
+            max_queue=config.max_queue,
         )
         self.runtime.samples_stepped = samples_stepped
         self.mates = StageMates(
@@ -126,7 +127,7 @@ class Peer:
     def _after_step(self) -> None:
         self.handler.notify_step()
         if self.faults.faults:
-            asyncio.ensure_future(self.faults.hit("after_step", perturb=self._perturb))
+            asyncio.ensure_future(self.faults.hit("after_step", act=self._perturb))
 
     async def _perturb(self) -> None:
         """A fault for tests: nudges the parameters, as a replica that went wrong would hold others."""

@@ -102,7 +102,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         parser.exit(2, f"swarm {command}: error: {e}\n")
     setup_logging(level, command)
-    return handler(config)
+    from swarm.dht_node import JoinError
+
+    try:
+        return handler(config)
+    except JoinError as e:
+        logging.getLogger("swarm").error(f"swarm {command}: {e}")
+        return 1
 
 
 if __name__ == "__main__":

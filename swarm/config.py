@@ -14,6 +14,7 @@ import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
@@ -177,6 +178,25 @@ class NetworkConfig:
     run_id: str = option("swarm", "name of the training run; processes of other runs are ignored")
     startup_timeout: float = option(30.0, "seconds to wait for the libp2p daemon to start")
 
+    def check(self) -> None:
+        from hivemind.utils.multiaddr import Multiaddr
+
+        for flag, addresses in (
+            ("--initial-peers", self.initial_peers),
+            ("--host-maddrs", self.host_maddrs),
+            ("--announce-maddrs", self.announce_maddrs),
+        ):
+            for address in addresses:
+                try:
+                    protocols = [p.name for p in Multiaddr(address).protocols()]
+                except Exception as e:
+                    raise ConfigError(f"{flag}: {address!r} is not a multiaddr ({e})") from None
+                if flag == "--initial-peers" and "p2p" not in protocols:
+                    raise ConfigError(
+                        f"--initial-peers: {address!r} names no peer; give the whole address a swarm member "
+                        "prints, ending in /p2p/PEER_ID"
+                    )
+
 
 @dataclass
 class ModelConfig:
@@ -222,6 +242,9 @@ class PeerConfig(NetworkConfig, ModelConfig):
     beta2: float = option(0.95, "AdamW beta2")
     max_batch_samples: int = option(256, "largest batch the peer runs at once, merging queued requests")
     max_request_mb: float = option(256.0, "largest request the peer accepts, in MiB")
+    max_queue: int = option(
+        1024, "requests a peer keeps queued at most; past that it answers busy (UNAVAILABLE) at once"
+    )
     announce_period: float = option(2.0, "seconds between DHT announcements")
     record_ttl: float = option(10.0, "seconds an announcement stays valid if the peer vanishes")
     checkpoint_dir: str | None = option(None, "directory for the stage's checkpoints; resume from it if present")
@@ -246,8 +269,8 @@ class PeerConfig(NetworkConfig, ModelConfig):
     )
     faults: str = option(
         "",
-        "for tests: deterministic faults, comma-separated POINT:ACTION[:N] (see swarm/peer/faults.py), "
-        "e.g. after_backward:drop_reply:1",
+        "for tests: deterministic faults, comma-separated POINT[@N]=ACTION[:ARG] (see swarm/peer/faults.py), "
+        "e.g. after_backward@1=drop_reply",
     )
     rebalance_period: float = option(
         60.0, "mean seconds between checks whether moving to the bottleneck helps (randomised; 0: pinned, never moves)"
@@ -269,6 +292,7 @@ class PeerConfig(NetworkConfig, ModelConfig):
         return None if self.stage == "auto" else int(self.stage)
 
     def check(self) -> None:
+        NetworkConfig.check(self)
         ModelConfig.check(self)
         if self.stage != "auto":
             try:
@@ -284,7 +308,7 @@ class PeerConfig(NetworkConfig, ModelConfig):
             raise ConfigError("--rebalance-margin must be 0 or more")
         if self.simulated_speed < 0:
             raise ConfigError("--simulated-speed must be 0 (real speed) or positive")
-        for name in ("target_batch_size", "max_batch_samples", "num_threads"):
+        for name in ("target_batch_size", "max_batch_samples", "num_threads", "max_queue"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
         if self.lr <= 0:
@@ -359,6 +383,7 @@ class TrainerConfig(NetworkConfig, ModelConfig):
     progress: bool = option(True, "show a progress bar")
 
     def check(self) -> None:
+        NetworkConfig.check(self)
         ModelConfig.check(self)
         for name in ("steps", "microbatch_size", "max_in_flight", "max_retries"):
             if getattr(self, name) < 1:
@@ -375,6 +400,7 @@ class TrainerConfig(NetworkConfig, ModelConfig):
             raise ConfigError("--resend-buffer-mb must be 0 or more")
         if self.emulate_bandwidth_mbit < 0 or self.emulate_latency_ms < 0:
             raise ConfigError("--emulate-bandwidth-mbit and --emulate-latency-ms must be 0 or more")
+        check_data_path(self.data)
 
 
 @dataclass
@@ -389,6 +415,16 @@ class DemoConfig(ModelConfig):
     data: str | None = option(None, "text file or folder to train on (default: Python's standard library)")
     log_dir: str | None = option(None, "directory for the processes' logs (default: a temporary one)")
     summary_file: str | None = option(None, "write the trainer's JSON summary to FILE")
+
+    def check(self) -> None:
+        ModelConfig.check(self)
+        check_data_path(self.data)
+
+
+def check_data_path(data: str | None) -> None:
+    """`--data` must name a file or folder that exists (checked before any process starts)."""
+    if data is not None and not Path(data).exists():
+        raise ConfigError(f"--data: {data} does not exist; give a text file or a folder of them")
 
 
 @dataclass

@@ -48,20 +48,36 @@ class TetheredDHT(DHT):
         os._exit(1)
 
 
+class JoinError(RuntimeError):
+    """This process could not start its DHT node or join the swarm: the message says what to check."""
+
+
 def start_dht(config: NetworkConfig) -> DHT:
     """Starts a DHT node (a child process with its own libp2p daemon) and joins the swarm.
 
     The node's process and daemon end with this process, however it ends. It forks, so call it
-    before starting threads or touching CUDA.
+    before starting threads or touching CUDA. Raises JoinError when the node cannot start or none
+    of the initial peers answers.
     """
-    return TetheredDHT(
-        initial_peers=config.initial_peers or None,
-        host_maddrs=config.host_maddrs,
-        announce_maddrs=config.announce_maddrs or None,
-        identity_path=config.identity_path,
-        startup_timeout=config.startup_timeout,
-        start=True,
-    )
+    try:
+        return TetheredDHT(
+            initial_peers=config.initial_peers or None,
+            host_maddrs=config.host_maddrs,
+            announce_maddrs=config.announce_maddrs or None,
+            identity_path=config.identity_path,
+            startup_timeout=config.startup_timeout,
+            start=True,
+        )
+    except Exception as e:
+        if "bootstrap failed" in str(e) or "failed to connect to bootstrap peers" in str(e):
+            raise JoinError(
+                f"none of --initial-peers answered ({' '.join(config.initial_peers)}): check the addresses, "
+                "and that those peers are up and reachable from here"
+            ) from None
+        raise JoinError(
+            f"could not start this process's DHT node on {' '.join(config.host_maddrs)} "
+            f"({type(e).__name__}: {e}); check --host-maddrs and --identity-path"
+        ) from None
 
 
 async def connect_to_daemon(dht: DHT, attempts: int = 5) -> P2P:

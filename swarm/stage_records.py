@@ -2,12 +2,17 @@
 
 Every peer stores one record under its stage's key, with its peer id as the subkey, and renews it
 before it expires; a peer that vanishes drops out when its record expires. Records come from
-remote processes, so reading them never trusts their content: a malformed one is skipped.
+remote processes, so reading them never trusts their content: a record with a field of the wrong
+type or out of its range (`RANGES`: a NaN or absurd throughput, a negative step, a stage outside
+the model) is skipped where it is read and counted in `dropped_records`.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import re
+from collections import Counter
 from dataclasses import MISSING, asdict, dataclass, fields
 
 from hivemind import DHT
@@ -17,6 +22,21 @@ logger = logging.getLogger(__name__)
 
 JOINING, SERVING, LEAVING = "joining", "serving", "leaving"
 STATES = (JOINING, SERVING, LEAVING)
+
+# inclusive bounds of a record's numeric fields: anything outside is no honest peer's announcement
+RANGES: dict[str, tuple[float, float]] = {
+    "stage": (0, 1023),
+    "num_stages": (1, 1024),
+    "step": (0, 2**53),
+    "throughput": (0.0, 1e9),  # samples/s
+    "queue_length": (0, 10**9),
+    "target_batch_size": (1, 2**31),
+    "stale_gradients": (0, 2**53),
+    "protocol_version": (0, 2**31),
+}
+PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{20,128}")  # base58, as libp2p writes peer ids
+MAX_MODEL_NAME = 128
+dropped_records: Counter[str] = Counter()  # records skipped by this process, per reason
 
 
 @dataclass(frozen=True)
@@ -58,17 +78,25 @@ class StageRecord:
             record = cls(**kwargs, expiration=float(expiration))
         except (KeyError, TypeError, ValueError):
             return None
-        types_ok = (
-            isinstance(record.peer_id, str)
-            and all(
-                isinstance(getattr(record, name), int)
-                for name in ("stage", "num_stages", "step", "queue_length", "stale_gradients")
-            )
-            and isinstance(record.throughput, (int, float))
-            and isinstance(record.movable, bool)
-            and record.state in STATES
-        )
-        return record if types_ok else None
+        return record if record.problem() is None else None
+
+    def problem(self) -> str | None:
+        """What makes this record unacceptable (a field's type or range), or None if it is sound."""
+        if not isinstance(self.peer_id, str) or not PEER_ID.fullmatch(self.peer_id):
+            return "peer_id"
+        if not isinstance(self.model, str) or not 0 < len(self.model) <= MAX_MODEL_NAME:
+            return "model"
+        if self.state not in STATES or not isinstance(self.movable, bool):
+            return "state"
+        for name, (low, high) in RANGES.items():
+            value = getattr(self, name)
+            is_int = isinstance(value, int) and not isinstance(value, bool)
+            number = is_int or (name == "throughput" and isinstance(value, float) and math.isfinite(value))
+            if not number or not low <= value <= high:
+                return name
+        if self.stage >= self.num_stages:
+            return "stage"
+        return None
 
 
 def stage_key(run_id: str, stage: int) -> str:
@@ -105,7 +133,8 @@ def fetch_stage_records(
         for subkey, item in found.value.items():
             record = StageRecord.from_value(getattr(item, "value", None), getattr(item, "expiration_time", 0.0))
             if record is None or record.peer_id != subkey or record.stage != stage:
-                logger.debug(f"Ignoring a malformed record under stage {stage}: {item!r}")
+                dropped_records["malformed" if record is None else "misfiled"] += 1
+                logger.debug(f"Ignoring a malformed record under stage {stage}: {str(item)[:200]}")
                 continue
             if record.expiration > now:
                 records[stage].append(record)

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import random
 import time
 from collections import OrderedDict
@@ -38,10 +39,11 @@ from swarm.dht_node import connect_to_daemon, start_dht
 from swarm.event_loop import run, stop_event_on_signals
 from swarm.link_shaper import LinkShape, LinkShaper
 from swarm.models import get_model_spec
+from swarm.models.stage_io import StageOutputError, check_stage_outputs
 from swarm.proto import BACKWARD, FORWARD, ErrorCode, StageRequest
 from swarm.router import Router
 from swarm.sample_ledger import SampleLedger, fed_record
-from swarm.stage_records import StageRecord, fetch_stage_records
+from swarm.stage_records import SERVING, StageRecord, fetch_stage_records
 from swarm.transport import CallStats, StageCallError, call_stage
 
 logger = logging.getLogger(__name__)
@@ -72,6 +74,7 @@ class TrainingSummary:
     requeued: int = 0  # calls that ran out of attempts and were queued again after a pause
     backwards_moved: int = 0  # backwards served by another peer than their forward (its peer gone or busy)
     bans: int = 0
+    bad_replies: int = 0  # replies refused for what they held (count, shape, dtype, values): sent elsewhere
     step_seconds: list[float] = field(default_factory=list)  # since the start, at the end of each step
     bytes_sent: int = 0
     bytes_received: int = 0
@@ -211,6 +214,7 @@ class Trainer:
         stage's current step).
         """
         tried: list[str] = []
+        refused_by: dict[int, set[str]] = {}  # per error code that is no network accident, the peers that sent it
         last_error: Exception | None = None
         attempts, short_since, requeues = 0, None, 0
         started_at = time.monotonic()
@@ -260,6 +264,7 @@ class Trainer:
                     stats=stats,
                     shaper=self.shaper,
                 )
+                self._check_reply(stage, backward, tensors, reply, outputs, record.peer_id)
             except StageCallError as e:
                 if e.code == ErrorCode.STALE and e.reply is not None and backward and e.reply.step > step:
                     # the stage stepped twice since the forward: the gradient is applied at its current step
@@ -279,7 +284,13 @@ class Trainer:
                     await asyncio.sleep(0.3)
                     continue
                 if not e.retriable:
-                    raise TrainingError(f"stage {stage} refused a request: {e}") from e
+                    # one peer refusing is that peer's word (it may be broken or hostile): tried elsewhere.
+                    # Two peers (or the stage's only one) refusing alike says the request itself is wrong.
+                    refusers = refused_by.setdefault(e.code, set())
+                    refusers.add(record.peer_id)
+                    serving = sum(r.state == SERVING for r in self.router.records.get(stage, {}).values())
+                    if len(refusers) >= min(2, max(1, serving)):
+                        raise TrainingError(f"stage {stage} refused a request: {e}") from e
                 ban = self.router.report_failure(record.peer_id)
                 tried.append(record.peer_id)
                 self.summary.retries += 1
@@ -301,6 +312,20 @@ class Trainer:
             f"stage {stage} completed no call for {self.config.stage_wait_timeout:.0f}s; microbatch "
             f"{microbatch_id} failed {self.config.max_retries} attempts, {requeues + 1} times over: {last_error}"
         )
+
+    def _check_reply(
+        self, stage: int, backward: bool, inputs: list[torch.Tensor], reply, outputs: list, peer_id: str
+    ) -> None:
+        """A reply that does not hold what was asked (tensor count, shapes, dtypes, values, loss) is the
+        peer's failure: raised as a retriable error, so the call goes elsewhere and the peer is banned."""
+        try:
+            width = self.spec.boundary_width
+            check_stage_outputs(stage, self.config.num_stages, width, backward, inputs, outputs)
+            if backward and stage == self.config.num_stages - 1 and not math.isfinite(reply.loss):
+                raise StageOutputError(f"backward of stage {stage} answered a loss of {reply.loss}")
+        except StageOutputError as e:
+            self.summary.bad_replies += 1
+            raise StageCallError(ErrorCode.UNAVAILABLE, f"bad reply: {e}", peer_id) from None
 
     async def resend_lost(self, stage: int, reply, to: str) -> None:
         """Sends again this trainer's backwards that a SHORT reply names as lost with a dead peer of `stage`.

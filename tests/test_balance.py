@@ -152,8 +152,11 @@ def test_pinned_peers_hold_their_stage_but_are_never_planned_to_move():
     assert plan_moves(trade, 2, margin=0.1) == []
 
 
+PEER_A = "12D3KooWCCxwv4TYQSH9TvqY5yqfLN57aG2hSPVbHBz7ZrHtywdp"
+
+
 def test_records_carry_whether_a_peer_may_move_and_older_records_still_parse():
-    pinned = StageRecord("a", 0, "gpt-tiny", 2, SERVING, 0, 5.0, 1, 32, 0, 2, 99.0, movable=False)
+    pinned = StageRecord(PEER_A, 0, "gpt-tiny", 2, SERVING, 0, 5.0, 1, 32, 0, 2, 99.0, movable=False)
     parsed = StageRecord.from_value(pinned.to_value(), 99.0)
     assert parsed == pinned
     assert loads_from_records({0: [parsed]})[0].movable is False

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
+
 import pytest
 
 from swarm.cli import build_parser, main
 from swarm.config import ConfigError, PeerConfig, TrainerConfig, load_config, to_flags
+
+ADDRESS = "/ip4/1.2.3.4/tcp/5/p2p/12D3KooWCCxwv4TYQSH9TvqY5yqfLN57aG2hSPVbHBz7ZrHtywdp"
 
 
 def parse(argv: list[str]) -> dict:
@@ -16,7 +22,7 @@ def parse(argv: list[str]) -> dict:
 
 def test_precedence_flag_env_file_default(tmp_path):
     config_file = tmp_path / "peer.yaml"
-    config_file.write_text("stage: 2\nlr: 0.5\nweight_decay: 0.2\ninitial_peers: [/ip4/1.2.3.4/tcp/5/p2p/X]\n")
+    config_file.write_text(f"stage: 2\nlr: 0.5\nweight_decay: 0.2\ninitial_peers: [{ADDRESS}]\n")
     config = load_config(
         PeerConfig,
         parse(["peer", "--config", str(config_file), "--stage", "1"]),
@@ -25,12 +31,13 @@ def test_precedence_flag_env_file_default(tmp_path):
     assert config.initial_stage == 1  # flag beats file
     assert config.lr == 0.25  # environment beats file
     assert config.weight_decay == 0.2  # file beats default
-    assert config.initial_peers == ["/ip4/1.2.3.4/tcp/5/p2p/X"]
+    assert config.initial_peers == [ADDRESS]
     assert config.beta1 == 0.9  # default
 
 
 def test_round_trip_through_flags():
-    config = load_config(TrainerConfig, {"steps": 3, "progress": False, "initial_peers": ["a", "b"]}, environ={})
+    peers = [ADDRESS, ADDRESS.replace("1.2.3.4", "5.6.7.8")]
+    config = load_config(TrainerConfig, {"steps": 3, "progress": False, "initial_peers": peers}, environ={})
     again = load_config(TrainerConfig, parse(["train", *to_flags(config)]), environ={})
     assert again == config
 
@@ -50,6 +57,9 @@ def test_flag_typo_is_an_error(capsys):
         ({"cli": {"model": "gpt-huge"}}, "unknown model"),
         ({"file": "stage: 1\nsteps: 9\n"}, "unknown settings ['steps']"),
         ({"file": "[1, 2"}, "not valid YAML"),
+        ({"cli": {"initial_peers": ["/ip4/10.0.0/tcp/31337"]}}, "--initial-peers: '/ip4/10.0.0/tcp/31337' is not a"),
+        ({"cli": {"initial_peers": ["/ip4/10.0.0.1/tcp/31337"]}}, "names no peer"),
+        ({"cli": {"host_maddrs": ["0.0.0.0:31337"]}}, "--host-maddrs: '0.0.0.0:31337' is not a multiaddr"),
     ],
 )
 def test_bad_settings_are_clear_errors(tmp_path, source, message):
@@ -60,3 +70,30 @@ def test_bad_settings_are_clear_errors(tmp_path, source, message):
     with pytest.raises(ConfigError, match=None) as info:
         load_config(PeerConfig, source.get("cli", {}), environ=source.get("env", {}), config_file=config_file)
     assert message in str(info.value)
+
+
+def test_a_missing_data_path_is_one_clear_line_and_exit_code_2(tmp_path, capsys):
+    missing = tmp_path / "no-such-corpus"
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--data", str(missing)])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.strip() == f"swarm train: error: --data: {missing} does not exist; give a text file or a folder of them"
+
+
+@pytest.mark.timeout(120)
+def test_an_unreachable_bootstrap_is_one_clear_line_and_a_nonzero_exit(tmp_path):
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))  # a port nobody listens on
+    port = closed.getsockname()[1]
+    closed.close()
+    address = f"/ip4/127.0.0.1/tcp/{port}/p2p/12D3KooWCCxwv4TYQSH9TvqY5yqfLN57aG2hSPVbHBz7ZrHtywdp"
+    result = subprocess.run(
+        [sys.executable, "-m", "swarm", "train", "--initial-peers", address, "--steps", "1"],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    assert f"none of --initial-peers answered ({address})" in result.stderr

@@ -126,13 +126,35 @@ def test_tensor_over_4mib_is_served(stage1_peer):
         ([torch.randint(0, 5, (2, SEQ))], ["hidden must be"]),  # tokens sent to a middle stage
         ([torch.randn(2, SEQ, D_MODEL)] * 2, ["takes 1 tensors"]),  # too many tensors
         ([torch.full((1, SEQ, D_MODEL), float("nan"))], ["NaN"]),
+        ([torch.full((1, SEQ, D_MODEL), 3e38)], ["magnitude 3e+38"]),  # finite, but no activation
     ],
-    ids=["shape", "dtype", "seq_len", "tokens", "count", "nan"],
+    ids=["shape", "dtype", "seq_len", "tokens", "count", "nan", "huge"],
 )
 def test_bad_tensors_get_clear_errors(stage1_peer, tensors, words):
     swarm, peer_id, process = stage1_peer
     expect_error(swarm, peer_id, request(), tensors, ErrorCode.BAD_REQUEST, *words)
     assert_still_serving(swarm, peer_id, process)
+
+
+def test_huge_and_nan_gradients_are_refused_and_the_parameters_stay_as_they_were(stage1_peer):
+    swarm, peer_id, process = stage1_peer
+
+    def info():
+        return run_client(swarm, lambda p2p: get_peer_info(p2p, PeerID.from_base58(peer_id)))
+
+    before = info()
+    hidden = torch.randn(2, SEQ, D_MODEL)
+    for value in (3e38, float("nan")):
+        backward = StageRequest(kind=BACKWARD, model="gpt-tiny", stage=1, microbatch_id=7)
+        expect_error(swarm, peer_id, backward, [hidden, torch.full_like(hidden, value)], ErrorCode.BAD_REQUEST)
+    after = info()
+    assert (after.fingerprint, after.samples_accumulated, after.step) == (
+        before.fingerprint,
+        before.samples_accumulated,
+        before.step,
+    )
+    reply, (out,) = call(swarm, peer_id, request(), [hidden])
+    assert bool(torch.isfinite(out).all())
 
 
 def test_wrong_stage_and_model(stage1_peer):

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 from swarm.peer.faults import FaultPlan
-from swarm.peer.runtime import CallAbandonedError, StageRuntime
+from swarm.peer.runtime import CallAbandonedError, QueueFullError, StageRuntime
 
 from swarm.models import build_stage, get_model_spec
 from swarm.optimizer import OptimizerSettings, build_optimizer
@@ -152,4 +152,35 @@ def test_a_backward_finished_after_its_caller_gave_up_leaves_the_gradients_as_th
     assert runtime.samples_accumulated == 2 and ("trainer", 2) not in runtime.held
     for p, grad in zip(runtime.module.parameters(), before):
         assert torch.equal(p.grad, grad)
+    runtime.shutdown()
+
+
+def test_a_full_queue_refuses_at_once_instead_of_growing():
+    module = build_stage(SPEC, 1, 3, seed=1)
+    runtime = StageRuntime(module, build_optimizer(module, OptimizerSettings()), target_batch_size=64, max_queue=2)
+    # not started: nothing leaves the queue
+    runtime.submit(True, backward_inputs(2, 0))
+    runtime.submit(False, backward_inputs(2, 1)[:1])
+    with pytest.raises(QueueFullError):
+        runtime.submit(True, backward_inputs(2, 2))
+    assert runtime.queue_length == 2 and runtime.busy_refusals == 1
+    runtime.start()
+    runtime.shutdown()
+
+
+def test_a_step_whose_summed_gradient_is_not_finite_is_skipped_and_the_parameters_stay_as_they_were():
+    runtime = make_runtime(target=4)
+    runtime.start()
+    before = [p.detach().clone() for p in runtime.module.parameters()]
+    hidden, grad = backward_inputs(4, 0)
+    grad[0, 0, 0] = float("nan")  # what a broken contribution would bring (the handler refuses it at the door)
+    assert runtime.submit(True, [hidden, grad]).result(30).step == 0
+    assert runtime.step == 1 and runtime.nonfinite_steps == 1
+    for a, b in zip(before, runtime.module.parameters()):
+        assert torch.equal(a, b)
+    # the next, sound batch steps as usual
+    runtime.submit(True, backward_inputs(4, 1)).result(30)
+    assert runtime.step == 2
+    assert any(not torch.equal(a, b) for a, b in zip(before, runtime.module.parameters()))
+    assert all(bool(torch.isfinite(p).all()) for p in runtime.module.parameters())
     runtime.shutdown()

@@ -1,7 +1,13 @@
-"""What a stage call must carry, checked before any of it reaches the model.
+"""What a stage call must carry and what its reply must hold, checked before either is used.
 
-A peer runs these checks on every request, so a wrong tensor count, shape, dtype or token id
-comes back to the caller as a clear error instead of failing inside the model.
+A peer runs `check_stage_inputs` on every request, so a wrong tensor count, shape, dtype, token id
+or value comes back to the caller as a clear error instead of failing inside the model; a trainer
+runs `check_stage_outputs` on every reply, so a peer that answers garbage is that peer's fault.
+
+Boundary values (hidden states and their gradients) must be finite and at most `MAX_ABS_VALUE` in
+magnitude. A working model's boundary activations are layer-normed sums of a few dozen terms and its
+gradients are far smaller; a value beyond the bound is a broken or hostile sender, and one batch of
+such values would turn every parameter it touches into infinities.
 """
 
 from __future__ import annotations
@@ -10,9 +16,15 @@ import torch
 
 from swarm.models.gpt import GPTStage
 
+MAX_ABS_VALUE = 1e4  # largest magnitude accepted in a boundary tensor (see the module's docstring)
+
 
 class StageInputError(ValueError):
     """The tensors of a stage call do not match what the stage takes."""
+
+
+class StageOutputError(ValueError):
+    """A stage's reply does not hold what the call asked for."""
 
 
 def _describe(tensor: torch.Tensor) -> str:
@@ -55,6 +67,43 @@ def check_stage_inputs(stage: GPTStage, backward: bool, tensors: list[torch.Tens
         else:
             if tensor.dtype != torch.float32 or tuple(tensor.shape) != hidden_shape:
                 raise StageInputError(f"{name} must be float32{list(hidden_shape)}, got {_describe(tensor)}")
-            if not bool(torch.isfinite(tensor).all()):
-                raise StageInputError(f"{name} contain NaN or infinite values")
+            if problem := value_problem(tensor):
+                raise StageInputError(f"{name} {problem}")
     return batch
+
+
+def value_problem(tensor: torch.Tensor, max_abs: float = MAX_ABS_VALUE) -> str | None:
+    """What is wrong with a boundary tensor's values (non-finite, or beyond `max_abs`), or None."""
+    if not tensor.numel():
+        return None
+    if not bool(torch.isfinite(tensor).all()):
+        return "contain NaN or infinite values"
+    largest = float(tensor.detach().abs().max())
+    if largest > max_abs:
+        return f"hold a value of magnitude {largest:.3g}, over the limit of {max_abs:.0e}"
+    return None
+
+
+def check_stage_outputs(
+    stage: int, num_stages: int, boundary_width: int, backward: bool, inputs: list[torch.Tensor], outputs: list
+) -> None:
+    """Checks a reply's tensors against the call that asked for them; raises StageOutputError.
+
+    A forward of a stage before the last returns hidden states [batch, seq, width]; a backward returns
+    the gradient of its hidden input (same shape), or nothing at the first stage, whose inputs are tokens.
+    """
+    if not backward and stage == num_stages - 1:
+        return  # the last stage's forward (logits) is not part of training: trainers call it backward only
+    batch, seq = inputs[0].shape[:2]
+    wanted = 0 if backward and stage == 0 else 1
+    kind = "backward" if backward else "forward"
+    if len(outputs) != wanted:
+        raise StageOutputError(f"{kind} of stage {stage} answered {len(outputs)} tensors, expected {wanted}")
+    for tensor in outputs:
+        shape = (batch, seq, boundary_width)
+        if tensor.dtype != torch.float32 or tuple(tensor.shape) != shape:
+            raise StageOutputError(
+                f"{kind} of stage {stage} answered {_describe(tensor)}, expected float32{list(shape)}"
+            )
+        if problem := value_problem(tensor):
+            raise StageOutputError(f"{kind} of stage {stage} answered values that {problem}")

@@ -1,0 +1,312 @@
+"""Sends malformed and hostile messages to every protocol of a live peer; prints one JSON object.
+
+A local swarm of one peer (stage 1 of 3, the target) is started; a client that joins its DHT sends
+`--messages` messages spread over the peer's protocols, each drawn from a family of attacks:
+random bytes, bad frame lengths, truncated frames, wrong fields (version, model, stage, kind),
+shape overflows, NaN and huge values, absurd counts (samples, steps, attempts, ids) and foreign
+member lists. Every `--health-every` messages (and at the end) the client checks the peer: it must
+still run, answer its info, and return finite outputs for a sound forward. The report gives the
+messages sent, replies by protocol and code, peer crashes, hangs (no reply within the frame
+timeout plus a margin), INTERNAL replies (a bug: malformed input deserves BAD_REQUEST or similar),
+the peer's resident memory at the start and the end, and the health checks passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import random
+import signal
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from hivemind.p2p import P2P, PeerID
+from swarm.compression import get_codec
+from swarm.proto import (
+    BACKWARD,
+    FORWARD,
+    PROTOCOL_VERSION,
+    ErrorCode,
+    GradContribution,
+    MateProgress,
+    MateReply,
+    PeerInfo,
+    PeerInfoRequest,
+    RoundCommit,
+    SampleId,
+    StageReply,
+    StageRequest,
+    StateReply,
+    StateRequest,
+    Tensor,
+)
+
+from swarm.dht_node import TetheredDHT
+from swarm.local_swarm import LocalSwarm
+from swarm.models import get_model_spec
+from swarm.stage_records import SERVING, fetch_stage_records
+from swarm.transport import (
+    COMMIT_PROTOCOL,
+    GRAD_PROTOCOL,
+    INFO_PROTOCOL,
+    PROGRESS_PROTOCOL,
+    STAGE_PROTOCOL,
+    STATE_PROTOCOL,
+    call_stage,
+    get_peer_info,
+)
+from swarm.wire import HEADER_BYTES, WireError, WireLimits, encode_tensor, pack_frames, read_frames
+
+MODEL, STAGE, NUM_STAGES = "gpt-tiny", 1, 3
+SPEC = get_model_spec(MODEL)
+SEQ, WIDTH = SPEC.seq_len, SPEC.boundary_width
+FRAME_TIMEOUT = 60.0  # the peer's own (WireLimits.frame_timeout): a stalled request is cut off by then
+HANG_MARGIN = 15.0
+PROTOCOLS = {
+    STAGE_PROTOCOL: StageReply,
+    INFO_PROTOCOL: PeerInfo,
+    GRAD_PROTOCOL: MateReply,
+    PROGRESS_PROTOCOL: MateReply,
+    COMMIT_PROTOCOL: MateReply,
+    STATE_PROTOCOL: StateReply,
+}
+
+
+def framed(*messages) -> bytes:
+    data = b""
+    for message in messages:
+        body = message.SerializeToString()
+        data += len(body).to_bytes(HEADER_BYTES, "big") + body
+    return data
+
+
+def random_peer_id(rng: random.Random) -> str:
+    alphabet = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
+    return "12D3KooW" + "".join(rng.choice(alphabet) for _ in range(44))
+
+
+def hostile_tensor(rng: random.Random) -> list[Tensor]:
+    """One tensor's parts, broken in one of many ways (or sound in shape with hostile values)."""
+    kind = rng.choice(["overflow", "negative", "zero_huge", "nan", "huge", "bad_dtype", "bad_codec", "parts", "short"])
+    if kind in ("nan", "huge"):
+        value = float("nan") if kind == "nan" else 3e38
+        return encode_tensor(torch.full((2, SEQ, WIDTH), value), get_codec("none"))
+    head = Tensor(buffer=rng.randbytes(rng.randint(0, 64)), dtype="float32", codec="none", num_parts=1)
+    if kind == "overflow":
+        head.shape.extend([2**40, 2**40, 2**20])
+    elif kind == "negative":
+        head.shape.extend([2, -SEQ, WIDTH])
+    elif kind == "zero_huge":
+        head.shape.extend([0, 2**62, 2**62])
+    elif kind == "bad_dtype":
+        head.shape.extend([2, SEQ, WIDTH])
+        head.dtype = rng.choice(["float128", "", "object", "complex64"])
+    elif kind == "bad_codec":
+        head.shape.extend([2, SEQ, WIDTH])
+        head.codec = rng.choice(["zip", "../../etc", "fp8"])
+    elif kind == "parts":
+        head.shape.extend([2, SEQ, WIDTH])
+        head.num_parts = rng.choice([2**31, 0, 7])
+    else:  # a buffer shorter than its shape needs
+        head.shape.extend([2, SEQ, WIDTH])
+    return [head]
+
+
+def absurd_ids(rng: random.Random) -> list[SampleId]:
+    return [
+        SampleId(trainer=random_peer_id(rng), microbatch=rng.getrandbits(64), samples=rng.choice([0, 2**32 - 1, 8]))
+        for _ in range(rng.choice([1, 100, 70_000]))
+    ]
+
+
+def hostile_message(rng: random.Random, protocol: str, peer_step: int) -> tuple[bytes, bool]:
+    """The bytes of one hostile message for `protocol`, and whether they are whole frames (a reply is due)."""
+    family = rng.choice(["random", "length", "truncated", "fields", "tensors", "counts", "members"])
+    if family == "random":
+        return rng.randbytes(rng.randint(0, 4096)), False
+    if family == "length":
+        prefix = rng.choice([2**63, 2**40, 0, 5]).to_bytes(HEADER_BYTES, "big")
+        return prefix + rng.randbytes(rng.randint(0, 64)), False
+    # mostly right headers, so that most messages reach the checks behind them
+    version = PROTOCOL_VERSION if rng.random() < 0.85 else rng.choice([PROTOCOL_VERSION + 1, 0])
+    model = MODEL if rng.random() < 0.85 else rng.choice(["", "x" * 10_000])
+    stage = STAGE if rng.random() < 0.85 else rng.choice([0, 2**32 - 1])
+    step = rng.choice([peer_step, peer_step + 1, -1, 2**62])
+    if protocol == STAGE_PROTOCOL:
+        message = StageRequest(
+            protocol_version=version, kind=rng.choice([FORWARD, BACKWARD, 7]), model=model, stage=stage,
+            microbatch_id=rng.getrandbits(64), step=step, deadline_s=rng.choice([-1.0, 1e300, 5.0, float("nan")]),
+            reply_codec=rng.choice(["", "none", "bogus"]),
+        )  # fmt: skip
+    elif protocol == INFO_PROTOCOL:
+        message = PeerInfoRequest(protocol_version=version)
+    elif protocol == GRAD_PROTOCOL:
+        message = GradContribution(
+            protocol_version=version, model=model, stage=stage, step=step, samples=rng.choice([2**64 - 1, 8, 0]),
+            attempt=rng.choice([0, 1, 2**32 - 1]), give_up=rng.random() < 0.5, handover=rng.random() < 0.3,
+        )  # fmt: skip
+        if family == "members":
+            message.members.extend(random_peer_id(rng) for _ in range(rng.choice([3, 300, 5000])))
+        if family == "counts":
+            message.held.extend(absurd_ids(rng))
+    elif protocol == PROGRESS_PROTOCOL:
+        message = MateProgress(
+            protocol_version=version, model=model, stage=stage, step=step, samples=rng.choice([2**64 - 1, 8]),
+            fingerprint=rng.choice(["", "0" * 16, "x" * 5000]),
+        )  # fmt: skip
+        if family == "counts":
+            message.held.extend(absurd_ids(rng))
+    elif protocol == COMMIT_PROTOCOL:
+        message = RoundCommit(
+            protocol_version=version, model=model, stage=stage, step=step, attempt=rng.choice([0, 1, 2**32 - 1])
+        )
+        message.contributors.extend(random_peer_id(rng) for _ in range(rng.choice([1, 300, 5000])))
+    else:
+        message = StateRequest(protocol_version=version, model=model, stage=stage)
+    if family == "tensors" and protocol in (STAGE_PROTOCOL, GRAD_PROTOCOL):
+        frames = pack_frames(message, [p for _ in range(rng.randint(1, 3)) for p in hostile_tensor(rng)])
+        return framed(*frames), True
+    data = framed(message)
+    if family == "truncated":
+        return data[: rng.randint(1, max(1, len(data) - 1))], False
+    return data, True
+
+
+async def send_raw(p2p: P2P, peer_id: PeerID, protocol: str, data: bytes, whole: bool, timeout: float) -> str:
+    """Sends `data` on a fresh stream and reads the reply; returns the reply's code name or what happened.
+
+    Bytes that are not whole frames are sent and the stream is closed at once ("sent"): the peer sees
+    it end mid-message, as when a caller vanishes, and must neither crash nor hold on to anything.
+    """
+    _, reader, writer = await p2p.call_binary_stream_handler(peer_id, protocol)
+    try:
+        writer.write(data)
+        await writer.drain()
+        if not whole:
+            return "sent"
+        reply, _ = await asyncio.wait_for(read_frames(reader, PROTOCOLS[protocol], WireLimits()), timeout)
+        return ErrorCode.Name(reply.error.code)
+    except asyncio.TimeoutError:
+        return "hang"
+    except WireError:
+        return "closed"  # the peer hung up: fine for garbage
+    except (ConnectionError, asyncio.IncompleteReadError):
+        return "closed"
+    finally:
+        writer.close()
+
+
+def resident_mb(pid: int) -> float:
+    """Resident memory of a process, MiB (0 if it is gone)."""
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+async def healthy(p2p: P2P, peer_id: PeerID) -> tuple[bool, str]:
+    """Whether the peer answers its info and a sound forward with finite outputs."""
+    try:
+        info = await get_peer_info(p2p, peer_id, timeout=30)
+        request = StageRequest(kind=FORWARD, model=MODEL, stage=STAGE, step=info.step)
+        reply, outputs = await call_stage(p2p, peer_id, request, [torch.randn(2, SEQ, WIDTH)], get_codec("none"), 60)
+    except Exception as e:
+        return False, f"{type(e).__name__}: {e}"
+    finite = len(outputs) == 1 and bool(torch.isfinite(outputs[0]).all())
+    return finite, "" if finite else "non-finite outputs"
+
+
+async def fuzz(args: argparse.Namespace, initial_peers: list[str], peer_id: str, alive: Callable[[], bool], pid: int):
+    rng = random.Random(args.seed)
+    p2p = await P2P.create(initial_peers=initial_peers)
+    target = PeerID.from_base58(peer_id)
+    replies: dict[str, Counter[str]] = {protocol: Counter() for protocol in PROTOCOLS}
+    report: dict[str, Any] = {"memory_start_mb": round(resident_mb(pid), 1), "health_failures": []}
+    checks = passed = sent = 0
+    started = time.monotonic()
+    try:
+        step = (await get_peer_info(p2p, target)).step
+        while sent < args.messages and alive():
+            batch = min(args.concurrency, args.messages - sent)
+            protocols = [rng.choice(list(PROTOCOLS)) for _ in range(batch)]
+            messages = [hostile_message(rng, protocol, step) for protocol in protocols]
+            timeout = FRAME_TIMEOUT + HANG_MARGIN
+            outcomes = await asyncio.gather(
+                *(send_raw(p2p, target, p, data, whole, timeout) for p, (data, whole) in zip(protocols, messages)),
+                return_exceptions=True,
+            )
+            for protocol, outcome in zip(protocols, outcomes):
+                replies[protocol][outcome if isinstance(outcome, str) else f"error:{type(outcome).__name__}"] += 1
+            sent += batch
+            if sent // args.health_every != (sent - batch) // args.health_every or sent >= args.messages:
+                checks += 1
+                ok, why = await healthy(p2p, target)
+                passed += ok
+                if not ok:
+                    report["health_failures"].append({"after": sent, "why": why})
+                print(f"{sent} messages sent; health {'ok' if ok else why}", file=sys.stderr)
+    finally:
+        await p2p.shutdown()
+    everything = Counter()
+    for counts in replies.values():
+        everything.update(counts)
+    report.update(
+        messages=sent,
+        seconds=round(time.monotonic() - started, 1),
+        replies_by_protocol={protocol: dict(counts) for protocol, counts in replies.items()},
+        replies=dict(everything),
+        internal_replies=everything["INTERNAL"],
+        hangs=everything["hang"],
+        health_checks=checks,
+        health_passed=passed,
+    )
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--messages", type=int, default=10_000, help="hostile messages to send")
+    parser.add_argument("--health-every", type=int, default=500, help="messages between health checks")
+    parser.add_argument("--concurrency", type=int, default=8, help="messages in flight at once")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the message choices")
+    args = parser.parse_args()
+    if args.messages < 1 or args.health_every < 1 or args.concurrency < 1:
+        parser.error("--messages, --health-every and --concurrency must be at least 1")
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a timeout still stops the swarm
+    workdir = Path(tempfile.mkdtemp(prefix="fuzz-"))
+    with LocalSwarm(workdir) as swarm:
+        swarm.start_bootstrap()
+        process = swarm.start_peer("target", STAGE, ["--model", MODEL, "--num-stages", str(NUM_STAGES)])
+        dht = TetheredDHT(initial_peers=swarm.initial_peers, start=True)
+        try:
+            deadline = time.monotonic() + 120
+            while not any(r.state == SERVING for r in fetch_stage_records(dht, "swarm", NUM_STAGES)[STAGE]):
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit(f"the peer did not come up; see {swarm.log_path('target')}")
+                time.sleep(0.5)
+            peer_id = next(r.peer_id for r in fetch_stage_records(dht, "swarm", NUM_STAGES)[STAGE])
+        finally:
+            dht.shutdown()
+        report = asyncio.run(fuzz(args, swarm.initial_peers, peer_id, lambda: process.poll() is None, process.pid))
+        report["peer_crashed"] = process.poll() is not None
+        report["memory_end_mb"] = round(resident_mb(process.pid), 1)
+        report["memory_growth_mb"] = round(report["memory_end_mb"] - report["memory_start_mb"], 1)
+        report["log"] = str(swarm.log_path("target"))
+    report["healthy_at_end"] = not report["peer_crashed"] and report["health_passed"] == report["health_checks"]
+    print(json.dumps(report))
+    bad = report["peer_crashed"] or report["hangs"] or report["internal_replies"] or not report["healthy_at_end"]
+    sys.exit(1 if bad or not math.isfinite(report["memory_growth_mb"]) else 0)
+
+
+if __name__ == "__main__":
+    main()
