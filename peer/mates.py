@@ -885,6 +885,7 @@ class StageMates:
                     step=step,
                     has_optimizer_state=has_optimizer_state,
                     samples_stepped=samples_stepped,
+                    attempt=self.steps[step].attempt,
                     held=[
                         HeldSamples(peer=p, ids=ids_to_wire(held))
                         for p, held in self.steps[step].progress.items()
@@ -908,7 +909,7 @@ class StageMates:
         """
         self._state_source = peer_id
         try:
-            step, tensors, has_optimizer_state, samples_stepped, held = await request_state(
+            step, tensors, has_optimizer_state, samples_stepped, held, attempt = await request_state(
                 self.p2p, peer_id, self.model, self.stage, self.limits, timeout
             )
             if step < minimum_step:
@@ -927,7 +928,11 @@ class StageMates:
         logger.info(f"Loaded stage {self.stage} state of step {step} (fingerprint {state_fingerprint(tensors)})")
         # the giver's view of who holds what toward the next step: should one of them die before the
         # round, this peer knows exactly which samples were lost and asks for them again
-        progress = self.steps[step].progress
+        # rounds at this step that the giver found short: the next one is the one this peer joins (its own
+        # first round at attempt 0 would wait for mates that moved past it, for the whole averaging timeout)
+        state = self.steps[step]
+        state.attempt = max(state.attempt, attempt)
+        progress = state.progress
         for mate, ids in held.items():
             if mate != self.peer_id:
                 progress.setdefault(mate, {}).update(ids)
@@ -973,11 +978,11 @@ class StageMates:
 
 async def request_state(
     p2p: P2P, peer_id: str, model: str, stage: int, limits: WireLimits, timeout: float = 120.0
-) -> tuple[int, list[torch.Tensor], bool, int, dict[str, Held]]:
+) -> tuple[int, list[torch.Tensor], bool, int, dict[str, Held], int]:
     """Asks a peer for its stage's state, or StageStateError.
 
-    Returns (step, tensors, has_optimizer_state, samples_stepped, held): held is the microbatches each
-    other member is known to hold toward the next step.
+    Returns (step, tensors, has_optimizer_state, samples_stepped, held, attempt): held is the microbatches
+    each other member is known to hold toward the next step; attempt the giver's round attempt at `step`.
     """
     request = StateRequest(protocol_version=PROTOCOL_VERSION, model=model, stage=stage)
     reply, parts = await asyncio.wait_for(
@@ -987,4 +992,4 @@ async def request_state(
         raise StageStateError(f"{ErrorCode.Name(reply.error.code)}: {reply.error.message}")
     tensors = await asyncio.get_running_loop().run_in_executor(None, decode_tensors, parts, limits)
     held = {entry.peer: ids_from_wire(entry.ids) for entry in reply.held}
-    return reply.step, tensors, reply.has_optimizer_state, reply.samples_stepped, held
+    return reply.step, tensors, reply.has_optimizer_state, reply.samples_stepped, held, reply.attempt

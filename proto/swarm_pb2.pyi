@@ -268,7 +268,7 @@ class StateRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ...) -> None: ...
 
 class StateReply(_message.Message):
-    __slots__ = ("protocol_version", "error", "step", "has_optimizer_state", "tensors", "more", "samples_stepped", "progress", "held")
+    __slots__ = ("protocol_version", "error", "step", "has_optimizer_state", "tensors", "more", "samples_stepped", "progress", "held", "attempt")
     class ProgressEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -285,6 +285,7 @@ class StateReply(_message.Message):
     SAMPLES_STEPPED_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     HELD_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     error: Error
     step: int
@@ -294,4 +295,5 @@ class StateReply(_message.Message):
     samples_stepped: int
     progress: _containers.ScalarMap[str, int]
     held: _containers.RepeatedCompositeFieldContainer[HeldSamples]
-    def __init__(self, protocol_version: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., step: _Optional[int] = ..., has_optimizer_state: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., more: _Optional[bool] = ..., samples_stepped: _Optional[int] = ..., progress: _Optional[_Mapping[str, int]] = ..., held: _Optional[_Iterable[_Union[HeldSamples, _Mapping]]] = ...) -> None: ...
+    attempt: int
+    def __init__(self, protocol_version: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., step: _Optional[int] = ..., has_optimizer_state: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., more: _Optional[bool] = ..., samples_stepped: _Optional[int] = ..., progress: _Optional[_Mapping[str, int]] = ..., held: _Optional[_Iterable[_Union[HeldSamples, _Mapping]]] = ..., attempt: _Optional[int] = ...) -> None: ...
