@@ -241,12 +241,13 @@ class StageHandler:
                 writer.close()
 
     def info(self) -> PeerInfo:
+        step, fingerprint = self.runtime.version  # changed together: a step is never paired with another's hash
         return PeerInfo(
             protocol_version=PROTOCOL_VERSION,
             model=self.model_name,
             stage=self.stage.stage,
             num_stages=self.stage.num_stages,
-            step=self.runtime.step,
+            step=step,
             throughput=self.runtime.throughput,
             queue_length=self.runtime.queue_length,
             state=self.state(),
@@ -257,9 +258,11 @@ class StageHandler:
             resyncs=self.mates.resyncs,
             samples_stepped=self.runtime.samples_stepped,
             abandoned_calls=self.runtime.abandoned,
-            fingerprint=self.runtime.fingerprint,
+            fingerprint=fingerprint,
             samples_lost=self.mates.samples_lost,
             samples_doubled=self.mates.samples_doubled,
             divergences=self.mates.divergences,
             step_state=self.mates.phase(),
+            refused_outsiders=self.mates.refused_outsiders,
+            unconfirmed_states=self.mates.unconfirmed_states,
         )

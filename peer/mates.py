@@ -24,6 +24,12 @@ peer sees in the DHT (mates announced as serving), widened by every peer that se
 a contribution for the step and by the member lists those carry. A mate that cannot be reached is
 dropped from the round at once; one that stays silent is dropped when `averaging_timeout` runs out.
 
+Mates are who the signed records say (`swarm.identity`): the mate protocols answer only a peer
+whose libp2p-authenticated peer id has a record on this stage (joining, serving or leaving), and
+refuse anyone else with FORBIDDEN before reading a byte. A peer takes a mate's state only at a
+step and fingerprint that another mate confirms, where two or more serve, so one lying mate cannot
+take a stage over.
+
 This is our own protocol rather than hivemind's Optimizer, for reasons measured on these machines
 (2 peers, a 1.2M-parameter model, target batch 32): its progress goes through the DHT and groups
 form by matchmaking, so an epoch took 1.0 to 1.5 s against 0.15 to 0.3 s of compute, and shorter
@@ -38,7 +44,7 @@ import asyncio
 import contextlib
 import logging
 from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -62,15 +68,24 @@ from swarm.proto import (
     HeldSamples,
     MateProgress,
     MateReply,
+    PeerInfo,
     RoundCommit,
     SampleId,
     StateReply,
     StateRequest,
 )
 
+from swarm.allowlist import Handler
 from swarm.sample_ledger import SampleLedger, step_record
 from swarm.stage_records import PEER_ID, SERVING, StageRecord
-from swarm.transport import COMMIT_PROTOCOL, GRAD_PROTOCOL, PROGRESS_PROTOCOL, STATE_PROTOCOL, exchange
+from swarm.transport import (
+    COMMIT_PROTOCOL,
+    GRAD_PROTOCOL,
+    PROGRESS_PROTOCOL,
+    STATE_PROTOCOL,
+    exchange,
+    get_peer_info,
+)
 from swarm.wire import (
     WireError,
     WireLimits,
@@ -89,6 +104,9 @@ PROGRESS_TIMEOUT = 5.0
 MAX_IDS = 65536  # microbatch ids a mate may name in one message: far above any step's
 MAX_MEMBERS = 256  # peers a mate may name as its group in one message: far above any stage's replicas
 ABSENT_GRACE = 5.0  # seconds a round waits for a member whose DHT record no longer says it serves
+MEMBER_MEMORY = 60.0  # seconds a peer seen with a record on the stage may still speak as a mate without one
+REFRESH_INTERVAL = 1.0  # an unknown sender makes the peer re-read its stage's records at most this often
+CONFIRM_ATTEMPTS = 4  # looks at the mates' (step, fingerprint) before a newcomer gives up on a confirmed state
 
 ACCUMULATING, AVERAGING, SHORT = "accumulating", "averaging", "short"
 
@@ -167,6 +185,15 @@ class StageMates:
         state_bytes = 16 * self.num_parameters + 2**20
         self.limits = WireLimits(max_message_bytes=state_bytes, max_tensor_bytes=state_bytes)
         self.mates: dict[str, StageRecord] = {}
+        # every peer seen with a signed record on this stage (joining, serving or leaving), and when (loop
+        # time): who may speak as a mate. Remembered a while, so that a record lapsing under load does not
+        # shut a live mate out of the round under way.
+        self.stage_peers: dict[str, float] = {}
+        self.refresh_records: Callable[[], Awaitable[None]] | None = None  # re-reads the stage's records
+        self._refreshing: asyncio.Task | None = None
+        self._refreshed_at = float("-inf")
+        self.refused_outsiders = 0  # mate messages from peers no record puts on this stage
+        self.unconfirmed_states = 0  # mates' states not taken: no other mate confirmed their step and fingerprint
         self.steps: dict[int, StepState] = defaultdict(StepState)
         self.fingerprints: dict[str, tuple[int, str]] = {}  # per mate: its latest (step, fingerprint)
         self.rounds = 0
@@ -198,15 +225,18 @@ class StageMates:
         self._newcomers: set[str] = set()
         self._state_source: str | None = None  # the mate whose state this peer is downloading now
 
-    async def start(self, p2p: P2P) -> None:
-        """Registers the mate protocols on the peer's P2P and hooks into the runtime."""
+    async def start(self, p2p: P2P, admit: Callable[[Handler, str], Handler] = lambda handler, _: handler) -> None:
+        """Registers the mate protocols on the peer's P2P (each through `admit`) and hooks into the runtime."""
         self.p2p = p2p
         self.loop = asyncio.get_running_loop()
         self._changed = asyncio.Event()
-        await p2p.add_binary_stream_handler(PROGRESS_PROTOCOL, self._handle_progress)
-        await p2p.add_binary_stream_handler(GRAD_PROTOCOL, self._handle_contribution)
-        await p2p.add_binary_stream_handler(COMMIT_PROTOCOL, self._handle_commit)
-        await p2p.add_binary_stream_handler(STATE_PROTOCOL, self._handle_state)
+        for protocol, handler in (
+            (PROGRESS_PROTOCOL, self._handle_progress),
+            (GRAD_PROTOCOL, self._handle_contribution),
+            (COMMIT_PROTOCOL, self._handle_commit),
+            (STATE_PROTOCOL, self._handle_state),
+        ):
+            await p2p.add_binary_stream_handler(protocol, admit(self._members_only(handler, protocol), protocol))
         self.runtime.coordinator = self
 
     async def stop(self) -> None:
@@ -267,6 +297,12 @@ class StageMates:
 
     def update_records(self, records: list[StageRecord]) -> None:
         """Takes in the stage's records from the DHT: who serves, and whether this peer fell behind."""
+        now = self.loop.time() if self.loop is not None else 0.0
+        for r in records:
+            if r.peer_id != self.peer_id and r.model == self.model and r.num_stages == self.num_stages:
+                self.stage_peers[r.peer_id] = now
+        for peer_id in [p for p, seen in self.stage_peers.items() if now - seen > MEMBER_MEMORY]:
+            del self.stage_peers[peer_id]
         mates = {
             r.peer_id: r
             for r in records
@@ -288,12 +324,71 @@ class StageMates:
         step = self.runtime.step
         for peer_id in new:  # a mate that has just appeared has not heard this peer's progress
             self._spawn(self._send_progress(peer_id, step, self._own(step)))
-        ahead = max((r.step for r in mates.values()), default=step) - step
+        # one mate's record alone is no proof: where two or more serve, another must be as far ahead
+        steps = sorted((r.step for r in mates.values()), reverse=True)
+        ahead = (steps[1] if len(steps) >= 2 else steps[0] if steps else step) - step
         self._behind_checks = self._behind_checks + 1 if ahead >= 1 else 0
         # one step ahead for a moment is normal (a mate finishing a round first); longer is not
         if ahead >= 2 or self._behind_checks >= 2:
             self.schedule_resync(f"mates announce step {step + ahead}, this peer is at {step}")
         self._advance(step)
+
+    # --- who may speak as a mate ------------------------------------------------------------------------
+
+    def _members_only(self, handler: Handler, protocol: str) -> Handler:
+        """`handler` for peers the signed records put on this stage; anyone else is refused unread."""
+
+        async def guarded(stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            sender = str(stream_info.peer_id)
+            if await self._admits(sender):
+                await handler(stream_info, reader, writer)
+                return
+            self.refused_outsiders += 1
+            if self.refused_outsiders in (1, 10, 100) or self.refused_outsiders % 1000 == 0:
+                logger.warning(
+                    f"Refused {self.refused_outsiders} stage-mate message(s), lately on {protocol} from {sender}: "
+                    f"no signed record puts it on stage {self.stage}"
+                )
+            error = Error(code=ErrorCode.FORBIDDEN, message=f"no signed record puts {sender} on stage {self.stage}")
+            if protocol == STATE_PROTOCOL:
+                reply = StateReply(protocol_version=PROTOCOL_VERSION, error=error)
+            else:
+                reply = MateReply(protocol_version=PROTOCOL_VERSION, step=self.runtime.step, error=error)
+            await self._reply(reader, writer, [reply])
+
+        return guarded
+
+    def _is_member(self, peer_id: str) -> bool:
+        return (
+            peer_id in self.stage_peers
+            or peer_id in self.mates
+            or peer_id in self._newcomers
+            or peer_id == self._state_source
+        )
+
+    async def _admits(self, peer_id: str) -> bool:
+        """Whether `peer_id` has a record on this stage; an unknown one makes the peer re-read the records
+        (at most every `REFRESH_INTERVAL`, one read shared by every waiting handler): a newcomer asks for
+        state right after announcing itself."""
+        if self._is_member(peer_id):
+            return True
+        if self.refresh_records is None:
+            return False
+        if self._refreshing is None or self._refreshing.done():
+            if self.loop.time() - self._refreshed_at < REFRESH_INTERVAL:
+                return False
+            self._refreshing = asyncio.ensure_future(self._refresh_once())
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(asyncio.shield(self._refreshing), PROGRESS_TIMEOUT)
+        return self._is_member(peer_id)
+
+    async def _refresh_once(self) -> None:
+        try:
+            await self.refresh_records()
+        except Exception as e:
+            logger.debug(f"Could not re-read stage {self.stage}'s records: {e}")
+        finally:
+            self._refreshed_at = self.loop.time()
 
     def _mark_unreachable(self, peer_id: str) -> None:
         """Leaves a mate that could not be reached out of later rounds until it shows a sign of life."""
@@ -901,11 +996,18 @@ class StageMates:
             frames = [StateReply(protocol_version=PROTOCOL_VERSION, error=error)]
         await self._reply(reader, writer, frames)
 
-    async def download_state(self, peer_id: str, minimum_step: int = 0, timeout: float = 120.0) -> int:
+    async def download_state(
+        self,
+        peer_id: str,
+        minimum_step: int = 0,
+        timeout: float = 120.0,
+        check: Callable[[int, str], Awaitable[bool]] | None = None,
+    ) -> int:
         """Downloads a mate's state and loads it on the runtime thread; returns the step it is at.
 
-        Raises StageStateError if the mate refuses, sends a state that does not fit, or is at a
-        step before `minimum_step`.
+        Raises StageStateError if the mate refuses, sends a state that does not fit, is at a step
+        before `minimum_step`, or (with `check`) sends a (step, parameter fingerprint) that `check`
+        does not confirm.
         """
         self._state_source = peer_id
         try:
@@ -916,6 +1018,14 @@ class StageMates:
                 raise StageStateError(f"the mate is at step {step}, not past {minimum_step}")
             runtime = self.runtime
             check_state_tensors(runtime.module, tensors, has_optimizer_state)
+            if check is not None:
+                count = sum(1 for _ in runtime.module.parameters())
+                fingerprint = await asyncio.get_running_loop().run_in_executor(None, state_fingerprint, tensors[:count])
+                if not await check(step, fingerprint):
+                    self.unconfirmed_states += 1
+                    raise StageStateError(
+                        f"no other mate confirms its state (step {step}, fingerprint {fingerprint}); not taken"
+                    )
 
             def apply() -> None:
                 load_state_tensors(runtime.module, runtime.optimizer, tensors, has_optimizer_state)
@@ -944,18 +1054,63 @@ class StageMates:
         return step
 
     async def sync_from_mates(self, minimum_step: int = 0, source: str | None = None) -> str | None:
-        """Takes the state of `source`, else of the most advanced serving mate, at `minimum_step` or later;
-        returns the peer id it came from, or None."""
-        ranked = [r.peer_id for r in sorted(self.mates.values(), key=lambda r: r.step, reverse=True)]
-        for peer_id in [source] if source else ranked:
+        """Takes the state of `source`, else of the most advanced mate whose step and fingerprint another
+        mate confirms, at `minimum_step` or later; returns the peer id it came from, or None.
+
+        `source` comes from the fingerprints the mates sent in progress (the majority's holder); without
+        it, every serving mate is asked its (step, fingerprint), and where two or more answer, only a
+        version two of them hold is taken: a mate announcing a step nobody else has cannot take the
+        stage over.
+        """
+        if source is not None:
+            candidates = [source]
+            check = None
+        else:
+            candidates = []
+            for look in range(CONFIRM_ATTEMPTS):
+                versions = await self._mate_versions()
+                candidates = confirmed_holders(versions, minimum_step)
+                if candidates or not versions:
+                    break
+                # mates straddling a step boundary: look again once they have all stepped
+                await asyncio.sleep(0.5 * (look + 1))
+            if not candidates:
+                return None
+
+            async def check(step: int, fingerprint: str) -> bool:
+                if (step, fingerprint) in confirmed_versions(versions):
+                    return True
+                # the giver stepped since the mates were asked: ask them again
+                return (step, fingerprint) in confirmed_versions(await self._mate_versions())
+
+        for peer_id in candidates:
             try:
-                step = await self.download_state(peer_id, minimum_step)
+                step = await self.download_state(peer_id, minimum_step, check=check)
             except Exception as e:
                 logger.warning(f"Could not take stage {self.stage} state from {peer_id}: {e}")
                 continue
             logger.info(f"Took stage {self.stage} state at step {step} from mate {peer_id}")
             return peer_id
         return None
+
+    async def _mate_versions(self) -> dict[str, tuple[int, str]]:
+        """Each serving mate's (step, parameter fingerprint), as it answers now (the silent ones left out)."""
+        mates = list(self.mates)
+        infos = await asyncio.gather(
+            *(get_peer_info(self.p2p, PeerID.from_base58(p), timeout=PROGRESS_TIMEOUT) for p in mates),
+            return_exceptions=True,
+        )
+        versions = {}
+        for peer_id, info in zip(mates, infos):
+            if (
+                isinstance(info, PeerInfo)
+                and info.model == self.model
+                and info.stage == self.stage
+                and info.state == SERVING
+                and info.fingerprint
+            ):
+                versions[peer_id] = (int(info.step), info.fingerprint)
+        return versions
 
     def schedule_resync(self, reason: str, source: str | None = None, minimum_step: int | None = None) -> None:
         """Downloads a mate's state in the background, once at a time."""
@@ -993,3 +1148,15 @@ async def request_state(
     tensors = await asyncio.get_running_loop().run_in_executor(None, decode_tensors, parts, limits)
     held = {entry.peer: ids_from_wire(entry.ids) for entry in reply.held}
     return reply.step, tensors, reply.has_optimizer_state, reply.samples_stepped, held, reply.attempt
+
+
+def confirmed_versions(versions: dict[str, tuple[int, str]]) -> set[tuple[int, str]]:
+    """The (step, fingerprint) pairs that at least two mates hold (or the one mate's, if only one answered)."""
+    counts = Counter(versions.values())
+    return {version for version, n in counts.items() if n >= min(2, len(versions))}
+
+
+def confirmed_holders(versions: dict[str, tuple[int, str]], minimum_step: int = 0) -> list[str]:
+    """Mates holding a confirmed version at `minimum_step` or later: the most advanced version first."""
+    good = sorted((v for v in confirmed_versions(versions) if v[0] >= minimum_step), reverse=True)
+    return [peer_id for version in good for peer_id, held in sorted(versions.items()) if held == version]

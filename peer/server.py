@@ -19,6 +19,7 @@ from swarm.peer.runtime import StageRuntime
 from swarm.peer.stage_state import parameter_fingerprint
 from swarm.proto import PROTOCOL_VERSION
 
+from swarm.allowlist import admitting
 from swarm.balance import Move, capacities, choose_stage, loads_from_records, plan_moves, stage_costs
 from swarm.config import PeerConfig
 from swarm.dht_node import connect_to_daemon, start_dht
@@ -113,6 +114,7 @@ class Peer:
             faults=self.faults,
         )
         self.mates.on_phase = self.handler.notify_step
+        self.mates.refresh_records = self._read_mates
 
     def _on_step(self, step: int, fingerprint: str) -> None:
         """Runs on the runtime thread after every step (or state taken from a mate)."""
@@ -267,12 +269,16 @@ class Peer:
     async def _handle_info(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await self.handler.handle_info(stream_info, reader, writer)
 
+    def _admit(self, handler, protocol: str):
+        """A protocol's handler behind this swarm's allowlist (if it has one)."""
+        return admitting(handler, self.dht.allowlist, protocol)
+
     async def _host(self, p2p: P2P) -> float:
         """Starts the built stage: measures its speed, takes its mates' state, serves; returns samples/s."""
         self.state = JOINING
         throughput = self.runtime.measure_throughput(self._sample_batch())
         self.runtime.start()
-        await self.mates.start(p2p)
+        await self.mates.start(p2p, self._admit)
         await self._join()
         self.mates.start_serving()
         self.state = SERVING
@@ -339,8 +345,8 @@ class Peer:
         if self.stage < 0:
             self.stage = await self._choose_stage()
         self._build(self.stage, resume=True)
-        await p2p.add_binary_stream_handler(STAGE_PROTOCOL, self._handle_stage)
-        await p2p.add_binary_stream_handler(INFO_PROTOCOL, self._handle_info)
+        await p2p.add_binary_stream_handler(STAGE_PROTOCOL, self._admit(self._handle_stage, STAGE_PROTOCOL))
+        await p2p.add_binary_stream_handler(INFO_PROTOCOL, self._admit(self._handle_info, INFO_PROTOCOL))
         announcing: asyncio.Task | None = None
         try:
             while True:

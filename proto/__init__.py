@@ -27,7 +27,7 @@ from swarm.proto.swarm_pb2 import (
 )
 
 # Bump on any change to the messages or their meaning that an older peer would misread.
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 __all__ = [
     "BACKWARD",

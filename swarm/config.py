@@ -174,7 +174,16 @@ class NetworkConfig:
         "multiaddrs to listen on; use /ip4/0.0.0.0/tcp/PORT to accept other machines",
     )
     announce_maddrs: list[str] = option([], "public multiaddrs to announce when behind NAT or a port forward")
-    identity_path: str | None = option(None, "file with this process's private key, for a stable peer id")
+    identity_path: str | None = option(
+        None,
+        "file with this process's RSA private key, for a stable peer id (made there if missing; "
+        "`swarm identity FILE` makes one and prints its peer id); default: a new key at every start",
+    )
+    allowlist: str | None = option(
+        None,
+        "private swarm: file of the peer ids allowed in, one per line; others are served nothing and "
+        "their DHT records are ignored",
+    )
     run_id: str = option("swarm", "name of the training run; processes of other runs are ignored")
     startup_timeout: float = option(30.0, "seconds to wait for the libp2p daemon to start")
 
@@ -196,6 +205,19 @@ class NetworkConfig:
                         f"--initial-peers: {address!r} names no peer; give the whole address a swarm member "
                         "prints, ending in /p2p/PEER_ID"
                     )
+        from swarm.allowlist import AllowlistError, load_allowlist
+
+        try:
+            load_allowlist(self.allowlist)
+        except AllowlistError as e:
+            raise ConfigError(f"--allowlist: {e}") from None
+        if self.identity_path is not None and os.path.exists(self.identity_path):
+            from swarm.identity import IdentityError, read_identity
+
+            try:
+                read_identity(self.identity_path)
+            except IdentityError as e:
+                raise ConfigError(f"--identity-path: {e}") from None
 
 
 @dataclass

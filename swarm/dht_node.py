@@ -12,7 +12,9 @@ import time
 from hivemind import DHT
 from hivemind.p2p import P2P
 
+from swarm.allowlist import Allowlist, AllowlistError, AllowlistValidator, load_allowlist
 from swarm.config import NetworkConfig
+from swarm.identity import Identity, IdentityError, forget_generated, load_identity
 from swarm.lifeline import child_pids, watch_parent
 
 logger = logging.getLogger(__name__)
@@ -24,7 +26,33 @@ class TetheredDHT(DHT):
     hivemind's child outlives a parent killed by SIGKILL (or by any signal before it shut the DHT
     down): it holds both ends of its command pipe, so it never sees the parent go, and its p2pd
     stays with it. Here the child watches its parent and shuts down when it has gone.
+
+    It also holds this process's identity (a new one unless `identity` is given): its daemon's
+    peer id, whose key signs every record this node stores and whose signature validator checks
+    every record it stores for others or reads (see `swarm.identity`). With an allowlist, it
+    refuses to store or return records of peers outside it.
     """
+
+    def __init__(
+        self,
+        initial_peers: list[str] | None = None,
+        *,
+        identity: Identity | None = None,
+        allowlist: Allowlist | None = None,
+        **kwargs,
+    ) -> None:
+        self.identity = identity or load_identity(None)
+        self.allowlist = allowlist
+        validators = [self.identity.validator]
+        if allowlist is not None:
+            validators.append(AllowlistValidator(allowlist))
+        # a key made for this run cannot be in use elsewhere: skip hivemind's check (a second daemon)
+        kwargs.setdefault("check_if_identity_free", not self.identity.generated)
+        try:
+            super().__init__(initial_peers, identity_path=self.identity.path, record_validators=validators, **kwargs)
+        finally:
+            if kwargs.get("start"):
+                forget_generated(self.identity)  # the daemon has read it, or failed to
 
     def run(self) -> None:
         """The child process: hivemind's DHT loop, and a thread that ends it when the parent dies."""
@@ -60,11 +88,22 @@ def start_dht(config: NetworkConfig) -> DHT:
     of the initial peers answers.
     """
     try:
+        identity = load_identity(config.identity_path)
+        allowlist = load_allowlist(config.allowlist)
+    except (IdentityError, AllowlistError) as e:
+        raise JoinError(str(e)) from None
+    if allowlist is not None and not allowlist.admits(identity.peer_id):
+        logger.warning(
+            f"This process's peer id {identity.peer_id} is not in --allowlist {allowlist.path}: the other members "
+            "will refuse it. Add it there (and start with the same --identity-path), or use an identity on the list"
+        )
+    try:
         return TetheredDHT(
             initial_peers=config.initial_peers or None,
+            identity=identity,
+            allowlist=allowlist,
             host_maddrs=config.host_maddrs,
             announce_maddrs=config.announce_maddrs or None,
-            identity_path=config.identity_path,
             startup_timeout=config.startup_timeout,
             start=True,
         )

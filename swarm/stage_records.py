@@ -1,10 +1,15 @@
 """What peers announce about themselves in the DHT, and how it is read back.
 
-Every peer stores one record under its stage's key, with its peer id as the subkey, and renews it
-before it expires; a peer that vanishes drops out when its record expires. Records come from
-remote processes, so reading them never trusts their content: a record with a field of the wrong
-type or out of its range (`RANGES`: a NaN or absurd throughput, a negative step, a stage outside
-the model) is skipped where it is read and counted in `dropped_records`.
+Every peer stores one record under its stage's key and renews it before it expires; a peer that
+vanishes drops out when its record expires. The record's subkey is the peer's public key and the
+record is signed with it (`swarm.identity`): DHT nodes refuse, at store and at read, a record under
+that subkey that its owner did not sign, and a reader skips a record whose peer id is not the one
+that key hashes to. So nobody can announce, renew or shadow another peer's record.
+
+Records come from remote processes, so reading them never trusts their content: a record with a
+field of the wrong type or out of its range (`RANGES`: a NaN or absurd throughput, a negative step,
+a stage outside the model) is skipped where it is read and counted in `dropped_records`, as is one
+that is unsigned, misfiled or (in a private swarm) from a peer outside the allowlist.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from dataclasses import MISSING, asdict, dataclass, fields
 
 from hivemind import DHT
 from hivemind.utils import get_dht_time
+
+from swarm.identity import owner_peer_id
 
 logger = logging.getLogger(__name__)
 
@@ -105,14 +112,17 @@ def stage_key(run_id: str, stage: int) -> str:
 
 
 def announce(dht: DHT, run_id: str, record: StageRecord, ttl: float) -> bool:
-    """Stores (or renews) a peer's record for `ttl` seconds; blocking, so call it off the event loop."""
+    """Stores (or renews) a peer's record for `ttl` seconds, signed by its key; blocking, so call it off the loop.
+
+    `dht` must be this process's `TetheredDHT`: its identity is the record's owner.
+    """
     expiration = get_dht_time() + ttl
     return bool(
         dht.store(
             stage_key(run_id, record.stage),
             record.to_value(),
             expiration_time=expiration,
-            subkey=record.peer_id,
+            subkey=dht.identity.owner,
         )
     )
 
@@ -123,6 +133,7 @@ def fetch_stage_records(
     """The live records of every stage (or of stage `only`), read from the DHT; blocking, so call it off the loop."""
     stages = range(num_stages) if only is None else [only]
     futures = {stage: dht.get(stage_key(run_id, stage), latest=True, return_future=True) for stage in stages}
+    allowlist = getattr(dht, "allowlist", None)
     now = get_dht_time()
     records: dict[int, list[StageRecord]] = {}
     for stage, future in futures.items():
@@ -132,10 +143,24 @@ def fetch_stage_records(
             continue
         for subkey, item in found.value.items():
             record = StageRecord.from_value(getattr(item, "value", None), getattr(item, "expiration_time", 0.0))
-            if record is None or record.peer_id != subkey or record.stage != stage:
-                dropped_records["malformed" if record is None else "misfiled"] += 1
-                logger.debug(f"Ignoring a malformed record under stage {stage}: {str(item)[:200]}")
+            problem = _record_problem(record, subkey, stage, allowlist)
+            if problem is not None:
+                dropped_records[problem] += 1
+                logger.debug(f"Ignoring a {problem} record under stage {stage}: {str(item)[:200]}")
                 continue
             if record.expiration > now:
                 records[stage].append(record)
     return records
+
+
+def _record_problem(record: StageRecord | None, subkey: object, stage: int, allowlist) -> str | None:
+    """Why a record read from the DHT cannot be used, or None."""
+    if record is None:
+        return "malformed"
+    if owner_peer_id(subkey) != record.peer_id:
+        return "unsigned"  # not under its own key: anyone may have written it
+    if record.stage != stage:
+        return "misfiled"
+    if allowlist is not None and not allowlist.admits(record.peer_id):
+        return "outsider"
+    return None

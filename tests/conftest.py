@@ -66,15 +66,41 @@ def run_p2p_client(initial_peers: list[str], coroutine_fn):
     return asyncio.run(main())
 
 
+def run_as_stage_members(initial_peers: list[str], stage: int, count: int, coroutine_fn, ttl: float = 300.0):
+    """Runs `coroutine_fn(*p2ps)` with `count` libp2p clients that each hold a signed record as a joining
+    peer of `stage` (of gpt-tiny in 3 stages): peers of that stage take them for stage-mates."""
+    import asyncio
+
+    from swarm.proto import PROTOCOL_VERSION
+
+    from swarm.dht_node import TetheredDHT
+    from swarm.stage_records import JOINING, StageRecord, announce
+
+    dhts = []
+    try:
+        for _ in range(count):
+            dhts.append(TetheredDHT(initial_peers=initial_peers, start=True))
+            peer_id = str(dhts[-1].peer_id)
+            record = StageRecord(peer_id, stage, "gpt-tiny", 3, JOINING, 0, 0.0, 0, 1, 0, PROTOCOL_VERSION)
+            assert announce(dhts[-1], "swarm", record, ttl)
+
+        async def main():
+            return await coroutine_fn(*[await dht.replicate_p2p() for dht in dhts])
+
+        return asyncio.run(main())
+    finally:
+        for dht in dhts:
+            dht.shutdown()
+
+
 def wait_for_records(initial_peers: list[str], ready, timeout: float = 90.0, num_stages: int = 3) -> dict:
     """Polls the DHT until `ready(records)` holds; returns the records (AssertionError on timeout)."""
     import time
 
-    from hivemind import DHT
-
+    from swarm.dht_node import TetheredDHT
     from swarm.stage_records import fetch_stage_records
 
-    dht = DHT(initial_peers=initial_peers, start=True)
+    dht = TetheredDHT(initial_peers=initial_peers, start=True)
     try:
         deadline = time.monotonic() + timeout
         while True:

@@ -8,11 +8,11 @@ import time
 import pytest
 import torch
 from conftest import run_p2p_client
-from hivemind import DHT
 from hivemind.p2p import P2P, PeerID
 from swarm.compression import get_codec
 from swarm.proto import BACKWARD, FORWARD, PROTOCOL_VERSION, ErrorCode, StageReply, StageRequest
 
+from swarm.dht_node import TetheredDHT
 from swarm.stage_records import fetch_stage_records
 from swarm.transport import STAGE_PROTOCOL, StageCallError, call_stage, exchange, get_peer_info, open_stream
 from swarm.wire import HEADER_BYTES, WireLimits, encode_tensor, pack_frames, read_frames
@@ -30,7 +30,7 @@ def stage1_peer(tmp_path_factory):
     try:
         swarm.start_bootstrap()
         process = swarm.start_peer("peer1", 1, ["--max-request-mb", "8"])
-        dht = DHT(initial_peers=swarm.initial_peers, start=True)
+        dht = TetheredDHT(initial_peers=swarm.initial_peers, start=True)
         try:
             deadline = time.monotonic() + 90
             while not (records := fetch_stage_records(dht, "swarm", 3)[1]):

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
-from hivemind import DHT
 from hivemind.utils import get_dht_time
 
+from swarm.dht_node import TetheredDHT
 from swarm.router import Router
 from swarm.stage_records import (
     SERVING,
@@ -57,21 +56,46 @@ def test_a_field_out_of_type_or_range_drops_the_record(changes):
     assert StageRecord.from_value(sound(**changes), 99.0) is None
 
 
+def signed(dht: TetheredDHT, **changes) -> StageRecord:
+    """A record of `dht`'s own peer, which its key signs when announced."""
+    return StageRecord(**{**sound(str(dht.peer_id)), **changes})
+
+
 def test_records_out_of_range_in_a_real_dht_are_skipped_counted_and_never_reach_the_router():
-    dht = DHT(start=True)
+    honest = TetheredDHT(start=True)
+    hostile = TetheredDHT(initial_peers=[str(m) for m in honest.get_visible_maddrs()], start=True)
     try:
-        expiration = get_dht_time() + 30
-        dht.store(stage_key("swarm", 1), sound(throughput=math.nan), expiration, subkey=PEER)
-        announce(dht, "swarm", StageRecord.from_value(sound(OTHER), 0.0), ttl=30)
-        before = sum(dropped_records.values())
-        deadline = time.monotonic() + 20
-        while len(fetch_stage_records(dht, "swarm", 3)[1]) < 1 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        records = fetch_stage_records(dht, "swarm", 3)
-        assert [r.peer_id for r in records[1]] == [OTHER]
-        assert sum(dropped_records.values()) > before
+        assert announce(hostile, "swarm", signed(hostile, throughput=math.nan), ttl=30)  # signed, but absurd
+        assert announce(honest, "swarm", signed(honest), ttl=30)
+        before = dropped_records["malformed"]
+        records = fetch_stage_records(honest, "swarm", 3)
+        assert [r.peer_id for r in records[1]] == [str(honest.peer_id)]
+        assert dropped_records["malformed"] > before
         router = Router()
         router.update(records, get_dht_time())
-        assert router.choose(1).peer_id == OTHER  # a NaN throughput never gets here to break the choice
+        assert router.choose(1).peer_id == str(honest.peer_id)  # a NaN throughput never gets here to break the choice
     finally:
-        dht.shutdown()
+        hostile.shutdown()
+        honest.shutdown()
+
+
+def test_nobody_can_write_or_shadow_another_peers_record():
+    """A forger's record claiming an honest peer's id: under the honest peer's key it is refused at store
+    (unsigned), under the forger's own key or a plain subkey it is stored but skipped where it is read."""
+    honest = TetheredDHT(start=True)
+    forger = TetheredDHT(initial_peers=[str(m) for m in honest.get_visible_maddrs()], start=True)
+    try:
+        assert announce(honest, "swarm", signed(honest, step=7), ttl=30)
+        claim = signed(honest, step=1000).to_value()  # the honest peer's id, a step that would make mates resync
+        far = get_dht_time() + 600
+        assert not forger.store(stage_key("swarm", 1), claim, far, subkey=honest.identity.owner)
+        assert forger.store(stage_key("swarm", 1), claim, far, subkey=forger.identity.owner)
+        assert forger.store(stage_key("swarm", 1), claim, far, subkey=str(honest.peer_id))
+        before = dropped_records["unsigned"]
+        for reader in (honest, forger):
+            records = fetch_stage_records(reader, "swarm", 3)[1]
+            assert [(r.peer_id, r.step) for r in records] == [(str(honest.peer_id), 7)]
+        assert dropped_records["unsigned"] >= before + 4
+    finally:
+        forger.shutdown()
+        honest.shutdown()

@@ -15,11 +15,12 @@ from conftest import (
     peer_flags,
     reference_run,
     reordering_noise,
+    run_as_stage_members,
     run_p2p_client,
     trainer_flags,
     wait_for_records,
 )
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import PeerID
 from swarm.compression import get_codec
 from swarm.peer.checkpoint import load_checkpoint
 from swarm.proto import FORWARD, PROTOCOL_VERSION, ErrorCode, MateProgress, MateReply, SampleId, StageRequest
@@ -239,20 +240,16 @@ def test_progress_that_arrives_out_of_order_does_not_make_a_peer_forget_what_its
         message.samples = sum(i.samples for i in held)
         return message
 
-    async def go(x):
+    async def go(x, y):  # two peers with signed records on stage 1: mates
         peer = PeerID.from_base58(record.peer_id)
-        y = await P2P.create(initial_peers=local_swarm.initial_peers)
-        try:
-            for sender, message in ((x, progress(a, b)), (x, progress(a)), (y, progress(c))):
-                reply, _ = await exchange(sender, peer, PROGRESS_PROTOCOL, [message], MateReply, WireLimits())
-                assert reply.error.code == ErrorCode.OK, reply
-        finally:
-            await y.shutdown()
+        for sender, message in ((x, progress(a, b)), (x, progress(a)), (y, progress(c))):
+            reply, _ = await exchange(sender, peer, PROGRESS_PROTOCOL, [message], MateReply, WireLimits())
+            assert reply.error.code == ErrorCode.OK, reply
         request = StageRequest(kind=FORWARD, model="gpt-tiny", stage=1, step=record.step + 1)
         with pytest.raises(StageCallError) as info:
             await call_stage(x, peer, request, [torch.randn(2, 64, 128)], get_codec("none"), timeout=60)
         return info.value
 
-    error = run_p2p_client(local_swarm.initial_peers, go)
+    error = run_as_stage_members(local_swarm.initial_peers, 1, 2, go)
     assert error.code == ErrorCode.SHORT, error
     assert sorted(i.microbatch for i in error.reply.lost) == [1, 2, 3], error.reply
