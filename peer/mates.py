@@ -192,6 +192,7 @@ class StageMates:
         self.refresh_records: Callable[[], Awaitable[None]] | None = None  # re-reads the stage's records
         self._refreshing: asyncio.Task | None = None
         self._refreshed_at = float("-inf")
+        self._refresh_began = float("-inf")
         self.refused_outsiders = 0  # mate messages from peers no record puts on this stage
         self.unconfirmed_states = 0  # mates' states not taken: no other mate confirmed their step and fingerprint
         self.steps: dict[int, StepState] = defaultdict(StepState)
@@ -367,22 +368,29 @@ class StageMates:
         )
 
     async def _admits(self, peer_id: str) -> bool:
-        """Whether `peer_id` has a record on this stage; an unknown one makes the peer re-read the records
-        (at most every `REFRESH_INTERVAL`, one read shared by every waiting handler): a newcomer asks for
-        state right after announcing itself."""
+        """Whether `peer_id` has a record on this stage. An unknown one makes the peer re-read the records
+        (a newcomer asks for state right after announcing itself): one read at a time, at most every
+        `REFRESH_INTERVAL`, shared by every handler waiting, and one that began after the caller arrived."""
         if self._is_member(peer_id):
             return True
         if self.refresh_records is None:
             return False
-        if self._refreshing is None or self._refreshing.done():
-            if self.loop.time() - self._refreshed_at < REFRESH_INTERVAL:
-                return False
-            self._refreshing = asyncio.ensure_future(self._refresh_once())
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(asyncio.shield(self._refreshing), PROGRESS_TIMEOUT)
-        return self._is_member(peer_id)
+        arrived = self.loop.time()
+        for _ in range(2):
+            if self._refreshing is None or self._refreshing.done():
+                delay = max(0.0, self._refreshed_at + REFRESH_INTERVAL - self.loop.time())
+                self._refreshing = asyncio.ensure_future(self._refresh_once(delay))
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(self._refreshing), PROGRESS_TIMEOUT + REFRESH_INTERVAL)
+            if self._is_member(peer_id):
+                return True
+            if self._refresh_began >= arrived:
+                break  # a read that began after the caller arrived did not find it: no record
+        return False
 
-    async def _refresh_once(self) -> None:
+    async def _refresh_once(self, delay: float) -> None:
+        await asyncio.sleep(delay)
+        self._refresh_began = self.loop.time()
         try:
             await self.refresh_records()
         except Exception as e:

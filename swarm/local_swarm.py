@@ -79,11 +79,11 @@ class LocalSwarm:
         self.processes[name] = process
         return process
 
-    def start_bootstrap(self, timeout: float = 60.0) -> list[str]:
-        """Starts the bootstrap DHT node and returns the multiaddrs others join through."""
+    def start_bootstrap(self, flags: list[str] = (), timeout: float = 60.0) -> list[str]:
+        """Starts the bootstrap DHT node (with extra `flags`) and returns the multiaddrs others join through."""
         address_file = self.workdir / "bootstrap.addr"
         address_file.unlink(missing_ok=True)
-        process = self.spawn("bootstrap", "dht", ["--address-file", str(address_file)])
+        process = self.spawn("bootstrap", "dht", ["--address-file", str(address_file), *flags])
         deadline = time.monotonic() + timeout
         while not address_file.exists():
             if process.poll() is not None or time.monotonic() > deadline:
