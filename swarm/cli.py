@@ -12,6 +12,7 @@ from swarm.config import (
     ConfigError,
     DemoConfig,
     DHTConfig,
+    IdentityConfig,
     PeerConfig,
     StatusConfig,
     TrainerConfig,
@@ -53,6 +54,18 @@ def _status(config: StatusConfig) -> int:
     return 0
 
 
+def _identity(config: IdentityConfig) -> int:
+    from swarm.identity import IdentityError, load_identity
+
+    try:
+        identity = load_identity(config.identity_path)
+    except IdentityError as e:
+        print(f"swarm identity: error: {e}", file=sys.stderr)
+        return 2
+    print(identity.peer_id)
+    return 0
+
+
 def _demo(config: DemoConfig) -> int:
     from swarm.demo import run_demo
 
@@ -65,6 +78,7 @@ COMMANDS: dict[str, tuple[type, Callable, str]] = {
     "train": (TrainerConfig, _train, "drive training through the swarm's stages"),
     "dht": (DHTConfig, _dht, "run a bootstrap DHT node that others join through"),
     "status": (StatusConfig, _status, "show the swarm's stages and peers"),
+    "identity": (IdentityConfig, _identity, "make or read an identity file and print its peer id"),
 }
 
 

@@ -450,6 +450,13 @@ def check_data_path(data: str | None) -> None:
 
 
 @dataclass
+class IdentityConfig:
+    """`swarm identity`: makes (or reads) an identity file and prints its peer id, for --allowlist files."""
+
+    identity_path: str = option("identity.key", "the identity file; made with a new RSA key if it does not exist")
+
+
+@dataclass
 class StatusConfig(NetworkConfig):
     """`swarm status`: a view of the swarm's stages and peers."""
 

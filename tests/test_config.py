@@ -97,3 +97,36 @@ def test_an_unreachable_bootstrap_is_one_clear_line_and_a_nonzero_exit(tmp_path)
     assert result.returncode == 1, result.stderr
     assert "Traceback" not in result.stderr, result.stderr
     assert f"none of --initial-peers answered ({address})" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (None, "cannot read"),
+        ("", "names no peer id"),
+        ("QmQpxnFN8rPtXyAVCRyP1nuDwi7BmadxomZrH78sHNVpz2\nnot-a-peer-id\n", ":2: 'not-a-peer-id' is not a peer id"),
+    ],
+)
+def test_a_bad_allowlist_is_one_clear_line_and_exit_code_2(tmp_path, capsys, content, message):
+    allowlist = tmp_path / "allowlist.txt"
+    if content is not None:
+        allowlist.write_text(content)
+    with pytest.raises(SystemExit) as info:
+        main(["peer", "--allowlist", str(allowlist)])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("swarm peer: error: --allowlist: ") and message in err and "\n" not in err, err
+
+
+def test_an_identity_file_is_made_once_and_read_back(tmp_path, capsys):
+    key = tmp_path / "peer.key"
+    assert main(["identity", "--identity-path", str(key)]) == 0
+    first = capsys.readouterr().out.strip()
+    assert main(["identity", "--identity-path", str(key)]) == 0
+    assert capsys.readouterr().out.strip() == first and first.startswith("Qm")
+    key.chmod(0o600)
+    key.write_bytes(b"not a key")
+    with pytest.raises(SystemExit) as info:
+        main(["peer", "--identity-path", str(key)])
+    assert info.value.code == 2
+    assert "holds no libp2p private key" in capsys.readouterr().err
