@@ -1,14 +1,17 @@
 """Sends malformed and hostile messages to every protocol of a live peer; prints one JSON object.
 
-A local swarm of one peer (stage 1 of 3, the target) is started; a client that joins its DHT sends
-`--messages` messages spread over the peer's protocols, each drawn from a family of attacks:
+A local swarm of one peer (stage 1 of 3, the target) is started; two clients that join its DHT send
+`--messages` messages spread over the peer's protocols: an outsider, and a member (a peer with a
+signed record on the target's stage, so its mate messages get past the membership check to the
+checks behind it). Each message is drawn from a family of attacks:
 random bytes, bad frame lengths, truncated frames, wrong fields (version, model, stage, kind),
 shape overflows, NaN and huge values, absurd counts (samples, steps, attempts, ids) and foreign
 member lists. Every `--health-every` messages (and at the end) the client checks the peer: it must
 still run, answer its info, and return finite outputs for a sound forward. The report gives the
 messages sent, replies by protocol and code, peer crashes, hangs (no reply within the frame
 timeout plus a margin), INTERNAL replies (a bug: malformed input deserves BAD_REQUEST or similar),
-the peer's resident memory at the start and the end, and the health checks passed.
+the peer's resident memory at the start and the end, and the health checks passed. Every mate message
+from the outsider must be refused (FORBIDDEN): `outsider_mate_ok` counts those that were not.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ from swarm.proto import (
 from swarm.dht_node import TetheredDHT
 from swarm.local_swarm import LocalSwarm
 from swarm.models import get_model_spec
-from swarm.stage_records import SERVING, fetch_stage_records
+from swarm.stage_records import JOINING, SERVING, StageRecord, announce, fetch_stage_records
 from swarm.transport import (
     COMMIT_PROTOCOL,
     GRAD_PROTOCOL,
@@ -226,11 +229,33 @@ async def healthy(p2p: P2P, peer_id: PeerID) -> tuple[bool, str]:
     return finite, "" if finite else "non-finite outputs"
 
 
-async def fuzz(args: argparse.Namespace, initial_peers: list[str], peer_id: str, alive: Callable[[], bool], pid: int):
+MATE_PROTOCOLS = (GRAD_PROTOCOL, PROGRESS_PROTOCOL, COMMIT_PROTOCOL, STATE_PROTOCOL)
+
+
+def stage_member(initial_peers: list[str]) -> TetheredDHT:
+    """A DHT node whose signed record says it joins the target's stage: the target takes it for a mate."""
+    dht = TetheredDHT(initial_peers=initial_peers, start=True)
+    record = StageRecord(str(dht.peer_id), STAGE, MODEL, NUM_STAGES, JOINING, 0, 0.0, 0, 1, 0, PROTOCOL_VERSION)
+    if not announce(dht, "swarm", record, ttl=24 * 3600):
+        raise SystemExit("could not announce the member's record")
+    return dht
+
+
+async def fuzz(
+    args: argparse.Namespace,
+    initial_peers: list[str],
+    peer_id: str,
+    alive: Callable[[], bool],
+    pid: int,
+    member: TetheredDHT,
+):
     rng = random.Random(args.seed)
-    p2p = await P2P.create(initial_peers=initial_peers)
+    p2p = await P2P.create(initial_peers=initial_peers)  # the outsider
+    senders = {"outsider": p2p, "member": await member.replicate_p2p()}
     target = PeerID.from_base58(peer_id)
     replies: dict[str, Counter[str]] = {protocol: Counter() for protocol in PROTOCOLS}
+    by_sender: dict[str, Counter[str]] = {sender: Counter() for sender in senders}
+    outsider_mate_ok = 0
     report: dict[str, Any] = {"memory_start_mb": round(resident_mb(pid), 1), "health_failures": []}
     checks = passed = sent = 0
     started = time.monotonic()
@@ -239,14 +264,21 @@ async def fuzz(args: argparse.Namespace, initial_peers: list[str], peer_id: str,
         while sent < args.messages and alive():
             batch = min(args.concurrency, args.messages - sent)
             protocols = [rng.choice(list(PROTOCOLS)) for _ in range(batch)]
+            who = [rng.choice(list(senders)) for _ in range(batch)]
             messages = [hostile_message(rng, protocol, step) for protocol in protocols]
             timeout = FRAME_TIMEOUT + HANG_MARGIN
             outcomes = await asyncio.gather(
-                *(send_raw(p2p, target, p, data, whole, timeout) for p, (data, whole) in zip(protocols, messages)),
+                *(
+                    send_raw(senders[sender], target, p, data, whole, timeout)
+                    for sender, p, (data, whole) in zip(who, protocols, messages)
+                ),
                 return_exceptions=True,
             )
-            for protocol, outcome in zip(protocols, outcomes):
-                replies[protocol][outcome if isinstance(outcome, str) else f"error:{type(outcome).__name__}"] += 1
+            for sender, protocol, outcome in zip(who, protocols, outcomes):
+                code = outcome if isinstance(outcome, str) else f"error:{type(outcome).__name__}"
+                replies[protocol][code] += 1
+                by_sender[sender][code] += 1
+                outsider_mate_ok += sender == "outsider" and protocol in MATE_PROTOCOLS and code == "OK"
             sent += batch
             if sent // args.health_every != (sent - batch) // args.health_every or sent >= args.messages:
                 checks += 1
@@ -264,6 +296,8 @@ async def fuzz(args: argparse.Namespace, initial_peers: list[str], peer_id: str,
         messages=sent,
         seconds=round(time.monotonic() - started, 1),
         replies_by_protocol={protocol: dict(counts) for protocol, counts in replies.items()},
+        replies_by_sender={sender: dict(counts) for sender, counts in by_sender.items()},
+        outsider_mate_ok=outsider_mate_ok,
         replies=dict(everything),
         internal_replies=everything["INTERNAL"],
         hangs=everything["hang"],
@@ -297,7 +331,12 @@ def main() -> None:
             peer_id = next(r.peer_id for r in fetch_stage_records(dht, "swarm", NUM_STAGES)[STAGE])
         finally:
             dht.shutdown()
-        report = asyncio.run(fuzz(args, swarm.initial_peers, peer_id, lambda: process.poll() is None, process.pid))
+        member = stage_member(swarm.initial_peers)
+        try:
+            alive = lambda: process.poll() is None  # noqa: E731
+            report = asyncio.run(fuzz(args, swarm.initial_peers, peer_id, alive, process.pid, member))
+        finally:
+            member.shutdown()
         report["peer_crashed"] = process.poll() is not None
         report["memory_end_mb"] = round(resident_mb(process.pid), 1)
         report["memory_growth_mb"] = round(report["memory_end_mb"] - report["memory_start_mb"], 1)
@@ -305,6 +344,7 @@ def main() -> None:
     report["healthy_at_end"] = not report["peer_crashed"] and report["health_passed"] == report["health_checks"]
     print(json.dumps(report))
     bad = report["peer_crashed"] or report["hangs"] or report["internal_replies"] or not report["healthy_at_end"]
+    bad = bad or report["outsider_mate_ok"]
     sys.exit(1 if bad or not math.isfinite(report["memory_growth_mb"]) else 0)
 
 
