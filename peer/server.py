@@ -19,7 +19,7 @@ from swarm.peer.runtime import StageRuntime
 from swarm.peer.stage_state import parameter_fingerprint
 from swarm.proto import PROTOCOL_VERSION
 
-from swarm.allowlist import admitting
+from swarm.allowlist import StreamGate
 from swarm.balance import Move, capacities, choose_stage, loads_from_records, plan_moves, stage_costs
 from swarm.config import PeerConfig
 from swarm.dht_node import connect_to_daemon, start_dht
@@ -57,6 +57,7 @@ class Peer:
         # the DHT forks: create it before any thread exists
         self.dht = start_dht(config)
         self.peer_id = str(self.dht.peer_id)
+        self.gate = StreamGate(self.dht.allowlist, config.max_streams_per_caller)
         self.stage: int = config.initial_stage if config.initial_stage is not None else -1
         self.runtime: StageRuntime | None = None
         self.mates: StageMates | None = None
@@ -270,8 +271,8 @@ class Peer:
         await self.handler.handle_info(stream_info, reader, writer)
 
     def _admit(self, handler, protocol: str):
-        """A protocol's handler behind this swarm's allowlist (if it has one)."""
-        return admitting(handler, self.dht.allowlist, protocol)
+        """A protocol's handler behind the peer's gate: the swarm's allowlist, and streams per caller."""
+        return self.gate.guard(handler, protocol)
 
     async def _host(self, p2p: P2P) -> float:
         """Starts the built stage: measures its speed, takes its mates' state, serves; returns samples/s."""

@@ -1,7 +1,8 @@
 """Private swarms: the peer ids allowed in, and the gates that keep everyone else out.
 
 With `--allowlist FILE`, a process serves nothing to a peer whose (libp2p-authenticated) peer id is
-not in the file: its streams are closed unanswered. Its DHT records are refused where they are
+not in the file: its streams are closed unanswered (`StreamGate`, which also bounds the streams any
+one caller holds open). Its DHT records are refused where they are
 stored (`AllowlistValidator`, run by every honest DHT node) and skipped where they are read.
 """
 
@@ -20,7 +21,6 @@ from swarm.identity import OWNER, owner_peer_id
 logger = logging.getLogger(__name__)
 
 MAX_ALLOWLIST_BYTES = 16 * 2**20
-refused_streams: Counter[str] = Counter()  # streams this process closed unanswered, per protocol
 
 
 class AllowlistError(ValueError):
@@ -99,22 +99,43 @@ class AllowlistValidator(RecordValidatorBase):
 Handler = Callable[..., Awaitable[None]]
 
 
-def admitting(handler: Handler, allowlist: Allowlist | None, protocol: str) -> Handler:
-    """`handler` for allowed peers only: another peer's stream is closed unanswered (no allowlist: all)."""
-    if allowlist is None:
-        return handler
+class StreamGate:
+    """The door of every protocol a peer serves: outsiders of a private swarm are turned away, and no
+    caller holds more than `max_per_caller` streams open at once (a stream over either is closed unanswered).
 
-    async def admit(stream_info, reader, writer) -> None:
-        caller = str(stream_info.peer_id)
-        if allowlist.admits(caller):
-            await handler(stream_info, reader, writer)
-            return
-        refused_streams[protocol] += 1
-        if refused_streams[protocol] in (1, 10, 100) or refused_streams[protocol] % 1000 == 0:
-            logger.warning(
-                f"Refused {refused_streams[protocol]} stream(s) on {protocol}, lately from {caller}: not in --allowlist"
-            )
+    One gate per process, shared by all its protocols, so the per-caller count is over all of them.
+    """
+
+    def __init__(self, allowlist: Allowlist | None, max_per_caller: int) -> None:
+        self.allowlist = allowlist
+        self.max_per_caller = max_per_caller
+        self.open: Counter[str] = Counter()  # streams open now, per caller
+        self.refused: Counter[str] = Counter()  # streams closed unanswered, per reason
+
+    def guard(self, handler: Handler, protocol: str) -> Handler:
+        """`handler` behind this gate."""
+
+        async def admit(stream_info, reader, writer) -> None:
+            caller = str(stream_info.peer_id)
+            if self.allowlist is not None and not self.allowlist.admits(caller):
+                self._refuse(writer, "outsider", f"{protocol} from {caller}: not in --allowlist")
+                return
+            if self.open[caller] >= self.max_per_caller:
+                self._refuse(writer, "busy", f"{protocol} from {caller}: over --max-streams-per-caller")
+                return
+            self.open[caller] += 1
+            try:
+                await handler(stream_info, reader, writer)
+            finally:
+                self.open[caller] -= 1
+                if not self.open[caller]:
+                    del self.open[caller]
+
+        return admit
+
+    def _refuse(self, writer, reason: str, what: str) -> None:
+        self.refused[reason] += 1
+        if self.refused[reason] in (1, 10, 100) or self.refused[reason] % 1000 == 0:
+            logger.warning(f"Refused {self.refused[reason]} stream(s) so far; lately {what}")
         with contextlib.suppress(Exception):
             writer.close()
-
-    return admit

@@ -267,6 +267,9 @@ class PeerConfig(NetworkConfig, ModelConfig):
     max_queue: int = option(
         1024, "requests a peer keeps queued at most; past that it answers busy (UNAVAILABLE) at once"
     )
+    max_streams_per_caller: int = option(
+        256, "streams one caller may hold open at once, over all protocols; more are closed unanswered"
+    )
     announce_period: float = option(2.0, "seconds between DHT announcements")
     record_ttl: float = option(10.0, "seconds an announcement stays valid if the peer vanishes")
     checkpoint_dir: str | None = option(None, "directory for the stage's checkpoints; resume from it if present")
@@ -330,7 +333,7 @@ class PeerConfig(NetworkConfig, ModelConfig):
             raise ConfigError("--rebalance-margin must be 0 or more")
         if self.simulated_speed < 0:
             raise ConfigError("--simulated-speed must be 0 (real speed) or positive")
-        for name in ("target_batch_size", "max_batch_samples", "num_threads", "max_queue"):
+        for name in ("target_batch_size", "max_batch_samples", "num_threads", "max_queue", "max_streams_per_caller"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
         if self.lr <= 0:

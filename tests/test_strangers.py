@@ -38,6 +38,7 @@ from swarm.transport import (
     GRAD_PROTOCOL,
     INFO_PROTOCOL,
     PROGRESS_PROTOCOL,
+    STAGE_PROTOCOL,
     STATE_PROTOCOL,
     StageCallError,
     exchange,
@@ -262,3 +263,39 @@ def test_a_private_swarm_serves_nothing_to_a_peer_outside_its_allowlist(local_sw
         outsider.shutdown()
         reader.shutdown()
     assert "not in --allowlist" in local_swarm.log_path("peer1").read_text()
+
+
+@pytest.mark.timeout(180)
+def test_a_caller_holding_too_many_streams_open_is_turned_away_and_served_again_once_it_closes_them(local_swarm):
+    local_swarm.start_bootstrap()
+    local_swarm.start_peer("peer1", 1, [*FLAGS, "--max-streams-per-caller", "3"])
+    (peer_id,) = stage1_peer_ids(local_swarm.initial_peers)
+    peer = PeerID.from_base58(peer_id)
+
+    async def go(p2p):
+        assert (await get_peer_info(p2p, peer)).stage == 1
+        held = []
+        for _ in range(3):  # each begins a frame and never finishes it: the peer waits on all three
+            _, _, writer = await p2p.call_binary_stream_handler(peer, STAGE_PROTOCOL)
+            writer.write(b"\0\0\0")
+            await writer.drain()
+            held.append(writer)
+        refused = False
+        for _ in range(50):  # the peer counts a stream once its handler starts: ask until it refuses
+            try:
+                await get_peer_info(p2p, peer, timeout=5)
+            except StageCallError:
+                refused = True
+                break
+            await asyncio.sleep(0.1)
+        for writer in held:
+            writer.close()
+        for _ in range(50):  # the held streams end on the peer's side too: it serves this caller again
+            try:
+                return refused, (await get_peer_info(p2p, peer, timeout=5)).stage
+            except StageCallError:
+                await asyncio.sleep(0.1)
+        return refused, None
+
+    assert run_p2p_client(local_swarm.initial_peers, go) == (True, 1)
+    assert "over --max-streams-per-caller" in local_swarm.log_path("peer1").read_text()
