@@ -11,6 +11,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from swarm.compression import CodecError, get_codec
@@ -43,6 +44,9 @@ from swarm.wire import (
     write_frames,
 )
 
+if TYPE_CHECKING:
+    from swarm.peer.metrics import PeerMetrics
+
 logger = logging.getLogger(__name__)
 
 
@@ -59,6 +63,7 @@ class StageHandler:
         mates: StageMates,
         step_wait: float = 40.0,
         faults: FaultPlan | None = None,
+        metrics: PeerMetrics | None = None,
     ) -> None:
         self.runtime = runtime
         self.stage: GPTStage = runtime.module
@@ -69,6 +74,7 @@ class StageHandler:
         self.mates = mates
         self.step_wait = step_wait
         self.faults = faults or FaultPlan()
+        self.metrics = metrics  # None unless --metrics-port
         self.requests_served = 0
         self.requests_refused = 0
         self._step_changed = asyncio.Event()
@@ -125,6 +131,8 @@ class StageHandler:
     async def _serve(self, reader: asyncio.StreamReader, caller: str) -> list[StageReply]:
         request, parts = await read_frames(reader, StageRequest, self.limits)
         started = time.perf_counter()
+        if self.metrics is not None:
+            self.metrics.stage_request(parts)
         # the caller's clock started earlier (the request was on the wire): this errs on computing
         give_up_at = time.monotonic() + request.deadline_s if request.deadline_s > 0 else None
         if request.protocol_version != PROTOCOL_VERSION:
@@ -212,10 +220,14 @@ class StageHandler:
         )
         self.requests_served += 1
         reply.server_seconds = time.perf_counter() - started
+        if self.metrics is not None:
+            self.metrics.stage_served(backward, reply.num_samples, reply.server_seconds, out_parts)
         return pack_frames(reply, out_parts)
 
     def _error(self, code: int, message: str) -> StageReply:
         self.requests_refused += 1
+        if self.metrics is not None:
+            self.metrics.stage_error(code)
         logger.info(f"Refused a stage call: {ErrorCode.Name(code)}: {message}")
         return StageReply(protocol_version=PROTOCOL_VERSION, error=Error(code=code, message=message))
 
@@ -231,6 +243,8 @@ class StageHandler:
             info = PeerInfo(protocol_version=PROTOCOL_VERSION, error=Error(code=e.code, message=str(e)))
         except Exception as e:
             info = PeerInfo(protocol_version=PROTOCOL_VERSION, error=Error(code=ErrorCode.INTERNAL, message=str(e)))
+        if info.error.code != ErrorCode.OK and self.metrics is not None:
+            self.metrics.info_error(info.error.code)
         try:
             await write_frames(writer, [info])
             await wait_for_hang_up(reader)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -18,10 +19,22 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-AWS_TOKEN_URL = "http://169.254.169.254/latest/api/token"
-AWS_NOTICE_URL = "http://169.254.169.254/latest/meta-data/spot/instance-action"
-GCP_NOTICE_URL = "http://metadata.google.internal/computeMetadata/v1/instance/preempted"
+# The metadata services' base URLs; the variables (shared with scripts/spot/swarm-peer.sh) point
+# them elsewhere, e.g. at a stand-in service in tests.
+AWS_METADATA_URL_ENV, AWS_METADATA_URL = "SWARM_AWS_METADATA_URL", "http://169.254.169.254"
+GCP_METADATA_URL_ENV, GCP_METADATA_URL = "SWARM_GCP_METADATA_URL", "http://metadata.google.internal"
+AWS_TOKEN_PATH = "/latest/api/token"
+AWS_NOTICE_PATH = "/latest/meta-data/spot/instance-action"
+GCP_NOTICE_PATH = "/computeMetadata/v1/instance/preempted"
 METADATA_TIMEOUT = 2.0
+
+
+def _aws_url(path: str) -> str:
+    return os.environ.get(AWS_METADATA_URL_ENV, AWS_METADATA_URL).rstrip("/") + path
+
+
+def _gcp_url(path: str) -> str:
+    return os.environ.get(GCP_METADATA_URL_ENV, GCP_METADATA_URL).rstrip("/") + path
 
 
 class PreemptionSourceError(ValueError):
@@ -33,7 +46,7 @@ def _aws_notice() -> bool:
     headers = {}
     try:
         token_request = urllib.request.Request(
-            AWS_TOKEN_URL, method="PUT", headers={"X-aws-ec2-metadata-token-ttl-seconds": "60"}
+            _aws_url(AWS_TOKEN_PATH), method="PUT", headers={"X-aws-ec2-metadata-token-ttl-seconds": "60"}
         )
         with urllib.request.urlopen(token_request, timeout=METADATA_TIMEOUT) as reply:
             headers["X-aws-ec2-metadata-token"] = reply.read().decode()
@@ -41,7 +54,7 @@ def _aws_notice() -> bool:
         pass  # IMDSv1, or no metadata service at all: the notice request below says which
     try:
         with urllib.request.urlopen(
-            urllib.request.Request(AWS_NOTICE_URL, headers=headers), timeout=METADATA_TIMEOUT
+            urllib.request.Request(_aws_url(AWS_NOTICE_PATH), headers=headers), timeout=METADATA_TIMEOUT
         ) as reply:
             return reply.status == 200
     except (urllib.error.URLError, OSError):  # HTTPError 404 included: no interruption scheduled
@@ -50,7 +63,7 @@ def _aws_notice() -> bool:
 
 def _gcp_notice() -> bool:
     """Whether GCP has started preempting this instance."""
-    request = urllib.request.Request(GCP_NOTICE_URL, headers={"Metadata-Flavor": "Google"})
+    request = urllib.request.Request(_gcp_url(GCP_NOTICE_PATH), headers={"Metadata-Flavor": "Google"})
     try:
         with urllib.request.urlopen(request, timeout=METADATA_TIMEOUT) as reply:
             return reply.read().decode().strip().upper() == "TRUE"

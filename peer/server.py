@@ -6,6 +6,7 @@ import asyncio
 import logging
 import random
 import time
+from typing import TYPE_CHECKING
 
 import torch
 from hivemind.p2p import P2P
@@ -24,12 +25,15 @@ from swarm.balance import Move, capacities, choose_stage, loads_from_records, pl
 from swarm.config import PeerConfig
 from swarm.dht_node import connect_to_daemon, start_dht
 from swarm.event_loop import run, stop_event_on_signals
-from swarm.models import build_stage, get_model_spec
+from swarm.models import build_stage
 from swarm.optimizer import OptimizerSettings, build_optimizer
 from swarm.sample_ledger import SampleLedger
 from swarm.stage_records import JOINING, LEAVING, SERVING, StageRecord, announce, fetch_stage_records
 from swarm.transport import INFO_PROTOCOL, STAGE_PROTOCOL
 from swarm.wire import WireLimits
+
+if TYPE_CHECKING:
+    from swarm.peer.metrics import PeerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +49,7 @@ class Peer:
 
     def __init__(self, config: PeerConfig) -> None:
         self.config = config
-        self.spec = get_model_spec(config.model)
+        self.spec = config.model_spec()  # with --vocab-size, which the record announces for trainers to check
         self.costs = stage_costs(self.spec, config.num_stages)
         self.state = JOINING
         self.moves = 0
@@ -63,6 +67,7 @@ class Peer:
         self.mates: StageMates | None = None
         self.handler: StageHandler | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.metrics: PeerMetrics | None = None  # with --metrics-port
 
     def _build(self, stage: int, resume: bool) -> None:
         """Builds the stage's module, optimizer, runtime, mates and handler (resuming a checkpoint if asked)."""
@@ -113,13 +118,18 @@ class Peer:
             mates=self.mates,
             step_wait=config.averaging_timeout + 10,
             faults=self.faults,
+            metrics=self.metrics,
         )
+        if self.metrics is not None:
+            self.metrics.host(self.runtime, self.mates)
         self.mates.on_phase = self.handler.notify_step
         self.mates.refresh_records = self._read_mates
 
     def _on_step(self, step: int, fingerprint: str) -> None:
         """Runs on the runtime thread after every step (or state taken from a mate)."""
         self.mates.on_step(step, fingerprint)
+        if self.metrics is not None:
+            self.metrics.stepped(self.runtime.last_round)
         if self.loop is not None:
             self.loop.call_soon_threadsafe(self._after_step)
         if step % 10 == 0:
@@ -169,6 +179,7 @@ class Peer:
             stale_gradients=self.runtime.stale_gradients,
             protocol_version=PROTOCOL_VERSION,
             movable=self.movable,
+            vocab_size=self.spec.vocab_size,
         )
 
     async def _announce(self, record: StageRecord | None = None) -> None:
@@ -224,7 +235,7 @@ class Peer:
         guess = config.simulated_speed / self.costs[stage] if config.simulated_speed else typical
         placeholder = StageRecord(
             self.peer_id, stage, config.model, config.num_stages, JOINING, 0, guess, 0,
-            config.target_batch_size, 0, PROTOCOL_VERSION, movable=self.movable,
+            config.target_batch_size, 0, PROTOCOL_VERSION, movable=self.movable, vocab_size=self.spec.vocab_size,
         )  # fmt: skip
         try:
             await self._announce(placeholder)
@@ -272,7 +283,18 @@ class Peer:
 
     def _admit(self, handler, protocol: str):
         """A protocol's handler behind the peer's gate: the swarm's allowlist, and streams per caller."""
+        if self.metrics is not None:
+            handler = self.metrics.counting(handler, protocol)
         return self.gate.guard(handler, protocol)
+
+    def _start_metrics(self) -> None:
+        """--metrics-port: serves the peer's Prometheus metrics (ConfigError if the address cannot be bound)."""
+        from swarm.peer.metrics import PeerMetrics
+
+        from swarm.metrics import serve_metrics
+
+        self.metrics = PeerMetrics(self)
+        serve_metrics(self.metrics.registry, self.config.metrics_host, self.config.metrics_port)
 
     async def _host(self, p2p: P2P) -> float:
         """Starts the built stage: measures its speed, takes its mates' state, serves; returns samples/s."""
@@ -337,6 +359,8 @@ class Peer:
 
     async def serve(self) -> None:
         config = self.config
+        if config.metrics_port is not None:
+            self._start_metrics()
         stop = stop_event_on_signals()
         check = notice_source(config.preemption_notice)
         watching = asyncio.create_task(watch_for_preemption(check, config.preemption_poll, stop)) if check else None

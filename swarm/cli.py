@@ -13,6 +13,7 @@ from swarm.config import (
     DemoConfig,
     DHTConfig,
     IdentityConfig,
+    MonitorConfig,
     PeerConfig,
     StatusConfig,
     TrainerConfig,
@@ -30,12 +31,16 @@ def _peer(config: PeerConfig) -> int:
 
 
 def _train(config: TrainerConfig) -> int:
+    from swarm.plots import PlotError
     from swarm.trainer import TrainingError, run_trainer
 
     try:
         run_trainer(config)
     except TrainingError as e:
         logging.getLogger("swarm").error(f"Training stopped: {e}")
+        return 1
+    except PlotError as e:
+        logging.getLogger("swarm").error(f"Trained, but drew no plot: {e}")
         return 1
     return 0
 
@@ -51,6 +56,17 @@ def _status(config: StatusConfig) -> int:
     from swarm.status import run_status
 
     run_status(config)
+    return 0
+
+
+def _monitor(config: MonitorConfig) -> int:
+    from swarm.monitor import MonitorError, run_monitor
+
+    try:
+        run_monitor(config)
+    except MonitorError as e:
+        logging.getLogger("swarm").error(f"swarm monitor: {e}")
+        return 1
     return 0
 
 
@@ -78,6 +94,7 @@ COMMANDS: dict[str, tuple[type, Callable, str]] = {
     "train": (TrainerConfig, _train, "drive training through the swarm's stages"),
     "dht": (DHTConfig, _dht, "run a bootstrap DHT node that others join through"),
     "status": (StatusConfig, _status, "show the swarm's stages and peers"),
+    "monitor": (MonitorConfig, _monitor, "serve a live web dashboard of the swarm"),
     "identity": (IdentityConfig, _identity, "make or read an identity file and print its peer id"),
 }
 
@@ -120,6 +137,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         return handler(config)
+    except ConfigError as e:  # a setting found unusable at start, e.g. a --metrics-port already in use
+        print(f"swarm {command}: error: {e}", file=sys.stderr)
+        return 2
     except JoinError as e:
         logging.getLogger("swarm").error(f"swarm {command}: {e}")
         return 1

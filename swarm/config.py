@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import yaml
 
 ENV_PREFIX = "SWARM_"
+MAX_VOCAB_SIZE = 2**20  # larger than any tokenizer in use; bounds the embedding a typo could ask for
 C = TypeVar("C")
 
 
@@ -186,6 +187,32 @@ class NetworkConfig:
     )
     run_id: str = option("swarm", "name of the training run; processes of other runs are ignored")
     startup_timeout: float = option(30.0, "seconds to wait for the libp2p daemon to start")
+    use_relay: bool = option(
+        True,
+        "circuit relays: reach members behind NAT through a relay, and relay for others (within the libp2p "
+        "daemon's limits: 16 circuits per peer, 30 min each)",
+    )
+    use_auto_relay: bool = option(
+        True,
+        "when this process is found unreachable from outside (behind NAT or a firewall), reserve a slot on a "
+        "relay (--trusted-relays, else the --initial-peers) and serve through it; inert where reachable",
+    )
+    trusted_relays: list[str] = option(
+        [], "multiaddrs of the relays to use when unreachable (default: the --initial-peers)"
+    )
+    relay_service: bool = option(
+        True,
+        "with --use-relay, relay for members behind NAT that reserve a slot here; useful on bootstrap nodes and "
+        "peers others can reach, inert on those nobody can",
+    )
+    client_mode: bool = option(
+        False,
+        "DHT client: listen for no connections and hold no DHT records for others (trainers and `swarm status` "
+        "behind NAT then need nothing opened); peers and bootstrap nodes must serve, so they refuse it",
+    )
+    check_reachability: bool = option(
+        True, "at start, ask another member to dial this process back, and say whether it is reachable from outside"
+    )
 
     def check(self) -> None:
         from hivemind.utils.multiaddr import Multiaddr
@@ -194,17 +221,20 @@ class NetworkConfig:
             ("--initial-peers", self.initial_peers),
             ("--host-maddrs", self.host_maddrs),
             ("--announce-maddrs", self.announce_maddrs),
+            ("--trusted-relays", self.trusted_relays),
         ):
             for address in addresses:
                 try:
                     protocols = [p.name for p in Multiaddr(address).protocols()]
                 except Exception as e:
                     raise ConfigError(f"{flag}: {address!r} is not a multiaddr ({e})") from None
-                if flag == "--initial-peers" and "p2p" not in protocols:
+                if flag in ("--initial-peers", "--trusted-relays") and "p2p" not in protocols:
                     raise ConfigError(
-                        f"--initial-peers: {address!r} names no peer; give the whole address a swarm member "
+                        f"{flag}: {address!r} names no peer; give the whole address a swarm member "
                         "prints, ending in /p2p/PEER_ID"
                     )
+        if self.trusted_relays and not self.use_relay:
+            raise ConfigError("--trusted-relays needs --use-relay")
         from swarm.allowlist import AllowlistError, load_allowlist
 
         try:
@@ -229,6 +259,17 @@ class ModelConfig:
     )
     num_stages: int = option(3, "number of pipeline stages the model is cut into")
     seed: int = option(0, "seed of the initial parameters and of the data order")
+    vocab_size: int = option(
+        0,
+        "token ids the model knows: 0 for the byte-level default (257: 256 bytes and an end-of-document token); "
+        "with a trainer's --tokenizer, the size it names; every peer and trainer of a swarm must agree",
+    )
+
+    def model_spec(self):
+        """The model's spec: the preset, with --vocab-size if given."""
+        from swarm.models import get_model_spec
+
+        return get_model_spec(self.model, **({"vocab_size": self.vocab_size} if self.vocab_size else {}))
 
     def check(self) -> None:
         from swarm.models import get_model_spec
@@ -239,6 +280,26 @@ class ModelConfig:
             raise ConfigError(str(e)) from None
         if not 1 <= self.num_stages <= spec.n_layer:
             raise ConfigError(f"--num-stages must be within 1..{spec.n_layer} for {spec.name}, got {self.num_stages}")
+        if self.vocab_size != 0 and not 2 <= self.vocab_size <= MAX_VOCAB_SIZE:
+            raise ConfigError(f"--vocab-size must be 0 (bytes) or within 2..{MAX_VOCAB_SIZE}, got {self.vocab_size}")
+
+
+@dataclass
+class MetricsConfig:
+    """Where a peer or trainer serves its Prometheus metrics (off unless --metrics-port is given)."""
+
+    metrics_port: int | None = option(
+        None, "serve Prometheus metrics at http://METRICS_HOST:PORT/metrics (0: pick a free port; default off)"
+    )
+    metrics_host: str = option(
+        "127.0.0.1", "address the metrics endpoint listens on; 0.0.0.0 lets other machines scrape it"
+    )
+
+    def check(self) -> None:
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"--metrics-port must be within 0..65535 (0: a free port), got {self.metrics_port}")
+        if not self.metrics_host.strip():
+            raise ConfigError("--metrics-host must name an address, e.g. 127.0.0.1 or 0.0.0.0")
 
 
 @dataclass
@@ -247,9 +308,14 @@ class DHTConfig(NetworkConfig):
 
     address_file: str | None = option(None, "write this node's multiaddrs to FILE once it is up")
 
+    def check(self) -> None:
+        NetworkConfig.check(self)
+        if self.client_mode:
+            raise ConfigError("--client-mode: a bootstrap node must accept connections; it cannot be a DHT client")
+
 
 @dataclass
-class PeerConfig(NetworkConfig, ModelConfig):
+class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig):
     """`swarm peer`: hosts one stage, serves forward and backward, steps its optimizer."""
 
     stage: str = option(
@@ -318,7 +384,10 @@ class PeerConfig(NetworkConfig, ModelConfig):
 
     def check(self) -> None:
         NetworkConfig.check(self)
+        if self.client_mode:
+            raise ConfigError("--client-mode: a peer serves its stage, so it must accept connections (or use a relay)")
         ModelConfig.check(self)
+        MetricsConfig.check(self)
         if self.stage != "auto":
             try:
                 stage = int(self.stage)
@@ -363,13 +432,27 @@ class PeerConfig(NetworkConfig, ModelConfig):
 
 
 @dataclass
-class TrainerConfig(NetworkConfig, ModelConfig):
+class TrainerConfig(NetworkConfig, ModelConfig, MetricsConfig):
     """`swarm train`: drives microbatches through the stages; holds no parameters."""
 
     steps: int = option(100, "optimizer steps to train for")
     microbatch_size: int = option(8, "samples in one microbatch")
     max_in_flight: int = option(8, "microbatches in flight at once")
-    data: str | None = option(None, "text file or folder to train on (default: Python's standard library)")
+    data: str | None = option(
+        None,
+        "what to train on: a text file, a folder (every text file under it, recognised by content), or "
+        "hf:NAME_OR_PATH, a Hugging Face dataset: a folder saved with save_to_disk, a local .json/.jsonl/.csv/"
+        ".parquet/text file, or a hub name hf:NAME[:CONFIG] (needs pip install -e '.[hf]'); "
+        "default: Python's standard library",
+    )
+    data_split: str = option("train", "with --data hf:...: the dataset split to read")
+    text_column: str = option("text", "with --data hf:...: the column that holds the text")
+    tokenizer: str | None = option(
+        None,
+        "tokenize with this tokenizer (a tokenizer.json file, a folder holding one, or a hub name; needs "
+        "pip install -e '.[hf]') instead of bytes; the model then needs --vocab-size as large as the tokenizer's, "
+        "on this trainer and every peer (the trainer names the size if it is missing)",
+    )
     max_corpus_mb: float = option(32.0, "read at most this many MiB of the corpus")
     data_seed: int | None = option(
         None, "seed of the order samples are drawn in (default: --seed); give each trainer of a swarm its own"
@@ -405,11 +488,13 @@ class TrainerConfig(NetworkConfig, ModelConfig):
         None, "append a JSON line per microbatch fed through every stage to FILE, by id (for chaos tests)"
     )
     summary_file: str | None = option(None, "write a JSON summary of the run to FILE")
+    plot: str | None = option(None, "draw loss and samples/s per step into this PNG file at the end")
     progress: bool = option(True, "show a progress bar")
 
     def check(self) -> None:
         NetworkConfig.check(self)
         ModelConfig.check(self)
+        MetricsConfig.check(self)
         for name in ("steps", "microbatch_size", "max_in_flight", "max_retries"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
@@ -426,6 +511,7 @@ class TrainerConfig(NetworkConfig, ModelConfig):
         if self.emulate_bandwidth_mbit < 0 or self.emulate_latency_ms < 0:
             raise ConfigError("--emulate-bandwidth-mbit and --emulate-latency-ms must be 0 or more")
         check_data_path(self.data)
+        check_plot_path(self.plot)
 
 
 @dataclass
@@ -437,17 +523,47 @@ class DemoConfig(ModelConfig):
     microbatch_size: int = option(8, "samples in one microbatch")
     max_in_flight: int = option(6, "microbatches in flight at once")
     lr: float = option(3e-3, "AdamW learning rate")
-    data: str | None = option(None, "text file or folder to train on (default: Python's standard library)")
+    data: str | None = option(
+        None,
+        "what to train on: a text file, a folder of text files, or hf:NAME_OR_PATH, a Hugging Face dataset "
+        "(see swarm train --help); default: Python's standard library",
+    )
+    tokenizer: str | None = option(
+        None, "tokenize with this tokenizer (see swarm train --help) instead of bytes; sets --vocab-size to match"
+    )
     log_dir: str | None = option(None, "directory for the processes' logs (default: a temporary one)")
     summary_file: str | None = option(None, "write the trainer's JSON summary to FILE")
+    plot: str = option("auto", "PNG file for the loss and samples/s plot: auto for LOG_DIR/loss.png, none for no plot")
 
     def check(self) -> None:
         ModelConfig.check(self)
         check_data_path(self.data)
+        if self.plot not in ("auto", "none"):
+            check_plot_path(self.plot)
+
+
+def check_plot_path(plot: str | None) -> None:
+    """`--plot` must name a .png file that can be written (checked before training, not after it)."""
+    if plot is None:
+        return
+    path = Path(plot)
+    if path.suffix.lower() != ".png":
+        raise ConfigError(f"--plot: {plot} must be a .png file")
+    if path.is_dir():
+        raise ConfigError(f"--plot: {plot} is a folder; give a .png file")
+    folder = next((p for p in path.absolute().parents if p.exists()), None)
+    if folder is None or not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise ConfigError(f"--plot: cannot write into {folder or path.parent}")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise ConfigError(f"--plot: {plot} is not writable")
 
 
 def check_data_path(data: str | None) -> None:
     """`--data` must name a file or folder that exists (checked before any process starts)."""
+    if data is not None and data.startswith("hf:"):
+        if not data[3:]:
+            raise ConfigError("--data hf: names no dataset; give hf:NAME or hf:PATH")
+        return  # a hub name or a local path: told apart, and checked, when the trainer loads it
     if data is not None and not Path(data).exists():
         raise ConfigError(f"--data: {data} does not exist; give a text file or a folder of them")
 
@@ -465,3 +581,24 @@ class StatusConfig(NetworkConfig):
 
     num_stages: int = option(3, "number of stages to show")
     watch: float = option(0.0, "refresh every N seconds (0: print once)")
+
+
+@dataclass
+class MonitorConfig(NetworkConfig):
+    """`swarm monitor`: a live web dashboard of the swarm's stages, peers, balance, trainers and loss."""
+
+    num_stages: int = option(3, "number of stages to show")
+    host: str = option("127.0.0.1", "address the dashboard listens on; 0.0.0.0 lets other machines see it")
+    port: int = option(8471, "port the dashboard listens on (0: any free port; the URL is printed)")
+    refresh: float = option(2.0, "seconds between reads of the swarm from the DHT")
+
+    def check(self) -> None:
+        NetworkConfig.check(self)
+        if not 1 <= self.num_stages <= 1024:
+            raise ConfigError(f"--num-stages must be within 1..1024, got {self.num_stages}")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"--port must be within 0..65535 (0: any free port), got {self.port}")
+        if not self.host.strip():
+            raise ConfigError("--host must name an address, e.g. 127.0.0.1 or 0.0.0.0")
+        if not 0.1 <= self.refresh <= 3600:
+            raise ConfigError(f"--refresh must be within 0.1..3600 seconds, got {self.refresh}")

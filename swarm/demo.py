@@ -10,6 +10,7 @@ import json
 import logging
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -26,6 +27,12 @@ def run_demo(config: DemoConfig) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     workdir = config.log_dir or tempfile.mkdtemp(prefix="swarm-demo-")
     summary_file = config.summary_file or f"{workdir}/summary.json"
+    plot_file = {"auto": f"{workdir}/loss.png", "none": None}.get(config.plot, config.plot)
+    vocab_size = config.vocab_size
+    if config.tokenizer and not vocab_size:
+        vocab_size = tokenizer_vocab_size(config.tokenizer)
+        if vocab_size is None:
+            return 2
     model_flags = [
         "--model",
         config.model,
@@ -33,6 +40,8 @@ def run_demo(config: DemoConfig) -> int:
         str(config.num_stages),
         "--seed",
         str(config.seed),
+        "--vocab-size",
+        str(vocab_size),
     ]
     with LocalSwarm(workdir) as swarm:
         logger.info(f"Starting a bootstrap node, {config.num_stages} peers and a trainer; logs in {workdir}")
@@ -56,6 +65,8 @@ def run_demo(config: DemoConfig) -> int:
         ]
         if config.data:
             trainer_flags += ["--data", config.data]
+        if config.tokenizer:
+            trainer_flags += ["--tokenizer", config.tokenizer]
         trainer = swarm.start_trainer("trainer", trainer_flags, log=False)
         try:
             returncode = trainer.wait()
@@ -76,6 +87,16 @@ def run_demo(config: DemoConfig) -> int:
     except (OSError, ValueError):
         logger.error(f"The trainer left no summary; see the logs in {workdir}")
         return returncode or 1
+    plot_line = ""
+    if plot_file:  # drawn here from the summary: a plot that fails costs nothing of the run
+        from swarm.plots import PlotError, curves_from_summary, plot_training
+
+        try:
+            title = f"swarm demo: {config.model}, {config.num_stages} stages"
+            drawn = plot_training([curves_from_summary(summary, config.model)], plot_file, title)
+            plot_line = f"\n  loss plot:    {drawn}"
+        except PlotError as e:
+            logger.error(f"No loss plot: {e}")
     print(
         "\nDemo summary\n"
         f"  steps:        {summary['steps']} ({summary['samples']} samples)\n"
@@ -83,7 +104,20 @@ def run_demo(config: DemoConfig) -> int:
         f"  first loss:   {summary['first_loss']:.3f}\n"
         f"  last loss:    {summary['last_loss']:.3f} (mean of the last 5 steps)\n"
         f"  retried calls: {summary['retries']}\n"
-        f"  logs:         {workdir}",
+        f"  logs:         {workdir}"
+        f"{plot_line}",
         flush=True,
     )
     return returncode
+
+
+def tokenizer_vocab_size(tokenizer: str) -> int | None:
+    """The model vocabulary that `tokenizer`'s ids need, for every process of the demo; None (said why) if unusable."""
+    from swarm.data import CorpusError
+    from swarm.hugging_face import load_tokenizer
+
+    try:
+        return load_tokenizer(tokenizer).vocab_size
+    except CorpusError as e:
+        print(f"swarm demo: error: {e}", file=sys.stderr)
+        return None

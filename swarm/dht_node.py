@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import time
+from typing import Any
 
 from hivemind import DHT
 from hivemind.p2p import P2P
@@ -39,9 +40,11 @@ class TetheredDHT(DHT):
         *,
         identity: Identity | None = None,
         allowlist: Allowlist | None = None,
+        daemon_flags: dict[str, Any] | None = None,
         **kwargs,
     ) -> None:
         self.identity = identity or load_identity(None)
+        self.daemon_flags = daemon_flags or {}  # extra libp2p daemon flags (see add_daemon_flags)
         self.allowlist = allowlist
         validators = [self.identity.validator]
         if allowlist is not None:
@@ -61,6 +64,8 @@ class TetheredDHT(DHT):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
         watch_parent(self._parent_pid, self._shutdown_orphan, name="dht-parent-watch")
+        if self.daemon_flags:
+            add_daemon_flags(self.daemon_flags)
         super().run()
 
     def _shutdown_orphan(self) -> None:
@@ -80,12 +85,67 @@ class JoinError(RuntimeError):
     """This process could not start its DHT node or join the swarm: the message says what to check."""
 
 
-def start_dht(config: NetworkConfig) -> DHT:
+def relay_relays(config: NetworkConfig) -> list[str]:
+    """The relays a process unreachable from outside reserves a slot on: one address per relay.
+
+    The --trusted-relays, or else the --initial-peers. The daemon counts each address given as a relay
+    of its own and waits (3 minutes) for as many as it was given, so a peer named twice, as a bootstrap
+    node printing two addresses is, must be named once.
+    """
+    relays: dict[str, str] = {}
+    for address in config.trusted_relays or config.initial_peers:
+        relays.setdefault(address.rsplit("/p2p/", 1)[-1], address)
+    return list(relays.values())
+
+
+def relay_options(config: NetworkConfig, reachable: bool | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """hivemind's DHT options, and extra libp2p daemon flags, for NAT: relays, auto-relay, client mode.
+
+    `reachable` is what the reachability check found (None: unknown). The daemon's own AutoNAT cannot
+    tell: its helpers refuse to dial private addresses, so on a LAN, or behind NAT with helpers on
+    one, it never decides and its auto-relay never starts. So the check's answer is forced on it:
+    unreachable, it reserves a slot on a relay at once and announces the relayed address beside its
+    own; reachable, it never uses one.
+
+    hivemind always has the daemon look for relays among its DHT neighbours, and then waits until it
+    has found four or 3 minutes have passed: the extra flags give it a fixed list of relays instead
+    (see relay_relays), which it uses at once.
+    """
+    options: dict[str, Any] = {"use_relay": config.use_relay, "use_auto_relay": False}
+    flags: dict[str, Any] = {} if config.relay_service else {"relayService": False}
+    relays = relay_relays(config)
+    if config.use_relay and config.use_auto_relay and not config.client_mode and relays:
+        options["use_auto_relay"] = True
+        flags.update(relayDiscovery=False, trustedRelays=",".join(relays))
+    if reachable is not None:
+        options["force_reachability"] = "public" if reachable else "private"
+    if config.client_mode:
+        # hivemind's client mode: no DHT duties; and no listening, since nobody needs to dial a client
+        options.update(client_mode=True, no_listen=True)
+    return options, flags
+
+
+def add_daemon_flags(flags: dict[str, Any]) -> None:
+    """Has every libp2p daemon this process starts from now on run with `flags` too.
+
+    hivemind 1.1.12 does not pass these through (`P2P.create` takes a fixed set of options); this
+    adds them to the command line it builds. Called in the DHT's own child process only.
+    """
+    build = P2P._make_process_args
+
+    def with_flags(*args: Any, **kwargs: Any) -> list[str]:
+        return build(*args, **{**kwargs, **flags})
+
+    P2P._make_process_args = staticmethod(with_flags)
+
+
+def start_dht(config: NetworkConfig, reachable: bool | None = None) -> DHT:
     """Starts a DHT node (a child process with its own libp2p daemon) and joins the swarm.
 
     The node's process and daemon end with this process, however it ends. It forks, so call it
     before starting threads or touching CUDA. Raises JoinError when the node cannot start or none
-    of the initial peers answers.
+    of the initial peers answers. `reachable`: whether others can dial this process, if known (see
+    `swarm.reachability`); one that cannot serves through a relay.
     """
     try:
         identity = load_identity(config.identity_path)
@@ -97,6 +157,7 @@ def start_dht(config: NetworkConfig) -> DHT:
             f"This process's peer id {identity.peer_id} is not in --allowlist {allowlist.path}: the other members "
             "will refuse it. Add it there (and start with the same --identity-path), or use an identity on the list"
         )
+    options, flags = relay_options(config, reachable)
     try:
         return TetheredDHT(
             initial_peers=config.initial_peers or None,
@@ -106,6 +167,8 @@ def start_dht(config: NetworkConfig) -> DHT:
             announce_maddrs=config.announce_maddrs or None,
             startup_timeout=config.startup_timeout,
             start=True,
+            daemon_flags=flags,
+            **options,
         )
     except Exception as e:
         if "bootstrap failed" in str(e) or "failed to connect to bootstrap peers" in str(e):

@@ -40,6 +40,7 @@ RANGES: dict[str, tuple[float, float]] = {
     "target_batch_size": (1, 2**31),
     "stale_gradients": (0, 2**53),
     "protocol_version": (0, 2**31),
+    "vocab_size": (0, 2**31),  # 0: a peer from before the field existed (byte-level)
 }
 PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{20,128}")  # base58, as libp2p writes peer ids
 MAX_MODEL_NAME = 128
@@ -64,6 +65,8 @@ class StageRecord:
     expiration: float = 0.0
     # False for a peer that never rebalances (`--rebalance-period 0`): others must not plan its move
     movable: bool = True
+    # token ids the peer's model knows: peers and trainers of one swarm must agree (`--vocab-size`)
+    vocab_size: int = 0
 
     def to_value(self) -> dict:
         value = asdict(self)

@@ -25,6 +25,7 @@ import random
 import time
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from hivemind.p2p import P2P, PeerID
@@ -34,17 +35,20 @@ from tqdm import tqdm
 from swarm.compression import CODECS, get_codec
 from swarm.compression.link_choice import CodecChooser, activation_like, profile_codecs
 from swarm.config import TrainerConfig
-from swarm.data import ByteCorpus
+from swarm.data import Corpus, CorpusError, load_corpus
 from swarm.dht_node import connect_to_daemon, start_dht
 from swarm.event_loop import run, stop_event_on_signals
 from swarm.link_shaper import LinkShape, LinkShaper
-from swarm.models import get_model_spec
 from swarm.models.stage_io import StageOutputError, check_stage_outputs
 from swarm.proto import BACKWARD, FORWARD, ErrorCode, StageRequest
 from swarm.router import Router
 from swarm.sample_ledger import SampleLedger, fed_record
 from swarm.stage_records import SERVING, StageRecord, fetch_stage_records
+from swarm.trainer_records import TrainerProgress, publish_forever
 from swarm.transport import CallStats, StageCallError, call_stage
+
+if TYPE_CHECKING:
+    from swarm.metrics import TrainerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +118,7 @@ class Trainer:
 
     def __init__(self, config: TrainerConfig) -> None:
         self.config = config
-        self.spec = get_model_spec(config.model)
+        self.spec = config.model_spec()
         self.chooser: CodecChooser | None = None
         if config.compression == "auto":
             width = self.spec.boundary_width
@@ -127,7 +131,11 @@ class Trainer:
         self.summary = TrainingSummary()
         # the DHT forks: create it before the corpus or anything else starts threads
         self.dht = start_dht(config)
-        self.corpus = ByteCorpus(config.data, int(config.max_corpus_mb * 2**20))
+        try:
+            self.corpus = self._load_corpus()
+        except TrainingError:
+            self.dht.shutdown()
+            raise
         self.p2p: P2P | None = None
         self.step = 0
         self.trainer_id = str(self.dht.peer_id)  # the caller id peers see: half of every microbatch's id
@@ -141,6 +149,25 @@ class Trainer:
         self._resending: set[tuple[int, int]] = set()  # (stage, microbatch) being sent again
         self._served_by = ""  # the peer that served the last call (read right after awaiting it)
         self._last_success: dict[int, float] = {}  # per stage, when a call to it last succeeded (monotonic)
+        self.metrics: TrainerMetrics | None = None  # with --metrics-port
+        self.progress = TrainerProgress(self.trainer_id, config.model, config.num_stages)  # for `swarm monitor`
+        self._wrong_vocab: dict[str, tuple[int, int]] = {}  # peers whose model has another vocabulary: stage, size
+
+    def _load_corpus(self) -> Corpus:
+        """The corpus of --data (and --tokenizer); TrainingError if it cannot be used or the model cannot hold it."""
+        config = self.config
+        try:
+            corpus = load_corpus(
+                config.data, int(config.max_corpus_mb * 2**20), config.tokenizer, config.data_split, config.text_column
+            )
+        except CorpusError as e:
+            raise TrainingError(str(e)) from None
+        if corpus.vocab_size > self.spec.vocab_size:
+            raise TrainingError(
+                f"the data {corpus.name} has token ids up to {corpus.vocab_size - 1}, but the model knows "
+                f"{self.spec.vocab_size}: start this trainer and every peer with --vocab-size {corpus.vocab_size}"
+            )
+        return corpus
 
     # --- peers -----------------------------------------------------------------------------------
 
@@ -153,6 +180,16 @@ class Trainer:
             stage: [r for r in recs if r.model == self.config.model and r.num_stages == self.config.num_stages]
             for stage, recs in records.items()
         }
+        for stage, recs in mine.items():
+            # a peer whose embedding or head has another size cannot serve this trainer's token ids
+            for r in recs:
+                if r.vocab_size not in (0, self.spec.vocab_size) and r.peer_id not in self._wrong_vocab:
+                    self._wrong_vocab[r.peer_id] = (stage, r.vocab_size)
+                    logger.warning(
+                        f"Ignoring peer {r.peer_id} of stage {stage}: its model knows {r.vocab_size} token ids, "
+                        f"this trainer's {self.spec.vocab_size}; start it with --vocab-size {self.spec.vocab_size}"
+                    )
+            mine[stage] = [r for r in recs if r.vocab_size in (0, self.spec.vocab_size)]
         self.router.update(mine, get_dht_time())
         return mine
 
@@ -169,6 +206,12 @@ class Trainer:
         deadline = time.monotonic() + self.config.stage_wait_timeout
         warned = False
         while not self.router.live_peers(stage):
+            wrong = sorted({size for s, size in self._wrong_vocab.values() if s == stage})
+            if wrong and not self.summary.steps:
+                raise TrainingError(
+                    f"stage {stage} has only peers whose model knows {', '.join(map(str, wrong))} token ids, this "
+                    f"trainer's {self.spec.vocab_size}: start the peers and this trainer with the same --vocab-size"
+                )
             if time.monotonic() > deadline:
                 raise TrainingError(
                     f"stage {stage} has had no live peer for {self.config.stage_wait_timeout:.0f}s; "
@@ -266,6 +309,8 @@ class Trainer:
                 )
                 self._check_reply(stage, backward, tensors, reply, outputs, record.peer_id)
             except StageCallError as e:
+                if self.metrics is not None:
+                    self.metrics.call_failed(e.code)
                 if e.code == ErrorCode.STALE and e.reply is not None and backward and e.reply.step > step:
                     # the stage stepped twice since the forward: the gradient is applied at its current step
                     # instead of running the microbatch again from the first stage (later stages have it)
@@ -304,6 +349,8 @@ class Trainer:
                 self._reached[stage] = max(self._reached.get(stage, reply.step), reply.step)
             self.summary.bytes_sent += stats.bytes_sent
             self.summary.bytes_received += stats.bytes_received
+            if self.metrics is not None:
+                self.metrics.call_answered(stage, backward, codec, stats, time.perf_counter() - started)
             if self.chooser is not None:
                 self.chooser.observe(record.peer_id, stats.bytes_sent + stats.bytes_received, stats.network_seconds)
             self._served_by = record.peer_id
@@ -405,11 +452,21 @@ class Trainer:
             await stepping
         return None
 
+    def _start_metrics(self) -> None:
+        """--metrics-port: serves the trainer's Prometheus metrics (ConfigError if the address cannot be bound)."""
+        from swarm.metrics import TrainerMetrics, serve_metrics
+
+        self.metrics = TrainerMetrics(self)
+        serve_metrics(self.metrics.registry, self.config.metrics_host, self.config.metrics_port)
+
     async def train(self) -> TrainingSummary:
         config = self.config
+        if config.metrics_port is not None:
+            self._start_metrics()
         stop = stop_event_on_signals()
         self.p2p = await connect_to_daemon(self.dht)
         refreshing = asyncio.create_task(self._refresh_forever())
+        publishing = asyncio.create_task(publish_forever(self.dht, config.run_id, self.progress))
         try:
             target_batch_size, self.step = await self.wait_for_swarm()
             self._want = {stage: self.step for stage in range(config.num_stages)}
@@ -420,6 +477,7 @@ class Trainer:
             summary = self.summary
             summary.first_step = self.step
             start = time.perf_counter()
+            self.progress.begin()
             bar = tqdm(total=config.steps, desc="training", unit="step", disable=not config.progress, mininterval=1.0)
             for _ in range(config.steps):
                 if stop.is_set():
@@ -435,10 +493,14 @@ class Trainer:
                 summary.steps += 1
                 summary.samples += target_batch_size
                 summary.losses.append(loss)
+                if self.metrics is not None:
+                    self.metrics.step_finished(target_batch_size, loss)
                 summary.seconds = time.perf_counter() - start
                 summary.samples_per_second = summary.samples / summary.seconds
                 summary.step_seconds.append(round(summary.seconds, 3))
                 summary.bans = self.router.bans_issued
+                banned = [p for p, ban in self.router.bans.items() if ban.until > self.router.clock()]
+                self.progress.add_step(self.step, loss, target_batch_size, summary.bans, banned)
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.3f}", samples_s=f"{summary.samples_per_second:.1f}")
                 if not config.progress and summary.steps % 10 == 0:
@@ -446,6 +508,7 @@ class Trainer:
             bar.close()
         finally:
             refreshing.cancel()
+            publishing.cancel()
         if self.chooser is not None:
             summary.codecs = self.chooser.choices()
         if summary.losses:
@@ -474,4 +537,9 @@ def run_trainer(config: TrainerConfig) -> TrainingSummary:
     if config.summary_file:
         with open(config.summary_file, "w") as file:
             json.dump(asdict(summary), file, indent=1)
+    if config.plot:  # last: a plot that cannot be written loses nothing above (PlotError reaches the command)
+        from swarm.plots import curves_from_summary, plot_training
+
+        title = f"{config.model}, {config.num_stages} stages, data: {trainer.corpus.name}"
+        print(f"loss plot: {plot_training([curves_from_summary(summary, config.model)], config.plot, title)}")
     return summary
