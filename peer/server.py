@@ -27,6 +27,7 @@ from swarm.dht_node import connect_to_daemon, start_dht
 from swarm.event_loop import run, stop_event_on_signals
 from swarm.models import build_stage
 from swarm.optimizer import OptimizerSettings, build_optimizer
+from swarm.reachability import REACH_PROTOCOL, check_before_start, report_reachability, serve_reachability
 from swarm.sample_ledger import SampleLedger
 from swarm.stage_records import JOINING, LEAVING, SERVING, StageRecord, announce, fetch_stage_records
 from swarm.transport import INFO_PROTOCOL, STAGE_PROTOCOL
@@ -58,8 +59,10 @@ class Peer:
         self.ledger = SampleLedger(config.ledger)
         self.rng = random.Random()
         torch.set_num_threads(config.num_threads)
+        # before the DHT: the answer decides whether its daemon serves directly or through a relay
+        self.reachability = check_before_start(config)
         # the DHT forks: create it before any thread exists
-        self.dht = start_dht(config)
+        self.dht = start_dht(config, reachable=self.reachability.reachable)
         self.peer_id = str(self.dht.peer_id)
         self.gate = StreamGate(self.dht.allowlist, config.max_streams_per_caller)
         self.stage: int = config.initial_stage if config.initial_stage is not None else -1
@@ -372,6 +375,10 @@ class Peer:
         self._build(self.stage, resume=True)
         await p2p.add_binary_stream_handler(STAGE_PROTOCOL, self._admit(self._handle_stage, STAGE_PROTOCOL))
         await p2p.add_binary_stream_handler(INFO_PROTOCOL, self._admit(self._handle_info, INFO_PROTOCOL))
+        await serve_reachability(p2p, self._admit)
+        reporting = asyncio.create_task(
+            report_reachability(self.reachability, config, lambda: p2p.get_visible_maddrs(latest=True))
+        )
         announcing: asyncio.Task | None = None
         try:
             while True:
@@ -408,6 +415,7 @@ class Peer:
                 started = time.perf_counter()
                 logger.info(f"Left stage {source} in {time.monotonic() - left_at:.1f}s; joining stage {target}")
         finally:
+            reporting.cancel()
             if announcing is not None:
                 announcing.cancel()
         left_at = time.monotonic()
@@ -416,7 +424,7 @@ class Peer:
             watching.cancel()
         await self._leave_stage()
         logger.info(f"Left the swarm {time.monotonic() - left_at:.1f}s after the request to leave")
-        for protocol in (STAGE_PROTOCOL, INFO_PROTOCOL):
+        for protocol in (STAGE_PROTOCOL, INFO_PROTOCOL, REACH_PROTOCOL):
             try:
                 await p2p.remove_binary_stream_handler(protocol)
             except Exception as e:

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
 import tempfile
+import threading
 
+from swarm.allowlist import StreamGate
 from swarm.config import DHTConfig
-from swarm.dht_node import start_dht
+from swarm.dht_node import TetheredDHT, connect_to_daemon, start_dht
+from swarm.reachability import serve_reachability
 
 logger = logging.getLogger(__name__)
 
@@ -22,6 +26,24 @@ def write_atomically(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
+def answer_reachability(dht: TetheredDHT, ready: threading.Event) -> None:
+    """Serves `/swarm/reach` from this node's daemon, on an event loop of its own, until the process ends."""
+
+    async def serve() -> None:
+        p2p = await connect_to_daemon(dht)
+        gate = StreamGate(dht.allowlist, max_per_caller=8)
+        await serve_reachability(p2p, gate.guard)
+        ready.set()
+        await asyncio.Event().wait()
+
+    try:
+        asyncio.run(serve())
+    except Exception as e:
+        logger.warning(f"This node cannot answer reachability checks ({type(e).__name__}: {e})")
+    finally:
+        ready.set()
+
+
 def run_bootstrap(config: DHTConfig) -> None:
     """Runs a DHT node until SIGTERM or Ctrl-C, printing the addresses others join with."""
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
@@ -29,6 +51,10 @@ def run_bootstrap(config: DHTConfig) -> None:
     try:
         maddrs = [str(m) for m in dht.get_visible_maddrs()]
         logger.info("DHT node is up. Join with: --initial-peers " + " ".join(maddrs))
+        # members about to join ask this node to dial them back (see swarm.reachability)
+        answering = threading.Event()
+        threading.Thread(target=answer_reachability, args=(dht, answering), name="reachability", daemon=True).start()
+        answering.wait(timeout=config.startup_timeout)
         if config.address_file:
             write_atomically(config.address_file, "\n".join(maddrs) + "\n")
         signal.sigwait({signal.SIGTERM, signal.SIGINT})

@@ -51,6 +51,9 @@ def test_demo_trains_and_exits_cleanly(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Demo summary" in result.stdout and "first loss" in result.stdout
+    plot = tmp_path / "logs" / "loss.png"  # drawn by default into the log dir, and named in the summary
+    assert f"loss plot:    {plot}" in result.stdout
+    assert plot.read_bytes().startswith(b"\x89PNG\r\n\x1a\n") and plot.stat().st_size > 10_000
     summary = json.loads(summary_file.read_text())
     assert summary["steps"] == 12
     assert summary["last_loss"] < summary["first_loss"] - 0.5

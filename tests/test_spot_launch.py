@@ -367,11 +367,11 @@ def test_launched_peer_leaves_on_aws_notice_and_returns_with_its_id(local_swarm,
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=[script.name for script in SCRIPTS])
 def test_shellcheck(script):
+    assert os.access(script, os.X_OK), f"{script.name} is not executable"
     if shutil.which("shellcheck") is None:
         pytest.skip("shellcheck is not installed (apt-get install shellcheck)")
     result = subprocess.run(["shellcheck", "--severity=style", str(script)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert os.access(script, os.X_OK), f"{script.name} is not executable"
 
 
 def _unit_settings() -> dict[str, list[str]]:

@@ -13,7 +13,7 @@
 set -euo pipefail
 
 metadata() {  # metadata NAME: an instance attribute, empty when unset
-    curl --silent --fail --connect-timeout 2 -H "Metadata-Flavor: Google" \
+    curl --silent --fail --noproxy '*' --connect-timeout 2 -H "Metadata-Flavor: Google" \
         "http://metadata.google.internal/computeMetadata/v1/instance/attributes/$1" || true
 }
 
