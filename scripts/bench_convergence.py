@@ -18,7 +18,7 @@ from pathlib import Path
 from swarm.local_swarm import LocalSwarm
 
 
-def train(codec: str, args: argparse.Namespace, workdir: Path) -> list[float]:
+def train(codec: str, args: argparse.Namespace, workdir: Path) -> dict:
     model_flags = ["--model", args.model, "--num-stages", "3", "--seed", "1"]
     summary_file = workdir / f"{codec}.json"
     with LocalSwarm(workdir / codec) as swarm:
@@ -44,7 +44,7 @@ def train(codec: str, args: argparse.Namespace, workdir: Path) -> list[float]:
         )
         if trainer.wait() != 0:
             sys.exit(f"the {codec} run failed; logs in {workdir / codec}")
-    return json.loads(summary_file.read_text())["losses"]
+    return json.loads(summary_file.read_text())
 
 
 def main() -> None:
@@ -54,11 +54,15 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=20, help="steps per point of the reported curves")
     parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
     parser.add_argument("--model", default="gpt-tiny", help="model preset")
+    parser.add_argument("--plot", metavar="FILE.png", help="also draw every codec's loss and samples/s per step there")
     args = parser.parse_args()
+    if args.plot and not args.plot.lower().endswith(".png"):
+        parser.error(f"--plot {args.plot}: give a .png file")
     workdir = Path(tempfile.mkdtemp(prefix="bench-convergence-"))
-    curves = {}
+    curves, summaries = {}, {}
     for codec in args.codecs:
-        losses = train(codec, args, workdir)
+        summaries[codec] = train(codec, args, workdir)
+        losses = summaries[codec]["losses"]
         curves[codec] = [
             round(sum(losses[i : i + args.window]) / len(losses[i : i + args.window]), 4)
             for i in range(0, len(losses), args.window)
@@ -73,6 +77,14 @@ def main() -> None:
         "relative_to_none": {c: round(v / baseline - 1, 4) for c, v in final.items()} if baseline else {},
         "curves": curves,
     }
+    if args.plot:
+        from swarm.plots import PlotError, curves_from_summary, plot_training
+
+        runs = [curves_from_summary(summary, codec) for codec, summary in summaries.items()]
+        try:
+            result["plot"] = str(plot_training(runs, args.plot, f"{args.model}: loss and samples/s per codec"))
+        except PlotError as e:
+            print(f"no plot: {e}", file=sys.stderr)
     print(json.dumps(result))
 
 

@@ -19,6 +19,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -55,12 +56,15 @@ class LocalSwarm:
     def log_path(self, name: str) -> Path:
         return self.workdir / f"{name}.log"
 
-    def spawn(self, name: str, role: str, flags: list[str], log: bool = True) -> subprocess.Popen:
+    def spawn(
+        self, name: str, role: str, flags: list[str], log: bool = True, prefix: Sequence[str] = ()
+    ) -> subprocess.Popen:
         """Starts `swarm ROLE FLAGS` as process `name`, its output in NAME.log (or this console).
 
+        `prefix`: a command that runs it, e.g. `ip netns exec NAME` (it must exec the program, keeping its pid).
         The process leaves, with its DHT child and daemons, when this one dies (see swarm.lifeline).
         """
-        command = [sys.executable, "-m", "swarm", role, *flags]
+        command = [*prefix, sys.executable, "-m", "swarm", role, *flags]
         env = {**self.env, LAUNCHER_PID_ENV: str(os.getpid())}
         # the kernel's parent-death signal fires when the forking thread ends: only the main thread lives as long
         env[PARENT_DEATH_SIGNAL_ENV] = "1" if threading.current_thread() is threading.main_thread() else "0"
