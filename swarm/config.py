@@ -528,6 +528,8 @@ class DemoConfig(ModelConfig):
         "what to train on: a text file, a folder of text files, or hf:NAME_OR_PATH, a Hugging Face dataset "
         "(see swarm train --help); default: Python's standard library",
     )
+    data_split: str = option("train", "with --data hf:...: the dataset split to read")
+    text_column: str = option("text", "with --data hf:...: the column that holds the text")
     tokenizer: str | None = option(
         None, "tokenize with this tokenizer (see swarm train --help) instead of bytes; sets --vocab-size to match"
     )

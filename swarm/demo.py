@@ -64,7 +64,8 @@ def run_demo(config: DemoConfig) -> int:
             summary_file,
         ]
         if config.data:
-            trainer_flags += ["--data", config.data]
+            trainer_flags += ["--data", config.data, "--data-split", config.data_split]
+            trainer_flags += ["--text-column", config.text_column]
         if config.tokenizer:
             trainer_flags += ["--tokenizer", config.tokenizer]
         trainer = swarm.start_trainer("trainer", trainer_flags, log=False)

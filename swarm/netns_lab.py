@@ -3,10 +3,10 @@
 For the NAT test and `scripts/nat_check.py`. Layout (addresses are fixed; names carry a tag, e.g.
 the pid, so that several labs can exist at once):
 
-    public LAN 10.199.0.0/24 (a bridge in namespace `sw-TAG-lan`)
-      sw-TAG-boot   10.199.0.1    bootstrap node
-      sw-TAG-pub    10.199.0.2    public peer, trainer
-      sw-TAG-nat    10.199.0.3    NAT router (masquerades the private LAN, drops new inbound connections)
+    public LAN 11.199.0.0/24 (a bridge in namespace `sw-TAG-lan`)
+      sw-TAG-boot   11.199.0.1    bootstrap node
+      sw-TAG-pub    11.199.0.2    public peer, trainer
+      sw-TAG-nat    11.199.0.3    NAT router (masquerades the private LAN, drops new inbound connections)
                     192.168.199.1
     private LAN 192.168.199.0/24
       sw-TAG-priv   192.168.199.2 peer behind NAT (default route via the router)
@@ -25,7 +25,10 @@ import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-PUBLIC_NET = "10.199.0"
+# The lab's "internet" has public addresses (sealed off in the lab's namespaces, they never reach the
+# real one): libp2p takes a relay at a private address for useless to a peer behind NAT, and never
+# announces a relayed address through it.
+PUBLIC_NET = "11.199.0"
 PRIVATE_NET = "192.168.199"
 
 

@@ -53,6 +53,7 @@ def draw_training(runs: Sequence[RunCurves], title: str = "") -> Figure:
 
     matplotlib.use("Agg")  # files only: no display on servers and in CI
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     # a bare Figure, not pyplot's: nothing global to close, safe from any thread
     figure = Figure(figsize=(8, 6), dpi=100, layout="constrained")
@@ -63,6 +64,7 @@ def draw_training(runs: Sequence[RunCurves], title: str = "") -> Figure:
     loss_axes.set_ylabel("loss")
     speed_axes.set_ylabel("samples/s")
     speed_axes.set_xlabel("step")
+    speed_axes.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole
     for axes in (loss_axes, speed_axes):
         axes.grid(alpha=0.3)
     if len(runs) > 1:

@@ -78,6 +78,22 @@ def observed_address(addr: Multiaddr | str) -> tuple[str, str] | None:
         return None
 
 
+def dial_error(error: Exception) -> str:
+    """The gist of a failed dial, on one line: the daemon's last reason, e.g. 'connection refused'."""
+    text = " ".join(str(error).split()) or type(error).__name__
+    if "connect: " in text:  # the socket's own error, after the daemon's account of its attempts
+        return text.rsplit("connect: ", 1)[-1][:MAX_TEXT]
+    return text[-MAX_TEXT:]
+
+
+def _loopback(maddr: str) -> bool:
+    parts = maddr.split("/")
+    try:
+        return len(parts) > 2 and parts[1] in ("ip4", "ip6") and ipaddress.ip_address(parts[2]).is_loopback
+    except ValueError:
+        return False
+
+
 def tcp_ports(maddrs: Sequence[Multiaddr | str]) -> list[int]:
     """The distinct TCP ports of direct (not relayed) multiaddrs, in order."""
     ports: dict[int, None] = {}
@@ -185,7 +201,7 @@ class ReachabilityService:
         except asyncio.TimeoutError:
             return f"no answer in {DIAL_TIMEOUT:.0f}s"
         except Exception as e:
-            return (str(e) or type(e).__name__)[-MAX_TEXT:]
+            return dial_error(e)
         finally:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(client.disconnect(listener), DIAL_TIMEOUT)
@@ -266,6 +282,8 @@ def check_before_start(config: NetworkConfig) -> Reachability:
         return Reachability(None, detail="not checked (--no-check-reachability)")
     if config.allowlist is not None:
         return Reachability(None, detail="not checked in a private swarm (--allowlist)")
+    if all(_loopback(address) for address in config.host_maddrs):
+        return Reachability(None, detail="listening on loopback only (--host-maddrs): only this machine can reach it")
     started = time.monotonic()
     reachability = asyncio.run(probe(config))
     logger.info(
@@ -287,10 +305,11 @@ class Advice:
 def advise(reachability: Reachability, config: NetworkConfig, visible: Sequence[str]) -> Advice:
     """The plain-words report: reachable where, or which port to open and which relay serves meanwhile."""
     relays = [address for address in visible if "/p2p-circuit" in address]
-    who = f" (checked by {reachability.checked_by}, which opened a new connection to it)"
     if reachability.reachable:
         reached = [address for address, ok, _ in reachability.results if ok]
+        who = f" (member {reachability.checked_by} opened a new connection to it there)"
         return Advice(True, f"reachable directly at {' '.join(reached)}{who}", relays)
+    who = f" (member {reachability.checked_by} tried to open a new connection to it)"
     if reachability.reachable is None:
         return Advice(None, f"could not check whether others can reach this process: {reachability.detail}", relays)
     failed = "; ".join(f"{address}: {error}" for address, _, error in reachability.results)
