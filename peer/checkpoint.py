@@ -29,6 +29,10 @@ class StageCheckpoint:
     samples_stepped: int = 0
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be resumed: unreadable, of another stage, or of another model shape."""
+
+
 def checkpoint_path(directory: str | os.PathLike, model: str, stage: int, num_stages: int) -> Path:
     """Where the checkpoint of one stage lives inside a checkpoint directory."""
     return Path(directory) / f"{model}-stage{stage}-of-{num_stages}.pt"
@@ -84,13 +88,22 @@ def load_checkpoint(directory: str | os.PathLike, model: str, stage: int, num_st
         payload = torch.load(path, map_location="cpu", weights_only=True)
         checkpoint = StageCheckpoint(**payload)
     except Exception as e:
-        raise RuntimeError(f"checkpoint {path} cannot be loaded ({e}); move it away to start fresh") from e
+        raise CheckpointError(f"checkpoint {path} cannot be loaded ({e}); move it away to start fresh") from e
     if (checkpoint.model, checkpoint.stage, checkpoint.num_stages) != (model, stage, num_stages):
-        raise RuntimeError(f"checkpoint {path} holds another stage or model; move it away to start fresh")
+        raise CheckpointError(f"checkpoint {path} holds another stage or model; move it away to start fresh")
     return checkpoint
 
 
 def restore(checkpoint: StageCheckpoint, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Loads a checkpoint's parameters and optimizer state into a freshly built stage."""
-    module.load_state_dict(checkpoint.parameters)
-    optimizer.load_state_dict(checkpoint.optimizer)
+    try:
+        module.load_state_dict(checkpoint.parameters)
+        optimizer.load_state_dict(checkpoint.optimizer)
+    except (RuntimeError, ValueError, KeyError) as e:
+        # the same preset with other shapes, e.g. another --vocab-size: say which settings to check
+        first_line = str(e).strip().splitlines()[-1].strip() if str(e).strip() else type(e).__name__
+        raise CheckpointError(
+            f"the checkpoint of stage {checkpoint.stage} does not fit this model ({first_line}); start the peer "
+            "with the settings it was saved with (--model, --num-stages, --vocab-size), or move the checkpoint "
+            "away to start fresh"
+        ) from None

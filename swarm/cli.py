@@ -134,13 +134,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.exit(2, f"swarm {command}: error: {e}\n")
     setup_logging(level, command)
     from swarm.dht_node import JoinError
+    from swarm.peer.checkpoint import CheckpointError
 
     try:
         return handler(config)
     except ConfigError as e:  # a setting found unusable at start, e.g. a --metrics-port already in use
         print(f"swarm {command}: error: {e}", file=sys.stderr)
         return 2
-    except JoinError as e:
+    except (JoinError, CheckpointError) as e:
         logging.getLogger("swarm").error(f"swarm {command}: {e}")
         return 1
 

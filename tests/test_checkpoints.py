@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -19,7 +20,7 @@ from conftest import (
     trainer_flags,
     wait_for_records,
 )
-from swarm.peer.checkpoint import load_checkpoint, save_checkpoint
+from swarm.peer.checkpoint import CheckpointError, load_checkpoint, restore, save_checkpoint
 from swarm.peer.mates import request_state
 from swarm.peer.stage_state import load_state_tensors
 
@@ -126,3 +127,14 @@ def test_checkpoint_write_killed_midway_leaves_the_previous_one(tmp_path, delay)
     module = build_stage(get_model_spec("gpt-tiny"), 0, 1, seed=0)
     save_checkpoint(tmp_path, "big", module, build_optimizer(module, OptimizerSettings()), 0)
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_checkpoint_of_another_vocabulary_is_one_clear_error(tmp_path):
+    spec = get_model_spec("gpt-tiny")
+    module = build_stage(spec, 0, 2, seed=0)
+    save_checkpoint(tmp_path, "gpt-tiny", module, build_optimizer(module, OptimizerSettings()), 3)
+    checkpoint = load_checkpoint(tmp_path, "gpt-tiny", 0, 2)
+    wider = build_stage(dataclasses.replace(spec, vocab_size=spec.vocab_size + 100), 0, 2, seed=0)
+    with pytest.raises(CheckpointError, match="--vocab-size") as error:
+        restore(checkpoint, wider, build_optimizer(wider, OptimizerSettings()))
+    assert "\n" not in str(error.value)
