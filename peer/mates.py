@@ -190,6 +190,10 @@ class StageMates:
         # shut a live mate out of the round under way.
         self.stage_peers: dict[str, float] = {}
         self.refresh_records: Callable[[], Awaitable[None]] | None = None  # re-reads the stage's records
+        # peers of other stages whose signed records say they hold a standby copy of this stage
+        # (`swarm.peer.standby`): they may download its state, and nothing else; kept up to date by the peer
+        self.standby_holders: set[str] = set()
+        self.standby_bytes_given = 0  # bytes of state sent to standby holders
         self._refreshing: asyncio.Task | None = None
         self._refreshed_at = float("-inf")
         self._refresh_began = float("-inf")
@@ -341,7 +345,8 @@ class StageMates:
 
         async def guarded(stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             sender = str(stream_info.peer_id)
-            if await self._admits(sender):
+            standby = protocol == STATE_PROTOCOL and sender in self.standby_holders
+            if standby or await self._admits(sender):
                 await handler(stream_info, reader, writer)
                 return
             self.refused_outsiders += 1
@@ -959,27 +964,33 @@ class StageMates:
                 frames = [StateReply(protocol_version=PROTOCOL_VERSION, error=error)]
             else:
                 runtime = self.runtime
+                requester = str(stream_info.peer_id)
+                # a standby holder takes a copy and stays out of the stage: no round waits for it
+                member = not (requester in self.standby_holders and not self._is_member(requester))
                 # a snapshot on the runtime thread sees the state between steps, never mid-step
                 # it will not contribute to a round under way here: stop waiting for it
-                requester = str(stream_info.peer_id)
-                if self.phase() == AVERAGING:
+                if member and self.phase() == AVERAGING:
                     self._departed.add(requester)
                     self._changed.set()
                 snapshot = runtime.run_exclusive(
                     lambda: (runtime.step, runtime.samples_stepped, *state_tensors(runtime.module, runtime.optimizer))
                 )
                 step, samples_stepped, tensors, has_optimizer_state = await asyncio.wrap_future(snapshot)
-                # the newcomer is a member from the step it takes: rounds from then on include it
-                self.steps[step].progress.setdefault(requester, {})
-                if requester not in self.mates:
-                    self._newcomers.add(requester)
-                self._departed.discard(requester)
-                # it learns the progress of this peer's mates from here until it shows in the DHT
-                self._spawn(self._send_progress(requester, step, self._own(step)))
-                logger.info(
-                    f"Giving stage {self.stage} state of step {step} (fingerprint {state_fingerprint(tensors)}) "
-                    f"to {requester}"
-                )
+                if member:
+                    # the newcomer is a member from the step it takes: rounds from then on include it
+                    self.steps[step].progress.setdefault(requester, {})
+                    if requester not in self.mates:
+                        self._newcomers.add(requester)
+                    self._departed.discard(requester)
+                    # it learns the progress of this peer's mates from here until it shows in the DHT
+                    self._spawn(self._send_progress(requester, step, self._own(step)))
+                else:
+                    self.standby_bytes_given += sum(t.numel() * t.element_size() for t in tensors)
+                if member:  # a standby copy goes every few steps: not worth a line each time
+                    logger.info(
+                        f"Giving stage {self.stage} state of step {step} (fingerprint {state_fingerprint(tensors)}) "
+                        f"to {requester}"
+                    )
                 parts = await asyncio.get_running_loop().run_in_executor(
                     None, lambda: [p for t in tensors for p in encode_tensor(t, get_codec("none"))]
                 )
@@ -992,7 +1003,7 @@ class StageMates:
                     held=[
                         HeldSamples(peer=p, ids=ids_to_wire(held))
                         for p, held in self.steps[step].progress.items()
-                        if p != requester and held
+                        if member and p != requester and held
                     ],
                 )
                 frames = pack_frames(reply, parts)

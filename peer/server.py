@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 from hivemind.p2p import P2P
 from swarm.compression import get_codec
+from swarm.peer.announcer import Announcer
 from swarm.peer.checkpoint import checkpoint_path, load_checkpoint, restore, save_checkpoint
 from swarm.peer.faults import FaultPlan
 from swarm.peer.handler import StageHandler
@@ -18,10 +19,11 @@ from swarm.peer.mates import StageMates
 from swarm.peer.preemption import notice_source, watch_for_preemption
 from swarm.peer.runtime import StageRuntime
 from swarm.peer.stage_state import parameter_fingerprint
+from swarm.peer.standby import STANDBY_PROTOCOL, Standby, StandbyKeeper
 from swarm.proto import PROTOCOL_VERSION
 
 from swarm.allowlist import StreamGate
-from swarm.balance import Move, capacities, choose_stage, loads_from_records, plan_moves, stage_costs
+from swarm.balance import Move, MoveCost, capacities, choose_stage, loads_from_records, plan_moves, stage_costs
 from swarm.config import PeerConfig
 from swarm.dht_node import connect_to_daemon, start_dht
 from swarm.event_loop import run, stop_event_on_signals
@@ -37,6 +39,9 @@ if TYPE_CHECKING:
     from swarm.peer.metrics import PeerMetrics
 
 logger = logging.getLogger(__name__)
+
+# seconds a move takes besides the state download: draining the queue, handing over, building, timing a batch
+MOVE_FIXED_SECONDS = 5.0
 
 
 class Peer:
@@ -62,7 +67,7 @@ class Peer:
         # before the DHT: the answer decides whether its daemon serves directly or through a relay
         self.reachability = check_before_start(config)
         # the DHT forks: create it before any thread exists
-        self.dht = start_dht(config, reachable=self.reachability.reachable)
+        self.dht = start_dht(config, reachable=self.reachability.for_daemon)
         self.peer_id = str(self.dht.peer_id)
         self.gate = StreamGate(self.dht.allowlist, config.max_streams_per_caller)
         self.stage: int = config.initial_stage if config.initial_stage is not None else -1
@@ -71,9 +76,16 @@ class Peer:
         self.handler: StageHandler | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.metrics: PeerMetrics | None = None  # with --metrics-port
+        # standby copies of other stages (--standby-stages), and the restore of a stage all of whose peers died
+        self.standbys = StandbyKeeper(self) if config.standby_stages > 0 else None
+        self._moves: asyncio.Queue[int] | None = None  # where `serve` takes the next move from
+        self.moving_to = -1  # while leaving for another stage by the balance rule: that stage
+        self._state_mb: list[float] | None = None  # each stage's state, parameters and optimizer, in MiB
+        self.announcer = Announcer(self._store, self._renewal, config.announce_period, name="swarm-announcer")
 
-    def _build(self, stage: int, resume: bool) -> None:
-        """Builds the stage's module, optimizer, runtime, mates and handler (resuming a checkpoint if asked)."""
+    def _build(self, stage: int, resume: bool, standby: Standby | None = None) -> None:
+        """Builds the stage's module, optimizer, runtime, mates and handler (resuming a checkpoint, or
+        restoring a standby copy, if asked)."""
         config = self.config
         self.stage = stage
         module = build_stage(self.spec, stage, config.num_stages, config.seed)
@@ -86,6 +98,9 @@ class Peer:
                 restore(checkpoint, module, optimizer)
                 step, samples_stepped = checkpoint.step, checkpoint.samples_stepped
                 logger.info(f"Resumed stage {stage} from its checkpoint at step {step}")
+        if standby is not None:
+            self.standbys.restore_into(standby, module, optimizer)
+            step, samples_stepped = standby.step, standby.samples_stepped
         simulated = config.simulated_speed / self.costs[stage] if config.simulated_speed else 0.0
         self.runtime = StageRuntime(
             module,
@@ -183,13 +198,33 @@ class Peer:
             protocol_version=PROTOCOL_VERSION,
             movable=self.movable,
             vocab_size=self.spec.vocab_size,
+            standbys=self.standbys.announced() if self.standbys is not None else (),
+            moving_to=self.moving_to if self.state == LEAVING else -1,
         )
 
+    def _renewal(self) -> StageRecord | None:
+        """The record the announcer renews; None while a mover has built its target but not announced it yet
+        (its record on the source, naming the target, holds until then)."""
+        if self.state == LEAVING and self.moving_to == self.stage:
+            return None
+        return self.record()
+
+    def request_move(self, stage: int) -> None:
+        """Asks `serve` to move this peer to `stage` (as a balance move does), if it is serving."""
+        if self._moves is not None and self.state == SERVING:
+            self._moves.put_nowait(stage)
+        elif self.standbys is not None:
+            self.standbys.move_failed()
+
     async def _announce(self, record: StageRecord | None = None) -> None:
+        if self.announcer.running:  # in order with the renewals, the record built when it is stored
+            await asyncio.wrap_future(self.announcer.announce_now(record))
+            return
         record = record or self.record()
-        await asyncio.get_running_loop().run_in_executor(
-            None, announce, self.dht, self.config.run_id, record, self.config.record_ttl
-        )
+        await asyncio.get_running_loop().run_in_executor(None, self._store, record)
+
+    def _store(self, record: StageRecord) -> None:
+        announce(self.dht, self.config.run_id, record, self.config.record_ttl)
 
     async def _fetch_records(self, only: int | None = None) -> dict[int, list[StageRecord]]:
         config = self.config
@@ -202,9 +237,15 @@ class Peer:
         self.mates.update_records(records[self.stage])
 
     async def _announce_forever(self) -> None:
+        """Renews the record from the announcer's thread, and reads the stage-mates' records every period.
+
+        The reads stay on the loop, apart: one that takes tens of seconds under load must not hold back
+        the next renewal, or the record lapses while the peer is alive.
+        """
+        if not self.announcer.running:
+            self.announcer.start()
         while True:
             try:
-                await self._announce()
                 await self._read_mates()
             except Exception as e:
                 logger.warning(f"Could not reach the DHT ({e}); retrying in {self.config.announce_period}s")
@@ -226,7 +267,7 @@ class Peer:
         except Exception as e:
             logger.warning(f"Could not read the swarm's stages ({e}); choosing among all of them at random")
             records = {}
-        loads = loads_from_records(records)
+        loads = loads_from_records(records, self.costs)
         stage = choose_stage(loads, config.num_stages, self.costs, self.rng)
         logger.info(
             f"Chose stage {stage}: stage capacities {[round(c, 1) for c in capacities(loads, config.num_stages)]} "
@@ -252,9 +293,14 @@ class Peer:
         await self._read_mates()
         ahead = [r for r in self.mates.mates.values() if r.step >= self.runtime.step]
         if not ahead:
+            if not self.mates.mates and self.standbys is not None:  # an empty stage: a standby copy brings it back
+                await self.standbys.fetch_for_newcomer()
             return
         start = time.perf_counter()
         source = await self.mates.sync_from_mates(minimum_step=self.runtime.step)
+        # the mates' records may be the last words of peers that died: a standby copy brings the stage back
+        if source is None and self.standbys is not None and await self.standbys.fetch_for_newcomer():
+            return
         if source is None:
             logger.warning(
                 f"No stage-mate gave its state; serving from step {self.runtime.step} and retrying as training goes"
@@ -302,6 +348,7 @@ class Peer:
     async def _host(self, p2p: P2P) -> float:
         """Starts the built stage: measures its speed, takes its mates' state, serves; returns samples/s."""
         self.state = JOINING
+        self.moving_to = -1
         throughput = self.runtime.measure_throughput(self._sample_batch())
         self.runtime.start()
         await self.mates.start(p2p, self._admit)
@@ -325,6 +372,21 @@ class Peer:
         self.mates.serving = False
         await self.mates.stop()
 
+    def _move_cost(self) -> MoveCost:
+        """What a move costs, from the model and flags every peer shares, so that all plan alike."""
+        if self._state_mb is None:
+            # the state a mover downloads: parameters and the two AdamW moments, counted on the meta device
+            with torch.device("meta"):
+                counts = [
+                    sum(p.numel() for p in build_stage(self.spec, s, self.config.num_stages, 0).parameters())
+                    for s in range(self.config.num_stages)
+                ]
+            self._state_mb = [3 * 4 * n / 2**20 for n in counts]
+        config = self.config
+        return MoveCost.of_state(
+            max(self._state_mb), config.move_bandwidth_mbit, MOVE_FIXED_SECONDS, config.rebalance_horizon
+        )
+
     async def _planned_move(self) -> Move | None:
         """This peer's move in the balance rule's plan for the swarm as the DHT shows it now, if any."""
         config = self.config
@@ -333,32 +395,68 @@ class Peer:
         except Exception as e:
             logger.warning(f"Could not read the swarm's stages for rebalancing ({e})")
             return None
-        plan = plan_moves(loads_from_records(records), config.num_stages, config.rebalance_margin, self.costs)
+        loads = loads_from_records(records, self.costs)
+        plan = plan_moves(loads, config.num_stages, config.rebalance_margin, self.costs, move_cost=self._move_cost())
         mine = next((m for m in plan if m.peer_id == self.peer_id), None)
         return mine if mine is not None and mine.source == self.stage else None
 
+    async def _another_serves(self, stage: int) -> bool:
+        """Whether the DHT shows a peer other than this one serving `stage` (read after announcing LEAVING)."""
+        try:
+            records = await self._fetch_records(only=stage)
+        except Exception as e:
+            logger.warning(f"Could not read stage {stage}'s records before leaving it ({e})")
+            return False
+        return any(r.state == SERVING and r.peer_id != self.peer_id for r in records[stage])
+
     async def _balance_forever(self, move_to: asyncio.Queue) -> None:
-        """Every randomised period, asks the balance rule whether this peer should move; tells `serve` where."""
+        """Every randomised period, asks the balance rule whether this peer should move; tells `serve` where.
+
+        Every peer computes the same whole plan, and each checks once a period, so the moves of a plan
+        are taken within one period. A mover announces LEAVING naming its target at once: the others'
+        plans count it there, so the rest of the plan stays the plan, and no second peer is sent for the
+        gap it fills. It announces its target stage itself only once it has built it and serves there.
+        """
         config = self.config
+        first = self.moves == 0
         while True:
-            # randomised, so that peers do not all look at the same moment and move in a herd
-            await asyncio.sleep(config.rebalance_period * self.rng.uniform(0.5, 1.5))
+            # randomised, so that peers do not all look at the same moment and move in a herd; a peer's
+            # first look comes within one period, so a swarm started skewed is balanced in one
+            periods = self.rng.uniform(0, 1) if first else self.rng.uniform(0.5, 1.5)
+            await asyncio.sleep(config.rebalance_period * periods)
+            first = False
             if self.state != SERVING:
                 continue
             mine = await self._planned_move()
             if mine is not None:
                 # a second look a moment later: a DHT read that missed a stage, or a passing dip in
-                # someone's measured speed, must not send a peer away
+                # someone's measured speed, must not send a peer away. Its target may differ: where a
+                # plan sends each mover shifts with small changes of speed; that it moves does not
                 await asyncio.sleep(self.rng.uniform(1, 2) * config.announce_period)
-                again = await self._planned_move()
-                mine = mine if again is not None and again.target == mine.target else None
-            if mine is not None:
-                logger.info(
-                    f"Moving from stage {mine.source} to the bottleneck stage {mine.target}: the lower of the two "
-                    f"goes from {mine.low_before:.1f} to {mine.low_after:.1f} samples/s"
-                )
-                await move_to.put(mine.target)
-                return
+                mine = await self._planned_move()
+            if mine is None:
+                continue
+            self.state, self.moving_to = LEAVING, mine.target
+            try:
+                await self._announce()
+                # no stage is left without a serving peer in anyone's view, even where two peers read
+                # different views: once its LEAVING is out, the mover looks for another serving peer
+                await asyncio.sleep(config.announce_period)
+                if not await self._another_serves(self.stage):
+                    logger.info(f"Staying on stage {self.stage}: no other peer serves it in the DHT now")
+                    self.state, self.moving_to = SERVING, -1
+                    await self._announce()
+                    continue
+            except BaseException:
+                if self.state == LEAVING and self.moving_to == mine.target:
+                    self.state, self.moving_to = SERVING, -1
+                raise
+            logger.info(
+                f"Moving from stage {mine.source} to the bottleneck stage {mine.target}: the lower of the two "
+                f"goes from {mine.low_before:.1f} to {mine.low_after:.1f} samples/s"
+            )
+            await move_to.put(mine.target)
+            return
 
     async def serve(self) -> None:
         config = self.config
@@ -376,15 +474,22 @@ class Peer:
         await p2p.add_binary_stream_handler(STAGE_PROTOCOL, self._admit(self._handle_stage, STAGE_PROTOCOL))
         await p2p.add_binary_stream_handler(INFO_PROTOCOL, self._admit(self._handle_info, INFO_PROTOCOL))
         await serve_reachability(p2p, self._admit)
+        if self.standbys is not None:
+            await p2p.add_binary_stream_handler(
+                STANDBY_PROTOCOL, self._admit(self.standbys.handle_standby, STANDBY_PROTOCOL)
+            )
         reporting = asyncio.create_task(
             report_reachability(self.reachability, config, lambda: p2p.get_visible_maddrs(latest=True))
         )
         announcing: asyncio.Task | None = None
+        keeping: asyncio.Task | None = None
         try:
             while True:
                 throughput = await self._host(p2p)
                 if announcing is None:
                     announcing = asyncio.create_task(self._announce_forever())
+                if keeping is None and self.standbys is not None:
+                    keeping = asyncio.create_task(self.standbys.run())
                 maddrs = " ".join(str(m) for m in self.dht.get_visible_maddrs())
                 logger.info(
                     f"Serving stage {self.stage}/{config.num_stages} of {config.model} at step {self.runtime.step}, "
@@ -392,6 +497,7 @@ class Peer:
                     f"{self.peer_id}. Others can join with --initial-peers {maddrs}"
                 )
                 move_to: asyncio.Queue[int] = asyncio.Queue()
+                self._moves = move_to
                 balancing = asyncio.create_task(self._balance_forever(move_to)) if self.movable else None
                 moving = asyncio.create_task(move_to.get())
                 stopping = asyncio.create_task(stop.wait())
@@ -401,6 +507,7 @@ class Peer:
                         task.cancel()
                 if stop.is_set():
                     break
+                self._moves = None
                 target = moving.result()
                 left_at = time.monotonic()
                 source = self.stage
@@ -410,21 +517,24 @@ class Peer:
                     checkpoint_path(config.checkpoint_dir, config.model, source, config.num_stages).unlink(
                         missing_ok=True
                     )
-                self._build(target, resume=False)
+                self._build(target, resume=False, standby=self.standbys.claim(target) if self.standbys else None)
                 self.moves += 1
                 started = time.perf_counter()
                 logger.info(f"Left stage {source} in {time.monotonic() - left_at:.1f}s; joining stage {target}")
         finally:
             reporting.cancel()
-            if announcing is not None:
-                announcing.cancel()
+            for task in (announcing, keeping):
+                if task is not None:
+                    task.cancel()
+            if self.standbys is not None:
+                self.standbys.stop()
         left_at = time.monotonic()
         logger.info("Leaving: no new requests; finishing those in flight")
         if watching is not None:
             watching.cancel()
         await self._leave_stage()
         logger.info(f"Left the swarm {time.monotonic() - left_at:.1f}s after the request to leave")
-        for protocol in (STAGE_PROTOCOL, INFO_PROTOCOL, REACH_PROTOCOL):
+        for protocol in (STAGE_PROTOCOL, INFO_PROTOCOL, REACH_PROTOCOL, STANDBY_PROTOCOL):
             try:
                 await p2p.remove_binary_stream_handler(protocol)
             except Exception as e:
@@ -438,6 +548,7 @@ class Peer:
                 self.runtime.shutdown(timeout=self.config.shutdown_timeout)
                 if self.config.checkpoint_dir:
                     self.save_checkpoint()
+            self.announcer.stop()
             self.dht.shutdown()
             logger.info(f"Peer {self.peer_id} has left")
 

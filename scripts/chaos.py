@@ -12,17 +12,22 @@ Two kinds of churn:
   size would measure the size, not the churn. Throughput under churn is measured over the trace's
   window only: the trainers finish their steps after it with no churn.
 
-A stage's last serving peer is never killed (its state would be gone; checkpoints cover that
-case, not churn). Each of `--runs` runs is a fresh local swarm: `--trainers` trainers (each on its
-own shard of the standard library when there are several) train with no churn to measure the
-baseline, then through the churn, then, with the starting layout restored, with no churn again
-(throughput drifts as a swarm warms up and its model trains, so one baseline alone would flatter or
-blame the churn). Every process writes a sample ledger (`--ledger`) in the run's folder. The report
-gives, per run and in total: steps, samples/s over time, throughput under churn against the mean
-of the two baselines, retries, bans, resent samples, the longest stall between steps and the runs
-with a stall over 30 s; from the ledger, per stage and by microbatch id, samples lost, counted
-twice and orphaned, and steps whose replicas wrote different fingerprints; and at the end, every
-live peer's parameter fingerprint, replicas of a stage at one step that differ counted as divergent.
+With `--spare-last-peer no` (the default) the churn kills whatever peer it picks, a stage's last
+one included: the stage comes back from a standby copy (`swarm.peer.standby`), and the report
+counts the stages lost and served again, the steps of progress each restore lost (from the peers'
+"Restored stage" lines) and the seconds from a stage's death to a peer serving it again. With
+`--spare-last-peer yes`, a stage's last serving peer is never killed (skipped kills are counted).
+
+Each of `--runs` runs is a fresh local swarm: `--trainers` trainers (each on its own shard of the
+standard library when there are several) train with no churn to measure the baseline, then through
+the churn, then, with the starting layout restored, with no churn again (throughput drifts as a
+swarm warms up and its model trains, so one baseline alone would flatter or blame the churn). Every
+process writes a sample ledger (`--ledger`) in the run's folder. The report gives, per run and in
+total: steps, samples/s over time, throughput under churn against the mean of the two baselines,
+retries, bans, resent samples, the longest stall between steps and the runs with a stall over 30 s;
+from the ledger, per stage and by microbatch id, samples lost, counted twice and orphaned, and steps
+whose replicas wrote different fingerprints; and at the end, every live peer's parameter
+fingerprint, replicas of a stage at one step that differ counted as divergent.
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ from swarm.dht_node import TetheredDHT
 from swarm.local_swarm import LocalSwarm
 from swarm.sample_ledger import account, read_ledger
 from swarm.spot_trace import live_peer_targets, mean_live_peers
-from swarm.stage_records import SERVING, fetch_stage_records
+from swarm.stage_records import LEAVING, SERVING, fetch_stage_records
 from swarm.transport import get_peer_info
 
 NUM_STAGES = 3
@@ -65,6 +70,7 @@ SHARDS = ["asyncio", "email", "unittest", "xml", "multiprocessing", "tkinter", "
 READY = re.compile(r"Found all \d+ stages")  # the trainer's log line just before its clock starts
 POLL = 0.2  # seconds between looks at the processes: short against a step (about a second)
 IDS_SHOWN = 20  # microbatch ids listed per stage and kind in the report; the counts cover them all
+RESTORED = re.compile(r"^(\S+) .*Restored stage (\d+) from a standby at step (\d+) \(lost (\d+) steps\)", re.M)
 
 
 class RunFailed(RuntimeError):
@@ -94,9 +100,15 @@ class Churn:
         rng: random.Random,
         ledger_dir: Path | None,
         peer_flags: list[str] = PEER_FLAGS,
+        spare_last_peer: bool = False,
     ) -> None:
         self.swarm, self.dht, self.sig, self.rng, self.ledger_dir = swarm, dht, sig, rng, ledger_dir
         self.peer_flags = peer_flags
+        self.spare_last_peer = spare_last_peer
+        self.dead_ids: set[str] = set()  # peer ids killed: their records linger until they expire
+        self.lost: dict[int, float] = {}  # stage -> when (time.monotonic) its last serving peer was killed
+        self.losses: list[dict[str, Any]] = []  # per stage death: the stage, and seconds until one served it again
+        self.died_at_step: dict[int, list[int]] = {}  # per stage, the step at each of its deaths
         self.serial = 0
         self.stage_of: dict[str, int] = {}
         self.process: dict[str, subprocess.Popen] = {}
@@ -123,10 +135,24 @@ class Churn:
         return self.peer_ids[name]
 
     def forget_dead(self) -> None:
-        """Drops peers that exited unasked (a crash is a finding: counted, and the stage left one short)."""
+        """Drops peers that exited unasked (a crash is a finding: counted, and the stage left one short),
+        and follows peers that moved to another stage (to restore a lost stage, or to rebalance)."""
         for name in [n for n in self.stage_of if self.process[n].poll() is not None]:
             del self.stage_of[name]
             self.died += 1
+        records = fetch_stage_records(self.dht, "swarm", NUM_STAGES)
+        now_on = {r.peer_id: stage for stage, group in records.items() for r in group if r.state != LEAVING}
+        for name in self.stage_of:
+            if (peer_id := self.peer_id(name)) in now_on:
+                self.stage_of[name] = now_on[peer_id]
+
+    def watch_lost(self) -> None:
+        """Notes when each lost stage has a (live) serving peer again."""
+        for stage, since in list(self.lost.items()):
+            records = fetch_stage_records(self.dht, "swarm", NUM_STAGES, only=stage)[stage]
+            if any(r.state == SERVING and r.peer_id not in self.dead_ids for r in records):
+                self.losses.append({"stage": stage, "seconds_to_serving": round(time.monotonic() - since, 1)})
+                del self.lost[stage]
 
     def serving(self, stage: int) -> list[str]:
         """Names of this stage's live processes whose record says serving (a fresh record, not a dead one's)."""
@@ -141,14 +167,40 @@ class Churn:
     def kill(self, name: str) -> bool:
         stage = self.stage_of[name]
         serving = self.serving(stage)
-        if name not in serving or len(serving) < 2:
+        if self.spare_last_peer and (name not in serving or len(serving) < 2):
             self.skipped += 1  # never the stage's last serving peer, nor one still joining
             return False
+        if self.peer_id(name):
+            self.dead_ids.add(self.peer_id(name))
         self.swarm.stop(name, self.sig, timeout=30)
         del self.stage_of[name]
         self.kills += 1
         self.events.append((round(time.time(), 3), "kill", stage))
+        if serving == [name] and stage not in self.lost:
+            self.lost[stage] = time.monotonic()  # its last serving peer: the stage's state lives on in standbys
+            self.events.append((round(time.time(), 3), "stage lost", stage))
+            # the step it died at, as its (lingering) records say: what a restore from a copy falls short of
+            records = fetch_stage_records(self.dht, "swarm", NUM_STAGES, only=stage)[stage]
+            self.died_at_step.setdefault(stage, []).append(max((r.step for r in records), default=0))
         return True
+
+    def restores(self) -> list[dict[str, Any]]:
+        """Every "Restored stage" line in the peers' logs, in time order: the stage, the step it came back at,
+        and the steps lost: from the step the stage died at (its records at the kill), and as the peer saw it."""
+        found = []
+        for name in self.process:
+            text = self.swarm.log_path(name).read_text(errors="replace")
+            for clock, stage, step, lost in RESTORED.findall(text):
+                found.append((clock, int(stage), int(step), int(lost), name))
+        deaths = {stage: list(steps) for stage, steps in self.died_at_step.items()}
+        restores = []
+        for _, stage, step, logged, name in sorted(found):
+            died_at = deaths.get(stage, []).pop(0) if deaths.get(stage) else None
+            lost = max(0, died_at - step) if died_at is not None else logged
+            restores.append(
+                {"stage": stage, "step": step, "steps_lost": lost, "steps_lost_logged": logged, "peer": name}
+            )
+        return restores
 
     def kill_random(self) -> None:
         if self.stage_of:
@@ -413,7 +465,7 @@ def one_run(args: argparse.Namespace, index: int, workdir: Path, report: dict[st
         swarm.start_bootstrap()
         dht = TetheredDHT(initial_peers=swarm.initial_peers, start=True)  # ends with this process
         try:
-            churn = Churn(swarm, dht, sig, rng, ledger_dir)
+            churn = Churn(swarm, dht, sig, rng, ledger_dir, spare_last_peer=args.spare_last_peer == "yes")
             trace = live_peer_targets(args.trace, args.trace_minutes, args.max_peers, min_peers=3) if args.trace else []
             if args.trace:
                 # the swarm at its mean size over the replay; what the trace does at its first instant
@@ -458,6 +510,7 @@ def one_run(args: argparse.Namespace, index: int, workdir: Path, report: dict[st
 
             def churn_step(now: float) -> None:
                 nonlocal next_kill
+                churn.watch_lost()
                 if args.trace:  # once the trace is all replayed, the swarm stays as it is
                     while trace and trace[0][0] <= now:
                         _, wanted = trace.pop(0)
@@ -475,9 +528,17 @@ def one_run(args: argparse.Namespace, index: int, workdir: Path, report: dict[st
             try:
                 churned = trainers("churn", steps, churn_step)
             finally:
+                restores = churn.restores()
                 report.update(
                     kills=churn.kills,
                     kills_skipped_last_peer=churn.skipped,
+                    spare_last_peer=churn.spare_last_peer,
+                    stages_lost=len(churn.losses) + len(churn.lost),
+                    stages_served_again=len(churn.losses),
+                    stages_restored_from_standby=len(restores),
+                    steps_lost_per_restore=[r["steps_lost"] for r in restores],
+                    seconds_to_serving_again=[loss["seconds_to_serving"] for loss in churn.losses],
+                    restores=restores,
                     peers_started=churn.starts,
                     trace_targets_not_replayed=len(trace) if args.trace else None,
                     churn_events=[e for e in churn.events if e[0] >= churn_started],
@@ -536,7 +597,12 @@ def totals(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "runs_failed": len(runs) - len(done),
         "runs_with_gap_over_30s": sum(run.get("stall_over_30s", False) for run in runs),
         "longest_stall_s": max((run.get("longest_stall_s", 0.0) for run in runs), default=0.0),
-        **{name: sum(run.get(name, 0) for run in runs) for name in ("kills", "steps", "steps_requested")},
+        **{
+            name: sum(run.get(name, 0) for run in runs)
+            for name in ("kills", "steps", "steps_requested", "stages_lost", "stages_restored_from_standby")
+        },
+        "steps_lost_per_restore": [n for run in runs for n in run.get("steps_lost_per_restore", [])],
+        "seconds_to_serving_again": [s for run in runs for s in run.get("seconds_to_serving_again", [])],
         "throughput_fraction_mean": round(sum(fractions) / len(fractions), 3) if fractions else None,
         "throughput_fraction_min": min(fractions, default=None),
         "divergent_replicas_end": sum(run["end"]["divergent_replicas"] for run in done),
@@ -565,6 +631,13 @@ def main() -> None:
     parser.add_argument("--max-peers", type=int, default=6, help="live peers at the trace's peak (scaled)")
     parser.add_argument("--phase-timeout", type=float, default=900.0, help="seconds one phase's trainers may take")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random choices")
+    parser.add_argument(
+        "--spare-last-peer",
+        choices=["yes", "no"],
+        default="no",
+        help="yes: never kill a stage's last serving peer; no: kill as the trace or the dice say (stages die and "
+        "come back from standby copies)",
+    )
     args = parser.parse_args()
     if not 1 <= args.trainers <= len(SHARDS) or args.runs < 1:
         parser.error(f"--runs must be 1 or more and --trainers within 1..{len(SHARDS)} (one data shard each)")

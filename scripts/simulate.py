@@ -31,13 +31,16 @@ What is modelled:
   out of attempts after its stage has completed no call for `stage_wait_timeout`; the simulation
   counts how often that would have happened instead).
 - Rebalancing, as the real peer does it: every `--rebalance-period` seconds times a random factor
-  in [0.5, 1.5], a serving peer computes `plan_moves` on the current view (computed once per view
-  and shared, since every peer reading that view computes the same plan) and carries out its own
-  move if it has one. It announces LEAVING on its source at once and finishes its queue; only
-  then does it announce JOINING on the target (with a fresh timing), so while it drains the
-  view counts it nowhere (`--target-at-decision`: it announces the target at once, a change to
-  the peer worth weighing). It serves the target after the state download, and checks again
-  after a random [0.5, 1.5] periods.
+  in [0.5, 1.5] (the first time in [0, 1], so a whole plan is carried out within one period), a
+  serving peer computes `plan_moves` on the current view (computed once per view and shared, since
+  every peer reading that view computes the same plan), with the cost of a move from `--state-mb`,
+  `--bandwidth-mbit`, `--move-seconds` and `--move-horizon` (`swarm.balance.MoveCost`). If the plan
+  moves it, a second look 1 to 2 announce periods later must still move it (to the target that
+  look gives). It announces LEAVING on its source at once, naming its target, so that every plan
+  counts it there while it is on its way, and finishes its queue; only then does it announce
+  JOINING on the target (with a fresh timing) (`--target-at-decision`: it announces JOINING on the
+  target at once, a change to the peer worth weighing). It serves the target after the state
+  download, and checks again after a random [0.5, 1.5] periods.
 - Newcomers, as the real `--stage auto` peer: after a random pause of up to `--announce-period`,
   it reads the view, picks `choose_stage`, and announces JOINING there at once with its speed as
   throughput, so newcomers after it see its choice; it serves after the state download.
@@ -104,6 +107,7 @@ import swarm.balance
 import swarm.router
 from swarm.balance import (
     Move,
+    MoveCost,
     PeerLoad,
     assignment_throughput,
     choose_stage,
@@ -160,6 +164,8 @@ class SimConfig:
     move_seconds: float = 2.0
     state_mb: float = 500.0
     bandwidth_mbit: float = 400.0
+    # seconds a move's gain is counted for, against its cost (`swarm.balance.MoveCost`)
+    move_horizon: float = PEER_DEFAULTS.rebalance_horizon
     throughput_noise: float = 0.05  # relative error of one batch's timing
     # False: as the real peer, a mover announces JOINING on its target only once it has drained its
     # queue; True: at once, when it decides to move (a proposed change to the peer)
@@ -247,9 +253,12 @@ class SimPeer:
         A draining peer announces JOINING on its target too only if given its `target` throughput.
         """
 
-        def record(stage: int, state: str, measured: float) -> StageRecord:
+        def record(stage: int, state: str, measured: float, moving_to: int = -1) -> StageRecord:
             queued = self.queue_length(now) if state == SERVING else 0
-            return StageRecord(self.peer_id, stage, "sim", num_stages, state, 0, measured, queued, 0, 0, 1, now + ttl)
+            return StageRecord(
+                self.peer_id, stage, "sim", num_stages, state, 0, measured, queued, 0, 0, 1, now + ttl,
+                moving_to=moving_to,
+            )  # fmt: skip
 
         measured = throughput if throughput is not None else 1 / self.seconds_per_sample
         if self.state == SIM_SERVING:
@@ -257,7 +266,8 @@ class SimPeer:
         if self.draining(now) and self.source is not None:
             # the real peer announces LEAVING, drains, and only then builds the target stage and
             # announces JOINING there
-            leaving = [record(self.source, LEAVING, measured)]
+            # its LEAVING record names its target: the balance rule counts it there, not serving yet
+            leaving = [record(self.source, LEAVING, measured, moving_to=self.stage)]
             return leaving if target is None else [*leaving, record(self.stage, JOINING, target)]
         return [record(self.stage, JOINING, measured)]
 
@@ -434,7 +444,8 @@ class Simulation:
                 stage = choose_stage(self._stage_totals(), self.num_stages, self.costs, self.rng)
             peer = self._new_peer(stage, SIM_SERVING)
             self._serving_changed(peer, +1, cause="start")
-            self._schedule_check(peer, self.rng.uniform(0.5, 1.5))
+            # as the real peer: its first look comes within one period, so a whole plan is carried out in one
+            self._schedule_check(peer, self.rng.uniform(0.0, 1.0))
             placed.append(peer)
         return placed
 
@@ -513,13 +524,15 @@ class Simulation:
 
     def _view_loads(self) -> list[PeerLoad]:
         if self._loads is None:
-            self._loads = loads_from_records(self.view)
+            self._loads = loads_from_records(self.view, self.costs)
         return self._loads
 
     def _view_plan(self) -> dict[str, Move]:
         """The plan every peer computes from the current view: computed once, since they all agree."""
         if self._plan is None:
-            moves = plan_moves(self._view_loads(), self.num_stages, self.config.margin, self.costs)
+            config = self.config
+            cost = MoveCost.of_state(config.state_mb, config.bandwidth_mbit, config.move_seconds, config.move_horizon)
+            moves = plan_moves(self._view_loads(), self.num_stages, config.margin, self.costs, move_cost=cost)
             self._plan = {m.peer_id: m for m in moves}
             self.counters["plans_computed"] += 1
         return self._plan
@@ -680,11 +693,11 @@ class Simulation:
         if not peer.alive or token != peer.check_token or peer.state != SIM_SERVING:
             return
         move = self._view_plan().get(peer.peer_id)
-        if move is None or move.source != peer.stage or move.target != target:
+        if move is None or move.source != peer.stage:
             self.counters["moves_not_confirmed"] += 1
             self._schedule_check(peer, self.rng.uniform(0.5, 1.5))
             return
-        self._start_move(peer, target)
+        self._start_move(peer, move.target)
 
     def _start_move(self, peer: SimPeer, target: int) -> None:
         now = self.now
@@ -1014,6 +1027,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--state-mb", type=float, default=d.state_mb, help="state downloaded by a moving or joining peer")
     p.add_argument("--bandwidth-mbit", type=float, default=d.bandwidth_mbit, help="download bandwidth, Mbit/s")
     p.add_argument(
+        "--move-horizon",
+        type=float,
+        default=d.move_horizon,
+        help="seconds a move's gain is counted for against its cost (the peer's --rebalance-horizon)",
+    )
+    p.add_argument(
         "--throughput-noise",
         type=float,
         default=d.throughput_noise,
@@ -1079,6 +1098,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         move_seconds=args.move_seconds,
         state_mb=args.state_mb,
         bandwidth_mbit=args.bandwidth_mbit,
+        move_horizon=args.move_horizon,
         throughput_noise=args.throughput_noise,
         target_at_decision=args.target_at_decision,
         skip_abandoned=not args.compute_abandoned,
@@ -1098,8 +1118,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         raise ValueError("need 1 <= --speed-min <= --speed-max")
     if config.stage_costs is not None and (len(config.stage_costs) != config.stages or min(config.stage_costs) <= 0):
         raise ValueError(f"--stage-costs needs {config.stages} positive numbers")
-    if config.announce_period <= 0 or config.window <= 0 or config.bandwidth_mbit <= 0:
-        raise ValueError("--announce-period, --window and --bandwidth-mbit must be positive")
+    if min(config.announce_period, config.window, config.bandwidth_mbit, config.move_horizon) <= 0:
+        raise ValueError("--announce-period, --window, --bandwidth-mbit and --move-horizon must be positive")
     if config.margin < 0 or any(m < 0 for m in args.margins):
         raise ValueError("margins must be 0 or more")
     if config.throughput_noise < 0 or (config.trace_minutes is not None and config.trace_minutes <= 0):

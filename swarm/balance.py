@@ -6,11 +6,19 @@ reads the same announcements, so every peer can compute the same plan and carry 
 
 A move takes a peer from a donor stage to the bottleneck. It is made only if it raises the
 capacity of the lower of the two stages by more than a hysteresis margin (a fraction of the moving
-peer's own throughput): the bottleneck must gain and the donor must not fall to where the
-bottleneck was. When the bottleneck was the only stage at the minimum, the swarm's throughput
-rises; when several stages tie, one fewer sits at the minimum and the next move can lift the rest.
-Two stages with equal loads never trade a peer back and forth (the donor would end lower than the
-bottleneck started), and a donor keeps at least one serving peer, so no stage is ever left empty.
+peer's own throughput) and by more than it costs (`MoveCost`: the state download and the
+averaging it disturbs, against the time its gain is counted for): the bottleneck must gain and the
+donor must not fall to where the bottleneck was. A stage with no capacity at all is filled first,
+whatever the margin or the cost: until it is, the swarm trains nothing. When the bottleneck was the
+only stage at the minimum, the swarm's throughput rises; when several stages tie, one fewer sits at
+the minimum and the next move can lift the rest. Two stages with equal loads never trade a peer
+back and forth (the donor would end lower than the bottleneck started), and a donor keeps at least
+one serving peer, so no stage is ever left empty.
+
+A plan is whole: every move the rule makes from one view, in order. A mover announces LEAVING
+naming its target, and counts there in everyone's view while on its way, so the plan computed
+after some of its moves have started is the rest of the same plan, and all of its moves can be
+taken within one period.
 
 Peers differ in speed and stages in cost (a stage with more layers takes longer per sample), so a
 peer's throughput on another stage is estimated as its throughput on its own, scaled by the ratio
@@ -19,15 +27,18 @@ of the two stages' costs.
 
 from __future__ import annotations
 
+import bisect
 import math
 import random
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from swarm.models.gpt import partition_layers
 from swarm.models.registry import ModelSpec
-from swarm.stage_records import JOINING, SERVING, StageRecord
+from swarm.stage_records import JOINING, LEAVING, SERVING, StageRecord
 
 
 @dataclass(frozen=True)
@@ -53,14 +64,35 @@ class Move:
     low_after: float
 
 
-def loads_from_records(records: dict[int, list[StageRecord]]) -> list[PeerLoad]:
-    """The peers that count toward capacity: serving ones, and joining ones (about to serve)."""
-    return [
-        PeerLoad(r.peer_id, stage, max(float(r.throughput), 0.0), r.state == SERVING, r.queue_length, r.movable)
-        for stage, found in records.items()
-        for r in found
-        if r.state in (SERVING, JOINING) and r.stage == stage
-    ]
+def loads_from_records(records: dict[int, list[StageRecord]], costs: Sequence[float] | None = None) -> list[PeerLoad]:
+    """The peers that count toward capacity: serving ones, joining ones (about to serve), and movers.
+
+    A mover announces LEAVING on its source with the stage it is `moving_to`: it counts there, as a
+    joiner does (capacity, but no state to keep the stage alive), scaled by the two stages' `costs`,
+    so that the rest of the plan that sent it is still the plan while it is on its way. A peer with
+    records on two stages (the LEAVING one outlives its move by up to a TTL) counts where it serves
+    or joins.
+    """
+    loads: dict[str, PeerLoad] = {}
+    moving: dict[str, PeerLoad] = {}
+    for stage, found in records.items():
+        for r in found:
+            if r.stage != stage:
+                continue
+            throughput = max(float(r.throughput), 0.0)
+            if r.state in (SERVING, JOINING):
+                current = loads.get(r.peer_id)
+                if current is None or (r.state == SERVING and not current.serving):
+                    loads[r.peer_id] = PeerLoad(
+                        r.peer_id, stage, throughput, r.state == SERVING, r.queue_length, r.movable
+                    )
+            elif r.state == LEAVING and 0 <= r.moving_to != stage and r.moving_to < r.num_stages:
+                if costs is not None and max(stage, r.moving_to) < len(costs):
+                    throughput *= costs[stage] / costs[r.moving_to]
+                moving[r.peer_id] = PeerLoad(r.peer_id, r.moving_to, throughput, False, 0, r.movable)
+    for peer_id, load in moving.items():
+        loads.setdefault(peer_id, load)
+    return list(loads.values())
 
 
 def stage_costs(spec: ModelSpec, num_stages: int) -> list[float]:
@@ -102,14 +134,70 @@ def bottleneck(caps: Sequence[float], queues: Sequence[int] | None = None) -> in
     return min(range(len(caps)), key=lambda s: (caps[s], -queues[s], s))
 
 
-def _improves(low_after: float, low_before: float, margin: float, speed: float) -> bool:
-    """Whether a move gains more than `margin` of the moving peer's own throughput.
+@dataclass(frozen=True)
+class MoveCost:
+    """What a move costs and how long its gain is counted for, in seconds; the same for every peer.
 
-    Hysteresis in units of the mover: a move costs about the mover's throughput for as long as it
-    downloads the new stage's state, so small gains are not worth it; and, unlike a margin relative
-    to the stage's capacity, it does not freeze a large swarm where one peer is a small share.
+    While it moves, the mover serves nothing: it drains its queue, rebuilds and downloads the target's
+    state (`transfer_seconds`). Its move also takes serving time from others (`averaging_seconds`): the
+    source's averaging round waits for its hand-over and the target's mates upload its state. A move
+    pays if what it adds to the lower of its two stages, from when it serves until `horizon_seconds`
+    after the plan (the time until the next plan: after that the swarm is judged afresh), exceeds the
+    mover's throughput over those seconds. Every peer derives it from the model and the shared flags,
+    never from what it alone measured, so that every peer still computes the same plan.
     """
-    return low_after - low_before > margin * speed
+
+    transfer_seconds: float = 0.0
+    averaging_seconds: float = 0.0
+    horizon_seconds: float = math.inf
+
+    @classmethod
+    def of_state(cls, state_mb: float, bandwidth_mbit: float, fixed_seconds: float, horizon_seconds: float) -> MoveCost:
+        """A move that downloads `state_mb` over `bandwidth_mbit` after `fixed_seconds` of leaving and rebuilding;
+        the target's mates upload as much, which is the averaging it disturbs there."""
+        download = state_mb * 8 / bandwidth_mbit if bandwidth_mbit > 0 else math.inf
+        return cls(fixed_seconds + download, download, horizon_seconds)
+
+    def least_gain(self) -> float:
+        """The least gain that pays for a move, as a fraction of the mover's throughput on its target."""
+        spent = max(self.transfer_seconds, 0.0) + max(self.averaging_seconds, 0.0)
+        if spent <= 0:
+            return 0.0
+        earning = self.horizon_seconds - max(self.transfer_seconds, 0.0)
+        return spent / earning if earning > 0 else math.inf
+
+
+class _Movers:
+    """The peers each stage may give away, sorted by (throughput, peer id), with their throughputs to search."""
+
+    def __init__(self, placed: dict[str, PeerLoad], num_stages: int) -> None:
+        self.ids: list[list[str]] = [[] for _ in range(num_stages)]
+        self.speeds: list[list[float]] = [[] for _ in range(num_stages)]
+        pairs: list[list[tuple[float, str]]] = [[] for _ in range(num_stages)]
+        for p in placed.values():
+            if p.serving and p.movable:  # a joiner holds no state yet, so it has none to move
+                pairs[p.stage].append((p.throughput, p.peer_id))
+        for stage, found in enumerate(pairs):
+            found.sort()
+            self.speeds[stage] = [speed for speed, _ in found]
+            self.ids[stage] = [peer_id for _, peer_id in found]
+
+    def near(self, stage: int, speed: float) -> list[int]:
+        """Indices of the nearest peers at or below `speed` and above it (the last of equal speeds: the largest id)."""
+        speeds = self.speeds[stage]
+        above = bisect.bisect_right(speeds, speed)
+        found = [above - 1] if above > 0 else []
+        if above < len(speeds):
+            found.append(bisect.bisect_right(speeds, speeds[above]) - 1)
+        return found
+
+    def remove(self, stage: int, index: int) -> None:
+        del self.speeds[stage][index]
+        del self.ids[stage][index]
+
+
+def _canonical(p: PeerLoad) -> tuple:
+    return (p.peer_id, p.stage, p.throughput, p.serving, p.movable, p.queue_length)
 
 
 def plan_moves(
@@ -118,91 +206,149 @@ def plan_moves(
     margin: float = 0.5,
     costs: Sequence[float] | None = None,
     max_moves: int | None = None,
+    move_cost: MoveCost | None = None,
 ) -> list[Move]:
     """The moves that the rule makes from this view, in order, each judged after the ones before it.
 
-    Every peer that reads the same view computes the same plan, so peers act on it at once without
-    talking: a peer carries out its own move, if it has one. Each step moves, to the current
-    bottleneck, the peer whose move lifts the lower of the two stages highest; when no single move
-    does, two peers trade places (a faster one to the bottleneck, a slower one back), judged alike.
-    A stage always keeps a serving peer that is not moving: peers arriving by the same plan hold no
-    state until they have downloaded it, so they cannot stand in for it.
+    Every peer that reads the same view computes the same plan (the peers are taken in the order of
+    their ids, whatever order the view lists them in), so peers act on it at once without talking:
+    a peer carries out its own move, if it has one. Each step moves, to the current bottleneck, the
+    peer whose move lifts the lower of the two stages highest; when no single move does, two peers
+    trade places (a faster one to the bottleneck, a slower one back), judged alike. A move must gain
+    more than `margin` of the mover's throughput, and more than its `move_cost` (see `MoveCost`),
+    except toward a stage with no capacity at all: the swarm trains nothing until that stage is
+    filled, so it is filled first, whatever the cost. A stage always keeps a serving peer that is not
+    moving: peers arriving by the same plan hold no state until they have downloaded it, so they
+    cannot stand in for it.
+
+    Cheap for large swarms: the best mover of a donor is one of the two whose throughput is nearest
+    to where the donor's and the bottleneck's capacities would cross, found by bisection in the
+    donor's peers sorted once by throughput, and donors are tried from the richest down only while
+    they could still beat the best move found. 10,000 peers plan in tens of milliseconds.
     """
     cost = _costs(costs, num_stages)
-    placed = {p.peer_id: p for p in peers if 0 <= p.stage < num_stages}
-    caps = capacities(list(placed.values()), num_stages)
+    least = max(margin, move_cost.least_gain() if move_cost is not None else 0.0)
+    placed: dict[str, PeerLoad] = {}
+    for p in sorted((p for p in peers if 0 <= p.stage < num_stages), key=_canonical):
+        placed[p.peer_id] = p
+    caps = [0.0] * num_stages
     queues = [0] * num_stages
     holders = [0] * num_stages  # serving peers that stay: they keep the stage's state alive
     for p in placed.values():
+        caps[p.stage] += max(p.throughput, 0.0)
         queues[p.stage] += p.queue_length
         holders[p.stage] += p.serving
-    moved: set[str] = set()
+    movers = _Movers(placed, num_stages)
     plan: list[Move] = []
     while max_moves is None or len(plan) < max_moves:
         target = bottleneck(caps, queues)
-        best: tuple[float, str] | None = None
-        for p in placed.values():
-            # a peer moves once per plan; a joiner holds no state yet, so it has none to move
-            if p.peer_id in moved or not (p.serving and p.movable) or p.stage == target or holders[p.stage] < 2:
-                continue
-            speed = p.throughput * cost[p.stage] / cost[target]
-            low_after = min(caps[target] + speed, caps[p.stage] - p.throughput)
-            if _improves(low_after, caps[target], margin, speed) and (best is None or (low_after, p.peer_id) > best):
-                best = (low_after, p.peer_id)
-        if best is not None:
-            chosen = [(placed[best[1]], target)]
-        else:
+        need = 0.0 if caps[target] <= 0 else least  # an empty stage is filled first, whatever the cost
+        donors = sorted(range(num_stages), key=lambda s: (-caps[s], s))
+        chosen = _best_single(movers, donors, holders, caps, target, cost, need)
+        if chosen is None:
             # no single move helps: a faster peer of a donor may trade places with a slower one here
-            swap = _best_swap(placed, moved, holders, caps, target, cost, margin)
-            if swap is None:
+            chosen = _best_swap(movers, donors, holders, caps, target, cost, need)
+            if chosen is None:
                 break
-            chosen = swap
         low_before = caps[target]
-        for p, to in chosen:
-            speed = p.throughput * cost[p.stage] / cost[to]
-            caps[p.stage] -= p.throughput
-            caps[to] += speed
-            holders[p.stage] -= 1
-            placed[p.peer_id] = PeerLoad(p.peer_id, to, speed, True)
-            moved.add(p.peer_id)
-        low_after = min(caps[target], *(caps[p.stage] for p, _ in chosen))
-        plan += [Move(p.peer_id, p.stage, to, low_before, low_after) for p, to in chosen]
+        for stage, index, to in chosen:
+            speed = movers.speeds[stage][index]
+            caps[stage] -= speed
+            caps[to] += speed * cost[stage] / cost[to]
+            holders[stage] -= 1
+        moves = [(movers.ids[stage][index], stage, to) for stage, index, to in chosen]
+        for stage, index, _ in sorted(chosen, key=lambda c: -c[1]):
+            movers.remove(stage, index)
+        low_after = min(caps[target], *(caps[stage] for _, stage, _ in moves))
+        plan += [Move(peer_id, stage, to, low_before, low_after) for peer_id, stage, to in moves]
         queues = [0] * num_stages  # queues describe the view before any move
     return plan
 
 
-def _best_swap(
-    placed: dict[str, PeerLoad],
-    moved: set[str],
+def _best_single(
+    movers: _Movers,
+    donors: list[int],
     holders: list[int],
     caps: list[float],
     target: int,
     cost: list[float],
-    margin: float,
-) -> list[tuple[PeerLoad, int]] | None:
-    """The exchange of a donor's peer with one of the bottleneck's that lifts the lower of the two stages most."""
-    if holders[target] < 2:
-        return None
-    here = [p for p in placed.values() if p.stage == target and p.serving and p.movable and p.peer_id not in moved]
-    best: tuple[float, str, str] | None = None
-    for a in placed.values():
-        if a.stage == target or not (a.serving and a.movable) or a.peer_id in moved or holders[a.stage] < 2:
+    need: float,
+) -> list[tuple[int, int, int]] | None:
+    """The move of one donor's peer to `target` that lifts the lower of the two highest: [(donor, index, target)]."""
+    low_before = caps[target]
+    best: tuple[float, str, int, int] | None = None
+    for donor in donors:
+        if best is not None and caps[donor] <= best[0]:
+            break  # a donor ends below its capacity now: none of the poorer ones can do better
+        if donor == target or holders[donor] < 2 or not movers.speeds[donor]:
             continue
-        d = a.stage
-        for b in here:
-            to_target = a.throughput * cost[d] / cost[target]
-            to_donor = b.throughput * cost[target] / cost[d]
-            if to_target <= b.throughput:
-                continue  # only a faster peer for the bottleneck can help it
-            low_after = min(caps[target] - b.throughput + to_target, caps[d] - a.throughput + to_donor)
-            if _improves(low_after, caps[target], margin, to_target) and (
-                best is None or (low_after, a.peer_id, b.peer_id) > best
-            ):
-                best = (low_after, a.peer_id, b.peer_id)
+        ratio = cost[donor] / cost[target]
+        # min(low_before + speed * ratio, caps[donor] - speed) rises, then falls, in the mover's speed:
+        # its best is at the peers nearest to where the two cross, on either side
+        crossing = (caps[donor] - low_before) / (1 + ratio)
+        for index in movers.near(donor, crossing):
+            speed = movers.speeds[donor][index]
+            gained = speed * cost[donor] / cost[target]
+            low_after = min(low_before + gained, caps[donor] - speed)
+            if low_after - low_before > need * gained:
+                key = (low_after, movers.ids[donor][index], donor, index)
+                if best is None or key[:2] > best[:2]:
+                    best = key
+    return None if best is None else [(best[2], best[3], target)]
+
+
+def _best_swap(
+    movers: _Movers,
+    donors: list[int],
+    holders: list[int],
+    caps: list[float],
+    target: int,
+    cost: list[float],
+    need: float,
+) -> list[tuple[int, int, int]] | None:
+    """The exchange of a donor's peer with one of `target`'s that lifts the lower of the two stages most.
+
+    For each peer b of the target, the donor's best partner is again one of the two nearest to where
+    the stages' capacities cross, so each donor is one vectorised bisection over the target's peers.
+    """
+    here = movers.speeds[target]
+    if holders[target] < 2 or not here:
+        return None
+    low_before = caps[target]
+    slow = np.asarray(here)
+    best: tuple[float, str, str, int, int, int] | None = None
+    for donor in donors:
+        if best is not None and caps[donor] <= best[0]:
+            break
+        if donor == target or holders[donor] < 2 or not movers.speeds[donor]:
+            continue
+        fast = np.asarray(movers.speeds[donor])
+        ratio = cost[donor] / cost[target]
+        to_donor = slow * cost[target] / cost[donor]
+        crossing = (caps[donor] - low_before + slow + to_donor) / (1 + ratio)
+        above = np.searchsorted(fast, crossing, side="right")
+        inside = np.minimum(above, len(fast) - 1)
+        last_equal = np.searchsorted(fast, fast[inside], side="right") - 1
+        for picks, valid in ((np.maximum(above - 1, 0), above > 0), (last_equal, above < len(fast))):
+            speed = fast[picks]
+            gained = speed * cost[donor] / cost[target]
+            low_after = np.minimum(low_before - slow + gained, caps[donor] - speed + to_donor)
+            # only a faster peer for the bottleneck can help it
+            ok = valid & (gained > slow) & (low_after - low_before > need * gained)
+            if not ok.any():
+                continue
+            top = float(low_after[ok].max())
+            if best is not None and top < best[0]:
+                continue
+            for b in np.flatnonzero(ok & (low_after == top)):
+                a = int(picks[b])
+                key = (top, movers.ids[donor][a], movers.ids[target][b], donor, a, int(b))
+                if best is None or key[:3] > best[:3]:
+                    best = key
     if best is None:
         return None
-    a, b = placed[best[1]], placed[best[2]]
-    return [(a, target), (b, a.stage)]
+    _, _, _, donor, a, b = best
+    return [(donor, a, target), (target, b, donor)]
 
 
 def choose_stage(

@@ -47,7 +47,9 @@ def answer_reachability(dht: TetheredDHT, ready: threading.Event) -> None:
 def run_bootstrap(config: DHTConfig) -> None:
     """Runs a DHT node until SIGTERM or Ctrl-C, printing the addresses others join with."""
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
-    dht = start_dht(config)
+    # a bootstrap node is there to be reached, and relays for members behind NAT: it is told so rather
+    # than left to AutoNAT, whose late verdict would restart the daemon's relay and drop every slot on it
+    dht = start_dht(config, reachable=True)
     try:
         maddrs = [str(m) for m in dht.get_visible_maddrs()]
         logger.info("DHT node is up. Join with: --initial-peers " + " ".join(maddrs))

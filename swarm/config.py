@@ -340,6 +340,17 @@ class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig):
     record_ttl: float = option(10.0, "seconds an announcement stays valid if the peer vanishes")
     checkpoint_dir: str | None = option(None, "directory for the stage's checkpoints; resume from it if present")
     checkpoint_every: int = option(0, "save a checkpoint every N steps (0: only on a clean exit)")
+    standby_stages: int = option(
+        1,
+        "hold a standby copy (parameters, optimizer state, step) of the next N stages, so that a stage whose "
+        "every peer dies is restored from it (0: hold none)",
+    )
+    standby_every: int = option(5, "refresh each standby copy once its stage is this many steps ahead of it")
+    standby_memory_mb: float = option(
+        4096.0,
+        "host memory the standby copies may take, in MiB; past it they go to --checkpoint-dir if given, "
+        "else the copy is not held",
+    )
     shutdown_timeout: float = option(15.0, "seconds a peer waits for in-flight requests when asked to stop")
     preemption_notice: str = option(
         "none", "where a spot interruption notice comes from: none, aws, gcp or file:PATH (leave when PATH exists)"
@@ -371,6 +382,16 @@ class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig):
         "move only if the lower of the two stages gains more than this fraction of the peer's own throughput "
         "(hysteresis against noisy speed measurements)",
     )
+    rebalance_horizon: float = option(
+        600.0,
+        "seconds a move's gain is counted for against its cost (the state download and the averaging it "
+        "disturbs): a move is made only if it pays within this time",
+    )
+    move_bandwidth_mbit: float = option(
+        100.0,
+        "download bandwidth, Mbit/s, the balance rule assumes for a moving peer's state (every peer must assume "
+        "the same, so that all compute the same plan)",
+    )
     simulated_speed: float = option(
         0.0,
         "for tests and benchmarks: behave as a device of this many samples/s on a stage of average cost, "
@@ -398,8 +419,14 @@ class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig):
             self.stage = str(stage)
         if self.rebalance_period < 0:
             raise ConfigError("--rebalance-period must be 0 (never move) or positive")
+        if self.standby_stages < 0 or self.standby_every < 1 or self.standby_memory_mb < 0:
+            raise ConfigError(
+                "--standby-stages must be 0 or more, --standby-every at least 1, --standby-memory-mb 0 or more"
+            )
         if self.rebalance_margin < 0:
             raise ConfigError("--rebalance-margin must be 0 or more")
+        if self.rebalance_horizon <= 0 or self.move_bandwidth_mbit <= 0:
+            raise ConfigError("--rebalance-horizon and --move-bandwidth-mbit must be positive")
         if self.simulated_speed < 0:
             raise ConfigError("--simulated-speed must be 0 (real speed) or positive")
         for name in ("target_batch_size", "max_batch_samples", "num_threads", "max_queue", "max_streams_per_caller"):

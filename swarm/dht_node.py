@@ -120,8 +120,10 @@ def relay_options(config: NetworkConfig, reachable: bool | None = None) -> tuple
     if reachable is not None:
         options["force_reachability"] = "public" if reachable else "private"
     if config.client_mode:
-        # hivemind's client mode: no DHT duties; and no listening, since nobody needs to dial a client
-        options.update(client_mode=True, no_listen=True)
+        # hivemind's client mode: no DHT duties. It still listens (on --host-maddrs): a member behind NAT
+        # that it reaches through a relay dials back to it for a direct connection (libp2p's hole
+        # punching), which spares the relay the bulk of the traffic
+        options["client_mode"] = True
     return options, flags
 
 

@@ -76,7 +76,7 @@ def build_snapshot(
     The trainers' points are folded into `history` first, so the view holds all the monitor has seen.
     """
     model, costs = _stage_costs(records, num_stages)
-    loads = [p for p in loads_from_records(records) if 0 <= p.stage < num_stages]
+    loads = [p for p in loads_from_records(records, costs) if 0 <= p.stage < num_stages]
     caps = capacities(loads, num_stages)
     ideal, _, proven = ideal_assignment(
         [p.throughput * costs[p.stage] for p in loads],

@@ -66,6 +66,17 @@ class Reachability:
     def addresses(self) -> list[str]:
         return [address for address, _, _ in self.results]
 
+    @property
+    def on_private_network(self) -> bool:
+        """Reached, but only at private or loopback addresses: members on other networks may not."""
+        return bool(self.reachable) and not any(_is_global(a) for a, reached, _ in self.results if reached)
+
+    @property
+    def for_daemon(self) -> bool | None:
+        """What this process's daemon is told (see `swarm.dht_node.relay_options`): unreachable; reachable,
+        if reached at a public address; else unknown, and the daemon's own AutoNAT decides."""
+        return None if self.on_private_network else self.reachable
+
 
 def observed_address(addr: Multiaddr | str) -> tuple[str, str] | None:
     """(ip4 or ip6, address) of a stream's remote end as a member sees it; None for a relayed one."""
@@ -84,6 +95,14 @@ def dial_error(error: Exception) -> str:
     if "connect: " in text:  # the socket's own error, after the daemon's account of its attempts
         return text.rsplit("connect: ", 1)[-1][:MAX_TEXT]
     return text[-MAX_TEXT:]
+
+
+def _is_global(maddr: str) -> bool:
+    parts = maddr.split("/")
+    try:
+        return len(parts) > 2 and parts[1] in ("ip4", "ip6") and ipaddress.ip_address(parts[2]).is_global
+    except ValueError:
+        return False
 
 
 def _loopback(maddr: str) -> bool:
@@ -308,6 +327,8 @@ def advise(reachability: Reachability, config: NetworkConfig, visible: Sequence[
     if reachability.reachable:
         reached = [address for address, ok, _ in reachability.results if ok]
         who = f" (member {reachability.checked_by} opened a new connection to it there)"
+        if reachability.on_private_network:
+            who += "; a private address: members on other networks may not reach it"
         return Advice(True, f"reachable directly at {' '.join(reached)}{who}", relays)
     who = f" (member {reachability.checked_by} tried to open a new connection to it)"
     if reachability.reachable is None:

@@ -41,9 +41,12 @@ RANGES: dict[str, tuple[float, float]] = {
     "stale_gradients": (0, 2**53),
     "protocol_version": (0, 2**31),
     "vocab_size": (0, 2**31),  # 0: a peer from before the field existed (byte-level)
+    "moving_to": (-1, 1023),  # -1: not moving
 }
 PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{20,128}")  # base58, as libp2p writes peer ids
 MAX_MODEL_NAME = 128
+MAX_STANDBYS = 64  # standby copies one record may list: far above any sensible --standby-stages
+FINGERPRINT = re.compile(r"[0-9a-f]{16}|")  # `swarm.peer.stage_state.state_fingerprint`, or none yet
 dropped_records: Counter[str] = Counter()  # records skipped by this process, per reason
 
 
@@ -67,10 +70,22 @@ class StageRecord:
     movable: bool = True
     # token ids the peer's model knows: peers and trainers of one swarm must agree (`--vocab-size`)
     vocab_size: int = 0
+    # (stage, step, parameter fingerprint) of each other stage's standby copy the peer holds
+    # (`swarm.peer.standby`); step -1 and no fingerprint while it fetches its first copy. A stage's peers
+    # give their state to the holders these records name.
+    standbys: tuple[tuple[int, int, str], ...] = ()
+    # while LEAVING for another stage: that stage, so that the balance rule counts the peer where it is
+    # going (not serving there yet) and nobody plans a second move for the gap it fills; -1 otherwise
+    moving_to: int = -1
+
+    def standby_of(self, stage: int) -> tuple[int, str] | None:
+        """(step, fingerprint) of this peer's standby copy of `stage`, step -1 while it fetches one; None if none."""
+        return next(((step, fingerprint) for held, step, fingerprint in self.standbys if held == stage), None)
 
     def to_value(self) -> dict:
         value = asdict(self)
         value.pop("expiration")
+        value["standbys"] = [list(entry) for entry in self.standbys]
         return value
 
     @classmethod
@@ -85,6 +100,8 @@ class StageRecord:
                 for f in fields(cls)
                 if f.name != "expiration" and (f.name in value or f.default is MISSING)
             }
+            if "standbys" in kwargs:
+                kwargs["standbys"] = _standby_entries(kwargs["standbys"])
             record = cls(**kwargs, expiration=float(expiration))
         except (KeyError, TypeError, ValueError):
             return None
@@ -106,7 +123,26 @@ class StageRecord:
                 return name
         if self.stage >= self.num_stages:
             return "stage"
+        if self.moving_to >= self.num_stages:
+            return "moving_to"
+        if not isinstance(self.standbys, tuple) or len(self.standbys) > MAX_STANDBYS:
+            return "standbys"
+        for entry in self.standbys:
+            if not (isinstance(entry, tuple) and len(entry) == 3 and all(type(x) is int for x in entry[:2])):
+                return "standbys"
+            stage, step, fingerprint = entry
+            if not (0 <= stage < self.num_stages and stage != self.stage and -1 <= step <= 2**53):
+                return "standbys"
+            if not isinstance(fingerprint, str) or not FINGERPRINT.fullmatch(fingerprint):
+                return "standbys"
         return None
+
+
+def _standby_entries(value: object) -> tuple:
+    """A record's `standbys` as read from the DHT (lists of lists) made into tuples; checked by `problem`."""
+    if not isinstance(value, (list, tuple)) or len(value) > MAX_STANDBYS:
+        raise ValueError("standbys")
+    return tuple(tuple(entry) if isinstance(entry, (list, tuple)) else entry for entry in value)
 
 
 def stage_key(run_id: str, stage: int) -> str:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import itertools
+import math
 import random
 
 import pytest
 
 from swarm.balance import (
+    MoveCost,
     PeerLoad,
     assignment_throughput,
     capacities,
@@ -195,3 +197,135 @@ def test_balance_rule_reaches_most_of_the_ideal_from_one_stage():
     for _ in range(5):
         peers = apply(peers, plan_moves(peers, 4, margin=0.05))
     assert min(capacities(peers, 4)) >= 0.9 * ideal
+
+
+def exhaustive_plan(peers: list[PeerLoad], num_stages: int, margin: float) -> list[tuple[str, int, int]]:
+    """The rule written out plainly: at each step every peer (and pair) is tried. Slow, but obviously the rule."""
+    caps, holders = capacities(peers, num_stages), [0] * num_stages
+    queues = [0] * num_stages
+    for p in peers:
+        holders[p.stage] += p.serving
+        queues[p.stage] += p.queue_length
+    free = {p.peer_id: p for p in peers if p.serving and p.movable}
+    plan = []
+    while True:
+        target = min(range(num_stages), key=lambda s: (caps[s], -queues[s], s))
+        need = 0.0 if caps[target] <= 0 else margin
+        best = None
+        for p in free.values():
+            if p.stage != target and holders[p.stage] >= 2:
+                low = min(caps[target] + p.throughput, caps[p.stage] - p.throughput)
+                if low - caps[target] > need * p.throughput and (best is None or (low, p.peer_id) > best[:2]):
+                    best = (low, p.peer_id, [p])
+        if best is None and holders[target] >= 2:
+            for a in free.values():
+                for b in free.values():
+                    if a.stage == target or b.stage != target or holders[a.stage] < 2 or a.throughput <= b.throughput:
+                        continue
+                    low = min(caps[target] - b.throughput + a.throughput, caps[a.stage] - a.throughput + b.throughput)
+                    key = (low, a.peer_id, b.peer_id)
+                    if low - caps[target] > need * a.throughput and (best is None or key > best[:3]):
+                        best = (*key, [a, b])
+        if best is None:
+            return plan
+        movers = best[-1]
+        destinations = [target] if len(movers) == 1 else [target, movers[0].stage]
+        for p, to in zip(movers, destinations):
+            caps[p.stage] -= p.throughput
+            caps[to] += p.throughput
+            holders[p.stage] -= 1
+            del free[p.peer_id]
+            plan.append((p.peer_id, p.stage, to))
+        queues = [0] * num_stages
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_the_fast_plan_is_the_rule(seed):
+    rng = random.Random(seed)
+    num_stages = rng.randint(2, 5)
+    integer = seed % 2 == 0
+    peers = [
+        PeerLoad(
+            f"p{i}",
+            rng.randrange(num_stages) if rng.random() < 0.6 else 0,
+            float(rng.randint(1, 10)) if integer else rng.uniform(1, 10) * rng.choice([1, 1, 0.2]),
+            rng.random() > 0.15,
+            rng.randint(0, 3),
+            rng.random() > 0.1,
+        )
+        for i in range(rng.randint(2, 30))
+    ]
+    margin = rng.choice([0.0, 0.1, 0.5, 0.9])
+    fast = [(m.peer_id, m.source, m.target) for m in plan_moves(peers, num_stages, margin)]
+    assert fast == exhaustive_plan(peers, num_stages, margin)
+
+
+def skewed(count: int, num_stages: int, seed: int) -> list[PeerLoad]:
+    rng = random.Random(seed)
+    return [
+        PeerLoad(f"peer{i:05d}", 0 if rng.random() < 0.7 else rng.randrange(1, num_stages), rng.uniform(2, 20))
+        for i in range(count)
+    ]
+
+
+def test_every_peer_computes_the_same_plan_and_it_nears_the_ideal():
+    peers = skewed(2000, 8, seed=1)
+    records = {s: [] for s in range(8)}
+    for p in peers:
+        records[p.stage].append(StageRecord(p.peer_id, p.stage, "gpt-tiny", 8, SERVING, 0, p.throughput, 0, 32, 0, 2))
+    plans = []
+    for order in range(4):  # each peer reads the records in its own order
+        shuffled = {s: random.Random(order).sample(found, len(found)) for s, found in records.items()}
+        plans.append(plan_moves(loads_from_records(dict(reversed(list(shuffled.items())))), 8, margin=0.5))
+    assert all(plan == plans[0] for plan in plans)
+    after = apply(peers, plans[0])
+    assert min(capacities(after, 8)) >= 0.99 * upper_bound_throughput([p.throughput for p in peers], 8)
+
+
+def test_a_plan_stays_the_plan_while_its_movers_are_on_their_way():
+    # the first movers announce LEAVING naming their targets: everyone's plan is then the rest of it
+    rng = random.Random(5)
+    peers = [PeerLoad(f"p{i:03d}", 0 if i < 40 else 1 + i % 3, float(rng.randint(2, 20))) for i in range(60)]
+    plan = plan_moves(peers, 4, margin=0.5)
+    assert len(plan) > 8
+
+    def record(p: PeerLoad, state: str, moving_to: int = -1) -> StageRecord:
+        return StageRecord(p.peer_id, p.stage, "gpt-tiny", 4, state, 0, p.throughput, 0, 32, 0, 2, moving_to=moving_to)
+
+    on_their_way = {m.peer_id: m.target for m in plan[:5]}
+    records = {s: [] for s in range(4)}
+    for p in peers:
+        state = LEAVING if p.peer_id in on_their_way else SERVING
+        records[p.stage].append(record(p, state, on_their_way.get(p.peer_id, -1)))
+    loads = loads_from_records(records)
+    assert {(p.peer_id, p.stage, p.serving) for p in loads if p.peer_id in on_their_way} == {
+        (peer_id, target, False) for peer_id, target in on_their_way.items()
+    }
+    rest = plan_moves(loads, 4, margin=0.5)
+    assert [(m.peer_id, m.target) for m in rest] == [(m.peer_id, m.target) for m in plan[5:]]
+    # once it serves on its target, the LEAVING record it left behind no longer counts
+    mover, target = plan[0].peer_id, plan[0].target
+    records[target].append(record(PeerLoad(mover, target, 9.0), SERVING))
+    assert [(p.stage, p.serving) for p in loads_from_records(records) if p.peer_id == mover] == [(target, True)]
+
+
+def test_an_empty_stage_is_filled_whatever_the_margin_or_the_cost():
+    costly = MoveCost(transfer_seconds=150.0, averaging_seconds=50.0, horizon_seconds=120.0)
+    assert costly.least_gain() == math.inf  # the gain could never be earned back within the horizon
+    peers = peers_on({0: [5.0, 5.0, 5.0], 1: [5.0, 5.0], 2: []})
+    plan = plan_moves(peers, 3, margin=0.9, move_cost=costly)
+    assert [m.target for m in plan] == [2]  # filled, and nothing more: no other move pays
+
+
+def test_a_move_must_pay_for_its_state_transfer_and_averaging():
+    peers = peers_on({0: [10, 10, 10], 1: [12]})  # moving a 10 lifts the lower stage by 8: 0.8 of the mover
+    cheap = MoveCost.of_state(state_mb=100, bandwidth_mbit=800, fixed_seconds=5, horizon_seconds=600)
+    assert cheap.least_gain() == pytest.approx((5 + 1 + 1) / (600 - 6))
+    assert len(plan_moves(peers, 2, margin=0.0, move_cost=cheap)) == 1
+    # 10 GB over 100 Mbit/s: 800 s of download, and as much uploaded by the target's mates; never within 600 s
+    dear = MoveCost.of_state(state_mb=10_000, bandwidth_mbit=100, fixed_seconds=5, horizon_seconds=600)
+    assert plan_moves(peers, 2, margin=0.0, move_cost=dear) == []
+    # a gain of 0.8 of the mover pays for costs up to 0.8 of the horizon's earning time
+    middling = MoveCost(transfer_seconds=40, averaging_seconds=40, horizon_seconds=140)  # 80 / 100
+    assert plan_moves(peers, 2, margin=0.0, move_cost=middling) == []
+    assert len(plan_moves(peers, 2, margin=0.0, move_cost=MoveCost(40, 30, 140))) == 1  # 70 / 100

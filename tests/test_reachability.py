@@ -31,6 +31,9 @@ def test_a_member_dials_the_asker_back(local_swarm):
     assert result.reachable is True, result
     (address,) = result.addresses
     assert address.startswith("/ip4/127.0.0.1/tcp/") and result.checked_by == initial_peers[0].rsplit("/", 1)[-1]
+    # reached on a private network only: the daemon is not told it is public, and the operator is told why
+    assert result.on_private_network and result.for_daemon is None
+    assert "members on other networks may not reach it" in advise(result, config, []).message
     # a process that only listens on loopback is not checked: nobody outside could reach it anyway
     assert check_before_start(config).reachable is None
 
@@ -109,7 +112,7 @@ def test_relay_flags_reach_the_daemon_and_bad_ones_are_refused():
     # one address per relay: the daemon waits for as many relays as it is given addresses
     assert flags == {"relayDiscovery": False, "trustedRelays": boot}
     options, flags = relay_options(NetworkConfig(initial_peers=[boot], client_mode=True, relay_service=False))
-    assert options["client_mode"] and options["no_listen"] and not options["use_auto_relay"]
+    assert options["client_mode"] and not options["use_auto_relay"]
     assert flags == {"relayService": False}
     for config_type in (PeerConfig, DHTConfig):
         with pytest.raises(ConfigError, match="--client-mode"):

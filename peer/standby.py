@@ -1,0 +1,483 @@
+"""Standby copies of other stages' state, and the restore of a stage whose every peer died.
+
+With `--standby-stages K`, a peer of stage s also holds a copy of the state (parameters, optimizer
+state, step) of stages s+1 .. s+K (mod the number of stages), in host memory (or, past
+`--standby-memory-mb`, in `--checkpoint-dir`), never on the accelerator. Its record lists each copy
+as (stage, step, parameter fingerprint). Once a stage's peers announce a step `--standby-every`
+steps past the copy, the holder downloads the stage's state again in the background, over the
+stage-mates' state protocol: a stage's peers give their state to a peer whose signed record names
+it as a standby holder of that stage, without taking it for a mate. As a joiner does, the holder
+takes only a (step, fingerprint) that two of the stage's peers confirm, where two or more serve.
+
+A stage is lost when no record shows a peer serving or joining it for `LOST_GRACE` announce periods.
+If its last peers died (their records vanished, none saying it was leaving), every holder then
+computes, from the same records, which of them restores it (`choose_restorer`: the freshest copy; a
+holder whose own stage keeps another serving peer; a movable one first; ties by peer id). That peer
+leaves its stage as on a move and builds the lost stage from its copy, at the copy's step, and says
+how many steps of progress were lost. A stage whose last peers left on request (a stop, a preemption
+notice) is not taken over: whoever stops a swarm one peer at a time does not want its stages
+shuffled. A peer that joins an empty stage (a newcomer with `--stage auto` picks one first) takes
+the freshest copy from a holder over `STANDBY_PROTOCOL`, which answers only a peer whose
+signed record is on that stage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from hivemind.p2p import PeerID
+from swarm.compression import get_codec
+from swarm.peer.mates import confirmed_holders, confirmed_versions, request_state
+from swarm.peer.stage_state import (
+    StageStateError,
+    check_state_tensors,
+    load_state_tensors,
+    parameter_fingerprint,
+    state_fingerprint,
+)
+from swarm.proto import PROTOCOL_VERSION, Error, ErrorCode, PeerInfo, StateReply, StateRequest
+
+from swarm.models import build_stage
+from swarm.stage_records import JOINING, LEAVING, SERVING, StageRecord
+from swarm.transport import exchange, get_peer_info
+from swarm.wire import (
+    WireError,
+    WireLimits,
+    decode_tensors,
+    encode_tensor,
+    pack_frames,
+    read_frames,
+    wait_for_hang_up,
+    write_frames,
+)
+
+if TYPE_CHECKING:
+    from swarm.peer.server import Peer
+
+logger = logging.getLogger(__name__)
+
+STANDBY_PROTOCOL = "/swarm/standby/state"
+LOST_GRACE = 2  # announce periods a stage shows no serving or joining record before it counts as lost
+INFO_TIMEOUT = 5.0
+STATE_TIMEOUT = 120.0
+
+
+def standby_targets(stage: int, num_stages: int, count: int) -> list[int]:
+    """The stages a peer of `stage` holds standby copies of: the next `count`, never its own."""
+    following = ((stage + i) % num_stages for i in range(1, count + 1))
+    return list(dict.fromkeys(s for s in following if s != stage))
+
+
+def lost_stages(records: dict[int, list[StageRecord]], num_stages: int) -> set[int]:
+    """Stages no record shows a peer serving or joining."""
+    return {s for s in range(num_stages) if not any(r.state in (SERVING, JOINING) for r in records.get(s, []))}
+
+
+def choose_restorer(stage: int, records: dict[int, list[StageRecord]]) -> tuple[str, int] | None:
+    """(peer id, step) of the holder that restores `stage`, or None if none may.
+
+    Every holder computes this from the records, so all agree where their views agree: the freshest
+    copy first (the least progress lost), then a movable peer before a pinned one, then the holder
+    whose own stage keeps the most serving peers, then the peer id. A stage's last serving peer never
+    restores another: that would only move the loss.
+    """
+    candidates = []
+    for own, group in records.items():
+        serving = [r for r in group if r.state == SERVING]
+        if own == stage or len(serving) < 2:
+            continue
+        for record in serving:
+            copy = record.standby_of(stage)
+            if copy is not None and copy[0] >= 0:
+                candidates.append((-copy[0], not record.movable, -len(serving), record.peer_id))
+    if not candidates:
+        return None
+    best = min(candidates)
+    return best[3], -best[0]
+
+
+def standby_holders(stage: int, records: dict[int, list[StageRecord]]) -> set[str]:
+    """Peers whose serving records name them as holders of a standby copy of `stage`."""
+    return {
+        r.peer_id
+        for own, group in records.items()
+        if own != stage
+        for r in group
+        if r.state == SERVING and r.standby_of(stage) is not None
+    }
+
+
+@dataclass
+class Standby:
+    """One stage's state as a holder keeps it: in host memory (`tensors`) or on local disk (`path`)."""
+
+    stage: int
+    step: int
+    samples_stepped: int
+    has_optimizer_state: bool
+    fingerprint: str  # of the parameters, as replicas announce it
+    nbytes: int
+    tensors: list[torch.Tensor] | None = None
+    path: Path | None = None
+
+    def load(self) -> list[torch.Tensor]:
+        """The state's tensors, read back from disk if they were spilled there."""
+        if self.tensors is not None:
+            return self.tensors
+        return torch.load(self.path, weights_only=True)
+
+    def apply(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Copies the state into a freshly built stage and its optimizer."""
+        load_state_tensors(module, optimizer, self.load(), self.has_optimizer_state)
+
+
+class StandbyKeeper:
+    """A peer's standby copies: refreshes them, watches for lost stages, restores one when it is chosen."""
+
+    def __init__(self, peer: Peer) -> None:
+        self.peer = peer
+        config = peer.config
+        self.count = config.standby_stages
+        self.every = config.standby_every
+        self.budget = int(config.standby_memory_mb * 2**20)
+        self.spill_dir = Path(config.checkpoint_dir) / "standby" if config.checkpoint_dir else None
+        self.standbys: dict[int, Standby] = {}
+        self.fetching: set[int] = set()
+        self.templates: dict[int, torch.nn.Module] = {}  # per stage: its shapes, on the meta device
+        self.empty_since: dict[int, float] = {}
+        self.left_on_request: set[int] = set()  # lost stages whose last peers left on request: not restored
+        self.last_step: dict[int, int] = {}  # the highest step seen announced per stage
+        self.restore_pending: int | None = None
+        self.restored: list[tuple[int, int, int]] = []  # (stage, step, steps lost) of each restore by this peer
+        self.bytes_received = 0
+        self.refreshes = 0
+        self.rng = random.Random()
+        self._tasks: set[asyncio.Task] = set()
+        self._warned_budget: set[int] = set()
+
+    # --- what the record says -----------------------------------------------------------------------
+
+    def targets(self) -> list[int]:
+        return standby_targets(self.peer.stage, self.peer.config.num_stages, self.count)
+
+    def announced(self) -> tuple[tuple[int, int, str], ...]:
+        """The record's `standbys`: each target stage with the copy held (step -1 before the first)."""
+        entries = []
+        for stage in self.targets():
+            copy = self.standbys.get(stage)
+            entries.append((stage, copy.step, copy.fingerprint) if copy else (stage, -1, ""))
+        return tuple(entries)
+
+    def held_bytes(self) -> int:
+        return sum(copy.nbytes for copy in self.standbys.values() if copy.tensors is not None)
+
+    # --- the loop -------------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Every announce period: reads every stage's records and acts on them."""
+        period = self.peer.config.announce_period
+        while True:
+            try:
+                records = await self.peer._fetch_records()
+                self.observe(records)
+            except Exception as e:
+                logger.warning(f"Standby copies: could not read the swarm's stages ({e})")
+            await asyncio.sleep(period)
+
+    def observe(self, records: dict[int, list[StageRecord]]) -> None:
+        """Updates who may take this peer's stage's state, refreshes copies, and restores a lost stage."""
+        peer = self.peer
+        if peer.mates is not None:
+            peer.mates.standby_holders = standby_holders(peer.stage, records)
+        targets = self.targets()
+        for stage in [s for s in self.standbys if s not in targets]:
+            self._drop(stage)
+        now = time.monotonic()
+        lost = lost_stages(records, peer.config.num_stages)
+        for stage, group in records.items():
+            if group:
+                self.last_step[stage] = max([self.last_step.get(stage, 0), *(r.step for r in group)])
+            if stage in lost and stage not in self.empty_since:
+                self.empty_since[stage] = now
+                # its last peers said they were leaving on request (a stop, a preemption notice), not moving: not dead
+                if any(r.state == LEAVING and r.moving_to < 0 for r in group):
+                    self.left_on_request.add(stage)
+            elif stage not in lost:
+                self.empty_since.pop(stage, None)
+                self.left_on_request.discard(stage)
+        for stage in targets:
+            serving = [r for r in records.get(stage, []) if r.state == SERVING]
+            copy = self.standbys.get(stage)
+            newest = max((r.step for r in serving), default=-1)
+            due = copy is None or newest >= copy.step + self.every
+            if serving and due and stage not in self.fetching and peer.state == SERVING:
+                self._spawn(self.refresh(stage, [r.peer_id for r in serving]))
+        if peer.state != SERVING or self.restore_pending is not None:
+            return
+        grace = LOST_GRACE * peer.config.announce_period
+        for stage in sorted(self.standbys):
+            since = self.empty_since.get(stage)
+            if since is None or now - since < grace or stage in self.left_on_request:
+                continue
+            chosen = choose_restorer(stage, records)
+            if chosen is not None and chosen[0] == peer.peer_id:
+                copy = self.standbys[stage]
+                logger.warning(
+                    f"Stage {stage} has had no peer for {now - since:.0f}s; restoring it from this peer's standby "
+                    f"copy of step {copy.step}"
+                )
+                self.restore_pending = stage
+                peer.request_move(stage)
+                return
+
+    def _spawn(self, coroutine) -> None:
+        task = asyncio.ensure_future(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+
+    def _drop(self, stage: int) -> None:
+        copy = self.standbys.pop(stage, None)
+        if copy is not None and copy.path is not None:
+            copy.path.unlink(missing_ok=True)
+
+    # --- refreshing a copy ----------------------------------------------------------------------------
+
+    def template(self, stage: int) -> torch.nn.Module:
+        """The stage's module on the meta device: its shapes, to check a state against, at no memory cost."""
+        if stage not in self.templates:
+            config = self.peer.config
+            with torch.device("meta"):
+                self.templates[stage] = build_stage(self.peer.spec, stage, config.num_stages, config.seed)
+        return self.templates[stage]
+
+    def limits(self, stage: int) -> WireLimits:
+        count = sum(p.numel() for p in self.template(stage).parameters())
+        state_bytes = 16 * count + 2**20
+        return WireLimits(max_message_bytes=state_bytes, max_tensor_bytes=state_bytes)
+
+    async def _versions(self, stage: int, peers: list[str]) -> dict[str, tuple[int, str]]:
+        """Each of `peers`' (step, fingerprint) as it answers now, for `stage` (the silent ones left out)."""
+        p2p = self.peer.mates.p2p
+        infos = await asyncio.gather(
+            *(get_peer_info(p2p, PeerID.from_base58(p), timeout=INFO_TIMEOUT) for p in peers), return_exceptions=True
+        )
+        model = self.peer.config.model
+        return {
+            peer_id: (int(info.step), info.fingerprint)
+            for peer_id, info in zip(peers, infos)
+            if isinstance(info, PeerInfo)
+            and info.model == model
+            and info.stage == stage
+            and info.state == SERVING
+            and info.fingerprint
+        }
+
+    async def refresh(self, stage: int, serving: list[str]) -> None:
+        """Downloads `stage`'s state from one of its serving peers, taking only a confirmed version."""
+        self.fetching.add(stage)
+        started = time.perf_counter()
+        try:
+            versions = await self._versions(stage, serving)
+            holders = confirmed_holders(versions)
+            if not holders:
+                return
+            top = versions[holders[0]]
+            # any peer at the newest confirmed version: the copies' cost is spread over the stage
+            source = self.rng.choice([h for h in holders if versions[h] == top])
+            model = self.peer.config.model
+            step, tensors, has_optimizer_state, samples_stepped, _, _ = await request_state(
+                self.peer.mates.p2p, source, model, stage, self.limits(stage), STATE_TIMEOUT
+            )
+            template = self.template(stage)
+            check_state_tensors(template, tensors, has_optimizer_state)
+            count = sum(1 for _ in template.parameters())
+            fingerprint = await asyncio.get_running_loop().run_in_executor(None, state_fingerprint, tensors[:count])
+            if (step, fingerprint) not in confirmed_versions(versions):
+                # the source stepped since its mates were asked: ask them again
+                if (step, fingerprint) not in confirmed_versions(await self._versions(stage, serving)):
+                    raise StageStateError(f"no other peer confirms step {step}, fingerprint {fingerprint}")
+            if stage not in self.targets():
+                return  # this peer moved meanwhile
+            nbytes = sum(t.numel() * t.element_size() for t in tensors)
+            self.bytes_received += nbytes
+            self.refreshes += 1
+            copy = Standby(stage, step, samples_stepped, has_optimizer_state, fingerprint, nbytes)
+            old = self.standbys.get(stage)
+            in_memory = self.held_bytes() - (old.nbytes if old and old.tensors is not None else 0)
+            if in_memory + nbytes <= self.budget:
+                copy.tensors = tensors
+            elif self.spill_dir is not None:
+                copy.path = self.spill_dir / f"standby-{model}-stage{stage}-of-{self.peer.config.num_stages}.pt"
+                await asyncio.get_running_loop().run_in_executor(None, self._spill, tensors, copy.path)
+            else:
+                if stage not in self._warned_budget:
+                    self._warned_budget.add(stage)
+                    logger.warning(
+                        f"Not holding a standby copy of stage {stage}: {nbytes / 2**20:.1f} MiB would exceed "
+                        "--standby-memory-mb, and there is no --checkpoint-dir to keep it on disk"
+                    )
+                return
+            if old is not None and old.path is not None and old.path != copy.path:
+                old.path.unlink(missing_ok=True)
+            self.standbys[stage] = copy
+            logger.info(
+                f"Refreshed the standby copy of stage {stage} at step {step} (fingerprint {fingerprint}) "
+                f"from {source}: {nbytes} bytes in {time.perf_counter() - started:.2f}s "
+                f"({self.bytes_received} bytes over {self.refreshes} refreshes)"
+            )
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            logger.info(f"Could not refresh the standby copy of stage {stage}: {type(e).__name__}: {e}")
+        finally:
+            self.fetching.discard(stage)
+
+    @staticmethod
+    def _spill(tensors: list[torch.Tensor], path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".partial")
+        torch.save(tensors, partial)
+        partial.replace(path)
+
+    # --- restoring a stage ----------------------------------------------------------------------------
+
+    def claim(self, stage: int) -> Standby | None:
+        """The copy this peer restores `stage` from, if it is moving there to restore it (then it is no standby)."""
+        pending, self.restore_pending = self.restore_pending, None
+        return self.standbys.pop(stage, None) if pending == stage else None
+
+    def restore_into(self, copy: Standby, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Loads a claimed copy into the lost stage's fresh module, and says what was lost."""
+        copy.apply(module, optimizer)
+        lost = max(0, self.last_step.get(copy.stage, copy.step) - copy.step)
+        self.restored.append((copy.stage, copy.step, lost))
+        logger.warning(
+            f"Restored stage {copy.stage} from a standby at step {copy.step} (lost {lost} steps); "
+            f"parameters {parameter_fingerprint(module)}"
+        )
+        if copy.path is not None:
+            copy.path.unlink(missing_ok=True)
+
+    def move_failed(self) -> None:
+        """The move to restore a stage did not happen: the next look decides again."""
+        self.restore_pending = None
+
+    # --- a newcomer on an empty stage -------------------------------------------------------------------
+
+    async def fetch_for_newcomer(self) -> bool:
+        """Takes the freshest standby copy of this peer's (new, empty) stage; True if it took one."""
+        peer = self.peer
+        stage, runtime = peer.stage, peer.runtime
+        records = await peer._fetch_records()
+        copies = {
+            r.peer_id: r.standby_of(stage)
+            for own, group in records.items()
+            if own != stage
+            for r in group
+            if r.state == SERVING and r.standby_of(stage) is not None
+        }
+        copies = {p: c for p, c in copies.items() if c[0] > runtime.step}
+        counts = Counter(copies.values())
+        # the freshest copy first (holders refresh at different moments, so copies rarely agree); at one
+        # step, the version more holders announce. Each holder took its copy only once two of the stage's
+        # peers confirmed it, and the state sent must match what the holder's signed record announces.
+        for version in sorted(counts, key=lambda v: (v[0], counts[v]), reverse=True):
+            for holder in sorted(p for p, c in copies.items() if c == version):
+                try:
+                    step, fingerprint = await self._download_from_holder(holder, version)
+                except Exception as e:
+                    logger.warning(f"Could not take stage {stage}'s standby copy from {holder}: {e}")
+                    continue
+                lost = max(0, max((r.step for r in records.get(stage, [])), default=step) - step)
+                logger.warning(
+                    f"Restored stage {stage} from a standby at step {step} (lost {lost} steps); "
+                    f"parameters {fingerprint}, taken from {holder}"
+                )
+                return True
+        return False
+
+    async def _download_from_holder(self, holder: str, version: tuple[int, str]) -> tuple[int, str]:
+        peer = self.peer
+        stage, runtime = peer.stage, peer.runtime
+        limits = self.limits(stage)
+        request = StateRequest(protocol_version=PROTOCOL_VERSION, model=peer.config.model, stage=stage)
+        reply, parts = await asyncio.wait_for(
+            exchange(peer.mates.p2p, PeerID.from_base58(holder), STANDBY_PROTOCOL, [request], StateReply, limits),
+            STATE_TIMEOUT,
+        )
+        if reply.error.code != ErrorCode.OK:
+            raise StageStateError(f"{ErrorCode.Name(reply.error.code)}: {reply.error.message}")
+        tensors = await asyncio.get_running_loop().run_in_executor(None, decode_tensors, parts, limits)
+        check_state_tensors(runtime.module, tensors, reply.has_optimizer_state)
+        count = sum(1 for _ in runtime.module.parameters())
+        fingerprint = await asyncio.get_running_loop().run_in_executor(None, state_fingerprint, tensors[:count])
+        if (reply.step, fingerprint) != version:
+            raise StageStateError(f"sent step {reply.step}, fingerprint {fingerprint}; its record says {version}")
+
+        def apply() -> None:
+            load_state_tensors(runtime.module, runtime.optimizer, tensors, reply.has_optimizer_state)
+
+        await asyncio.wrap_future(
+            runtime.run_exclusive(lambda: runtime.load_state(reply.step, apply, reply.samples_stepped), front=True)
+        )
+        return reply.step, fingerprint
+
+    async def handle_standby(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """`STANDBY_PROTOCOL`: gives a held copy to a peer whose signed record is on that copy's stage."""
+        frames: list = []
+        try:
+            request, _ = await read_frames(reader, StateRequest, WireLimits())
+            requester = str(stream_info.peer_id)
+            copy = self.standbys.get(request.stage)
+            error = None
+            if request.protocol_version != PROTOCOL_VERSION:
+                error = Error(code=ErrorCode.VERSION_MISMATCH, message=f"this peer speaks protocol {PROTOCOL_VERSION}")
+            elif request.model != self.peer.config.model or copy is None:
+                error = Error(code=ErrorCode.WRONG_STAGE, message=f"no standby copy of stage {request.stage} here")
+            else:
+                records = await self.peer._fetch_records(only=copy.stage)
+                on_stage = {r.peer_id for r in records[copy.stage] if r.state in (JOINING, SERVING)}
+                if requester not in on_stage:
+                    error = Error(
+                        code=ErrorCode.FORBIDDEN, message=f"no signed record puts {requester} on stage {copy.stage}"
+                    )
+            if error is not None:
+                frames = [StateReply(protocol_version=PROTOCOL_VERSION, error=error)]
+            else:
+                tensors = await asyncio.get_running_loop().run_in_executor(None, copy.load)
+                parts = await asyncio.get_running_loop().run_in_executor(
+                    None, lambda: [p for t in tensors for p in encode_tensor(t, get_codec("none"))]
+                )
+                reply = StateReply(
+                    protocol_version=PROTOCOL_VERSION,
+                    step=copy.step,
+                    has_optimizer_state=copy.has_optimizer_state,
+                    samples_stepped=copy.samples_stepped,
+                )
+                frames = pack_frames(reply, parts)
+                logger.info(f"Giving the standby copy of stage {copy.stage} (step {copy.step}) to {requester}")
+        except WireError as e:
+            frames = [StateReply(protocol_version=PROTOCOL_VERSION, error=Error(code=e.code, message=str(e)))]
+        except Exception as e:
+            logger.exception("Failed to give a standby copy")
+            error = Error(code=ErrorCode.INTERNAL, message=f"{type(e).__name__}: {e}")
+            frames = [StateReply(protocol_version=PROTOCOL_VERSION, error=error)]
+        try:
+            await write_frames(writer, frames)
+            await wait_for_hang_up(reader)
+        except Exception as e:
+            logger.debug(f"Could not answer a standby request: {type(e).__name__}: {e}")
+        finally:
+            writer.close()

@@ -1,0 +1,117 @@
+"""What standby copies cost with no churn: bytes per step and samples/s, on against off; prints one JSON object.
+
+Each round starts a fresh local swarm (`--stages` stages of `--model`, `--peers-per-stage` peers
+each), trains `--steps` steps with `--standby-stages 0` and then with `--standby-stages K`
+(alternating which goes first from round to round, so that a machine warming up or cooling down
+favours neither), and reads from the peers' logs the bytes their standby refreshes took
+("Refreshed the standby copy ... (N bytes over M refreshes)"). Peers are pinned: nothing moves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from swarm.dht_node import TetheredDHT
+from swarm.local_swarm import LocalSwarm
+from swarm.stage_records import SERVING, fetch_stage_records
+
+TOTAL = re.compile(r"\((\d+) bytes over (\d+) refreshes\)")
+
+
+def one_run(args: argparse.Namespace, workdir: Path, standby_stages: int) -> dict:
+    """A fresh swarm trained for `args.steps` steps with `standby_stages`; its samples/s and standby bytes."""
+    model = ["--model", args.model, "--num-stages", str(args.stages), "--seed", "7"]
+    peer_flags = [*model, "--announce-period", "1", "--target-batch-size", str(args.batch)]
+    peer_flags += ["--standby-stages", str(standby_stages), "--standby-every", str(args.standby_every)]
+    with LocalSwarm(workdir) as swarm:
+        swarm.start_bootstrap()
+        names = []
+        for stage in range(args.stages):
+            for i in range(args.peers_per_stage):
+                names.append(f"peer{stage}-{i}")
+                swarm.start_peer(names[-1], stage, peer_flags)
+        dht = TetheredDHT(initial_peers=swarm.initial_peers, start=True)
+        try:
+            deadline = time.monotonic() + 300
+            while True:
+                records = fetch_stage_records(dht, "swarm", args.stages)
+                if all(sum(r.state == SERVING for r in records[s]) == args.peers_per_stage for s in records):
+                    break
+                if time.monotonic() > deadline:
+                    raise SystemExit("the swarm did not come up in 300 s")
+                time.sleep(0.5)
+        finally:
+            dht.shutdown()
+        summary_file = workdir / "summary.json"
+        trainer_flags = [*model, "--steps", str(args.steps), "--microbatch-size", str(args.microbatch)]
+        trainer_flags += ["--summary-file", str(summary_file), "--no-progress", "--compression", "none"]
+        trainer = swarm.start_trainer("trainer", trainer_flags)
+        if trainer.wait(args.timeout) != 0:
+            raise SystemExit(f"the trainer failed; see {swarm.log_path('trainer')}")
+        summary = json.loads(summary_file.read_text())
+        standby_bytes = refreshes = 0
+        for name in names:
+            totals = TOTAL.findall(swarm.log_path(name).read_text(errors="replace"))
+            if totals:
+                standby_bytes += int(totals[-1][0])
+                refreshes += int(totals[-1][1])
+    return {
+        "samples_per_s": round(summary["samples_per_second"], 2),
+        "steps": summary["steps"],
+        "standby_bytes": standby_bytes,
+        "standby_refreshes": refreshes,
+        # peers' copies refresh in the background from the start: bytes over the steps the stages took
+        "standby_bytes_per_step": round(standby_bytes / max(1, summary["steps"])),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="gpt-tiny")
+    parser.add_argument("--stages", type=int, default=3)
+    parser.add_argument("--peers-per-stage", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--batch", type=int, default=32, help="target batch size")
+    parser.add_argument("--microbatch", type=int, default=8)
+    parser.add_argument("--standby-stages", type=int, default=1, help="K for the runs with standbys on")
+    parser.add_argument("--standby-every", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=1, help="pairs of runs (off and on)")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds one trainer may take")
+    args = parser.parse_args()
+    if args.rounds < 1 or args.steps < 1 or args.standby_stages < 1:
+        parser.error("--rounds, --steps and --standby-stages must be at least 1")
+    workdir = Path(tempfile.mkdtemp(prefix="bench-standby-"))
+    runs: dict[str, list[dict]] = {"off": [], "on": []}
+    for index in range(args.rounds):
+        order = [("off", 0), ("on", args.standby_stages)]
+        for label, k in order if index % 2 == 0 else reversed(order):
+            runs[label].append(one_run(args, workdir / f"{label}{index}", k))
+            print(f"round {index} {label}: {json.dumps(runs[label][-1])}", file=sys.stderr)
+    off = statistics.median(r["samples_per_s"] for r in runs["off"])
+    on = statistics.median(r["samples_per_s"] for r in runs["on"])
+    result = {
+        "model": args.model,
+        "stages": args.stages,
+        "peers_per_stage": args.peers_per_stage,
+        "steps": args.steps,
+        "standby_stages": args.standby_stages,
+        "standby_every": args.standby_every,
+        "samples_per_s_off": round(off, 2),
+        "samples_per_s_on": round(on, 2),
+        "slowdown": round(1 - on / off, 3) if off else None,
+        "standby_bytes_per_step": statistics.median(r["standby_bytes_per_step"] for r in runs["on"]),
+        "runs": runs,
+        "workdir": str(workdir),
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""Standby copies: every peer of a stage SIGKILLed at once mid-training, and the stage comes back from a copy."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import time
+from types import SimpleNamespace
+
+import pytest
+from conftest import SMALL_CORPUS, wait_for_records
+from swarm.peer.standby import (
+    LOST_GRACE,
+    Standby,
+    StandbyKeeper,
+    choose_restorer,
+    lost_stages,
+    standby_holders,
+    standby_targets,
+)
+
+from swarm.config import PeerConfig
+from swarm.sample_ledger import read_ledger
+from swarm.stage_records import JOINING, LEAVING, SERVING, StageRecord
+
+RESTORE_BOUND = 40.0  # seconds from the kill to the stage serving again (record expiry 4 s, grace 1 s, leave, build)
+MODEL = ["--model", "gpt-tiny", "--num-stages", "2", "--seed", "7"]
+
+
+def record(peer: str, stage: int, state: str = SERVING, standbys=(), movable: bool = True) -> StageRecord:
+    return StageRecord(
+        peer * 4, stage, "gpt-tiny", 3, state, 5, 10.0, 0, 24, 0, 1, movable=movable, standbys=tuple(standbys)
+    )
+
+
+def test_standby_targets_skip_the_own_stage():
+    assert standby_targets(0, 3, 1) == [1]
+    assert standby_targets(2, 3, 1) == [0]
+    assert standby_targets(1, 3, 5) == [2, 0]
+    assert standby_targets(0, 1, 1) == []
+
+
+def test_records_carry_standbys_and_refuse_malformed_ones():
+    good = record("peerA", 0, standbys=[(1, 4, "0123456789abcdef"), (2, -1, "")])
+    parsed = StageRecord.from_value(good.to_value(), 0.0)
+    assert parsed == good and parsed.standby_of(1) == (4, "0123456789abcdef") and parsed.standby_of(0) is None
+    old = good.to_value()
+    del old["standbys"]  # a peer from before standbys
+    assert StageRecord.from_value(old, 1.0).standbys == ()
+    for bad in ([[0, 4, ""]], [[3, 4, ""]], [[1, -2, ""]], [[1, 4, "not hex"]], [[1, "4", ""]], "x", [[1] * 70]):
+        assert StageRecord.from_value({**good.to_value(), "standbys": bad}, 1.0) is None, bad
+
+
+def test_the_restorer_is_the_freshest_holder_that_leaves_a_peer_behind():
+    copy = lambda step: [(2, step, "0123456789abcdef")]  # noqa: E731
+    records = {
+        0: [record("peerA", 0, standbys=copy(7)), record("peerB", 0, standbys=copy(9))],
+        1: [record("peerC", 1, standbys=copy(12))],  # fresher, but the last peer of stage 1
+        2: [record("peerD", 2, LEAVING)],
+    }
+    assert lost_stages(records, 3) == {2}
+    assert choose_restorer(2, records) == ("peerB" * 4, 9)
+    assert standby_holders(2, records) == {"peerA" * 4, "peerB" * 4, "peerC" * 4}
+    records[0][1] = record("peerB", 0, standbys=copy(7), movable=False)
+    assert choose_restorer(2, records) == ("peerA" * 4, 7)  # a pinned peer restores only when no other can
+    records[0] = [record("peerA", 0, standbys=copy(-1)), record("peerB", 0)]
+    assert choose_restorer(2, records) is None  # no copy held yet
+    records[2].append(record("peerE", 2, JOINING))
+    assert lost_stages(records, 3) == set()
+
+
+def keeper_on_stage_0(moves: list[int]) -> StandbyKeeper:
+    """A keeper of a peer serving stage 0 of 3 that holds a copy of stage 1 at step 4 (no network needed)."""
+    config = PeerConfig(model="gpt-tiny", num_stages=3, announce_period=1.0)
+    peer = SimpleNamespace(config=config, stage=0, state=SERVING, mates=None, peer_id="peerB" * 4)
+    peer.request_move = moves.append
+    keeper = StandbyKeeper(peer)
+    keeper.standbys[1] = Standby(1, 4, 96, True, "0123456789abcdef", 0, tensors=[])
+    return keeper
+
+
+def test_a_stage_whose_peers_died_is_restored_and_one_whose_peers_left_is_not():
+    copy = [(1, 4, "0123456789abcdef")]
+    stage0 = [record("peerA", 0), record("peerB", 0, standbys=copy)]
+    for last_state, restored in ((SERVING, True), (LEAVING, False)):
+        moves: list[int] = []
+        keeper = keeper_on_stage_0(moves)
+        keeper.observe({0: stage0, 1: [record("peerC", 1, last_state)], 2: [record("peerD", 2)]})
+        # its records gone (expired), or saying it leaves: the stage is empty from here on
+        emptied = {
+            0: stage0,
+            1: [] if last_state == SERVING else [record("peerC", 1, LEAVING)],
+            2: [record("peerD", 2)],
+        }
+        keeper.observe(emptied)
+        assert moves == []  # within the grace
+        keeper.empty_since[1] -= LOST_GRACE * 1.0
+        keeper.observe({**emptied, 1: []})
+        assert moves == ([1] if restored else []), last_state
+        assert keeper.restore_pending == (1 if restored else None)
+
+
+def wait_for_log(local_swarm, name: str, pattern: str, timeout: float, since: int = 0) -> re.Match:
+    """The first match of `pattern` in `name`'s log after character `since`, polled until `timeout`."""
+    deadline = time.monotonic() + timeout
+    while not (found := re.search(pattern, local_swarm.log_path(name).read_text(errors="replace")[since:])):
+        assert time.monotonic() < deadline, f"{name} never logged {pattern!r}"
+        assert local_swarm.processes[name].poll() is None, f"{name} exited"
+        time.sleep(0.2)
+    return found
+
+
+@pytest.mark.timeout(300)
+def test_a_stage_whose_every_peer_dies_is_restored_from_a_standby(local_swarm, tmp_path):
+    steps = 14
+    local_swarm.start_bootstrap()
+    common = [*MODEL, "--target-batch-size", "16", "--announce-period", "0.5", "--record-ttl", "4"]
+    common += ["--standby-every", "2"]
+    names = {0: ["a0", "a1"], 1: ["b0", "b1"]}
+    for stage, peers in names.items():
+        for name in peers:
+            local_swarm.start_peer(name, stage, [*common, "--ledger", str(tmp_path / f"{name}.jsonl")])
+    serving = [lambda r, s=s: sum(p.state == SERVING for p in r[s]) for s in range(2)]
+    wait_for_records(local_swarm.initial_peers, lambda r: [c(r) for c in serving] == [2, 2], num_stages=2)
+    summary_file = tmp_path / "summary.json"
+    trainer = local_swarm.start_trainer(
+        "trainer",
+        [*MODEL, "--steps", str(steps), "--microbatch-size", "4", "--max-in-flight", "4", "--data", SMALL_CORPUS]
+        + ["--summary-file", str(summary_file), "--no-progress", "--compression", "none"],
+    )
+
+    # both peers of stage 0 hold a copy of stage 1; once one is past step 2, the whole of stage 1 dies
+    refreshed = r"Refreshed the standby copy of stage 1 at step ([2-9]|\d\d+)"
+    deadline = time.monotonic() + 150
+    while not any(re.search(refreshed, local_swarm.log_path(n).read_text(errors="replace")) for n in names[0]):
+        assert time.monotonic() < deadline, "no standby copy of stage 1 past step 2"
+        assert trainer.poll() is None, "the trainer finished before the kill"
+        time.sleep(0.2)
+    marks = {n: len(local_swarm.log_path(n).read_text(errors="replace")) for n in names[0]}
+    for name in names[1]:
+        local_swarm.signal(name, signal.SIGKILL)
+    killed_at = time.monotonic()
+    for name in names[1]:
+        local_swarm.stop(name, signal.SIGKILL)
+
+    # one holder of the copy moves to stage 1 and serves it from the copy's step
+    restored = r"Restored stage 1 from a standby at step (\d+) \(lost (\d+) steps\); parameters (\w+)"
+    deadline = killed_at + RESTORE_BOUND
+    found = None
+    while found is None:
+        texts = {n: local_swarm.log_path(n).read_text(errors="replace")[marks[n] :] for n in names[0]}
+        found = next(((n, m) for n, t in texts.items() if (m := re.search(restored, t))), None)
+        assert time.monotonic() < deadline, f"stage 1 not restored within {RESTORE_BOUND:.0f}s"
+        time.sleep(0.2)
+    restorer, match = found
+    step, fingerprint = int(match.group(1)), match.group(3)
+    wait_for_log(
+        local_swarm, restorer, r"Serving stage 1/2", killed_at + RESTORE_BOUND - time.monotonic(), marks[restorer]
+    )
+    seconds = time.monotonic() - killed_at
+    # the copy is the state the dead peers announced after that step: their ledgers name its fingerprint
+    ledgers = read_ledger([tmp_path / f"{n}.jsonl" for n in names[1]])
+    dead = {r["fingerprint"] for r in ledgers if r.get("kind") == "step" and r["step"] == step - 1}
+    assert dead == {fingerprint}, f"restored step {step} holds {fingerprint}; the dead peers wrote {dead}"
+    newest = max(r["step"] + 1 for r in ledgers if r.get("kind") == "step")
+    assert 0 <= int(match.group(2)) <= newest - step  # as the restorer saw the records: at most what died
+
+    assert trainer.wait(200) == 0, local_swarm.log_path("trainer").read_text()[-3000:]
+    summary = json.loads(summary_file.read_text())
+    assert summary["steps"] == steps
+    print(f"stage 1 restored at step {step} of {newest} by {restorer} in {seconds:.1f}s after the kill")
+    other = next(n for n in names[0] if n != restorer)
+    for name in (restorer, other):
+        assert local_swarm.stop(name) == 0
