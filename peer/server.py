@@ -13,6 +13,7 @@ from hivemind.p2p import P2P
 from swarm.compression import get_codec
 from swarm.peer.announcer import Announcer
 from swarm.peer.checkpoint import checkpoint_path, load_checkpoint, restore, save_checkpoint
+from swarm.peer.direct_links import keep_direct_links
 from swarm.peer.faults import FaultPlan
 from swarm.peer.handler import StageHandler
 from swarm.peer.mates import StageMates
@@ -481,6 +482,12 @@ class Peer:
         reporting = asyncio.create_task(
             report_reachability(self.reachability, config, lambda: p2p.get_visible_maddrs(latest=True))
         )
+        # behind NAT: trainers' calls come over connections this peer opens, not through the relay
+        linking = (
+            asyncio.create_task(keep_direct_links(p2p, self.dht, config.run_id))
+            if self.reachability.reachable is False
+            else None
+        )
         announcing: asyncio.Task | None = None
         keeping: asyncio.Task | None = None
         try:
@@ -523,6 +530,8 @@ class Peer:
                 logger.info(f"Left stage {source} in {time.monotonic() - left_at:.1f}s; joining stage {target}")
         finally:
             reporting.cancel()
+            if linking is not None:
+                linking.cancel()
             for task in (announcing, keeping):
                 if task is not None:
                     task.cancel()

@@ -44,7 +44,7 @@ from swarm.proto import BACKWARD, FORWARD, ErrorCode, StageRequest
 from swarm.router import Router
 from swarm.sample_ledger import SampleLedger, fed_record
 from swarm.stage_records import SERVING, StageRecord, fetch_stage_records
-from swarm.trainer_records import TrainerProgress, publish_forever
+from swarm.trainer_records import TrainerProgress, direct_addresses, publish_forever
 from swarm.transport import CallStats, StageCallError, call_stage
 
 if TYPE_CHECKING:
@@ -465,6 +465,7 @@ class Trainer:
             self._start_metrics()
         stop = stop_event_on_signals()
         self.p2p = await connect_to_daemon(self.dht)
+        self.progress.addresses = await direct_addresses(self.p2p)
         refreshing = asyncio.create_task(self._refresh_forever())
         publishing = asyncio.create_task(publish_forever(self.dht, config.run_id, self.progress))
         try:

@@ -22,6 +22,7 @@ from collections import Counter, deque
 from dataclasses import dataclass
 
 from hivemind import DHT
+from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
 from swarm.identity import owner_peer_id
@@ -38,6 +39,8 @@ RECORD_TTL = 30.0
 MAX_LOSS = 1e6
 MAX_RATE = 1e9  # samples/s
 MAX_COUNT = 2**53
+MAX_ADDRESSES = 8  # multiaddrs a trainer lists for peers behind NAT to dial
+MAX_ADDRESS_CHARS = 200
 dropped_records: Counter[str] = Counter()  # records skipped by this process, per reason
 
 
@@ -80,6 +83,9 @@ class TrainerRecord:
     bans_issued: int
     banned: tuple[str, ...]  # peers it bans now
     points: tuple[ProgressPoint, ...]  # its last steps, oldest first
+    # where it listens: a peer behind NAT dials it there, so the trainer's calls reach that peer over a
+    # direct connection instead of through a relay
+    addresses: tuple[str, ...] = ()
     expiration: float = 0.0
 
     def to_value(self) -> dict:
@@ -94,6 +100,7 @@ class TrainerRecord:
             "bans_issued": self.bans_issued,
             "banned": list(self.banned),
             "points": [p.to_value() for p in self.points],
+            "addresses": list(self.addresses),
         }
 
     @classmethod
@@ -115,6 +122,9 @@ class TrainerRecord:
         points = [ProgressPoint.from_value(p) for p in raw_points]
         if any(p is None for p in points):
             return None
+        addresses = parse_addresses(value.get("addresses", []))
+        if addresses is None:
+            return None
         num_stages, step, samples, bans = (value.get(k) for k in ("num_stages", "step", "samples", "bans_issued"))
         if not (_is_int(num_stages, 1, 1024) and _is_int(step) and _is_int(samples) and _is_int(bans)):
             return None
@@ -133,8 +143,27 @@ class TrainerRecord:
             bans,
             tuple(banned),
             tuple(points),
+            addresses,
             float(expiration),
         )
+
+
+def parse_addresses(value: object) -> tuple[str, ...] | None:
+    """A record's listening addresses: a short list of direct (not relayed) multiaddrs; None if malformed."""
+    if not isinstance(value, list) or len(value) > MAX_ADDRESSES:
+        return None
+    if not all(isinstance(a, str) and 0 < len(a) <= MAX_ADDRESS_CHARS for a in value):
+        return None
+    from hivemind.utils.multiaddr import Multiaddr
+
+    for address in value:
+        try:
+            protocols = {p.name for p in Multiaddr(address).protocols()}
+        except Exception:
+            return None
+        if "p2p-circuit" in protocols or "tcp" not in protocols:
+            return None
+    return tuple(value)
 
 
 def _is_int(value: object, low: int = 0, high: int = MAX_COUNT) -> bool:
@@ -203,6 +232,7 @@ class TrainerProgress:
         self.samples = 0
         self.bans_issued = 0
         self.banned: tuple[str, ...] = ()
+        self.addresses: tuple[str, ...] = ()  # where the trainer listens (see TrainerRecord.addresses)
         self._finished: deque[tuple[float, int]] = deque()  # (clock, samples so far) at the end of recent steps
         self._started = clock()
 
@@ -244,6 +274,7 @@ class TrainerProgress:
             self.bans_issued,
             self.banned,
             tuple(self.points),
+            self.addresses,
         )
 
 
@@ -256,3 +287,15 @@ async def publish_forever(dht: DHT, run_id: str, progress: TrainerProgress, peri
         except Exception as e:
             logger.debug(f"Could not publish training progress ({e}); retrying in {period}s")
         await asyncio.sleep(period)
+
+
+async def direct_addresses(p2p: P2P) -> tuple[str, ...]:
+    """The addresses this process listens on, relayed ones left out, as a trainer record lists them."""
+    try:
+        maddrs = await p2p.get_visible_maddrs(latest=True)
+    except Exception as e:  # the record goes out without them: peers behind NAT then reach it through relays
+        logger.debug(f"Could not read this trainer's addresses: {e}")
+        return ()
+    found = [str(m).rsplit("/p2p/", 1)[0] for m in maddrs if "p2p-circuit" not in str(m)]
+    found = [a for a in found if len(a) <= MAX_ADDRESS_CHARS]
+    return tuple(parse_addresses(found[:MAX_ADDRESSES]) or ())

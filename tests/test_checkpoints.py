@@ -120,7 +120,8 @@ def test_checkpoint_write_killed_midway_leaves_the_previous_one(tmp_path, delay)
         os.killpg(writer.pid, signal.SIGKILL)
         writer.wait(10)
     checkpoint = load_checkpoint(tmp_path, "big", 0, 1)
-    assert checkpoint is not None and checkpoint.step in (1, 2)
+    # the last write that completed before the kill (a fast disk may finish several within the delay)
+    assert checkpoint is not None and checkpoint.step >= 1
     # the file holds one whole write: every value is that write's step
     assert torch.all(checkpoint.parameters["weight"] == checkpoint.step)
     # the next save clears what the killed write left behind

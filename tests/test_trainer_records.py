@@ -9,6 +9,7 @@ from hivemind.utils import get_dht_time
 
 from swarm.dht_node import TetheredDHT
 from swarm.trainer_records import (
+    MAX_ADDRESSES,
     MAX_BANNED,
     MAX_POINTS,
     ProgressPoint,
@@ -34,6 +35,10 @@ def sound(trainer: str = TRAINER, **changes) -> dict:
 def test_a_sound_record_parses_back_to_itself():
     record = TrainerRecord.from_value(sound(), 99.0)
     assert record is not None and record.to_value() == sound() and record.expiration == 99.0
+    listening = sound(addresses=["/ip4/11.0.0.1/tcp/4100", "/ip6/::1/tcp/4100"])
+    assert TrainerRecord.from_value(listening, 99.0).addresses == ("/ip4/11.0.0.1/tcp/4100", "/ip6/::1/tcp/4100")
+    old = {k: v for k, v in sound().items() if k != "addresses"}  # from a trainer of before addresses
+    assert TrainerRecord.from_value(old, 99.0).addresses == ()
 
 
 @pytest.mark.parametrize(
@@ -57,6 +62,12 @@ def test_a_sound_record_parses_back_to_itself():
         {"points": [[1.7e9, -1, 1.0, 1.0]]},
         {"points": [[1.7e9, 1, 1.0, 1.0]] * (MAX_POINTS + 1)},
         {"points": "many"},
+        {"addresses": ["/ip4/11.0.0.1/tcp/1/p2p/QmRelay/p2p-circuit"]},  # a relayed address is no direct road
+        {"addresses": ["not a multiaddr"]},
+        {"addresses": ["/ip4/11.0.0.1/udp/1"]},
+        {"addresses": ["/ip4/11.0.0.1/tcp/1"] * (MAX_ADDRESSES + 1)},
+        {"addresses": ["/ip4/11.0.0.1/tcp/" + "1" * 300]},
+        {"addresses": "/ip4/11.0.0.1/tcp/1"},
     ],
 )
 def test_a_field_out_of_type_or_range_drops_the_record(changes):
