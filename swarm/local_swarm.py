@@ -121,15 +121,7 @@ class LocalSwarm:
             self.processes[name].send_signal(sig)
 
     def _reap(self, name: str, timeout: float) -> int | None:
-        process = self.processes.pop(name)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(timeout)
-        # the DHT child and p2pd share the process group: take down whatever is left of it
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(process.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(5)
-        return process.returncode
+        return reap(self.processes.pop(name), timeout)
 
     def stop_all(self, timeout: float = 20.0) -> None:
         """Stops every process: trainers, then peers (together), then the bootstrap node."""
@@ -165,3 +157,17 @@ class LocalSwarm:
             signal.signal(sig, handler)
         self._saved_handlers.clear()
         self.stop_all()
+
+
+def reap(process: subprocess.Popen, timeout: float) -> int | None:
+    """Waits up to `timeout` s for a process started in a session of its own, then kills what is left of its group.
+
+    The DHT child and p2pd share the process group: whatever the main process left behind goes with it.
+    """
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(5)
+    return process.returncode

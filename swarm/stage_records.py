@@ -196,10 +196,19 @@ def _record_problem(record: StageRecord | None, subkey: object, stage: int, allo
     """Why a record read from the DHT cannot be used, or None."""
     if record is None:
         return "malformed"
-    if owner_peer_id(subkey) != record.peer_id:
-        return "unsigned"  # not under its own key: anyone may have written it
     if record.stage != stage:
         return "misfiled"
-    if allowlist is not None and not allowlist.admits(record.peer_id):
+    return ownership_problem(record.peer_id, subkey, allowlist)
+
+
+def ownership_problem(peer_id: str, subkey: object, allowlist) -> str | None:
+    """Why a signed record that names `peer_id` cannot be trusted as that peer's, or None.
+
+    The DHT checked the signature against the key in `subkey`; the record must also name the peer
+    that key belongs to, and in a private swarm one on the allowlist.
+    """
+    if owner_peer_id(subkey) != peer_id:
+        return "unsigned"  # not under its own key: anyone may have written it
+    if allowlist is not None and not allowlist.admits(peer_id):
         return "outsider"
     return None

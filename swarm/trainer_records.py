@@ -25,8 +25,7 @@ from hivemind import DHT
 from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
-from swarm.identity import owner_peer_id
-from swarm.stage_records import MAX_MODEL_NAME, PEER_ID
+from swarm.stage_records import MAX_MODEL_NAME, PEER_ID, ownership_problem
 
 logger = logging.getLogger(__name__)
 
@@ -205,14 +204,7 @@ def fetch_trainer_records(dht: DHT, run_id: str) -> list[TrainerRecord]:
     records = []
     for subkey, item in list(found.value.items())[:MAX_TRAINERS]:
         record = TrainerRecord.from_value(getattr(item, "value", None), getattr(item, "expiration_time", 0.0))
-        if record is None:
-            problem = "malformed"
-        elif owner_peer_id(subkey) != record.peer_id:
-            problem = "unsigned"  # not under its own key: anyone may have written it
-        elif allowlist is not None and not allowlist.admits(record.peer_id):
-            problem = "outsider"
-        else:
-            problem = None
+        problem = "malformed" if record is None else ownership_problem(record.peer_id, subkey, allowlist)
         if problem is not None:
             dropped_records[problem] += 1
             logger.debug(f"Ignoring a {problem} trainer record: {str(item)[:200]}")

@@ -6,7 +6,6 @@ image definition checked by whatever tools this machine has.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import shlex
@@ -28,6 +27,7 @@ from swarm.peer.checkpoint import checkpoint_path
 from swarm.cli import build_parser
 from swarm.config import PeerConfig, load_config
 from swarm.identity import read_identity
+from swarm.local_swarm import reap
 
 REPO = Path(__file__).resolve().parent.parent
 SPOT = REPO / "scripts" / "spot"
@@ -287,16 +287,6 @@ def _start_launcher(settings: dict[str, str], metadata: MetadataService, log: Pa
         )
 
 
-def _reap(process: subprocess.Popen, timeout: float) -> int | None:
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        process.wait(timeout)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(process.pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        process.wait(5)
-    return process.returncode
-
-
 def _wait_for(condition, timeout: float, what: str, process: subprocess.Popen, log: Path) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -344,7 +334,7 @@ def test_launched_peer_leaves_on_aws_notice_and_returns_with_its_id(local_swarm,
             assert "Preemption notice received" in log.read_text()
             assert checkpoint_path(checkpoints, "gpt-tiny", 0, 3).exists()
         finally:
-            _reap(peer, 20)
+            reap(peer, 20)
 
         refused = run_launcher(settings, metadata=metadata, dry_run=False)  # the notice still stands
         assert refused.returncode == 75, refused.stderr
@@ -359,7 +349,7 @@ def test_launched_peer_leaves_on_aws_notice_and_returns_with_its_id(local_swarm,
             peer.send_signal(signal.SIGTERM)  # what systemd sends on stop
             assert peer.wait(60) == 0, log.read_text()
         finally:
-            _reap(peer, 20)
+            reap(peer, 20)
 
 
 # --- the scripts, the unit and the image, checked with the tools this machine has ----------------
