@@ -188,7 +188,11 @@ def test_a_role_that_will_not_leave_is_killed_with_its_group(tmp_path):
     )
     try:
         role = int(launcher.stdout.readline())
-        group = [pid for pid in tagged(tag) if process_group(pid) == role]
+        # a child that has just exec'd shows an empty environment for a moment: poll until it carries the tag
+        deadline = time.monotonic() + 10
+        while len(group := [pid for pid in tagged(tag) if process_group(pid) == role]) < 2:
+            assert time.monotonic() < deadline, f"the role and its child: {tagged(tag)}"
+            time.sleep(0.05)
         assert len(group) == 2, f"the role and its child: {tagged(tag)}"
         launcher.kill()
         launcher.wait(10)
