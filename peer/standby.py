@@ -4,7 +4,8 @@ With `--standby-stages K`, a peer of stage s also holds a copy of the state (par
 state, step) of stages s+1 .. s+K (mod the number of stages), in host memory (or, past
 `--standby-memory-mb`, in `--checkpoint-dir`), never on the accelerator. Its record lists each copy
 as (stage, step, parameter fingerprint). Once a stage's peers announce a step `--standby-every`
-steps past the copy, the holder downloads the stage's state again in the background, over the
+steps past the copy (and a refresh has not taken more than `--standby-share` of the time since the
+last), the holder downloads the stage's state again in the background, over the
 stage-mates' state protocol: a stage's peers give their state to a peer whose signed record names
 it as a standby holder of that stage, without taking it for a mate. As a joiner does, the holder
 takes only a (step, fingerprint) that two of the stage's peers confirm, where two or more serve.
@@ -46,6 +47,7 @@ from swarm.peer.stage_state import (
 from swarm.proto import PROTOCOL_VERSION, Error, ErrorCode, PeerInfo, StateReply, StateRequest
 
 from swarm.models import build_stage
+from swarm.sample_ledger import restore_record
 from swarm.stage_records import JOINING, LEAVING, SERVING, StageRecord
 from swarm.transport import exchange, get_peer_info
 from swarm.wire import (
@@ -68,6 +70,8 @@ STANDBY_PROTOCOL = "/swarm/standby/state"
 LOST_GRACE = 2  # announce periods a stage shows no serving or joining record before it counts as lost
 INFO_TIMEOUT = 5.0
 STATE_TIMEOUT = 120.0
+JOIN_RESTORE_TIMEOUT = 90.0  # how long a peer on an empty stage tries for a standby copy before a fresh start
+JOIN_RETRY_S = 2.0
 
 
 def standby_targets(stage: int, num_stages: int, count: int) -> list[int]:
@@ -147,6 +151,8 @@ class StandbyKeeper:
         config = peer.config
         self.count = config.standby_stages
         self.every = config.standby_every
+        self.share = config.standby_share
+        self.next_refresh: dict[int, float] = {}  # per stage: no refresh before (time.monotonic), see --standby-share
         self.budget = int(config.standby_memory_mb * 2**20)
         self.spill_dir = Path(config.checkpoint_dir) / "standby" if config.checkpoint_dir else None
         self.standbys: dict[int, Standby] = {}
@@ -217,7 +223,7 @@ class StandbyKeeper:
             serving = [r for r in records.get(stage, []) if r.state == SERVING]
             copy = self.standbys.get(stage)
             newest = max((r.step for r in serving), default=-1)
-            due = copy is None or newest >= copy.step + self.every
+            due = (copy is None or newest >= copy.step + self.every) and now >= self.next_refresh.get(stage, 0.0)
             if serving and due and stage not in self.fetching and peer.state == SERVING:
                 self._spawn(self.refresh(stage, [r.peer_id for r in serving]))
         if peer.state != SERVING or self.restore_pending is not None:
@@ -343,6 +349,8 @@ class StandbyKeeper:
             logger.info(f"Could not refresh the standby copy of stage {stage}: {type(e).__name__}: {e}")
         finally:
             self.fetching.discard(stage)
+            # the copies' cost stays a bounded share of the time, whatever the step rate and state size
+            self.next_refresh[stage] = time.monotonic() + (time.perf_counter() - started) / self.share
 
     @staticmethod
     def _spill(tensors: list[torch.Tensor], path: Path) -> None:
@@ -363,6 +371,7 @@ class StandbyKeeper:
         copy.apply(module, optimizer)
         lost = max(0, self.last_step.get(copy.stage, copy.step) - copy.step)
         self.restored.append((copy.stage, copy.step, lost))
+        self.peer.ledger.write(restore_record(self.peer.peer_id, copy.stage, copy.step, copy.step + lost))
         logger.warning(
             f"Restored stage {copy.stage} from a standby at step {copy.step} (lost {lost} steps); "
             f"parameters {parameter_fingerprint(module)}"
@@ -376,19 +385,51 @@ class StandbyKeeper:
 
     # --- a newcomer on an empty stage -------------------------------------------------------------------
 
-    async def fetch_for_newcomer(self) -> bool:
-        """Takes the freshest standby copy of this peer's (new, empty) stage; True if it took one."""
+    async def fetch_for_newcomer(self, timeout: float = JOIN_RESTORE_TIMEOUT) -> bool:
+        """Brings this peer's stage back, which no live mate could give state for; True if it did.
+
+        Tries the freshest standby copy first, then every other. While a copy is announced but cannot be had
+        yet (its holder does not see this peer's record yet, or refreshed it meanwhile), or a holder is on
+        its way to restore the stage, it tries again, up to `timeout`: a peer that served the stage at a
+        fresh start instead would throw away the stage's progress, and the holders would see no lost stage
+        to restore. With no copy announced anywhere (a new swarm), it returns at once.
+        """
         peer = self.peer
-        stage, runtime = peer.stage, peer.runtime
-        records = await peer._fetch_records()
-        copies = {
-            r.peer_id: r.standby_of(stage)
-            for own, group in records.items()
-            if own != stage
-            for r in group
-            if r.state == SERVING and r.standby_of(stage) is not None
-        }
-        copies = {p: c for p, c in copies.items() if c[0] > runtime.step}
+        stage = peer.stage
+        deadline = time.monotonic() + timeout
+        while True:
+            records = await peer._fetch_records()
+            peer.mates.update_records(records[stage])
+            if any(r.step > peer.runtime.step for r in peer.mates.mates.values()):
+                # a mate serves the stage again (a holder that restored it): its state, as any joiner takes it
+                if await peer.mates.sync_from_mates(minimum_step=peer.runtime.step + 1) is not None:
+                    return True
+            copies = {
+                r.peer_id: r.standby_of(stage)
+                for own, group in records.items()
+                if own != stage
+                for r in group
+                if r.state == SERVING and r.standby_of(stage) is not None
+            }
+            copies = {p: c for p, c in copies.items() if c[0] > peer.runtime.step}
+            if await self._take_a_copy(copies, records):
+                return True
+            restorer_coming = any(
+                r.state == LEAVING and r.moving_to == stage for own, group in records.items() for r in group
+            )
+            if not copies and not restorer_coming:
+                return False
+            if time.monotonic() > deadline:
+                logger.error(
+                    f"Stage {stage}: no standby copy could be had in {timeout:.0f}s; serving it from step "
+                    f"{peer.runtime.step}: its progress since is lost"
+                )
+                return False
+            await asyncio.sleep(JOIN_RETRY_S)
+
+    async def _take_a_copy(self, copies: dict[str, tuple[int, str]], records: dict[int, list[StageRecord]]) -> bool:
+        """Downloads the freshest of `copies` (holder -> (step, fingerprint)) that a holder gives; True if one."""
+        stage = self.peer.stage
         counts = Counter(copies.values())
         # the freshest copy first (holders refresh at different moments, so copies rarely agree); at one
         # step, the version more holders announce. Each holder took its copy only once two of the stage's
@@ -401,6 +442,7 @@ class StandbyKeeper:
                     logger.warning(f"Could not take stage {stage}'s standby copy from {holder}: {e}")
                     continue
                 lost = max(0, max((r.step for r in records.get(stage, [])), default=step) - step)
+                self.peer.ledger.write(restore_record(self.peer.peer_id, stage, step, step + lost))
                 logger.warning(
                     f"Restored stage {stage} from a standby at step {step} (lost {lost} steps); "
                     f"parameters {fingerprint}, taken from {holder}"

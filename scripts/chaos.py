@@ -25,8 +25,9 @@ swarm warms up and its model trains, so one baseline alone would flatter or blam
 process writes a sample ledger (`--ledger`) in the run's folder. The report gives, per run and in
 total: steps, samples/s over time, throughput under churn against the mean of the two baselines,
 retries, bans, resent samples, the longest stall between steps and the runs with a stall over 30 s;
-from the ledger, per stage and by microbatch id, samples lost, counted twice and orphaned, and steps
-whose replicas wrote different fingerprints; and at the end, every live peer's parameter
+from the ledger, per stage and by microbatch id, samples lost (those a restore from a standby rolled
+back or that died with their stage named apart), counted twice and orphaned, and steps whose
+replicas wrote different fingerprints; and at the end, every live peer's parameter
 fingerprint, replicas of a stage at one step that differ counted as divergent.
 """
 
@@ -107,7 +108,8 @@ class Churn:
         self.spare_last_peer = spare_last_peer
         self.dead_ids: set[str] = set()  # peer ids killed: their records linger until they expire
         self.lost: dict[int, float] = {}  # stage -> when (time.monotonic) its last serving peer was killed
-        self.losses: list[dict[str, Any]] = []  # per stage death: the stage, and seconds until one served it again
+        # per stage death: the stage, seconds until one served it again, and the steps of progress lost
+        self.losses: list[dict[str, Any]] = []
         self.died_at_step: dict[int, list[int]] = {}  # per stage, the step at each of its deaths
         self.serial = 0
         self.stage_of: dict[str, int] = {}
@@ -150,8 +152,21 @@ class Churn:
         """Notes when each lost stage has a (live) serving peer again."""
         for stage, since in list(self.lost.items()):
             records = fetch_stage_records(self.dht, "swarm", NUM_STAGES, only=stage)[stage]
-            if any(r.state == SERVING and r.peer_id not in self.dead_ids for r in records):
-                self.losses.append({"stage": stage, "seconds_to_serving": round(time.monotonic() - since, 1)})
+            live = [r for r in records if r.state == SERVING and r.peer_id not in self.dead_ids]
+            if live:
+                # the step it serves at again, against the step it died at: the progress the restore lost
+                # (a stage that came back from scratch, with no "Restored" line, counts here too)
+                died_at = self.died_at_step[stage][-1]
+                back_at = max(r.step for r in live)
+                self.losses.append(
+                    {
+                        "stage": stage,
+                        "seconds_to_serving": round(time.monotonic() - since, 1),
+                        "died_at_step": died_at,
+                        "back_at_step": back_at,
+                        "steps_lost": max(0, died_at - back_at),
+                    }
+                )
                 del self.lost[stage]
 
     def serving(self, stage: int) -> list[str]:
@@ -186,21 +201,17 @@ class Churn:
 
     def restores(self) -> list[dict[str, Any]]:
         """Every "Restored stage" line in the peers' logs, in time order: the stage, the step it came back at,
-        and the steps lost: from the step the stage died at (its records at the kill), and as the peer saw it."""
+        the steps lost as that peer saw them, and the peer. The report's steps lost come from the records
+        (`losses`): a line is one peer's view, and a stage brought back from scratch logs none."""
         found = []
         for name in self.process:
             text = self.swarm.log_path(name).read_text(errors="replace")
             for clock, stage, step, lost in RESTORED.findall(text):
                 found.append((clock, int(stage), int(step), int(lost), name))
-        deaths = {stage: list(steps) for stage, steps in self.died_at_step.items()}
-        restores = []
-        for _, stage, step, logged, name in sorted(found):
-            died_at = deaths.get(stage, []).pop(0) if deaths.get(stage) else None
-            lost = max(0, died_at - step) if died_at is not None else logged
-            restores.append(
-                {"stage": stage, "step": step, "steps_lost": lost, "steps_lost_logged": logged, "peer": name}
-            )
-        return restores
+        return [
+            {"stage": stage, "step": step, "steps_lost_logged": logged, "peer": name}
+            for _, stage, step, logged, name in sorted(found)
+        ]
 
     def kill_random(self) -> None:
         if self.stage_of:
@@ -443,11 +454,16 @@ def ledger_report(ledger_dir: Path) -> dict[str, Any]:
                 "samples_orphaned",
                 "samples_silently_lost",
                 "samples_declared_lost",
+                "samples_rolled_back",
+                "samples_lost_with_stage",
             )
         },
         "divergent_steps_per_stage": {stage: counts["divergent_steps"] for stage, counts in stages.items()},
         "ids": {
-            stage: {kind: counts[f"{kind}_ids"][:IDS_SHOWN] for kind in ("lost", "doubled", "orphan")}
+            stage: {
+                kind: counts[f"{kind}_ids"][:IDS_SHOWN]
+                for kind in ("lost", "doubled", "orphan", "rolled_back", "lost_with_stage")
+            }
             for stage, counts in stages.items()
         },
     }
@@ -536,7 +552,7 @@ def one_run(args: argparse.Namespace, index: int, workdir: Path, report: dict[st
                     stages_lost=len(churn.losses) + len(churn.lost),
                     stages_served_again=len(churn.losses),
                     stages_restored_from_standby=len(restores),
-                    steps_lost_per_restore=[r["steps_lost"] for r in restores],
+                    steps_lost_per_restore=[loss["steps_lost"] for loss in churn.losses],
                     seconds_to_serving_again=[loss["seconds_to_serving"] for loss in churn.losses],
                     restores=restores,
                     peers_started=churn.starts,
@@ -611,6 +627,9 @@ def totals(runs: list[dict[str, Any]]) -> dict[str, Any]:
     if ledgers:
         for name in ("samples_fed", "samples_lost", "samples_doubled", "samples_orphaned", "samples_silently_lost"):
             total[name] = sum(ledger[name] for ledger in ledgers)
+        # a ledger has these only when a stage was restored from a standby
+        for name in ("steps_rolled_back", "samples_rolled_back", "samples_lost_with_stage"):
+            total[name] = sum(ledger.get(name, 0) for ledger in ledgers)
         total["divergent_steps"] = sum(ledger["divergent_steps"] for ledger in ledgers)
     return total
 

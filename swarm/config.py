@@ -346,6 +346,11 @@ class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig):
         "every peer dies is restored from it (0: hold none)",
     )
     standby_every: int = option(5, "refresh each standby copy once its stage is this many steps ahead of it")
+    standby_share: float = option(
+        0.02,
+        "the most of the time a standby copy's refreshes may take: after a refresh that took T seconds, "
+        "the next waits T / this, however many steps go by",
+    )
     standby_memory_mb: float = option(
         4096.0,
         "host memory the standby copies may take, in MiB; past it they go to --checkpoint-dir if given, "
@@ -419,9 +424,15 @@ class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig):
             self.stage = str(stage)
         if self.rebalance_period < 0:
             raise ConfigError("--rebalance-period must be 0 (never move) or positive")
-        if self.standby_stages < 0 or self.standby_every < 1 or self.standby_memory_mb < 0:
+        if (
+            self.standby_stages < 0
+            or self.standby_every < 1
+            or self.standby_memory_mb < 0
+            or not 0 < self.standby_share <= 1
+        ):
             raise ConfigError(
-                "--standby-stages must be 0 or more, --standby-every at least 1, --standby-memory-mb 0 or more"
+                "--standby-stages must be 0 or more, --standby-every at least 1, --standby-memory-mb 0 or more, "
+                "--standby-share above 0 and at most 1"
             )
         if self.rebalance_margin < 0:
             raise ConfigError("--rebalance-margin must be 0 or more")

@@ -3,12 +3,15 @@
 A microbatch is named globally by (trainer id, microbatch id). With `--ledger FILE`, a trainer
 appends one JSON line per microbatch whose backward reached stage 0 (`fed`), and a peer appends
 one JSON line per step it applies: the ids summed into that step, those it gave up as lost, and
-the fingerprint of the parameters after the step. Tools such as `scripts/chaos.py` read the lines
-back to count, by id and per stage, what was lost or counted twice, and which replicas differ.
+the fingerprint of the parameters after the step. A peer that brings back a stage whose every peer
+died, from a standby copy of an older step, appends a `restore` line. Tools such as
+`scripts/chaos.py` read the lines back to count, by id and per stage, what was lost or counted
+twice, and which replicas differ.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import json
 import os
@@ -36,9 +39,16 @@ class SampleLedger:
             file.write(line)
 
 
-def fed_record(trainer: str, microbatch: int, samples: int) -> dict[str, Any]:
-    """A trainer's line: this microbatch went through every stage, forward and backward."""
-    return {"kind": "fed", "trainer": trainer, "mb": microbatch, "samples": samples}
+def fed_record(trainer: str, microbatch: int, samples: int, at: float | None = None) -> dict[str, Any]:
+    """A trainer's line: this microbatch went through every stage, forward and backward.
+
+    `at` (wall clock, `time.time()`) says when its backward reached stage 0, to place it before or after
+    a stage's restore; the line has no `time` when it is None.
+    """
+    record: dict[str, Any] = {"kind": "fed", "trainer": trainer, "mb": microbatch, "samples": samples}
+    if at is not None:
+        record["time"] = round(at, 3)
+    return record
 
 
 def step_record(
@@ -63,6 +73,21 @@ def step_record(
         "fingerprint": fingerprint,
         "time": round(time.time(), 3),
         "round_seconds": round(round_seconds, 4),
+    }
+
+
+def restore_record(peer: str, stage: int, step: int, reached: int) -> dict[str, Any]:
+    """A peer's line: it brought `stage`, whose every peer had died, back from a standby copy of its state
+    after `step` steps, when the stage had reached step `reached` as this peer saw it (`reached - step`
+    steps of progress lost). `time` (wall clock) says when: the stage's step lines numbered `step` or
+    more written before it belong to the history the restore abandoned."""
+    return {
+        "kind": "restore",
+        "peer": peer,
+        "stage": stage,
+        "step": step,
+        "reached": reached,
+        "time": round(time.time(), 3),
     }
 
 
@@ -124,54 +149,121 @@ def _ids(keys: Iterable[SampleKey]) -> list[list]:
     return [list(key) for key in sorted(keys)]
 
 
+def _epoch(line: dict[str, Any], restore_times: list[float]) -> int:
+    """How many of its stage's restores (their times, sorted) came before this line was written."""
+    written = line.get("time")
+    return len(restore_times) if written is None else bisect.bisect_right(restore_times, float(written))
+
+
+def _abandoned(line: dict[str, Any], restores: list[dict[str, Any]]) -> bool:
+    """Whether a later restore of its stage took the stage back to a step at or before this line's step."""
+    written = line.get("time")
+    return written is not None and any(
+        float(written) < float(r["time"]) and int(r["step"]) <= int(line["step"]) for r in restores
+    )
+
+
+def _written_before(line: dict[str, Any], stage: int, moment: float) -> bool:
+    """Whether this step line is of `stage` and was written before `moment`."""
+    return int(line["stage"]) == stage and line.get("time") is not None and float(line["time"]) < moment
+
+
 def account(fed_lines: Iterable[dict[str, Any]], step_lines: Iterable[dict[str, Any]]) -> dict[str, Any]:
     """Accounts, per stage and by microbatch id, for the samples trainers fed and stages stepped on.
 
     For each (stage, step) one replica's line stands for the stage (see `_chosen_line`); the
     others only vote on divergence. A peer's repeated line for the same (stage, step) counts once
     (its last). Records of another kind in either input are ignored, so both may be the whole ledger.
+
+    A `restore` line (in `step_lines`) says a stage whose every peer died came back from a standby copy
+    after S steps (its `step`). The stage's step lines numbered S or more and written before the restore
+    (a line is numbered by the state it started from, so line S is the first the copy lacks) belong to
+    an abandoned history: they are not counted as stepped and do not vote against the new history's
+    lines for the same step; they vote only among themselves (the replicas of one history, between two
+    restores). Fed ids of theirs that the new history never sums are rolled back. Fed ids that the stage
+    never summed, in any history, and that were fed after the last step line the stage wrote before a
+    restore and before that restore, are lost with the stage: it was working on them when it died (a
+    microbatch is summed into the step the stage was at when it served it, and any step it was at
+    before the last line's step was summed by then). Both kinds are declared losses, not silent ones.
+    Fed lines without a `time` are never placed before a restore.
+
     Returns {"stages": {stage: counts}, "totals": counts summed over stages}, where per stage:
     - samples_fed: samples of the distinct fed ids (the same for every stage);
     - samples_stepped: samples in the chosen lines' ids, a repeat counted each time;
     - samples_lost / lost_ids: fed ids the stage never summed;
     - samples_declared_lost: samples the stage itself said it gave up waiting for (`lost`), and
-      samples_silently_lost: those of lost_ids it never declared (the worst kind);
+      samples_silently_lost: those of lost_ids it never declared (the worst kind), nor lost to a restore;
     - samples_doubled / doubled_ids: every count of an id past its first, across steps or within one;
     - samples_orphaned / orphan_ids: ids summed that no trainer reported fed (a trainer killed mid-microbatch);
-    - steps, and divergent_steps: steps whose replicas wrote different fingerprints.
+    - steps, and divergent_steps: steps whose replicas (of one history) wrote different fingerprints;
+    - restores: the stage's restore lines; steps_rolled_back: steps of abandoned histories;
+    - samples_rolled_back / rolled_back_ids: lost ids an abandoned history had summed;
+    - samples_lost_with_stage / lost_with_stage_ids: the other lost ids the stage held when it died.
+    Totals hold restores, steps_rolled_back, samples_rolled_back and samples_lost_with_stage only when
+    the ledger has a restore line.
     """
     fed_sizes: dict[SampleKey, int] = {}
+    fed_times: dict[SampleKey, float] = {}
     for line in fed_lines:
         if line.get("kind") == "fed":
-            fed_sizes[(str(line["trainer"]), int(line["mb"]))] = int(line["samples"])
+            key = (str(line["trainer"]), int(line["mb"]))
+            fed_sizes[key] = int(line["samples"])
+            if line.get("time") is not None:
+                fed_times[key] = float(line["time"])
     samples_fed = sum(fed_sizes.values())
 
-    replicas: dict[tuple[int, int], dict[str, dict[str, Any]]] = defaultdict(dict)
+    steps_seen: list[dict[str, Any]] = []
+    restores: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for line in step_lines:
         if line.get("kind") == "step":
-            replicas[int(line["stage"]), int(line["step"])][str(line["peer"])] = line  # the peer's last line wins
+            steps_seen.append(line)
+        elif line.get("kind") == "restore":
+            restores[int(line["stage"])].append(line)
+    restore_times = {stage: sorted(float(r["time"]) for r in group) for stage, group in restores.items()}
+
+    # kept history: (stage, step) -> peer -> line; abandoned ones: (stage, epoch, step) -> peer -> line
+    replicas: dict[tuple[int, int], dict[str, dict[str, Any]]] = defaultdict(dict)
+    abandoned: dict[tuple[int, int, int], dict[str, dict[str, Any]]] = defaultdict(dict)
+    for line in steps_seen:
+        stage, step, peer = int(line["stage"]), int(line["step"]), str(line["peer"])
+        if _abandoned(line, restores.get(stage, [])):
+            abandoned[stage, _epoch(line, restore_times[stage]), step][peer] = line
+        else:
+            replicas[stage, step][peer] = line  # the peer's last line wins
 
     stages: dict[int, dict[str, Any]] = {}
-    for stage in sorted({stage for stage, _ in replicas}):
+    for stage in sorted({stage for stage, _ in replicas} | {stage for stage, _, _ in abandoned} | set(restores)):
         summed: Counter[SampleKey] = Counter()
         sizes = dict(fed_sizes)  # a size from the trainer's line; an orphan's from the step line
         declared: set[SampleKey] = set()
-        steps, divergent = [], []
-        for (s, step), by_peer in sorted(replicas.items()):
-            if s != stage:
-                continue
-            steps.append(step)
+        undone: set[SampleKey] = set()  # ids the abandoned histories summed
+        steps, divergent = [], set()
+        histories = [((step,), by_peer, True) for (s, step), by_peer in replicas.items() if s == stage]
+        histories += [((epoch, step), by_peer, False) for (s, epoch, step), by_peer in abandoned.items() if s == stage]
+        for where, by_peer, kept in sorted(histories, key=lambda h: (not h[2], h[0])):
             lines = list(by_peer.values())
             if len({line["fingerprint"] for line in lines}) > 1:
-                divergent.append(step)
+                divergent.add(where[-1])
             chosen = _chosen_line(lines)
+            if kept:
+                steps.append(where[-1])
             for entry in chosen["ids"]:
-                summed[_key(entry)] += 1
+                (summed if kept else undone).update([_key(entry)])
                 sizes.setdefault(_key(entry), int(entry[2]))
             for entry in chosen["lost"]:
                 declared.add(_key(entry))
                 sizes.setdefault(_key(entry), int(entry[2]))
         lost = set(fed_sizes) - set(summed)
+        rolled_back = lost & undone
+        windows = []
+        for restored_at in restore_times.get(stage, []):
+            before = [float(line["time"]) for line in steps_seen if _written_before(line, stage, restored_at)]
+            windows.append((max(before, default=float("-inf")), restored_at))
+        with_stage = {
+            key
+            for key in lost - rolled_back
+            if key in fed_times and any(start < fed_times[key] < end for start, end in windows)
+        }
         doubled = {key: count - 1 for key, count in summed.items() if count > 1}
         orphans = {key: count for key, count in summed.items() if key not in fed_sizes}
         stages[stage] = {
@@ -181,19 +273,25 @@ def account(fed_lines: Iterable[dict[str, Any]], step_lines: Iterable[dict[str, 
             "samples_lost": sum(sizes[key] for key in lost),
             "lost_ids": _ids(lost),
             "samples_declared_lost": sum(sizes[key] for key in declared),
-            "samples_silently_lost": sum(sizes[key] for key in lost - declared),
+            "samples_silently_lost": sum(sizes[key] for key in lost - declared - rolled_back - with_stage),
             "samples_doubled": _samples(doubled, sizes),
             "doubled_ids": _ids(doubled),
             "samples_orphaned": _samples(orphans, sizes),
             "orphan_ids": _ids(orphans),
-            "divergent_steps": divergent,
+            "divergent_steps": sorted(divergent),
+            "restores": len(restores.get(stage, [])),
+            "steps_rolled_back": sum(1 for s, _, _ in abandoned if s == stage),
+            "samples_rolled_back": sum(sizes[key] for key in rolled_back),
+            "rolled_back_ids": _ids(rolled_back),
+            "samples_lost_with_stage": sum(sizes[key] for key in with_stage),
+            "lost_with_stage_ids": _ids(with_stage),
         }
+    summed_names = ["samples_lost", "samples_silently_lost", "samples_doubled", "samples_orphaned"]
+    if restores:
+        summed_names += ["restores", "steps_rolled_back", "samples_rolled_back", "samples_lost_with_stage"]
     totals = {
         "samples_fed": samples_fed,
-        **{
-            name: sum(counts[name] for counts in stages.values())
-            for name in ("samples_lost", "samples_silently_lost", "samples_doubled", "samples_orphaned")
-        },
+        **{name: sum(counts[name] for counts in stages.values()) for name in summed_names},
         "divergent_steps": sum(len(counts["divergent_steps"]) for counts in stages.values()),
     }
     return {"stages": stages, "totals": totals}

@@ -419,7 +419,7 @@ class Trainer:
             _, grads = await self.call(stage, True, [stage_inputs[stage], grad], mb, versions[stage])
             if self._served_by != forward_peers[stage]:  # stateless serving: any stage-mate can do it
                 self.summary.backwards_moved += 1
-        self.ledger.write(fed_record(self.trainer_id, mb, len(tokens)))
+        self.ledger.write(fed_record(self.trainer_id, mb, len(tokens), at=time.time()))
         return reply.loss
 
     async def run_step(self, batch: torch.Tensor) -> float:

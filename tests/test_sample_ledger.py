@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from swarm.sample_ledger import SampleLedger, account, fed_record, read_ledger, step_record
+from swarm.sample_ledger import SampleLedger, account, fed_record, read_ledger, restore_record, step_record
 
 
 def fed(*ids: tuple[str, int, int]) -> list[dict]:
@@ -136,3 +136,138 @@ def test_read_ledger_refuses_a_bad_line_before_the_end(tmp_path):
 def test_no_ledger_writes_nothing(tmp_path):
     SampleLedger(None).write(fed_record("a", 1, 8))
     assert list(tmp_path.iterdir()) == []
+
+
+# --- a stage whose every peer died, brought back from a standby copy of an older step ---------------------
+#
+# A step line is numbered by the state it started from: the dead peers, which had reached step 7 (seven
+# steps applied), wrote lines 0..6; a copy "at step 5" holds lines 0..4, so lines 5 and 6 are the
+# abandoned history and the restorer's next lines are 5, 6 and 7.
+
+K = [("a", n, 8) for n in range(5)]  # summed by lines 0..4, which the copy holds
+R5, R6 = ("a", 10, 8), ("a", 11, 8)  # summed only by the abandoned lines 5 and 6
+AGAIN = ("a", 12, 4)  # summed by abandoned line 5 and again by the new history
+HELD = ("b", 1, 8)  # fed after the dead peers' last step: in their unfinished step 7 when they died
+EARLY = ("b", 2, 2)  # fed long before the death and dropped without a word: still silent
+M5, M6, M7 = ("c", 5, 8), ("c", 6, 8), ("c", 7, 8)  # summed by the new history
+
+
+def at(record: dict, moment: float) -> dict:
+    return {**record, "time": moment}
+
+
+def timed_fed(*entries: tuple[tuple[str, int, int], float]) -> list[dict]:
+    return [fed_record(trainer, mb, samples, at=moment) for (trainer, mb, samples), moment in entries]
+
+
+def died_and_restored(restore: bool = True) -> list[dict]:
+    """Stage 1's peers d1, d2 step 0..6 at times 10..16, die; r restores it at step 5 at 20 and steps 5..7."""
+    feds = timed_fed(
+        *((k, 9.5 + n) for n, k in enumerate(K)),
+        (R5, 14.5),
+        (AGAIN, 14.6),
+        (R6, 15.5),
+        (HELD, 16.5),
+        (EARLY, 3.5),
+        (M5, 20.5),
+        (M6, 21.5),
+        (M7, 22.5),
+    )
+    old = {n: [K[n]] for n in range(5)} | {5: [R5, AGAIN], 6: [R6]}
+    lines = [
+        at(step(peer, 1, n, ids, fingerprint=f"old{n}"), 10.0 + n) for n, ids in old.items() for peer in ("d1", "d2")
+    ]
+    if restore:
+        lines.append(at(restore_record("r", 1, 5, 7), 20.0))
+    new = {5: [AGAIN, M5], 6: [M6], 7: [M7]}
+    lines += [at(step("r", 1, n, ids, fingerprint=f"new{n}"), 16.0 + n) for n, ids in new.items()]
+    # stage 0 lived on and summed everything: the restore of stage 1 is no concern of its
+    everything = [*K, R5, AGAIN, R6, HELD, EARLY, M5, M6, M7]
+    lines.append(at(step("p0", 0, 0, everything), 23.0))
+    return feds + lines
+
+
+def test_a_restore_names_the_rolled_back_and_the_held_ids_and_leaves_no_divergence():
+    report = account(*[died_and_restored()] * 2)
+    counts = report["stages"][1]
+    assert counts["divergent_steps"] == []  # the abandoned lines 5, 6 do not vote against the new ones
+    assert counts["steps"] == 8 and counts["steps_rolled_back"] == 2 and counts["restores"] == 1
+    assert counts["rolled_back_ids"] == [["a", 10], ["a", 11]] and counts["samples_rolled_back"] == 16
+    assert counts["lost_with_stage_ids"] == [["b", 1]] and counts["samples_lost_with_stage"] == 8
+    assert counts["lost_ids"] == [["a", 10], ["a", 11], ["b", 1], ["b", 2]] and counts["samples_lost"] == 26
+    assert counts["samples_silently_lost"] == 2  # EARLY only
+    assert counts["samples_doubled"] == 0  # AGAIN counts once: the abandoned sum of it was undone
+    assert counts["samples_stepped"] == 5 * 8 + 4 + 3 * 8
+    assert report["stages"][0]["restores"] == 0 and report["stages"][0]["samples_lost"] == 0
+    assert report["totals"] == {
+        "samples_fed": 5 * 8 + 8 + 4 + 8 + 8 + 2 + 3 * 8,
+        "samples_lost": 26,
+        "samples_silently_lost": 2,
+        "samples_doubled": 0,
+        "samples_orphaned": 0,
+        "restores": 1,
+        "steps_rolled_back": 2,
+        "samples_rolled_back": 16,
+        "samples_lost_with_stage": 8,
+        "divergent_steps": 0,
+    }
+
+
+def test_without_its_restore_line_the_same_history_is_divergent_and_silent():
+    counts = account(*[died_and_restored(restore=False)] * 2)["stages"][1]
+    assert counts["divergent_steps"] == [5, 6]
+    assert counts["samples_rolled_back"] == counts["samples_lost_with_stage"] == counts["steps_rolled_back"] == 0
+    assert counts["samples_silently_lost"] == counts["samples_lost"]
+
+
+def test_a_stage_restored_twice_abandons_each_history_past_each_copy():
+    # after the restore at 20, r steps 5..8 (times 21..24) and dies; q restores step 7 at 30 and steps 7, 8
+    lines = [at(step("d", 1, n, [], fingerprint=f"old{n}"), 10.0 + n) for n in range(7)]
+    lines.append(at(restore_record("r", 1, 5, 7), 20.0))
+    lines += [at(step("r", 1, n, [("r", n, 1)], fingerprint=f"r{n}"), 16.0 + n) for n in range(5, 9)]
+    lines.append(at(restore_record("q", 1, 7, 9), 30.0))
+    lines += [at(step("q", 1, n, [], fingerprint=f"q{n}"), 24.0 + n) for n in (7, 8)]
+    feds = timed_fed(*((("r", n, 1), 20.0 + n) for n in range(5, 9)))
+    counts = account(feds, lines)["stages"][1]
+    assert counts["restores"] == 2 and counts["steps_rolled_back"] == 4 and counts["steps"] == 9
+    assert counts["divergent_steps"] == []
+    assert counts["rolled_back_ids"] == [["r", 7], ["r", 8]]  # r's lines 5, 6 stand: q's copy holds them
+    assert counts["samples_silently_lost"] == 0
+
+
+def test_a_fed_line_without_a_time_is_never_lost_with_the_stage():
+    records = [r for r in died_and_restored() if (r.get("trainer"), r.get("mb")) != HELD[:2]]
+    records.append(fed_record(*HELD))
+    counts = account(records, records)["stages"][1]
+    assert counts["samples_lost_with_stage"] == 0 and counts["samples_silently_lost"] == 2 + 8
+
+
+def test_with_no_restore_line_the_new_counts_are_empty_and_the_totals_unchanged():
+    steps = [step("p", 0, 0, [A1]), step("p", 0, 1, [A2])]
+    report = account(timed_fed((A1, 1.0), (A2, 2.0), (A3, 3.0)), steps)
+    counts = report["stages"][0]
+    assert counts["restores"] == counts["steps_rolled_back"] == 0
+    assert counts["samples_rolled_back"] == counts["samples_lost_with_stage"] == 0
+    assert counts["rolled_back_ids"] == counts["lost_with_stage_ids"] == []
+    assert counts["samples_silently_lost"] == 8
+    assert set(report["totals"]) == {
+        "samples_fed",
+        "samples_lost",
+        "samples_silently_lost",
+        "samples_doubled",
+        "samples_orphaned",
+        "divergent_steps",
+    }
+
+
+def test_the_records_say_when():
+    assert fed_record("a", 1, 8, at=12.34567)["time"] == 12.346
+    record = restore_record("r", 1, 5, 7)
+    assert {k: record[k] for k in ("kind", "peer", "stage", "step", "reached")} == {
+        "kind": "restore",
+        "peer": "r",
+        "stage": 1,
+        "step": 5,
+        "reached": 7,
+    }
+    assert isinstance(record["time"], float)

@@ -111,16 +111,18 @@ def wait_for_log(local_swarm, name: str, pattern: str, timeout: float, since: in
     return found
 
 
-@pytest.mark.timeout(300)
-def test_a_stage_whose_every_peer_dies_is_restored_from_a_standby(local_swarm, tmp_path):
-    steps = 14
+COMMON = [*MODEL, "--target-batch-size", "16", "--announce-period", "0.5", "--record-ttl", "4", "--standby-every", "2"]
+HOLDERS, DOOMED = ["a0", "a1"], ["b0", "b1"]  # the peers of stage 0 (holders of stage 1's copy) and of stage 1
+RESTORED = r"Restored stage 1 from a standby at step (\d+) \(lost (\d+) steps\); parameters (\w+)"
+
+
+def train_then_kill_stage_1(local_swarm, tmp_path, steps: int):
+    """Two stages of two peers under a trainer; once a copy of stage 1 is past step 2, both of its peers are
+    SIGKILLed. Returns (trainer, summary file, holders' log lengths at the kill, time of the kill)."""
     local_swarm.start_bootstrap()
-    common = [*MODEL, "--target-batch-size", "16", "--announce-period", "0.5", "--record-ttl", "4"]
-    common += ["--standby-every", "2"]
-    names = {0: ["a0", "a1"], 1: ["b0", "b1"]}
-    for stage, peers in names.items():
+    for stage, peers in ((0, HOLDERS), (1, DOOMED)):
         for name in peers:
-            local_swarm.start_peer(name, stage, [*common, "--ledger", str(tmp_path / f"{name}.jsonl")])
+            local_swarm.start_peer(name, stage, [*COMMON, "--ledger", str(tmp_path / f"{name}.jsonl")])
     serving = [lambda r, s=s: sum(p.state == SERVING for p in r[s]) for s in range(2)]
     wait_for_records(local_swarm.initial_peers, lambda r: [c(r) for c in serving] == [2, 2], num_stages=2)
     summary_file = tmp_path / "summary.json"
@@ -129,28 +131,32 @@ def test_a_stage_whose_every_peer_dies_is_restored_from_a_standby(local_swarm, t
         [*MODEL, "--steps", str(steps), "--microbatch-size", "4", "--max-in-flight", "4", "--data", SMALL_CORPUS]
         + ["--summary-file", str(summary_file), "--no-progress", "--compression", "none"],
     )
-
-    # both peers of stage 0 hold a copy of stage 1; once one is past step 2, the whole of stage 1 dies
     refreshed = r"Refreshed the standby copy of stage 1 at step ([2-9]|\d\d+)"
     deadline = time.monotonic() + 150
-    while not any(re.search(refreshed, local_swarm.log_path(n).read_text(errors="replace")) for n in names[0]):
+    while not any(re.search(refreshed, local_swarm.log_path(n).read_text(errors="replace")) for n in HOLDERS):
         assert time.monotonic() < deadline, "no standby copy of stage 1 past step 2"
         assert trainer.poll() is None, "the trainer finished before the kill"
         time.sleep(0.2)
-    marks = {n: len(local_swarm.log_path(n).read_text(errors="replace")) for n in names[0]}
-    for name in names[1]:
+    marks = {n: len(local_swarm.log_path(n).read_text(errors="replace")) for n in HOLDERS}
+    for name in DOOMED:
         local_swarm.signal(name, signal.SIGKILL)
     killed_at = time.monotonic()
-    for name in names[1]:
+    for name in DOOMED:
         local_swarm.stop(name, signal.SIGKILL)
+    return trainer, summary_file, marks, killed_at
 
+
+@pytest.mark.timeout(300)
+def test_a_stage_whose_every_peer_dies_is_restored_from_a_standby(local_swarm, tmp_path):
+    steps = 14
+    trainer, summary_file, marks, killed_at = train_then_kill_stage_1(local_swarm, tmp_path, steps)
+    names = {0: HOLDERS, 1: DOOMED}
     # one holder of the copy moves to stage 1 and serves it from the copy's step
-    restored = r"Restored stage 1 from a standby at step (\d+) \(lost (\d+) steps\); parameters (\w+)"
     deadline = killed_at + RESTORE_BOUND
     found = None
     while found is None:
         texts = {n: local_swarm.log_path(n).read_text(errors="replace")[marks[n] :] for n in names[0]}
-        found = next(((n, m) for n, t in texts.items() if (m := re.search(restored, t))), None)
+        found = next(((n, m) for n, t in texts.items() if (m := re.search(RESTORED, t))), None)
         assert time.monotonic() < deadline, f"stage 1 not restored within {RESTORE_BOUND:.0f}s"
         time.sleep(0.2)
     restorer, match = found
@@ -173,3 +179,19 @@ def test_a_stage_whose_every_peer_dies_is_restored_from_a_standby(local_swarm, t
     other = next(n for n in names[0] if n != restorer)
     for name in (restorer, other):
         assert local_swarm.stop(name) == 0
+
+
+@pytest.mark.timeout(300)
+def test_a_newcomer_on_a_stage_whose_every_peer_died_starts_from_a_copy_not_from_scratch(local_swarm, tmp_path):
+    """A peer started on stage 1 right after its last peers died serves it at a copy's step: it takes the copy
+    itself, or the state of the holder that restored it; never the stage's initial parameters."""
+    steps = 14
+    trainer, summary_file, marks, killed_at = train_then_kill_stage_1(local_swarm, tmp_path, steps)
+    local_swarm.start_peer("b2", 1, [*COMMON, "--ledger", str(tmp_path / "b2.jsonl")])
+    serving = wait_for_log(local_swarm, "b2", r"Serving stage 1/2 of gpt-tiny at step (\d+)", RESTORE_BOUND)
+    texts = [local_swarm.log_path(n).read_text(errors="replace")[marks.get(n, 0) :] for n in [*HOLDERS, "b2"]]
+    copies = [int(m.group(1)) for t in texts for m in re.finditer(RESTORED, t)]
+    assert copies, "nobody restored stage 1 from a standby copy"
+    assert int(serving.group(1)) >= min(copies) >= 2, f"b2 serves at step {serving.group(1)}; copies {copies}"
+    assert trainer.wait(200) == 0, local_swarm.log_path("trainer").read_text()[-3000:]
+    assert json.loads(summary_file.read_text())["steps"] == steps
