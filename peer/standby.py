@@ -72,6 +72,7 @@ INFO_TIMEOUT = 5.0
 STATE_TIMEOUT = 120.0
 JOIN_RESTORE_TIMEOUT = 90.0  # how long a peer on an empty stage tries for a standby copy before a fresh start
 JOIN_RETRY_S = 2.0
+SHORT_READ_RETRIES = 3  # reads a peer on an empty stage makes when the swarm has trained but shows no copy of it
 FULL_READ_EVERY = 5  # announce periods between reads of every stage's records (held stages: every period)
 
 
@@ -412,13 +413,15 @@ class StandbyKeeper:
 
         Tries the freshest standby copy first, then every other. While a copy is announced but cannot be had
         yet (its holder does not see this peer's record yet, or refreshed it meanwhile), or a holder is on
-        its way to restore the stage, it tries again, up to `timeout`: a peer that served the stage at a
-        fresh start instead would throw away the stage's progress, and the holders would see no lost stage
-        to restore. With no copy announced anywhere (a new swarm), it returns at once.
+        its way to restore the stage, it tries again, up to `timeout`. If no copy is in sight but other
+        stages have stepped past this peer, it reads a few times more (a DHT read may come back short).
+        A peer that served the stage at a fresh start instead would throw away the stage's progress, and
+        the holders would see no lost stage to restore. In a new swarm it returns at once.
         """
         peer = self.peer
         stage = peer.stage
         deadline = time.monotonic() + timeout
+        reads = 0
         while True:
             records = await peer._fetch_records()
             peer.mates.update_records(records[stage])
@@ -439,8 +442,19 @@ class StandbyKeeper:
             restorer_coming = any(
                 r.state == LEAVING and r.moving_to == stage for own, group in records.items() for r in group
             )
+            # stages step together: if any has stepped past this peer, so had this one, and a read that shows
+            # no copy of it is more likely a DHT lookup that came back short than a copy that is gone
+            trained = any(r.step > peer.runtime.step for group in records.values() for r in group)
             if not copies and not restorer_coming:
-                return False
+                if not trained:
+                    return False
+                if reads >= SHORT_READ_RETRIES:
+                    logger.error(
+                        f"Stage {stage}: other stages have trained, but no standby copy of this one is announced "
+                        f"(its holders died with it?); serving it from step {peer.runtime.step}"
+                    )
+                    return False
+            reads += 1
             if time.monotonic() > deadline:
                 logger.error(
                     f"Stage {stage}: no standby copy could be had in {timeout:.0f}s; serving it from step "
