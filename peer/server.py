@@ -80,6 +80,7 @@ class Peer:
         # standby copies of other stages (--standby-stages), and the restore of a stage all of whose peers died
         self.standbys = StandbyKeeper(self) if config.standby_stages > 0 else None
         self._moves: asyncio.Queue[int] | None = None  # where `serve` takes the next move from
+        self.restored_from_standby = False
         self.moving_to = -1  # while leaving for another stage by the balance rule: that stage
         self._state_mb: list[float] | None = None  # each stage's state, parameters and optimizer, in MiB
         self.announcer = Announcer(self._store, self._renewal, config.announce_period, name="swarm-announcer")
@@ -99,6 +100,7 @@ class Peer:
                 restore(checkpoint, module, optimizer)
                 step, samples_stepped = checkpoint.step, checkpoint.samples_stepped
                 logger.info(f"Resumed stage {stage} from its checkpoint at step {step}")
+        self.restored_from_standby = standby is not None  # then its own copy is the freshest it could find
         if standby is not None:
             self.standbys.restore_into(standby, module, optimizer)
             step, samples_stepped = standby.step, standby.samples_stepped
@@ -293,14 +295,16 @@ class Peer:
         await self._announce()
         await self._read_mates()
         ahead = [r for r in self.mates.mates.values() if r.step >= self.runtime.step]
+        # on a stage with no live mate, a standby copy brings the stage back (unless this peer just restored it)
+        fetch_copy = self.standbys is not None and not self.restored_from_standby
         if not ahead:
-            if not self.mates.mates and self.standbys is not None:  # an empty stage: a standby copy brings it back
+            if not self.mates.mates and fetch_copy:
                 await self.standbys.fetch_for_newcomer()
             return
         start = time.perf_counter()
         source = await self.mates.sync_from_mates(minimum_step=self.runtime.step)
-        # the mates' records may be the last words of peers that died: a standby copy brings the stage back
-        if source is None and self.standbys is not None and await self.standbys.fetch_for_newcomer():
+        # the mates' records may be the last words of peers that died
+        if source is None and fetch_copy and await self.standbys.fetch_for_newcomer():
             return
         if source is None:
             logger.warning(

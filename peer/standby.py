@@ -453,15 +453,26 @@ class StandbyKeeper:
                         f"Stage {stage}: other stages have trained, but no standby copy of this one is announced "
                         f"(its holders died with it?); serving it from step {peer.runtime.step}"
                     )
-                    return False
+                    return self._start_over(records)
             reads += 1
             if time.monotonic() > deadline:
                 logger.error(
                     f"Stage {stage}: no standby copy could be had in {timeout:.0f}s; serving it from step "
                     f"{peer.runtime.step}: its progress since is lost"
                 )
-                return False
+                return self._start_over(records)
             await asyncio.sleep(JOIN_RETRY_S)
+
+    def _start_over(self, records: dict[int, list[StageRecord]]) -> bool:
+        """The stage goes on from this peer's own state, with no copy: the ledger says so, as for a restore,
+        so that the progress thrown away is counted by id rather than as divergent replicas. Returns False."""
+        peer = self.peer
+        step = peer.runtime.step
+        reached = max((r.step for r in records.get(peer.stage, [])), default=step)
+        if reached <= step:  # the stage's own records are gone: the other stages say how far training went
+            reached = max((r.step for group in records.values() for r in group), default=step)
+        peer.ledger.write(restore_record(peer.peer_id, peer.stage, step, reached))
+        return False
 
     async def _take_a_copy(self, copies: dict[str, tuple[int, str]], records: dict[int, list[StageRecord]]) -> bool:
         """Downloads the freshest of `copies` (holder -> (step, fingerprint)) that a holder gives; True if one."""
