@@ -73,7 +73,6 @@ STATE_TIMEOUT = 120.0
 JOIN_RESTORE_TIMEOUT = 90.0  # how long a peer on an empty stage tries for a standby copy before a fresh start
 JOIN_RETRY_S = 2.0
 SHORT_READ_RETRIES = 3  # reads a peer on an empty stage makes when the swarm has trained but shows no copy of it
-FULL_READ_EVERY = 5  # announce periods between reads of every stage's records (held stages: every period)
 
 
 def standby_targets(stage: int, num_stages: int, count: int) -> list[int]:
@@ -190,46 +189,26 @@ class StandbyKeeper:
     # --- the loop -------------------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Every announce period: reads the records of the stages it holds copies of and acts on them.
-
-        Every stage's records (who holds a copy of this peer's stage, who may restore a lost one) are read
-        only every `FULL_READ_EVERY` periods, or at once when a held stage shows no peer: each read
-        checks every record's signature, and reading the whole swarm every period cost several percent
-        of a small swarm's throughput.
-        """
+        """Every announce period: reads every stage's records and acts on them."""
         period = self.peer.config.announce_period
-        looks = 0
         while True:
             try:
-                records = await self._fetch_targets()
-                if looks % FULL_READ_EVERY == 0 or lost_stages(records, self.peer.config.num_stages) & set(records):
-                    records = await self.peer._fetch_records()
+                records = await self.peer._fetch_records()
                 self.observe(records)
             except Exception as e:
                 logger.warning(f"Standby copies: could not read the swarm's stages ({e})")
-            looks += 1
             await asyncio.sleep(period)
 
-    async def _fetch_targets(self) -> dict[int, list[StageRecord]]:
-        records: dict[int, list[StageRecord]] = {}
-        for stage in self.targets():
-            records.update(await self.peer._fetch_records(only=stage))
-        return records
-
     def observe(self, records: dict[int, list[StageRecord]]) -> None:
-        """Updates who may take this peer's stage's state, refreshes copies, and restores a lost stage.
-
-        `records` holds every stage, or only some (the held ones): then nothing is decided about the others.
-        """
+        """Updates who may take this peer's stage's state, refreshes copies, and restores a lost stage."""
         peer = self.peer
-        complete = len(records) == peer.config.num_stages
-        if peer.mates is not None and complete:
+        if peer.mates is not None:
             peer.mates.standby_holders = standby_holders(peer.stage, records)
         targets = self.targets()
         for stage in [s for s in self.standbys if s not in targets]:
             self._drop(stage)
         now = time.monotonic()
-        lost = lost_stages(records, peer.config.num_stages) & set(records)
+        lost = lost_stages(records, peer.config.num_stages)
         for stage, group in records.items():
             if group:
                 self.last_step[stage] = max([self.last_step.get(stage, 0), *(r.step for r in group)])
@@ -249,8 +228,8 @@ class StandbyKeeper:
             due = newest >= (copy.step if copy else 0) + self.every and now >= self.next_refresh.get(stage, 0.0)
             if serving and due and stage not in self.fetching and peer.state == SERVING:
                 self._spawn(self.refresh(stage, [r.peer_id for r in serving]))
-        if peer.state != SERVING or self.restore_pending is not None or not complete:
-            return  # who restores is chosen from every stage's records
+        if peer.state != SERVING or self.restore_pending is not None:
+            return
         grace = LOST_GRACE * peer.config.announce_period
         for stage in sorted(self.standbys):
             since = self.empty_since.get(stage)
@@ -442,8 +421,8 @@ class StandbyKeeper:
             restorer_coming = any(
                 r.state == LEAVING and r.moving_to == stage for own, group in records.items() for r in group
             )
-            # stages step together: if any has stepped past this peer, so had this one, and a read that shows
-            # no copy of it is more likely a DHT lookup that came back short than a copy that is gone
+            # stages step together: if any has stepped past this peer, so had this one; before concluding that
+            # its copies died with it, read again a few times (a DHT read can come back short)
             trained = any(r.step > peer.runtime.step for group in records.values() for r in group)
             if not copies and not restorer_coming:
                 if not trained:
