@@ -109,15 +109,25 @@ def choose_restorer(stage: int, records: dict[int, list[StageRecord]]) -> tuple[
     return best[3], -best[0]
 
 
-def standby_holders(stage: int, records: dict[int, list[StageRecord]]) -> set[str]:
-    """Peers whose serving records name them as holders of a standby copy of `stage`."""
+def standby_copies(stage: int, records: dict[int, list[StageRecord]]) -> dict[str, tuple[int, str]]:
+    """The copies of `stage` that serving peers of other stages announce: holder -> (step, fingerprint)."""
     return {
-        r.peer_id
+        r.peer_id: r.standby_of(stage)
         for own, group in records.items()
         if own != stage
         for r in group
         if r.state == SERVING and r.standby_of(stage) is not None
     }
+
+
+def standby_holders(stage: int, records: dict[int, list[StageRecord]]) -> set[str]:
+    """Peers whose serving records name them as holders of a standby copy of `stage`."""
+    return set(standby_copies(stage, records))
+
+
+def reached_step(stage: int, records: dict[int, list[StageRecord]], step: int) -> int:
+    """The furthest step `stage`'s records (maybe the last words of its dead peers) show, and at least `step`."""
+    return max([step, *(r.step for r in records.get(stage, []))])
 
 
 @dataclass
@@ -408,19 +418,10 @@ class StandbyKeeper:
                 # a mate serves the stage again (a holder that restored it): its state, as any joiner takes it
                 if await peer.mates.sync_from_mates(minimum_step=peer.runtime.step + 1) is not None:
                     return True
-            copies = {
-                r.peer_id: r.standby_of(stage)
-                for own, group in records.items()
-                if own != stage
-                for r in group
-                if r.state == SERVING and r.standby_of(stage) is not None
-            }
-            copies = {p: c for p, c in copies.items() if c[0] > peer.runtime.step}
+            copies = {p: c for p, c in standby_copies(stage, records).items() if c[0] > peer.runtime.step}
             if await self._take_a_copy(copies, records):
                 return True
-            restorer_coming = any(
-                r.state == LEAVING and r.moving_to == stage for own, group in records.items() for r in group
-            )
+            restorer_coming = any(r.state == LEAVING and r.moving_to == stage for g in records.values() for r in g)
             # stages step together: if any has stepped past this peer, so had this one; before concluding that
             # its copies died with it, read again a few times (a DHT read can come back short)
             trained = any(r.step > peer.runtime.step for group in records.values() for r in group)
@@ -447,7 +448,7 @@ class StandbyKeeper:
         so that the progress thrown away is counted by id rather than as divergent replicas. Returns False."""
         peer = self.peer
         step = peer.runtime.step
-        reached = max((r.step for r in records.get(peer.stage, [])), default=step)
+        reached = reached_step(peer.stage, records, step)
         if reached <= step:  # the stage's own records are gone: the other stages say how far training went
             reached = max((r.step for group in records.values() for r in group), default=step)
         peer.ledger.write(restore_record(peer.peer_id, peer.stage, step, reached))
@@ -467,7 +468,7 @@ class StandbyKeeper:
                 except Exception as e:
                     logger.warning(f"Could not take stage {stage}'s standby copy from {holder}: {e}")
                     continue
-                lost = max(0, max((r.step for r in records.get(stage, [])), default=step) - step)
+                lost = reached_step(stage, records, step) - step
                 self.peer.ledger.write(restore_record(self.peer.peer_id, stage, step, step + lost))
                 logger.warning(
                     f"Restored stage {stage} from a standby at step {step} (lost {lost} steps); "
