@@ -72,6 +72,7 @@ INFO_TIMEOUT = 5.0
 STATE_TIMEOUT = 120.0
 JOIN_RESTORE_TIMEOUT = 90.0  # how long a peer on an empty stage tries for a standby copy before a fresh start
 JOIN_RETRY_S = 2.0
+WHOLE_SWARM_EVERY = 5  # announce periods between a keeper's reads of every stage; in between, the ones it holds
 SHORT_READ_RETRIES = 3  # reads a peer on an empty stage makes when the swarm has trained but shows no copy of it
 
 
@@ -172,6 +173,7 @@ class StandbyKeeper:
         self.empty_since: dict[int, float] = {}
         self.left_on_request: set[int] = set()  # lost stages whose last peers left on request: not restored
         self.last_step: dict[int, int] = {}  # the highest step seen announced per stage
+        self.reads = 0  # announce periods so far, each with a read (see stages_to_read)
         self.restore_pending: int | None = None
         self.restored: list[tuple[int, int, int]] = []  # (stage, step, steps lost) of each restore by this peer
         self.bytes_received = 0
@@ -196,29 +198,31 @@ class StandbyKeeper:
     def held_bytes(self) -> int:
         return sum(copy.nbytes for copy in self.standbys.values() if copy.tensors is not None)
 
-    # --- the loop -------------------------------------------------------------------------------------
+    # --- every announce period ----------------------------------------------------------------------
 
-    async def run(self) -> None:
-        """Every announce period: reads every stage's records and acts on them."""
-        period = self.peer.config.announce_period
-        while True:
-            try:
-                records = await self.peer._fetch_records()
-                self.observe(records)
-            except Exception as e:
-                logger.warning(f"Standby copies: could not read the swarm's stages ({e})")
-            await asyncio.sleep(period)
+    def stages_to_read(self) -> list[int] | None:
+        """The stages this period's read needs (the peer's own and those it holds copies of), or None for every
+        stage: every `WHOLE_SWARM_EVERY` periods (which peers hold copies of this peer's stage) and while a
+        held stage looks lost (its restorer is chosen from every holder's record)."""
+        self.reads += 1
+        if self.reads % WHOLE_SWARM_EVERY == 1 or any(s in self.empty_since for s in self.targets()):
+            return None
+        return [self.peer.stage, *self.targets()]
 
-    def observe(self, records: dict[int, list[StageRecord]]) -> None:
-        """Updates who may take this peer's stage's state, refreshes copies, and restores a lost stage."""
+    def observe(self, records: dict[int, list[StageRecord]], whole_swarm: bool = True) -> None:
+        """Updates who may take this peer's stage's state, refreshes copies, and restores a lost stage.
+
+        `records` holds the stages read this period; unless `whole_swarm`, some are left out, and nothing
+        is concluded about those.
+        """
         peer = self.peer
-        if peer.mates is not None:
+        if peer.mates is not None and whole_swarm:
             peer.mates.standby_holders = standby_holders(peer.stage, records)
         targets = self.targets()
         for stage in [s for s in self.standbys if s not in targets]:
             self._drop(stage)
         now = time.monotonic()
-        lost = lost_stages(records, peer.config.num_stages)
+        lost = lost_stages(records, peer.config.num_stages) & set(records)
         for stage, group in records.items():
             if group:
                 self.last_step[stage] = max([self.last_step.get(stage, 0), *(r.step for r in group)])
@@ -238,7 +242,7 @@ class StandbyKeeper:
             due = newest >= (copy.step if copy else 0) + self.every and now >= self.next_refresh.get(stage, 0.0)
             if serving and due and stage not in self.fetching and peer.state == SERVING:
                 self._spawn(self.refresh(stage, [r.peer_id for r in serving]))
-        if peer.state != SERVING or self.restore_pending is not None:
+        if peer.state != SERVING or self.restore_pending is not None or not whole_swarm:
             return
         grace = LOST_GRACE * peer.config.announce_period
         for stage in sorted(self.standbys):

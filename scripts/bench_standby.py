@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 import sys
@@ -23,6 +24,26 @@ from swarm.local_swarm import LocalSwarm
 from swarm.stage_records import SERVING, fetch_stage_records
 
 TOTAL = re.compile(r"\((\d+) bytes over (\d+) refreshes\)")
+
+
+def cpu_seconds_by_program(groups: set[int]) -> dict[str, float]:
+    """CPU seconds (user + system) so far of the processes in the process `groups`: the peers themselves (the
+    groups' leaders), their python children (DHT node, averager) and their libp2p daemons."""
+    tick = os.sysconf("SC_CLK_TCK")
+    totals: dict[str, float] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            text = (entry / "stat").read_text()
+        except OSError:
+            continue  # gone meanwhile
+        name = text[text.index("(") + 1 : text.rindex(")")]
+        fields = text[text.rindex(")") + 2 :].split()
+        if int(fields[2]) in groups:  # pgrp
+            program = "p2pd" if "p2pd" in name else "peer" if int(entry.name) in groups else "peer_children"
+            totals[program] = totals.get(program, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return totals
 
 
 def one_run(args: argparse.Namespace, workdir: Path, standby_stages: int) -> dict:
@@ -52,9 +73,13 @@ def one_run(args: argparse.Namespace, workdir: Path, standby_stages: int) -> dic
         summary_file = workdir / "summary.json"
         trainer_flags = [*model, "--steps", str(args.steps), "--microbatch-size", str(args.microbatch)]
         trainer_flags += ["--summary-file", str(summary_file), "--no-progress", "--compression", "none"]
+        # each peer leads its own process group (its DHT child and daemons included)
+        groups = {swarm.processes[name].pid for name in names}
+        cpu_before = cpu_seconds_by_program(groups)
         trainer = swarm.start_trainer("trainer", trainer_flags)
         if trainer.wait(args.timeout) != 0:
             raise SystemExit(f"the trainer failed; see {swarm.log_path('trainer')}")
+        cpu_after = cpu_seconds_by_program(groups)
         summary = json.loads(summary_file.read_text())
         standby_bytes = refreshes = 0
         for name in names:
@@ -69,6 +94,11 @@ def one_run(args: argparse.Namespace, workdir: Path, standby_stages: int) -> dic
         "standby_refreshes": refreshes,
         # peers' copies refresh in the background from the start: bytes over the steps the stages took
         "standby_bytes_per_step": round(standby_bytes / max(1, summary["steps"])),
+        # where the peers' CPU went while the trainer ran
+        "peer_cpu_s_per_step": {
+            program: round((cpu_after[program] - cpu_before.get(program, 0.0)) / max(1, summary["steps"]), 3)
+            for program in sorted(cpu_after)
+        },
     }
 
 

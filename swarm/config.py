@@ -347,7 +347,7 @@ class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig):
     )
     standby_every: int = option(5, "refresh each standby copy once its stage is this many steps ahead of it")
     standby_share: float = option(
-        0.02,
+        0.01,
         "the most of the time a standby copy's refreshes may take: after a refresh that took T seconds, "
         "the next waits T / this, however many steps go by",
     )

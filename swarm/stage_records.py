@@ -18,6 +18,7 @@ import logging
 import math
 import re
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import MISSING, asdict, dataclass, fields
 
 from hivemind import DHT
@@ -167,10 +168,11 @@ def announce(dht: DHT, run_id: str, record: StageRecord, ttl: float) -> bool:
 
 
 def fetch_stage_records(
-    dht: DHT, run_id: str, num_stages: int, only: int | None = None
+    dht: DHT, run_id: str, num_stages: int, only: int | Iterable[int] | None = None
 ) -> dict[int, list[StageRecord]]:
-    """The live records of every stage (or of stage `only`), read from the DHT; blocking, so call it off the loop."""
-    stages = range(num_stages) if only is None else [only]
+    """The live records of every stage (or of stage `only`, or of the stages `only` lists), read from the DHT;
+    blocking, so call it off the loop."""
+    stages = range(num_stages) if only is None else [only] if isinstance(only, int) else sorted(set(only))
     futures = {stage: dht.get(stage_key(run_id, stage), latest=True, return_future=True) for stage in stages}
     allowlist = getattr(dht, "allowlist", None)
     now = get_dht_time()

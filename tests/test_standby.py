@@ -12,6 +12,7 @@ import pytest
 from conftest import SMALL_CORPUS, wait_for_records
 from swarm.peer.standby import (
     LOST_GRACE,
+    WHOLE_SWARM_EVERY,
     Standby,
     StandbyKeeper,
     choose_restorer,
@@ -99,6 +100,24 @@ def test_a_stage_whose_peers_died_is_restored_and_one_whose_peers_left_is_not():
         keeper.observe({**emptied, 1: []})
         assert moves == ([1] if restored else []), last_state
         assert keeper.restore_pending == (1 if restored else None)
+
+
+def test_a_keeper_reads_its_own_and_held_stages_and_every_stage_now_and_then():
+    moves: list[int] = []
+    keeper = keeper_on_stage_0(moves)
+    reads = [keeper.stages_to_read() for _ in range(2 * WHOLE_SWARM_EVERY)]
+    assert reads.count(None) == 2 and reads[0] is None  # the first read is of every stage
+    assert all(r == [0, 1] for r in reads if r is not None)
+    # a read that left stage 2 out says nothing about it; one that shows stage 1 empty makes the next read whole
+    copy = [(1, 4, "0123456789abcdef")]
+    keeper.observe({0: [record("peerA", 0), record("peerB", 0, standbys=copy)], 1: []}, whole_swarm=False)
+    assert 2 not in keeper.empty_since and 1 in keeper.empty_since
+    assert keeper.stages_to_read() is None
+    keeper.empty_since[1] -= LOST_GRACE * 1.0
+    keeper.observe({0: [record("peerA", 0), record("peerB", 0, standbys=copy)], 1: []}, whole_swarm=False)
+    assert moves == []  # a restorer is chosen only from every stage's records
+    keeper.observe({0: [record("peerA", 0), record("peerB", 0, standbys=copy)], 1: [], 2: [record("peerD", 2)]})
+    assert moves == [1]
 
 
 def wait_for_log(local_swarm, name: str, pattern: str, timeout: float, since: int = 0) -> re.Match:
