@@ -106,6 +106,7 @@ MAX_MEMBERS = 256  # peers a mate may name as its group in one message: far abov
 ABSENT_GRACE = 5.0  # seconds a round waits for a member whose DHT record no longer says it serves
 MEMBER_MEMORY = 60.0  # seconds a peer seen with a record on the stage may still speak as a mate without one
 REFRESH_INTERVAL = 1.0  # an unknown sender makes the peer re-read its stage's records at most this often
+HOLDERS_REFRESH_INTERVAL = 5.0  # an unknown asker for state makes it re-read every stage at most this often
 CONFIRM_ATTEMPTS = 4  # looks at the mates' (step, fingerprint) before a newcomer gives up on a confirmed state
 
 ACCUMULATING, AVERAGING, SHORT = "accumulating", "averaging", "short"
@@ -194,6 +195,10 @@ class StageMates:
         # (`swarm.peer.standby`): they may download its state, and nothing else; kept up to date by the peer
         self.standby_holders: set[str] = set()
         self.standby_bytes_given = 0  # bytes of state sent to standby holders
+        # re-reads every stage's records, for standby holders (None: this peer keeps no standby copies)
+        self.refresh_holders: Callable[[], Awaitable[None]] | None = None
+        self._holders_refresh: asyncio.Task | None = None
+        self._holders_refreshed_at = float("-inf")
         self._refreshing: asyncio.Task | None = None
         self._refreshed_at = float("-inf")
         self._refresh_began = float("-inf")
@@ -346,7 +351,7 @@ class StageMates:
         async def guarded(stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             sender = str(stream_info.peer_id)
             standby = protocol == STATE_PROTOCOL and sender in self.standby_holders
-            if standby or await self._admits(sender):
+            if standby or await self._admits(sender) or (protocol == STATE_PROTOCOL and await self._new_holder(sender)):
                 await handler(stream_info, reader, writer)
                 return
             self.refused_outsiders += 1
@@ -392,6 +397,21 @@ class StageMates:
             if self._refresh_began >= arrived:
                 break  # a read that began after the caller arrived did not find it: no record
         return False
+
+    async def _new_holder(self, peer_id: str) -> bool:
+        """Whether `peer_id` holds a standby copy of this stage that the last read of every stage did not show (a
+        new holder asks for state right after announcing itself): one such read at a time, and at most every
+        `HOLDERS_REFRESH_INTERVAL`, so that strangers asking for state cannot make the peer read the DHT at will."""
+        if self.refresh_holders is None:
+            return False
+        if self._holders_refresh is None or self._holders_refresh.done():
+            if self.loop.time() < self._holders_refreshed_at + HOLDERS_REFRESH_INTERVAL:
+                return False
+            self._holders_refreshed_at = self.loop.time()
+            self._holders_refresh = asyncio.ensure_future(self.refresh_holders())
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(asyncio.shield(self._holders_refresh), PROGRESS_TIMEOUT + REFRESH_INTERVAL)
+        return peer_id in self.standby_holders
 
     async def _refresh_once(self, delay: float) -> None:
         await asyncio.sleep(delay)

@@ -145,8 +145,9 @@ class Peer:
         if self.metrics is not None:
             self.metrics.host(self.runtime, self.mates)
         self.mates.on_phase = self.handler.notify_step
-        # a peer unknown to the stage may be a new standby holder: only a read of every stage shows it
-        self.mates.refresh_records = self._read_mates if self.standbys is None else self._refresh_whole_swarm
+        self.mates.refresh_records = self._read_mates
+        # a peer unknown to the stage asking for its state may be a new standby holder: a read of every stage shows it
+        self.mates.refresh_holders = self._refresh_whole_swarm if self.standbys is not None else None
 
     def _on_step(self, step: int, fingerprint: str) -> None:
         """Runs on the runtime thread after every step (or state taken from a mate)."""

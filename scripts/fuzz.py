@@ -11,7 +11,8 @@ still run, answer its info, and return finite outputs for a sound forward. The r
 messages sent, replies by protocol and code, peer crashes, hangs (no reply within the frame
 timeout plus a margin), INTERNAL replies (a bug: malformed input deserves BAD_REQUEST or similar),
 the peer's resident memory at the start and the end, and the health checks passed. Every mate message
-from the outsider must be refused (FORBIDDEN): `outsider_mate_ok` counts those that were not.
+from the outsider, and every request of it for a standby copy, must be refused: `outsider_mate_ok`
+counts those that were not.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from typing import Any
 import torch
 from hivemind.p2p import P2P, PeerID
 from swarm.compression import get_codec
+from swarm.peer.standby import STANDBY_PROTOCOL
 from swarm.proto import (
     BACKWARD,
     FORWARD,
@@ -81,6 +83,7 @@ PROTOCOLS = {
     PROGRESS_PROTOCOL: MateReply,
     COMMIT_PROTOCOL: MateReply,
     STATE_PROTOCOL: StateReply,
+    STANDBY_PROTOCOL: StateReply,  # a holder's copy: answered only to a peer whose record is on the copy's stage
 }
 
 
@@ -229,7 +232,8 @@ async def healthy(p2p: P2P, peer_id: PeerID) -> tuple[bool, str]:
     return finite, "" if finite else "non-finite outputs"
 
 
-MATE_PROTOCOLS = (GRAD_PROTOCOL, PROGRESS_PROTOCOL, COMMIT_PROTOCOL, STATE_PROTOCOL)
+# the outsider has no record anywhere: none of these may answer it OK
+MATE_PROTOCOLS = (GRAD_PROTOCOL, PROGRESS_PROTOCOL, COMMIT_PROTOCOL, STATE_PROTOCOL, STANDBY_PROTOCOL)
 
 
 def stage_member(initial_peers: list[str]) -> TetheredDHT:
