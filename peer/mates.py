@@ -77,7 +77,7 @@ from swarm.proto import (
 
 from swarm.allowlist import Handler
 from swarm.sample_ledger import SampleLedger, step_record
-from swarm.stage_records import PEER_ID, SERVING, StageRecord
+from swarm.stage_records import LEAVING, PEER_ID, SERVING, StageRecord
 from swarm.transport import (
     COMMIT_PROTOCOL,
     GRAD_PROTOCOL,
@@ -190,6 +190,7 @@ class StageMates:
         # time): who may speak as a mate. Remembered a while, so that a record lapsing under load does not
         # shut a live mate out of the round under way.
         self.stage_peers: dict[str, float] = {}
+        self.stage_peer_states: dict[str, str] = {}  # the state each of them last announced on this stage
         self.refresh_records: Callable[[], Awaitable[None]] | None = None  # re-reads the stage's records
         # peers of other stages whose signed records say they hold a standby copy of this stage
         # (`swarm.peer.standby`): they may download its state, and nothing else; kept up to date by the peer
@@ -311,8 +312,10 @@ class StageMates:
         for r in records:
             if r.peer_id != self.peer_id and r.model == self.model and r.num_stages == self.num_stages:
                 self.stage_peers[r.peer_id] = now
+                self.stage_peer_states[r.peer_id] = r.state
         for peer_id in [p for p, seen in self.stage_peers.items() if now - seen > MEMBER_MEMORY]:
             del self.stage_peers[peer_id]
+            self.stage_peer_states.pop(peer_id, None)
         mates = {
             r.peer_id: r
             for r in records
@@ -985,8 +988,11 @@ class StageMates:
             else:
                 runtime = self.runtime
                 requester = str(stream_info.peer_id)
-                # a standby holder takes a copy and stays out of the stage: no round waits for it
-                member = not (requester in self.standby_holders and not self._is_member(requester))
+                # a standby holder takes a copy and stays out of the stage: no round waits for it. So does a
+                # peer that left this stage for another (its last record here says LEAVING): it is a holder
+                # there, which this peer learns only at its next read of every stage
+                left = self.stage_peer_states.get(requester) == LEAVING and requester not in self.mates
+                member = not (left or (requester in self.standby_holders and not self._is_member(requester)))
                 # a snapshot on the runtime thread sees the state between steps, never mid-step
                 # it will not contribute to a round under way here: stop waiting for it
                 if member and self.phase() == AVERAGING:
