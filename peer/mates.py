@@ -186,11 +186,10 @@ class StageMates:
         state_bytes = 16 * self.num_parameters + 2**20
         self.limits = WireLimits(max_message_bytes=state_bytes, max_tensor_bytes=state_bytes)
         self.mates: dict[str, StageRecord] = {}
-        # every peer seen with a signed record on this stage (joining, serving or leaving), and when (loop
-        # time): who may speak as a mate. Remembered a while, so that a record lapsing under load does not
-        # shut a live mate out of the round under way.
-        self.stage_peers: dict[str, float] = {}
-        self.stage_peer_states: dict[str, str] = {}  # the state each of them last announced on this stage
+        # every peer seen with a signed record on this stage (joining, serving or leaving), when (loop time)
+        # and in which state it last was: who may speak as a mate. Remembered a while, so that a record
+        # lapsing under load does not shut a live mate out of the round under way.
+        self.stage_peers: dict[str, tuple[float, str]] = {}
         self.refresh_records: Callable[[], Awaitable[None]] | None = None  # re-reads the stage's records
         # peers of other stages whose signed records say they hold a standby copy of this stage
         # (`swarm.peer.standby`): they may download its state, and nothing else; kept up to date by the peer
@@ -311,11 +310,9 @@ class StageMates:
         now = self.loop.time() if self.loop is not None else 0.0
         for r in records:
             if r.peer_id != self.peer_id and r.model == self.model and r.num_stages == self.num_stages:
-                self.stage_peers[r.peer_id] = now
-                self.stage_peer_states[r.peer_id] = r.state
-        for peer_id in [p for p, seen in self.stage_peers.items() if now - seen > MEMBER_MEMORY]:
+                self.stage_peers[r.peer_id] = (now, r.state)
+        for peer_id in [p for p, (seen, _) in self.stage_peers.items() if now - seen > MEMBER_MEMORY]:
             del self.stage_peers[peer_id]
-            self.stage_peer_states.pop(peer_id, None)
         mates = {
             r.peer_id: r
             for r in records
@@ -991,7 +988,7 @@ class StageMates:
                 # a standby holder takes a copy and stays out of the stage: no round waits for it. So does a
                 # peer that left this stage for another (its last record here says LEAVING): it is a holder
                 # there, which this peer learns only at its next read of every stage
-                left = self.stage_peer_states.get(requester) == LEAVING and requester not in self.mates
+                left = self.stage_peers.get(requester, (0.0, ""))[1] == LEAVING and requester not in self.mates
                 member = not (left or (requester in self.standby_holders and not self._is_member(requester)))
                 # a snapshot on the runtime thread sees the state between steps, never mid-step
                 # it will not contribute to a round under way here: stop waiting for it
