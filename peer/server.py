@@ -26,8 +26,9 @@ from swarm.proto import PROTOCOL_VERSION
 
 from swarm.allowlist import StreamGate
 from swarm.balance import Move, MoveCost, capacities, choose_stage, loads_from_records, plan_moves, stage_costs
-from swarm.config import PeerConfig
+from swarm.config import ConfigError, PeerConfig
 from swarm.dht_node import connect_to_daemon, start_dht
+from swarm.direct_plane import DirectPlane, announce_host, listen_host
 from swarm.event_loop import run, stop_event_on_signals
 from swarm.models import build_stage
 from swarm.optimizer import OptimizerSettings, build_optimizer
@@ -78,6 +79,8 @@ class Peer:
         self.handler: StageHandler | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.metrics: PeerMetrics | None = None  # with --metrics-port
+        self.net: DirectPlane | None = None  # libp2p and the direct data plane, once serving
+        self.direct_address = ""  # announced in the record: where others call this peer directly
         # standby copies of other stages (--standby-stages), and the restore of a stage all of whose peers died
         self.standbys = StandbyKeeper(self) if config.standby_stages > 0 else None
         self._moves: asyncio.Queue[int] | None = None  # where `serve` takes the next move from
@@ -206,6 +209,7 @@ class Peer:
             vocab_size=self.spec.vocab_size,
             standbys=self.standbys.announced() if self.standbys is not None else (),
             moving_to=self.moving_to if self.state == LEAVING else -1,
+            direct=self.direct_address,
         )
 
     def _renewal(self) -> StageRecord | None:
@@ -234,9 +238,32 @@ class Peer:
 
     async def _fetch_records(self, only: int | Iterable[int] | None = None) -> dict[int, list[StageRecord]]:
         config = self.config
-        return await asyncio.get_running_loop().run_in_executor(
+        records = await asyncio.get_running_loop().run_in_executor(
             None, lambda: fetch_stage_records(self.dht, config.run_id, config.num_stages, only=only)
         )
+        if self.net is not None:
+            self.net.learn(r for stage_records in records.values() for r in stage_records)
+        return records
+
+    async def _open_network(self) -> DirectPlane:
+        """The peer's P2P, and its direct data plane unless --direct-port -1 (announced unless unreachable)."""
+        config = self.config
+        self.net = DirectPlane(await connect_to_daemon(self.dht), self.dht.identity, dial=config.direct)
+        if config.direct_port < 0:
+            return self.net
+        host = listen_host(config.host_maddrs)
+        visible = [str(m) for m in await self.net.get_visible_maddrs()]
+        announced = config.direct_host or announce_host(host, [*config.announce_maddrs, *visible])
+        if self.reachability.reachable is False and not config.direct_host:
+            announced = ""  # behind NAT: nobody outside could dial it; callers go through libp2p
+        try:
+            self.direct_address = await self.net.serve(host, config.direct_port, announced)
+        except OSError as e:
+            raise ConfigError(
+                f"--direct-port: cannot listen on {host}:{config.direct_port} ({e}); pick a free port, 0 for any, "
+                "or -1 for no direct data plane"
+            ) from None
+        return self.net
 
     async def _read_mates(self) -> None:
         records = await self._fetch_records(only=self.stage)
@@ -497,7 +524,7 @@ class Peer:
         watching = asyncio.create_task(watch_for_preemption(check, config.preemption_poll, stop)) if check else None
         started = time.perf_counter()
         self.loop = asyncio.get_running_loop()
-        p2p = await connect_to_daemon(self.dht)
+        p2p = await self._open_network()
         if self.stage < 0:
             self.stage = await self._choose_stage()
         self._build(self.stage, resume=True)

@@ -303,3 +303,43 @@ class StateReply(_message.Message):
     held: _containers.RepeatedCompositeFieldContainer[HeldSamples]
     attempt: int
     def __init__(self, protocol_version: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., step: _Optional[int] = ..., has_optimizer_state: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., more: _Optional[bool] = ..., samples_stepped: _Optional[int] = ..., progress: _Optional[_Mapping[str, int]] = ..., held: _Optional[_Iterable[_Union[HeldSamples, _Mapping]]] = ..., attempt: _Optional[int] = ...) -> None: ...
+
+class DirectHello(_message.Message):
+    __slots__ = ("protocol_version", "protocol", "nonce", "public_key", "ephemeral_key", "session")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    EPHEMERAL_KEY_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    protocol: str
+    nonce: bytes
+    public_key: bytes
+    ephemeral_key: bytes
+    session: bytes
+    def __init__(self, protocol_version: _Optional[int] = ..., protocol: _Optional[str] = ..., nonce: _Optional[bytes] = ..., public_key: _Optional[bytes] = ..., ephemeral_key: _Optional[bytes] = ..., session: _Optional[bytes] = ...) -> None: ...
+
+class DirectChallenge(_message.Message):
+    __slots__ = ("protocol_version", "error", "nonce", "public_key", "ephemeral_key", "session", "proof")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    EPHEMERAL_KEY_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    error: Error
+    nonce: bytes
+    public_key: bytes
+    ephemeral_key: bytes
+    session: bytes
+    proof: bytes
+    def __init__(self, protocol_version: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., nonce: _Optional[bytes] = ..., public_key: _Optional[bytes] = ..., ephemeral_key: _Optional[bytes] = ..., session: _Optional[bytes] = ..., proof: _Optional[bytes] = ...) -> None: ...
+
+class DirectProof(_message.Message):
+    __slots__ = ("proof",)
+    PROOF_FIELD_NUMBER: _ClassVar[int]
+    proof: bytes
+    def __init__(self, proof: _Optional[bytes] = ...) -> None: ...

@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from swarm import __version__
+from swarm.allocator import keep_large_buffers
 from swarm.config import (
     ConfigError,
     DemoConfig,
@@ -133,6 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         parser.exit(2, f"swarm {command}: error: {e}\n")
     setup_logging(level, command)
+    keep_large_buffers()  # tensors on the wire are megabytes: see swarm.allocator
     from swarm.dht_node import JoinError
     from swarm.peer.checkpoint import CheckpointError
 

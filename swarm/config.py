@@ -213,6 +213,11 @@ class NetworkConfig:
     check_reachability: bool = option(
         True, "at start, ask another member to dial this process back, and say whether it is reachable from outside"
     )
+    direct: bool = option(
+        True,
+        "call peers that announce a direct address over plain TCP (both sides prove their identity key; the data "
+        "is not encrypted), falling back to libp2p where that fails; --no-direct keeps every call on libp2p",
+    )
 
     def check(self) -> None:
         from hivemind.utils.multiaddr import Multiaddr
@@ -397,6 +402,16 @@ class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig):
         "download bandwidth, Mbit/s, the balance rule assumes for a moving peer's state (every peer must assume "
         "the same, so that all compute the same plan)",
     )
+    direct_port: int = option(
+        0,
+        "TCP port of the direct data plane, on the --host-maddrs host (0: any free port; -1: none, every call to "
+        "this peer goes over libp2p)",
+    )
+    direct_host: str = option(
+        "",
+        "host or IP to announce for the direct data plane (default: the listening host, or where that is "
+        "0.0.0.0, the first non-loopback IPv4 address libp2p sees)",
+    )
     simulated_speed: float = option(
         0.0,
         "for tests and benchmarks: behave as a device of this many samples/s on a stage of average cost, "
@@ -422,6 +437,13 @@ class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig):
             if not 0 <= stage < self.num_stages:
                 raise ConfigError(f"--stage must be within 0..{self.num_stages - 1} or auto, got {self.stage}")
             self.stage = str(stage)
+        if not -1 <= self.direct_port < 65536:
+            raise ConfigError(f"--direct-port must be a TCP port, 0 for any or -1 for none: {self.direct_port}")
+        if self.direct_host:
+            from swarm.direct_plane import format_direct_address, parse_direct_address
+
+            if parse_direct_address(format_direct_address(self.direct_host, 1)) is None:
+                raise ConfigError(f"--direct-host: {self.direct_host!r} is not a host name or IP address")
         if self.rebalance_period < 0:
             raise ConfigError("--rebalance-period must be 0 (never move) or positive")
         if (

@@ -24,6 +24,7 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from hivemind import DHT
 from hivemind.utils import get_dht_time
 
+from swarm.direct_plane import parse_direct_address
 from swarm.identity import owner_peer_id
 
 logger = logging.getLogger(__name__)
@@ -78,6 +79,8 @@ class StageRecord:
     # while LEAVING for another stage: that stage, so that the balance rule counts the peer where it is
     # going (not serving there yet) and nobody plans a second move for the gap it fills; -1 otherwise
     moving_to: int = -1
+    # "HOST:PORT" of the peer's direct data plane (`swarm.direct_plane`), or "" if it serves none
+    direct: str = ""
 
     def standby_of(self, stage: int) -> tuple[int, str] | None:
         """(step, fingerprint) of this peer's standby copy of `stage`, step -1 while it fetches one; None if none."""
@@ -126,6 +129,8 @@ class StageRecord:
             return "stage"
         if self.moving_to >= self.num_stages:
             return "moving_to"
+        if not isinstance(self.direct, str) or (self.direct and parse_direct_address(self.direct) is None):
+            return "direct"
         if not isinstance(self.standbys, tuple) or len(self.standbys) > MAX_STANDBYS:
             return "standbys"
         for entry in self.standbys:

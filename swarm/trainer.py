@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 from tqdm import tqdm
 
@@ -37,6 +37,7 @@ from swarm.compression.link_choice import CodecChooser, activation_like, profile
 from swarm.config import TrainerConfig
 from swarm.data import Corpus, CorpusError, load_corpus
 from swarm.dht_node import connect_to_daemon, start_dht
+from swarm.direct_plane import DirectPlane
 from swarm.event_loop import run, stop_event_on_signals
 from swarm.link_shaper import LinkShape, LinkShaper
 from swarm.models.stage_io import StageOutputError, check_stage_outputs
@@ -83,6 +84,8 @@ class TrainingSummary:
     bytes_sent: int = 0
     bytes_received: int = 0
     codecs: dict[str, str] = field(default_factory=dict)  # per peer, at the end (with --compression auto)
+    # stage calls opened per path: direct (TCP), libp2p, and direct tries that failed (then made over libp2p)
+    calls_by_path: dict[str, int] = field(default_factory=dict)
     losses: list[float] = field(default_factory=list)
 
 
@@ -136,7 +139,7 @@ class Trainer:
         except TrainingError:
             self.dht.shutdown()
             raise
-        self.p2p: P2P | None = None
+        self.p2p: DirectPlane | None = None
         self.step = 0
         self.trainer_id = str(self.dht.peer_id)  # the caller id peers see: half of every microbatch's id
         self.ledger = SampleLedger(config.ledger)
@@ -191,6 +194,8 @@ class Trainer:
                     )
             mine[stage] = [r for r in recs if r.vocab_size in (0, self.spec.vocab_size)]
         self.router.update(mine, get_dht_time())
+        if self.p2p is not None:
+            self.p2p.learn(r for recs in mine.values() for r in recs)
         return mine
 
     async def _refresh_forever(self) -> None:
@@ -464,7 +469,7 @@ class Trainer:
         if config.metrics_port is not None:
             self._start_metrics()
         stop = stop_event_on_signals()
-        self.p2p = await connect_to_daemon(self.dht)
+        self.p2p = DirectPlane(await connect_to_daemon(self.dht), self.dht.identity, dial=config.direct)
         self.progress.addresses = await direct_addresses(self.p2p)
         refreshing = asyncio.create_task(self._refresh_forever())
         publishing = asyncio.create_task(publish_forever(self.dht, config.run_id, self.progress))
@@ -512,6 +517,7 @@ class Trainer:
             publishing.cancel()
         if self.chooser is not None:
             summary.codecs = self.chooser.choices()
+        summary.calls_by_path = dict(self.p2p.calls)
         if summary.losses:
             summary.first_loss = summary.losses[0]
             tail = summary.losses[-min(5, len(summary.losses)) :]

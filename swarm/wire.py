@@ -88,7 +88,8 @@ def decode_tensors(parts: Sequence[Tensor], limits: WireLimits) -> list[torch.Te
         continuation = parts[index + 1 : index + num_parts]
         if any(part.shape or part.dtype or part.codec or part.num_parts for part in continuation):
             raise WireError(ErrorCode.BAD_REQUEST, f"tensor {len(tensors)} has a malformed continuation part")
-        buffer = b"".join(part.buffer for part in parts[index : index + num_parts])
+        # a bytearray: the one copy of the payload, which the codec may then wrap without copying again
+        buffer = bytearray().join(part.buffer for part in parts[index : index + num_parts])
         try:
             tensors.append(codec.decode(buffer, shape, dtype))
         except CodecError as e:

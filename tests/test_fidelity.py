@@ -28,6 +28,8 @@ def test_swarm_matches_one_process(local_swarm, tmp_path, model):
     reference = reference_run(STEPS, model=model)
     summary = json.loads(summary_file.read_text())
     assert summary["steps"] == STEPS
+    # every stage call went over the direct data plane (the peers announce one on 127.0.0.1)
+    assert summary["calls_by_path"].get("direct", 0) > 0 and not summary["calls_by_path"].get("libp2p"), summary
     torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(reference.losses), rtol=1e-4, atol=1e-4)
     for stage, module in enumerate(reference.stages):
         checkpoint = load_checkpoint(checkpoints, model, stage, 3)

@@ -1,0 +1,169 @@
+"""Echo of a tensor through libp2p, the direct data plane and a raw TCP socket; prints one JSON object.
+
+A server process answers each call with the tensor it was sent. On libp2p and on the direct plane the
+call is what a stage call is: the tensor encoded (codec none), cut into 512 KiB parts, framed, sent,
+read back and decoded by `swarm.transport.exchange`, with the direct plane's handshake (resumed
+after the first call) on each call. Raw TCP sends the bare bytes over one open connection: the
+ceiling for the machine. Reported per size and path: the median round trip and GB/s, counted as the
+tensor's bytes each way (2 x size / round trip), and the ratio to raw TCP in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import statistics
+import time
+
+import torch
+from hivemind.p2p import P2P, PeerID
+from swarm.compression import get_codec
+from swarm.proto import StageReply, StageRequest
+
+from swarm.allocator import keep_large_buffers
+from swarm.direct_plane import DirectPlane, parse_direct_address
+from swarm.event_loop import run
+from swarm.identity import load_identity
+from swarm.transport import exchange
+from swarm.wire import (
+    WireLimits,
+    decode_tensors,
+    encode_tensor,
+    pack_frames,
+    read_frames,
+    wait_for_hang_up,
+    write_frames,
+)
+
+ECHO_PROTOCOL = "/swarm/bench/echo"
+LIMITS = WireLimits(max_message_bytes=2**30, max_tensor_bytes=2**30)
+
+
+async def _echo(_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    _, parts = await read_frames(reader, StageRequest, LIMITS)
+    await write_frames(writer, pack_frames(StageReply(), parts))
+    await wait_for_hang_up(reader)
+    writer.close()
+
+
+async def _raw_echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    with_size = True
+    while with_size:
+        try:
+            size = int.from_bytes(await reader.readexactly(8), "big")
+        except asyncio.IncompleteReadError:
+            break
+        writer.write(size.to_bytes(8, "big"))
+        while size:
+            chunk = await reader.read(min(size, 2**22))
+            if not chunk:
+                return
+            writer.write(chunk)
+            size -= len(chunk)
+        await writer.drain()
+    writer.close()
+
+
+async def _serve(connection) -> None:
+    identity = load_identity(None)
+    p2p = await P2P.create(identity_path=identity.path)
+    plane = DirectPlane(p2p, identity)
+    await plane.add_binary_stream_handler(ECHO_PROTOCOL, _echo)
+    direct = await plane.serve("127.0.0.1", 0, "127.0.0.1")
+    raw = await asyncio.start_server(_raw_echo, "127.0.0.1", 0, limit=2**22)
+    maddrs = [str(m) for m in await p2p.get_visible_maddrs()]
+    connection.send((maddrs, p2p.peer_id.to_base58(), direct, raw.sockets[0].getsockname()[1]))
+    await asyncio.get_running_loop().run_in_executor(None, connection.recv)  # until told to stop
+    await plane.shutdown()
+
+
+def serve(connection) -> None:
+    torch.set_num_threads(1)
+    keep_large_buffers()
+    run(_serve(connection))
+
+
+async def _echo_call(net, peer_id: PeerID, tensor: torch.Tensor) -> None:
+    frames = pack_frames(StageRequest(), encode_tensor(tensor, get_codec("none")))
+    _, parts = await exchange(net, peer_id, ECHO_PROTOCOL, frames, StageReply, LIMITS)
+    (echoed,) = decode_tensors(parts, LIMITS)
+    assert echoed.shape == tensor.shape
+
+
+async def _measure(call, repeats: int) -> list[float]:
+    await call()  # warm-up: connections, sessions, buffers
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        await call()
+        times.append(time.perf_counter() - started)
+    return times
+
+
+async def _run(args, served) -> dict:
+    maddrs, peer, direct, raw_port = served
+    identity = load_identity(None)
+    p2p = await P2P.create(identity_path=identity.path, initial_peers=maddrs)
+    peer_id = PeerID.from_base58(peer)
+    libp2p = DirectPlane(p2p, identity, dial=False)
+    plane = DirectPlane(p2p, identity)
+    plane.addresses[peer] = parse_direct_address(direct)
+    reader, writer = await asyncio.open_connection("127.0.0.1", raw_port, limit=2**22)
+
+    async def raw_call(data: bytes) -> None:
+        writer.write(len(data).to_bytes(8, "big"))
+        writer.write(data)
+        size = int.from_bytes(await reader.readexactly(8), "big")
+        await reader.readexactly(size)
+
+    results = []
+    for size_mib in args.sizes_mib:
+        tensor = torch.randn(size_mib * 2**18)  # float32: 4 bytes each
+        data = tensor.numpy().tobytes()
+        repeats = max(3, args.repeats * 4 // size_mib) if size_mib > 4 else args.repeats
+        paths = {
+            "libp2p": lambda tensor=tensor: _echo_call(libp2p, peer_id, tensor),
+            "direct": lambda tensor=tensor: _echo_call(plane, peer_id, tensor),
+            "raw_tcp": lambda data=data: raw_call(data),
+        }
+        row: dict = {"size_mib": size_mib, "repeats": repeats}
+        for name, call in paths.items():
+            median = statistics.median(await _measure(call, repeats))
+            row[name] = {"round_trip_ms": round(median * 1e3, 2), "gb_per_s": round(2 * len(data) / median / 1e9, 3)}
+        for name in ("libp2p", "direct"):
+            row[name]["vs_raw_tcp"] = round(row[name]["gb_per_s"] / row["raw_tcp"]["gb_per_s"], 3)
+        row["direct_vs_libp2p"] = round(row["direct"]["gb_per_s"] / row["libp2p"]["gb_per_s"], 2)
+        results.append(row)
+    assert plane.calls["direct_failed"] == 0 and plane.calls["libp2p"] == 0, plane.calls
+    writer.close()
+    await p2p.shutdown()
+    return {"results": results, "direct_calls": plane.calls["direct"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes-mib", type=int, nargs="+", default=[4, 64], help="tensor sizes, MiB")
+    parser.add_argument("--repeats", type=int, default=20, help="echoes per path at 4 MiB (fewer for larger)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    keep_large_buffers()
+    context = multiprocessing.get_context("spawn")
+    ours, theirs = context.Pipe()
+    server = context.Process(target=serve, args=(theirs,), daemon=True)
+    server.start()
+    try:
+        if not ours.poll(60):
+            raise SystemExit("the echo server did not start within 60 s")
+        report = run(_run(args, ours.recv()))
+    finally:
+        ours.send("stop")
+        server.join(10)
+        if server.is_alive():
+            server.kill()
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

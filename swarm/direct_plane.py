@@ -1,0 +1,272 @@
+"""The direct data plane: the swarm's protocols over plain TCP, beside libp2p, where peers can reach each other.
+
+Every byte on libp2p goes through the p2pd daemon, which moves a 4 MiB tensor an order of magnitude
+slower than a TCP socket does (`scripts/bench_transport.py`). On a lab's network the wire, not the
+GPUs, would set the pace. So a peer also serves its protocols on a TCP address it announces in its
+record (`StageRecord.direct`); a caller that knows the address dials it, and falls back to libp2p
+(NAT, relays, a firewall, a peer that moved) when it cannot.
+
+A call is one TCP connection, as on libp2p it is one stream: the handshake of
+`swarm.direct_handshake` (both sides prove their identity key), then the very frames, limits, codecs
+and handlers of the libp2p path. `DirectPlane` stands in for the process's `P2P` object, so every
+call helper (`swarm.transport.exchange`) and every handler works on both paths unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import re
+import socket
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+
+from hivemind.p2p import P2P, PeerID
+
+from swarm.direct_handshake import HandshakeError, Session, SessionStore, prove_to_caller, prove_to_server
+from swarm.identity import Identity
+
+logger = logging.getLogger(__name__)
+
+Handler = Callable[..., Awaitable[None]]
+
+CONNECT_TIMEOUT = 3.0  # seconds to connect and finish the handshake before falling back to libp2p
+UNREACHABLE_FOR = 60.0  # seconds a peer's direct address is left alone after it failed
+MAX_HANDSHAKES = 64  # connections a server lets finish their handshake at once; more are closed unread
+STREAM_BUFFER = 2**20  # bytes a connection reads ahead; large, since the frames are 512 KiB
+MAX_ADDRESS_CHARS = 64
+ADDRESS = re.compile(r"([0-9A-Za-z.\-]{1,48}|\[[0-9A-Fa-f:.]{2,45}\]):([0-9]{1,5})")
+
+
+@dataclass(frozen=True)
+class DirectStreamInfo:
+    """What a handler learns about a call on the direct plane, as hivemind's stream info tells it on libp2p."""
+
+    peer_id: PeerID  # proven by the handshake
+    proto: str
+    addr: str  # the caller's TCP address
+
+
+def parse_direct_address(address: object) -> tuple[str, int] | None:
+    """(host, port) of an announced direct address "HOST:PORT" ("[V6]:PORT" for IPv6); None if malformed."""
+    if not isinstance(address, str) or len(address) > MAX_ADDRESS_CHARS:
+        return None
+    found = ADDRESS.fullmatch(address)
+    if found is None or not 0 < int(found.group(2)) < 65536:
+        return None
+    return found.group(1).strip("[]"), int(found.group(2))
+
+
+def format_direct_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _tune(writer: asyncio.StreamWriter) -> None:
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+class DirectServer:
+    """Accepts direct calls: a handshake proves the caller's peer id, then the protocol's handler runs."""
+
+    def __init__(self, identity: Identity, max_handshakes: int = MAX_HANDSHAKES) -> None:
+        self.identity = identity
+        self.max_handshakes = max_handshakes
+        self.handlers: dict[str, Handler] = {}
+        self.sessions = SessionStore()
+        self.accepted = 0  # calls whose caller proved its key
+        self.refused: Counter[str] = Counter()  # connections closed unserved, per reason
+        self._handshaking = 0
+        self._server: asyncio.base_events.Server | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    async def start(self, host: str, port: int) -> int:
+        """Listens on host:port (port 0: any free one); returns the port."""
+        self._server = await asyncio.start_server(self._accept, host, port, limit=STREAM_BUFFER)
+        return self._server.sockets[0].getsockname()[1]
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._tasks):
+            task.cancel()
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.add(task)
+        try:
+            await self._serve_connection(reader, writer)
+        finally:
+            if task is not None:
+                self._tasks.discard(task)
+            with contextlib.suppress(Exception):
+                writer.close()
+
+    async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        address = format_direct_address(str(peer[0]), int(peer[1])) if peer else "?"
+        if self._handshaking >= self.max_handshakes:
+            self._refuse("busy", f"over {self.max_handshakes} handshakes at once, lately from {address}")
+            return
+        _tune(writer)
+        self._handshaking += 1
+        try:
+            caller, protocol = await prove_to_caller(self.identity, self.sessions, reader, writer)
+        except (HandshakeError, ConnectionError, OSError) as e:
+            self._refuse("handshake", f"from {address}: {e}")
+            return
+        finally:
+            self._handshaking -= 1
+        handler = self.handlers.get(protocol)
+        if handler is None:  # as libp2p does with a protocol nobody registered: the stream is closed
+            self._refuse("protocol", f"{protocol!r} from {caller}: not served here")
+            return
+        self.accepted += 1
+        await handler(DirectStreamInfo(PeerID.from_base58(caller), protocol, address), reader, writer)
+
+    def _refuse(self, reason: str, what: str) -> None:
+        self.refused[reason] += 1
+        count = self.refused[reason]
+        if count in (1, 10, 100) or count % 1000 == 0:
+            logger.warning(f"Refused {count} direct connection(s) ({reason}) so far; lately {what}")
+
+
+class DirectPlane:
+    """This process's network: its libp2p `P2P`, plus the direct TCP plane to the peers that announce one.
+
+    It answers the calls a `P2P` does (anything else is passed on to the `P2P` itself): a handler is
+    served on both paths, and a call goes direct when the callee's record gave an address and the
+    address answered with the right peer id, else over libp2p.
+    """
+
+    def __init__(self, p2p: P2P, identity: Identity, dial: bool = True) -> None:
+        self.p2p = p2p
+        self.identity = identity
+        self.dial = dial  # False: every call goes over libp2p (`--no-direct`)
+        self.server: DirectServer | None = None
+        self.address = ""  # what this process announces, once serving
+        self.addresses: dict[str, tuple[str, int]] = {}  # peer id -> its announced direct address
+        self.calls: Counter[str] = Counter()  # calls opened per path: direct, libp2p; and direct tries that failed
+        self._sessions: dict[str, Session] = {}  # per peer id: the session to resume
+        self._unreachable: dict[str, tuple[tuple[str, int], float]] = {}  # peer id -> (address, until)
+        self._handlers: dict[str, Handler] = {}  # every protocol registered, for a server started later
+
+    def __getattr__(self, name: str):
+        return getattr(self.p2p, name)
+
+    async def serve(self, host: str, port: int, announce_host: str) -> str:
+        """Serves the handlers registered so far, and later ones, on host:port; returns the address to
+        announce ("" if `announce_host` is empty: others cannot be told how to reach this process)."""
+        self.server = DirectServer(self.identity)
+        port = await self.server.start(host, port)
+        self.address = format_direct_address(announce_host, port) if announce_host else ""
+        for protocol, handler in self._handlers.items():
+            self.server.handlers[protocol] = handler
+        listening = format_direct_address(host, port)
+        logger.info(f"Direct data plane on {listening}, announced as {self.address or '(none: not reachable)'}")
+        return self.address
+
+    async def add_binary_stream_handler(self, protocol: str, handler: Handler, *args, **kwargs) -> None:
+        await self.p2p.add_binary_stream_handler(protocol, handler, *args, **kwargs)
+        self._handlers[protocol] = handler
+        if self.server is not None:
+            self.server.handlers[protocol] = handler
+
+    async def remove_binary_stream_handler(self, protocol: str) -> None:
+        self._handlers.pop(protocol, None)
+        if self.server is not None:
+            self.server.handlers.pop(protocol, None)
+        await self.p2p.remove_binary_stream_handler(protocol)
+
+    async def shutdown(self) -> None:
+        if self.server is not None:
+            await self.server.close()
+        await self.p2p.shutdown()
+
+    def learn(self, records: Iterable) -> None:
+        """Takes note of the direct addresses in peers' records (anything with `peer_id` and `direct`)."""
+        for record in records:
+            address = parse_direct_address(record.direct) if record.direct else None
+            if record.peer_id == self.identity.peer_id:
+                continue
+            if address is None:
+                self.addresses.pop(record.peer_id, None)
+                continue
+            if self.addresses.get(record.peer_id) != address:
+                self.addresses[record.peer_id] = address
+                self._unreachable.pop(record.peer_id, None)
+
+    async def call_binary_stream_handler(self, peer_id: PeerID, protocol: str):
+        """Opens a call to `protocol` on a peer: (stream info, reader, writer), directly if it can."""
+        peer = peer_id.to_base58()
+        address = self.addresses.get(peer) if self.dial else None
+        if address is not None and not self._known_unreachable(peer, address):
+            try:
+                opened = await asyncio.wait_for(self._open(peer_id, peer, address, protocol), CONNECT_TIMEOUT)
+            except (OSError, HandshakeError, asyncio.TimeoutError, asyncio.IncompleteReadError) as e:
+                self.calls["direct_failed"] += 1
+                self._unreachable[peer] = (address, time.monotonic() + UNREACHABLE_FOR)
+                logger.info(
+                    f"Cannot call {peer} directly at {format_direct_address(*address)} "
+                    f"({type(e).__name__}: {e}); using libp2p for {UNREACHABLE_FOR:.0f}s"
+                )
+            else:
+                self.calls["direct"] += 1
+                return opened
+        self.calls["libp2p"] += 1
+        return await self.p2p.call_binary_stream_handler(peer_id, protocol)
+
+    def _known_unreachable(self, peer: str, address: tuple[str, int]) -> bool:
+        known = self._unreachable.get(peer)
+        if known is None:
+            return False
+        if known[0] != address or time.monotonic() > known[1]:
+            del self._unreachable[peer]
+            return False
+        return True
+
+    async def _open(self, peer_id: PeerID, peer: str, address: tuple[str, int], protocol: str):
+        for _ in range(2):  # a second, full handshake if the peer has forgotten the session
+            reader, writer = await asyncio.open_connection(*address, limit=STREAM_BUFFER)
+            try:
+                _tune(writer)
+                session = await prove_to_server(self.identity, peer, protocol, reader, writer, self._sessions.get(peer))
+            except BaseException:
+                writer.close()
+                raise
+            if session is not None:
+                self._sessions[peer] = session
+                return DirectStreamInfo(peer_id, protocol, format_direct_address(*address)), reader, writer
+            self._sessions.pop(peer, None)
+            writer.close()
+        raise HandshakeError("the peer forgot the session twice")
+
+
+def listen_host(host_maddrs: Iterable[str]) -> str:
+    """The host the direct plane listens on: that of the first IP address libp2p listens on (127.0.0.1 if none)."""
+    for maddr in host_maddrs:
+        parts = str(maddr).split("/")
+        if len(parts) > 2 and parts[1] in ("ip4", "ip6"):
+            return parts[2]
+    return "127.0.0.1"
+
+
+def announce_host(listen_host: str, maddrs: Iterable[str]) -> str:
+    """The host to announce for a direct plane listening on `listen_host`: that host itself, or where it
+    listens on every interface, the first IPv4 address in `maddrs` other than loopback (then loopback)."""
+    try:
+        unspecified = ipaddress.ip_address(listen_host).is_unspecified
+    except ValueError:
+        return listen_host  # a host name: others resolve it
+    if not unspecified:
+        return listen_host
+    found = [m.split("/")[2] for m in maddrs if m.startswith("/ip4/") and len(m.split("/")) > 2]
+    public = [h for h in found if not (ipaddress.ip_address(h).is_loopback or ipaddress.ip_address(h).is_unspecified)]
+    return public[0] if public else ("127.0.0.1" if found else "")

@@ -1,0 +1,220 @@
+"""The direct data plane: both sides prove their identity key, strangers get nothing, and a swarm whose
+peers are reached directly, through a dead address and over libp2p trains exactly as one process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+
+import pytest
+import torch
+from conftest import assert_matches_reference, peer_flags, reference_run, trainer_flags, wait_for_records
+from cryptography.hazmat.primitives import serialization
+from hivemind.p2p import P2P, PeerID
+from swarm.peer.checkpoint import load_checkpoint
+from swarm.proto import PROTOCOL_VERSION, DirectChallenge, DirectHello, DirectProof, PeerInfo, PeerInfoRequest
+
+from swarm.direct_handshake import HandshakeError, Session, prove_to_server
+from swarm.direct_plane import DirectPlane, DirectServer, announce_host, listen_host, parse_direct_address
+from swarm.identity import load_identity
+from swarm.stage_records import SERVING
+from swarm.transport import exchange
+from swarm.wire import HEADER_BYTES, WireLimits, read_frames, write_frames
+
+ECHO = "/swarm/test/echo"
+
+
+class EchoServer:
+    """A direct server whose one protocol answers with the peer id the handshake proved."""
+
+    def __init__(self) -> None:
+        self.identity = load_identity(None)
+        self.server = DirectServer(self.identity)
+        self.server.handlers[ECHO] = self._echo
+        self.callers: list[str] = []
+
+    async def _echo(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_frames(reader, PeerInfoRequest, WireLimits())
+        self.callers.append(info.peer_id.to_base58())
+        await write_frames(writer, [PeerInfo(model=info.peer_id.to_base58())])
+        writer.close()
+
+    async def start(self) -> tuple[str, int]:
+        return "127.0.0.1", await self.server.start("127.0.0.1", 0)
+
+
+async def _call(identity, server_peer_id: str, address, session: Session | None = None):
+    """One echo call over a fresh connection: (the peer id the server says it saw, the session to resume)."""
+    reader, writer = await asyncio.open_connection(*address)
+    try:
+        session = await prove_to_server(identity, server_peer_id, ECHO, reader, writer, session)
+        if session is None:
+            return None, None
+        await write_frames(writer, [PeerInfoRequest()])
+        reply, _ = await read_frames(reader, PeerInfo, WireLimits(frame_timeout=10))
+        return reply.model, session
+    finally:
+        writer.close()
+
+
+@pytest.mark.timeout(60)
+def test_both_sides_prove_their_key_and_later_calls_resume_the_session():
+    async def main():
+        echo = EchoServer()
+        address = await echo.start()
+        caller = load_identity(None)
+        seen, session = await _call(caller, echo.identity.peer_id, address)
+        assert seen == caller.peer_id and session is not None and len(echo.server.sessions) == 1
+        seen_again, resumed = await _call(caller, echo.identity.peer_id, address, session)
+        assert seen_again == caller.peer_id and resumed is session
+        assert len(echo.server.sessions) == 1  # resumed, not a second full handshake
+        # a server that has forgotten the session says so, and the caller starts over
+        forgotten = Session(os.urandom(16), os.urandom(32), echo.identity.peer_id, 0.0)
+        assert await _call(caller, echo.identity.peer_id, address, forgotten) == (None, None)
+        assert echo.callers == [caller.peer_id, caller.peer_id] and echo.server.accepted == 2
+        await echo.server.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+def test_a_server_at_the_address_that_is_not_the_peer_meant_is_refused():
+    async def main():
+        echo = EchoServer()
+        address = await echo.start()
+        someone_else = load_identity(None).peer_id  # a record that names this address for another peer
+        with pytest.raises(HandshakeError, match="not " + someone_else):
+            await _call(load_identity(None), someone_else, address)
+        # another server at the address a caller holds a session for: it has no such session, and it
+        # cannot pass the full handshake that follows as the peer the caller meant
+        caller = load_identity(None)
+        _, session = await _call(caller, echo.identity.peer_id, address)
+        impostor = EchoServer()
+        impostor_address = await impostor.start()
+        assert await _call(caller, echo.identity.peer_id, impostor_address, session) == (None, None)
+        with pytest.raises(HandshakeError, match="not " + echo.identity.peer_id):
+            await _call(caller, echo.identity.peer_id, impostor_address)
+        assert impostor.callers == []
+        await echo.server.close()
+        await impostor.server.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+def test_a_caller_that_cannot_prove_its_key_is_served_nothing_and_the_server_goes_on():
+    async def main():
+        echo = EchoServer()
+        address = await echo.start()
+        victim = load_identity(None)
+        # someone sends the victim's public key and a session id it saw on the wire, without the keys to prove them
+        victim_key = victim.key._private_key.public_key()
+        der = victim_key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+        _, session = await _call(victim, echo.identity.peer_id, address)
+        hellos = [
+            DirectHello(public_key=der, ephemeral_key=b"k" * 32),
+            DirectHello(session=session.session_id),
+        ]
+        for hello in hellos:
+            hello.protocol_version, hello.protocol, hello.nonce = PROTOCOL_VERSION, ECHO, os.urandom(32)
+            reader, writer = await asyncio.open_connection(*address)
+            await write_frames(writer, [hello])
+            await read_frames(reader, DirectChallenge, WireLimits())
+            await write_frames(writer, [DirectProof(proof=os.urandom(256))])
+            assert await reader.read() == b""  # closed, unserved
+            writer.close()
+        # garbage, and a huge frame announced: closed, unserved
+        for junk in (b"\x00" * 3 + b"garbage!" * 4, (2**40).to_bytes(HEADER_BYTES, "big")):
+            reader, writer = await asyncio.open_connection(*address)
+            writer.write(junk)
+            assert await asyncio.wait_for(reader.read(), 10) == b""
+            writer.close()
+        assert echo.callers == [victim.peer_id] and echo.server.refused["handshake"] == 4
+        seen, _ = await _call(victim, echo.identity.peer_id, address)  # and it still serves honest callers
+        assert seen == victim.peer_id
+        await echo.server.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+def test_calls_go_direct_where_the_address_answers_and_over_libp2p_otherwise():
+    async def main():
+        server_identity, caller_identity = load_identity(None), load_identity(None)
+        server_p2p = await P2P.create(identity_path=server_identity.path)
+        server = DirectPlane(server_p2p, server_identity)
+
+        async def echo(info, reader, writer):
+            await read_frames(reader, PeerInfoRequest, WireLimits())
+            await write_frames(writer, [PeerInfo(model=info.peer_id.to_base58())])
+            writer.close()
+
+        await server.add_binary_stream_handler(ECHO, echo)
+        address = await server.serve("127.0.0.1", 0, "127.0.0.1")
+        maddrs = [str(m) for m in await server_p2p.get_visible_maddrs()]
+        caller_p2p = await P2P.create(identity_path=caller_identity.path, initial_peers=maddrs)
+        caller = DirectPlane(caller_p2p, caller_identity)
+        peer_id = PeerID.from_base58(server_identity.peer_id)
+
+        async def call() -> str:
+            reply, _ = await exchange(caller, peer_id, ECHO, [PeerInfoRequest()], PeerInfo, WireLimits())
+            return reply.model
+
+        assert await call() == caller_identity.peer_id and caller.calls["libp2p"] == 1  # no address known yet
+        caller.addresses[server_identity.peer_id] = parse_direct_address(address)
+        assert await call() == caller_identity.peer_id and caller.calls["direct"] == 1
+        assert server.server.accepted == 1
+        # a dead address: one failed try, then libp2p until the address changes or time passes
+        caller.addresses[server_identity.peer_id] = ("127.0.0.2", parse_direct_address(address)[1])
+        assert await call() == caller_identity.peer_id and await call() == caller_identity.peer_id
+        assert caller.calls["direct_failed"] == 1 and caller.calls["libp2p"] == 3
+        await caller.shutdown()
+        await server.shutdown()
+
+    asyncio.run(main())
+
+
+def test_addresses_are_parsed_strictly_and_the_announced_host_is_one_others_can_dial():
+    assert parse_direct_address("10.0.0.5:4000") == ("10.0.0.5", 4000)
+    assert parse_direct_address("[::1]:80") == ("::1", 80)
+    assert parse_direct_address("gpu-7.lab:31337") == ("gpu-7.lab", 31337)
+    for bad in ("10.0.0.5", "10.0.0.5:0", "10.0.0.5:70000", "a b:1", "x" * 80 + ":1", 5, None, "h:1:2"):
+        assert parse_direct_address(bad) is None, bad
+    assert listen_host(["/ip4/0.0.0.0/tcp/31337"]) == "0.0.0.0"
+    assert listen_host([]) == "127.0.0.1"
+    assert announce_host("127.0.0.1", []) == "127.0.0.1"
+    visible = ["/ip4/127.0.0.1/tcp/1/p2p/Qm", "/ip4/10.1.2.3/tcp/1/p2p/Qm"]
+    assert announce_host("0.0.0.0", visible) == "10.1.2.3"
+    assert announce_host("0.0.0.0", visible[:1]) == "127.0.0.1"
+
+
+@pytest.mark.timeout(300)
+def test_a_swarm_reached_directly_through_a_dead_address_and_over_libp2p_trains_as_one_process(local_swarm, tmp_path):
+    steps = 3
+    checkpoints = tmp_path / "checkpoints"
+    local_swarm.start_bootstrap()
+    local_swarm.start_peer("peer0", 0, peer_flags(checkpoints))  # direct
+    # announces an address where nothing listens (it listens on 127.0.0.1): callers fall back to libp2p
+    local_swarm.start_peer("peer1", 1, peer_flags(checkpoints, "--direct-host", "127.0.0.2"))
+    local_swarm.start_peer("peer2", 2, peer_flags(checkpoints, "--direct-port", "-1"))  # libp2p only
+    records = wait_for_records(
+        local_swarm.initial_peers, lambda r: all(any(p.state == SERVING for p in r[s]) for s in range(3))
+    )
+    assert records[0][0].direct.startswith("127.0.0.1:") and records[1][0].direct.startswith("127.0.0.2:")
+    assert records[2][0].direct == ""
+    summary_file = tmp_path / "summary.json"
+    trainer = local_swarm.start_trainer("trainer", trainer_flags(steps, summary_file))
+    assert trainer.wait(180) == 0, local_swarm.log_path("trainer").read_text()
+    for stage in range(3):
+        assert local_swarm.stop(f"peer{stage}") == 0
+    summary = json.loads(summary_file.read_text())
+    calls = summary["calls_by_path"]
+    assert summary["steps"] == steps and calls["direct"] > 0 and calls["libp2p"] > 0 and calls["direct_failed"] >= 1
+    assert "Cannot call" in local_swarm.log_path("trainer").read_text()
+    reference = reference_run(steps)
+    torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(reference.losses), rtol=1e-4, atol=1e-4)
+    for stage, module in enumerate(reference.stages):
+        checkpoint = load_checkpoint(checkpoints, "gpt-tiny", stage, 3)
+        assert checkpoint is not None and checkpoint.step == steps
+        assert_matches_reference(module, checkpoint.parameters, f"stage {stage}")
