@@ -10,7 +10,9 @@ member lists. Every `--health-every` messages (and at the end) the client checks
 still run, answer its info, and return finite outputs for a sound forward. The report gives the
 messages sent, replies by protocol and code, peer crashes, hangs (no reply within the frame
 timeout plus a margin), INTERNAL replies (a bug: malformed input deserves BAD_REQUEST or similar),
-the peer's resident memory at the start and the end, and the health checks passed. Every mate message
+the peer's resident memory at the start and the end, and the health checks passed. Each client sends
+both over libp2p and over the direct data plane (past its handshake), and junk to the direct plane's
+port in place of a handshake, which must be closed unserved. Every mate message
 from the outsider, and every request of it for a standby copy, must be refused: `outsider_mate_ok`
 counts those that were not.
 """
@@ -40,6 +42,7 @@ from swarm.proto import (
     BACKWARD,
     FORWARD,
     PROTOCOL_VERSION,
+    DirectHello,
     ErrorCode,
     GradContribution,
     MateProgress,
@@ -56,6 +59,8 @@ from swarm.proto import (
 )
 
 from swarm.dht_node import TetheredDHT
+from swarm.direct_plane import DirectPlane, parse_direct_address
+from swarm.identity import load_identity
 from swarm.local_swarm import LocalSwarm
 from swarm.models import get_model_spec
 from swarm.stage_records import JOINING, SERVING, StageRecord, announce, fetch_stage_records
@@ -136,6 +141,8 @@ def absurd_ids(rng: random.Random) -> list[SampleId]:
 
 def hostile_message(rng: random.Random, protocol: str, peer_step: int) -> tuple[bytes, bool]:
     """The bytes of one hostile message for `protocol`, and whether they are whole frames (a reply is due)."""
+    if protocol == HANDSHAKE:
+        return handshake_junk(rng), False
     family = rng.choice(["random", "length", "truncated", "fields", "tensors", "counts", "members"])
     if family == "random":
         return rng.randbytes(rng.randint(0, 4096)), False
@@ -211,6 +218,47 @@ async def send_raw(p2p: P2P, peer_id: PeerID, protocol: str, data: bytes, whole:
         writer.close()
 
 
+HANDSHAKE = "direct handshake"  # bytes to the direct plane's TCP port before (or instead of) a handshake
+HANDSHAKE_TIMEOUT = 5.0  # swarm.direct_handshake.HANDSHAKE_LIMITS.frame_timeout
+
+
+def handshake_junk(rng: random.Random) -> bytes:
+    """Random bytes, a frame length too large, or a hello with fields out of their bounds or forged."""
+    family = rng.choice(["random", "frame_length", "hello"])
+    if family == "random":
+        return rng.randbytes(rng.randint(1, 512))
+    if family == "frame_length":
+        return rng.choice([2**40, 2**20, 4097]).to_bytes(HEADER_BYTES, "big") + rng.randbytes(16)
+    hello = DirectHello(
+        protocol_version=rng.choice([PROTOCOL_VERSION, 0, 2**31]),
+        protocol=rng.choice([STAGE_PROTOCOL, "x" * 200, "", "/nope"]),
+        nonce=rng.randbytes(rng.choice([32, 0, 31])),
+        public_key=rng.randbytes(rng.choice([0, 270, 2000])),
+        ephemeral_key=rng.randbytes(rng.choice([32, 0, 7])),
+        session=rng.randbytes(rng.choice([0, 16])),
+    )
+    data = hello.SerializeToString()
+    frame = len(data).to_bytes(HEADER_BYTES, "big") + data
+    return frame + rng.choice([b"", len(data).to_bytes(HEADER_BYTES, "big") + rng.randbytes(64)])
+
+
+async def send_handshake_junk(address: tuple[str, int], data: bytes, timeout: float) -> str:
+    """Sends `data` to the direct plane's port and waits for the peer to close: "closed", or "hang"."""
+    reader, writer = await asyncio.open_connection(*address)
+    try:
+        writer.write(data)
+        await writer.drain()
+        while await asyncio.wait_for(reader.read(2**16), timeout):
+            pass
+        return "closed"
+    except asyncio.TimeoutError:
+        return "hang"
+    except (ConnectionError, asyncio.IncompleteReadError):
+        return "closed"
+    finally:
+        writer.close()
+
+
 def resident_mb(pid: int) -> float:
     """Resident memory of a process, MiB (0 if it is gone)."""
     with contextlib.suppress(OSError):
@@ -248,16 +296,30 @@ def stage_member(initial_peers: list[str]) -> TetheredDHT:
 async def fuzz(
     args: argparse.Namespace,
     initial_peers: list[str],
-    peer_id: str,
+    peer: tuple[str, str],
     alive: Callable[[], bool],
     pid: int,
     member: TetheredDHT,
 ):
     rng = random.Random(args.seed)
-    p2p = await P2P.create(initial_peers=initial_peers)  # the outsider
-    senders = {"outsider": p2p, "member": await member.replicate_p2p()}
+    peer_id, direct = peer
+    outsider = load_identity(None)
+    p2p = await P2P.create(initial_peers=initial_peers, identity_path=outsider.path)
+    member_p2p = await member.replicate_p2p()
+    # each sender both over libp2p and over the direct data plane (past its handshake, to the same handlers)
+    senders = {
+        "outsider": DirectPlane(p2p, outsider, dial=False),
+        "member": DirectPlane(member_p2p, member.identity, dial=False),
+        "outsider_direct": DirectPlane(p2p, outsider),
+        "member_direct": DirectPlane(member_p2p, member.identity),
+    }
+    address = parse_direct_address(direct)
+    if address is None:
+        raise SystemExit(f"the target announces no direct address ({direct!r})")
+    for name in ("outsider_direct", "member_direct"):
+        senders[name].addresses[peer_id] = address
     target = PeerID.from_base58(peer_id)
-    replies: dict[str, Counter[str]] = {protocol: Counter() for protocol in PROTOCOLS}
+    replies: dict[str, Counter[str]] = {protocol: Counter() for protocol in [*PROTOCOLS, HANDSHAKE]}
     by_sender: dict[str, Counter[str]] = {sender: Counter() for sender in senders}
     outsider_mate_ok = 0
     report: dict[str, Any] = {"memory_start_mb": round(resident_mb(pid), 1), "health_failures": []}
@@ -267,13 +329,15 @@ async def fuzz(
         step = (await get_peer_info(p2p, target)).step
         while sent < args.messages and alive():
             batch = min(args.concurrency, args.messages - sent)
-            protocols = [rng.choice(list(PROTOCOLS)) for _ in range(batch)]
+            protocols = [rng.choice([*PROTOCOLS, HANDSHAKE]) for _ in range(batch)]
             who = [rng.choice(list(senders)) for _ in range(batch)]
             messages = [hostile_message(rng, protocol, step) for protocol in protocols]
             timeout = FRAME_TIMEOUT + HANG_MARGIN
             outcomes = await asyncio.gather(
                 *(
                     send_raw(senders[sender], target, p, data, whole, timeout)
+                    if p != HANDSHAKE
+                    else send_handshake_junk(address, data, HANDSHAKE_TIMEOUT + HANG_MARGIN)
                     for sender, p, (data, whole) in zip(who, protocols, messages)
                 ),
                 return_exceptions=True,
@@ -282,7 +346,8 @@ async def fuzz(
                 code = outcome if isinstance(outcome, str) else f"error:{type(outcome).__name__}"
                 replies[protocol][code] += 1
                 by_sender[sender][code] += 1
-                outsider_mate_ok += sender == "outsider" and protocol in MATE_PROTOCOLS and code == "OK"
+                outsider = sender.startswith("outsider")
+                outsider_mate_ok += outsider and protocol in MATE_PROTOCOLS and code == "OK"
             sent += batch
             if sent // args.health_every != (sent - batch) // args.health_every or sent >= args.messages:
                 checks += 1
@@ -332,13 +397,15 @@ def main() -> None:
                 if process.poll() is not None or time.monotonic() > deadline:
                     raise SystemExit(f"the peer did not come up; see {swarm.log_path('target')}")
                 time.sleep(0.5)
-            peer_id = next(r.peer_id for r in fetch_stage_records(dht, "swarm", NUM_STAGES)[STAGE])
+            record = next(iter(fetch_stage_records(dht, "swarm", NUM_STAGES)[STAGE]))
+            peer_id, direct = record.peer_id, record.direct
         finally:
             dht.shutdown()
         member = stage_member(swarm.initial_peers)
         try:
             alive = lambda: process.poll() is None  # noqa: E731
-            report = asyncio.run(fuzz(args, swarm.initial_peers, peer_id, alive, process.pid, member))
+            target = (peer_id, direct)
+            report = asyncio.run(fuzz(args, swarm.initial_peers, target, alive, process.pid, member))
         finally:
             member.shutdown()
         report["peer_crashed"] = process.poll() is not None
