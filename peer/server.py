@@ -30,8 +30,9 @@ from swarm.config import ConfigError, PeerConfig
 from swarm.dht_node import connect_to_daemon, start_dht
 from swarm.direct_plane import DirectPlane, announce_host, listen_host
 from swarm.event_loop import run, stop_event_on_signals
+from swarm.launch_clock import seconds_since_launch
 from swarm.models import build_stage
-from swarm.optimizer import OptimizerSettings, build_optimizer
+from swarm.optimizer import OptimizerSettings, build_optimizer, import_compiler_in_background
 from swarm.reachability import REACH_PROTOCOL, check_before_start, report_reachability, serve_reachability
 from swarm.sample_ledger import SampleLedger
 from swarm.stage_records import JOINING, LEAVING, SERVING, StageRecord, announce, fetch_stage_records
@@ -57,6 +58,8 @@ class Peer:
     """
 
     def __init__(self, config: PeerConfig) -> None:
+        # seconds after launch at each start-up milestone, for the first "Serving" line
+        self.startup = {"imports": seconds_since_launch()}
         self.config = config
         self.spec = config.model_spec()  # with --vocab-size, which the record announces for trainers to check
         self.costs = stage_costs(self.spec, config.num_stages)
@@ -71,6 +74,7 @@ class Peer:
         self.reachability = check_before_start(config)
         # the DHT forks: create it before any thread exists
         self.dht = start_dht(config, reachable=self.reachability.for_daemon)
+        self.startup["DHT"] = seconds_since_launch()
         self.peer_id = str(self.dht.peer_id)
         self.gate = StreamGate(self.dht.allowlist, config.max_streams_per_caller)
         self.stage: int = config.initial_stage if config.initial_stage is not None else -1
@@ -528,6 +532,7 @@ class Peer:
         if self.stage < 0:
             self.stage = await self._choose_stage()
         self._build(self.stage, resume=True)
+        self.startup["stage built"] = seconds_since_launch()
         await p2p.add_binary_stream_handler(STAGE_PROTOCOL, self._admit(self._handle_stage, STAGE_PROTOCOL))
         await p2p.add_binary_stream_handler(INFO_PROTOCOL, self._admit(self._handle_info, INFO_PROTOCOL))
         await serve_reachability(p2p, self._admit)
@@ -548,13 +553,17 @@ class Peer:
         try:
             while True:
                 throughput = await self._host(p2p)
+                since = f"{time.perf_counter() - started:.2f}s after start"
                 if announcing is None:
                     announcing = asyncio.create_task(self._announce_forever())
+                    import_compiler_in_background()  # serving already: see swarm.optimizer
+                    self.startup["joined"] = seconds_since_launch()
+                    since = f"{self.startup['joined']:.2f}s after launch ({startup_breakdown(self.startup)})"
                 maddrs = " ".join(str(m) for m in self.dht.get_visible_maddrs())
                 logger.info(
                     f"Serving stage {self.stage}/{config.num_stages} of {config.model} at step {self.runtime.step}, "
-                    f"{throughput:.1f} samples/s, {time.perf_counter() - started:.2f}s after start; peer id "
-                    f"{self.peer_id}. Others can join with --initial-peers {maddrs}"
+                    f"{throughput:.1f} samples/s, {since}; peer id {self.peer_id}. Others can join with "
+                    f"--initial-peers {maddrs}"
                 )
                 move_to: asyncio.Queue[int] = asyncio.Queue()
                 self._moves = move_to
@@ -612,6 +621,15 @@ class Peer:
             self.announcer.stop()
             self.dht.shutdown()
             logger.info(f"Peer {self.peer_id} has left")
+
+
+def startup_breakdown(marks: dict[str, float]) -> str:
+    """ "imports 1.06s, DHT 0.33s, ...": the seconds each start-up phase took, from milestones after launch."""
+    phases, previous = [], 0.0
+    for name, at in marks.items():
+        phases.append(f"{name} {at - previous:.2f}s")
+        previous = at
+    return ", ".join(phases)
 
 
 def run_peer(config: PeerConfig) -> None:

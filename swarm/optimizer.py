@@ -8,10 +8,15 @@ Peers and the one-process reference share this module, which is what makes them 
 
 from __future__ import annotations
 
+import importlib
+import threading
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+# Optimizer methods that torch wraps with `torch._disable_dynamo`, whose first call imports torch._dynamo
+_DYNAMO_WRAPPED = ("add_param_group", "zero_grad", "state_dict", "load_state_dict")
 
 
 @dataclass(frozen=True)
@@ -24,8 +29,32 @@ class OptimizerSettings:
     beta2: float = 0.95
 
 
+def _skip_dynamo_at_construction() -> None:
+    """Spares building an optimizer the import of torch._dynamo (about 1 s, most of a newcomer's start).
+
+    torch wraps these methods so that a torch.compile'd caller does not trace into them, and the wrapper's
+    first call imports the compiler. No stage is compiled, so each is marked as wrapped already. Where torch
+    is built otherwise (no `__wrapped__`), nothing changes.
+    """
+    for name in _DYNAMO_WRAPPED:
+        original = getattr(getattr(torch.optim.Optimizer, name, None), "__wrapped__", None)
+        if callable(original) and not hasattr(original, "__dynamo_disable"):
+            original.__dynamo_disable = original
+
+
+def import_compiler_in_background() -> threading.Thread:
+    """Imports torch._dynamo on a thread: an optimizer's first step needs it, and would otherwise spend that
+    second inside the stage's first step, holding up its mates. Start it only after the DHT has forked."""
+    thread = threading.Thread(
+        target=importlib.import_module, args=("torch._dynamo",), name="import-torch-dynamo", daemon=True
+    )
+    thread.start()
+    return thread
+
+
 def build_optimizer(module: nn.Module, settings: OptimizerSettings) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices only (not on biases, norms or position tables)."""
+    _skip_dynamo_at_construction()
     decay = [p for name, p in module.named_parameters() if p.ndim >= 2 and "pos_emb" not in name]
     no_decay = [p for name, p in module.named_parameters() if not (p.ndim >= 2 and "pos_emb" not in name)]
     groups = [

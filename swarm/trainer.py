@@ -39,6 +39,7 @@ from swarm.data import Corpus, CorpusError, load_corpus
 from swarm.dht_node import connect_to_daemon, start_dht
 from swarm.direct_plane import DirectPlane
 from swarm.event_loop import run, stop_event_on_signals
+from swarm.launch_clock import seconds_since_launch
 from swarm.link_shaper import LinkShape, LinkShaper
 from swarm.models.stage_io import StageOutputError, check_stage_outputs
 from swarm.proto import BACKWARD, FORWARD, ErrorCode, StageRequest
@@ -86,6 +87,9 @@ class TrainingSummary:
     codecs: dict[str, str] = field(default_factory=dict)  # per peer, at the end (with --compression auto)
     # stage calls opened per path: direct (TCP), libp2p, and direct tries that failed (then made over libp2p)
     calls_by_path: dict[str, int] = field(default_factory=dict)
+    # start-up, in seconds after the process was launched: every stage found, and the first step done
+    found_swarm_after_launch_s: float = float("nan")
+    first_step_after_launch_s: float = float("nan")
     losses: list[float] = field(default_factory=list)
 
 
@@ -476,11 +480,12 @@ class Trainer:
         try:
             target_batch_size, self.step = await self.wait_for_swarm()
             self._want = {stage: self.step for stage in range(config.num_stages)}
-            logger.info(
-                f"Found all {config.num_stages} stages of {config.model}; training {config.steps} steps "
-                f"of {target_batch_size} samples from step {self.step}"
-            )
             summary = self.summary
+            summary.found_swarm_after_launch_s = round(seconds_since_launch(), 3)
+            logger.info(
+                f"Found all {config.num_stages} stages of {config.model} {summary.found_swarm_after_launch_s:.2f}s "
+                f"after launch; training {config.steps} steps of {target_batch_size} samples from step {self.step}"
+            )
             summary.first_step = self.step
             start = time.perf_counter()
             self.progress.begin()
@@ -497,6 +502,8 @@ class Trainer:
                     break
                 self.step += 1
                 summary.steps += 1
+                if summary.steps == 1:
+                    summary.first_step_after_launch_s = round(seconds_since_launch(), 3)
                 summary.samples += target_batch_size
                 summary.losses.append(loss)
                 if self.metrics is not None:
