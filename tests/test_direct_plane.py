@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -212,6 +213,9 @@ def test_a_swarm_reached_directly_through_a_dead_address_and_over_libp2p_trains_
     calls = summary["calls_by_path"]
     assert summary["steps"] == steps and calls["direct"] > 0 and calls["libp2p"] > 0 and calls["direct_failed"] >= 1
     assert "Cannot call" in local_swarm.log_path("trainer").read_text()
+    # start-up as the summary and the peers tell it, counted from each process's launch
+    assert 0 < summary["found_swarm_after_launch_s"] <= summary["first_step_after_launch_s"] < 180
+    assert re.search(r"s after launch \(imports [\d.]+s, DHT", local_swarm.log_path("peer0").read_text())
     reference = reference_run(steps)
     torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(reference.losses), rtol=1e-4, atol=1e-4)
     for stage, module in enumerate(reference.stages):
