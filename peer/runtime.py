@@ -274,6 +274,10 @@ class StageRuntime:
 
     def measure_throughput(self, sample: list[torch.Tensor]) -> float:
         """Times one backward on a sample batch to seed the throughput estimate; leaves no gradients."""
+        # untimed first: a process's first backward also initializes torch's kernels (0.3 s against 0.02 s for
+        # gpt-tiny here), and a first record 15 times too slow misleads the balance plans of every peer
+        self._backward(sample)
+        self.module.zero_grad(set_to_none=True)
         start = time.perf_counter()
         self._backward(sample)
         self._pad_to_simulated_speed(start, sample[0].shape[0], backward=True)
