@@ -279,4 +279,5 @@ class StageHandler:
             step_state=self.mates.phase(),
             refused_outsiders=self.mates.refused_outsiders,
             unconfirmed_states=self.mates.unconfirmed_states,
+            busy_seconds=self.runtime.busy_seconds,
         )

@@ -157,6 +157,7 @@ class StageRuntime:
         self.faults = faults or FaultPlan()
         self.max_queue = max_queue
         self.busy_refusals = 0  # requests refused because the queue was full
+        self.busy_seconds = 0.0  # spent running batches of requests: a pipeline's utilization is this over time
         self.nonfinite_steps = 0  # steps whose summed gradient was not finite: skipped by every replica alike
         self._step_requested: int | None = None
         # keys of recently applied backward requests: a retried backward whose first attempt was
@@ -360,6 +361,7 @@ class StageRuntime:
                 batch = self._drop_too_stale(batch)
                 if not batch:
                     continue
+            started = time.perf_counter()
             try:
                 results = self._run_batch(batch)
             except Exception as e:
@@ -370,6 +372,8 @@ class StageRuntime:
                 for task in batch:
                     _fail(task.future, e)
                 continue
+            finally:
+                self.busy_seconds += time.perf_counter() - started
             for task, result in zip(batch, results):
                 if isinstance(result, Exception):
                     _fail(task.future, result)

@@ -1,46 +1,50 @@
-"""Samples/s of the demo model through a local swarm and in one process, measured in the same run.
+"""Samples/s of the demo model through a local swarm and in one process, measured in the same run,
+and the pipeline's utilization: each peer's busy time over the training time.
 
 Prints one JSON object. The swarm runs as separate processes (bootstrap, one peer per stage,
 trainer) on this machine; the one-process baseline trains the same model with the same batches.
 Both share the machine's cores, so the ratio shows the cost of the pipeline and the wire, not a
 speed-up from more hardware.
+
+A second swarm runs the same training on simulated devices (`--simulated-speed`: each peer pads its
+compute to that speed with sleep), where the peers do not compete for the cores: its utilization is
+the pipeline's own, what a real swarm of separate machines would see. A peer's busy time is the time
+it spent running requests (`busy_seconds` in its info), read when the trainer is done; utilization
+is that over the trainer's training seconds.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import sys
 import tempfile
 
 import torch
+from hivemind.p2p import P2P, PeerID
 
 from swarm.data import ByteCorpus
+from swarm.dht_node import TetheredDHT
 from swarm.local_swarm import LocalSwarm
 from swarm.models import get_model_spec
 from swarm.optimizer import OptimizerSettings
 from swarm.reference import train_reference
+from swarm.stage_records import fetch_stage_records
+from swarm.transport import get_peer_info
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", default="gpt-tiny", help="model preset")
-    parser.add_argument("--num-stages", type=int, default=3, help="pipeline stages (one peer each)")
-    parser.add_argument("--steps", type=int, default=30, help="optimizer steps in each measurement")
-    parser.add_argument("--target-batch-size", type=int, default=32, help="samples per step")
-    parser.add_argument("--microbatch-size", type=int, default=8, help="samples per microbatch")
-    parser.add_argument("--max-in-flight", type=int, default=6, help="microbatches in flight in the swarm")
-    parser.add_argument("--baseline-threads", type=int, default=os.cpu_count(), help="torch threads of the baseline")
-    args = parser.parse_args()
-
+def run_swarm(args: argparse.Namespace, peer_extra: list[str]) -> tuple[dict, list[float]]:
+    """Trains on a fresh local swarm; returns the trainer's summary and each stage's peer's utilization."""
     model_flags = ["--model", args.model, "--num-stages", str(args.num_stages)]
     workdir = tempfile.mkdtemp(prefix="bench-pipeline-")
     summary_file = os.path.join(workdir, "summary.json")
     with LocalSwarm(workdir) as swarm:
         swarm.start_bootstrap()
         for stage in range(args.num_stages):
-            swarm.start_peer(f"peer{stage}", stage, [*model_flags, "--target-batch-size", str(args.target_batch_size)])
+            flags = [*model_flags, "--target-batch-size", str(args.target_batch_size), *peer_extra]
+            swarm.start_peer(f"peer{stage}", stage, flags)
         trainer = swarm.start_trainer(
             "trainer",
             [
@@ -60,8 +64,45 @@ def main() -> None:
         )
         if trainer.wait() != 0:
             sys.exit(f"the trainer failed; logs in {workdir}")
-    with open(summary_file) as file:
-        swarm_summary = json.load(file)
+        with open(summary_file) as file:
+            summary = json.load(file)
+        busy = asyncio.run(busy_seconds(swarm.initial_peers, args.num_stages))
+    return summary, [round(seconds / summary["seconds"], 3) for seconds in busy]
+
+
+async def busy_seconds(initial_peers: list[str], num_stages: int) -> list[float]:
+    """Each stage's peer's busy seconds, asked of it over libp2p."""
+    dht = TetheredDHT(initial_peers=initial_peers, start=True)
+    try:
+        records = fetch_stage_records(dht, "swarm", num_stages)
+    finally:
+        dht.shutdown()
+    p2p = await P2P.create(initial_peers=initial_peers)
+    try:
+        infos = [await get_peer_info(p2p, PeerID.from_base58(records[s][0].peer_id)) for s in range(num_stages)]
+    finally:
+        await p2p.shutdown()
+    return [info.busy_seconds for info in infos]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default="gpt-tiny", help="model preset")
+    parser.add_argument("--num-stages", type=int, default=3, help="pipeline stages (one peer each)")
+    parser.add_argument("--steps", type=int, default=30, help="optimizer steps in each measurement")
+    parser.add_argument("--target-batch-size", type=int, default=32, help="samples per step")
+    parser.add_argument("--microbatch-size", type=int, default=8, help="samples per microbatch")
+    parser.add_argument("--max-in-flight", type=int, default=6, help="microbatches in flight in the swarm")
+    parser.add_argument("--baseline-threads", type=int, default=os.cpu_count(), help="torch threads of the baseline")
+    parser.add_argument(
+        "--simulated-speed", type=float, default=40.0, help="samples/s of the simulated devices' run (0: no such run)"
+    )
+    args = parser.parse_args()
+
+    swarm_summary, utilization = run_swarm(args, [])
+    simulated_summary, simulated_utilization = (
+        run_swarm(args, ["--simulated-speed", str(args.simulated_speed)]) if args.simulated_speed else ({}, [])
+    )
 
     torch.set_num_threads(args.baseline_threads)
     spec = get_model_spec(args.model)
@@ -91,6 +132,14 @@ def main() -> None:
                 "single_process_threads": args.baseline_threads,
                 "ratio_swarm_to_single": round(swarm_rate / single, 3),
                 "swarm_retries": swarm_summary["retries"],
+                "utilization_per_stage": utilization,
+                "utilization_mean": round(sum(utilization) / len(utilization), 3),
+                "simulated_speed": args.simulated_speed,
+                "simulated_samples_per_s": round(simulated_summary.get("samples_per_second", 0.0), 2),
+                "simulated_utilization_per_stage": simulated_utilization,
+                "simulated_utilization_mean": (
+                    round(sum(simulated_utilization) / len(simulated_utilization), 3) if simulated_utilization else None
+                ),
                 "cpu_count": os.cpu_count(),
             }
         )

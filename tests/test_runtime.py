@@ -184,3 +184,14 @@ def test_a_step_whose_summed_gradient_is_not_finite_is_skipped_and_the_parameter
     assert any(not torch.equal(a, b) for a, b in zip(before, runtime.module.parameters()))
     assert all(bool(torch.isfinite(p).all()) for p in runtime.module.parameters())
     runtime.shutdown()
+
+
+def test_busy_time_counts_the_batches_run():
+    runtime = make_runtime(target=64)
+    assert runtime.busy_seconds == 0.0
+    runtime.start()
+    started = time.perf_counter()
+    for seed in range(3):
+        runtime.submit(True, backward_inputs(2, seed)).result(30)
+    assert 0.0 < runtime.busy_seconds <= time.perf_counter() - started
+    runtime.shutdown()
