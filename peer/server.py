@@ -84,7 +84,6 @@ class Peer:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.metrics: PeerMetrics | None = None  # with --metrics-port
         self.net: DirectPlane | None = None  # libp2p and the direct data plane, once serving
-        self.direct_address = ""  # announced in the record: where others call this peer directly
         # standby copies of other stages (--standby-stages), and the restore of a stage all of whose peers died
         self.standbys = StandbyKeeper(self) if config.standby_stages > 0 else None
         self._moves: asyncio.Queue[int] | None = None  # where `serve` takes the next move from
@@ -213,7 +212,7 @@ class Peer:
             vocab_size=self.spec.vocab_size,
             standbys=self.standbys.announced() if self.standbys is not None else (),
             moving_to=self.moving_to if self.state == LEAVING else -1,
-            direct=self.direct_address,
+            direct=self.net.address if self.net is not None else "",
         )
 
     def _renewal(self) -> StageRecord | None:
@@ -261,7 +260,7 @@ class Peer:
         if self.reachability.reachable is False and not config.direct_host:
             announced = ""  # behind NAT: nobody outside could dial it; callers go through libp2p
         try:
-            self.direct_address = await self.net.serve(host, config.direct_port, announced)
+            await self.net.serve(host, config.direct_port, announced)
         except OSError as e:
             raise ConfigError(
                 f"--direct-port: cannot listen on {host}:{config.direct_port} ({e}); pick a free port, 0 for any, "

@@ -59,6 +59,7 @@ from swarm.proto import (
 )
 
 from swarm.dht_node import TetheredDHT
+from swarm.direct_handshake import HANDSHAKE_LIMITS
 from swarm.direct_plane import DirectPlane, parse_direct_address
 from swarm.identity import load_identity
 from swarm.local_swarm import LocalSwarm
@@ -219,7 +220,7 @@ async def send_raw(p2p: P2P, peer_id: PeerID, protocol: str, data: bytes, whole:
 
 
 HANDSHAKE = "direct handshake"  # bytes to the direct plane's TCP port before (or instead of) a handshake
-HANDSHAKE_TIMEOUT = 5.0  # swarm.direct_handshake.HANDSHAKE_LIMITS.frame_timeout
+HANDSHAKE_TIMEOUT = HANDSHAKE_LIMITS.frame_timeout  # a silent sender is cut off after this
 
 
 def handshake_junk(rng: random.Random) -> bytes:

@@ -150,13 +150,13 @@ class DirectPlane:
         self.p2p = p2p
         self.identity = identity
         self.dial = dial  # False: every call goes over libp2p (`--no-direct`)
-        self.server: DirectServer | None = None
+        # holds every protocol registered on this process; it listens only once `serve` starts it
+        self.server = DirectServer(identity)
         self.address = ""  # what this process announces, once serving
         self.addresses: dict[str, tuple[str, int]] = {}  # peer id -> its announced direct address
         self.calls: Counter[str] = Counter()  # calls opened per path: direct, libp2p; and direct tries that failed
         self._sessions: dict[str, Session] = {}  # per peer id: the session to resume
         self._unreachable: dict[str, tuple[tuple[str, int], float]] = {}  # peer id -> (address, until)
-        self._handlers: dict[str, Handler] = {}  # every protocol registered, for a server started later
 
     def __getattr__(self, name: str):
         return getattr(self.p2p, name)
@@ -164,30 +164,22 @@ class DirectPlane:
     async def serve(self, host: str, port: int, announce_host: str) -> str:
         """Serves the handlers registered so far, and later ones, on host:port; returns the address to
         announce ("" if `announce_host` is empty: others cannot be told how to reach this process)."""
-        self.server = DirectServer(self.identity)
         port = await self.server.start(host, port)
         self.address = format_direct_address(announce_host, port) if announce_host else ""
-        for protocol, handler in self._handlers.items():
-            self.server.handlers[protocol] = handler
         listening = format_direct_address(host, port)
         logger.info(f"Direct data plane on {listening}, announced as {self.address or '(none: not reachable)'}")
         return self.address
 
     async def add_binary_stream_handler(self, protocol: str, handler: Handler, *args, **kwargs) -> None:
         await self.p2p.add_binary_stream_handler(protocol, handler, *args, **kwargs)
-        self._handlers[protocol] = handler
-        if self.server is not None:
-            self.server.handlers[protocol] = handler
+        self.server.handlers[protocol] = handler
 
     async def remove_binary_stream_handler(self, protocol: str) -> None:
-        self._handlers.pop(protocol, None)
-        if self.server is not None:
-            self.server.handlers.pop(protocol, None)
+        self.server.handlers.pop(protocol, None)
         await self.p2p.remove_binary_stream_handler(protocol)
 
     async def shutdown(self) -> None:
-        if self.server is not None:
-            await self.server.close()
+        await self.server.close()
         await self.p2p.shutdown()
 
     def learn(self, records: Iterable) -> None:
