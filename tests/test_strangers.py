@@ -4,7 +4,9 @@ cannot take a stage over with a forged step, and a private swarm serves nobody o
 from __future__ import annotations
 
 import asyncio
+import re
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ import torch
 from conftest import model_flags, run_as_stage_members, run_p2p_client, trainer_flags, wait_for_records
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
+from prometheus_client.parser import text_string_to_metric_families
 from swarm.compression import get_codec
 from swarm.peer.stage_state import parameter_fingerprint, state_tensors
 from swarm.proto import (
@@ -270,38 +273,58 @@ def test_a_private_swarm_serves_nothing_to_a_peer_outside_its_allowlist(local_sw
     assert "not in --allowlist" in local_swarm.log_path("peer1").read_text()
 
 
+METRICS_LINE = re.compile(r"Metrics on (http://127\.0\.0\.1:\d+/metrics)")
+
+
+def open_streams(url: str) -> float:
+    """The peer's own count of streams open now (its gate's), read from its metrics endpoint."""
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        text = reply.read().decode()
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "swarm_peer_open_streams"
+    )
+
+
 @pytest.mark.timeout(180)
 def test_a_caller_holding_too_many_streams_open_is_turned_away_and_served_again_once_it_closes_them(local_swarm):
     local_swarm.start_bootstrap()
-    local_swarm.start_peer("peer1", 1, [*FLAGS, "--max-streams-per-caller", "3"])
+    local_swarm.start_peer("peer1", 1, [*FLAGS, "--max-streams-per-caller", "3", "--metrics-port", "0"])
     (peer_id,) = stage1_peer_ids(local_swarm.initial_peers)
     peer = PeerID.from_base58(peer_id)
+    log = local_swarm.log_path("peer1")
+    url = METRICS_LINE.search(log.read_text()).group(1)  # logged before the record is announced
+
+    async def wait_for_open_streams(count: int) -> float:
+        """Waits (at most 60 s) until the peer counts `count` open streams; returns its last count."""
+        deadline = asyncio.get_running_loop().time() + 60
+        while (found := await asyncio.to_thread(open_streams, url)) != count:
+            if asyncio.get_running_loop().time() > deadline:
+                break
+            await asyncio.sleep(0.1)
+        return found
 
     async def go(p2p):
         assert (await get_peer_info(p2p, peer)).stage == 1
+        assert await wait_for_open_streams(0) == 0, "the first call's stream stayed open"
         held = []
         for _ in range(3):  # each begins a frame and never finishes it: the peer waits on all three
             _, _, writer = await p2p.call_binary_stream_handler(peer, STAGE_PROTOCOL)
             writer.write(b"\0\0\0")
             await writer.drain()
             held.append(writer)
-        refused = False
-        # the peer counts a stream once its handler starts, which a loaded machine can delay: ask until it refuses
-        deadline = asyncio.get_running_loop().time() + 60
-        while not refused and asyncio.get_running_loop().time() < deadline:
-            try:
-                await get_peer_info(p2p, peer, timeout=5)
-                await asyncio.sleep(0.1)
-            except StageCallError:
-                refused = True
+        # the peer counts a stream once its handler starts, which a loaded machine can delay
+        counted = await wait_for_open_streams(3)
+        assert counted == 3, f"the peer counts {counted} of the 3 streams held open:\n{log.read_text()[-3000:]}"
+        with pytest.raises(StageCallError) as refused:
+            await get_peer_info(p2p, peer, timeout=10)
         for writer in held:
             writer.close()
-        for _ in range(50):  # the held streams end on the peer's side too: it serves this caller again
-            try:
-                return refused, (await get_peer_info(p2p, peer, timeout=5)).stage
-            except StageCallError:
-                await asyncio.sleep(0.1)
-        return refused, None
+        # the held streams end on the peer's side too: it serves this caller again
+        assert await wait_for_open_streams(0) == 0, "the closed streams stayed open on the peer"
+        return refused.value.code, (await get_peer_info(p2p, peer, timeout=10)).stage
 
-    assert run_p2p_client(local_swarm.initial_peers, go) == (True, 1)
-    assert "over --max-streams-per-caller" in local_swarm.log_path("peer1").read_text()
+    assert run_p2p_client(local_swarm.initial_peers, go) == (ErrorCode.UNAVAILABLE, 1)
+    assert "over --max-streams-per-caller" in log.read_text()
