@@ -1,11 +1,18 @@
-"""Throughput of the demo swarm over an emulated wide-area link, per codec; prints one JSON object.
+"""Throughput over wide-area links in the link-bound regime, per model and codec; prints one JSON object.
 
-One local swarm (a bootstrap node and one gpt-tiny peer per stage) serves a series of trainers,
-each with another `--compression`, all over the same emulated link (`--emulate-bandwidth-mbit`,
-`--emulate-latency-ms`: every call to a peer is delayed in the trainer's transport as such a
-link would). Reported per codec: samples/s, speed-up over no compression in the same run, and
-bytes on the wire per sample; for `auto`, the codec it chose per peer. A last run with no
-emulated link shows what the machine itself allows.
+A swarm pays for compression where the link, not the device, sets the pace: GPUs on 100 or 20 Mbit/s
+links. This machine's CPU is far slower than such a GPU, so the benchmark scales time instead: with
+`--time-scale K` the devices stand for devices K times faster than this machine, and every link is
+emulated K times slower with K times its latency (`--emulate-bandwidth-mbit B/K`,
+`--emulate-latency-ms L*K` in the trainer's transport). Every duration of the run is then K times
+the one the faster devices would see, so samples/s are reported multiplied by K: what the swarm
+would do on the named links with those devices. A run with no emulated link per model gives the
+devices' own pace (K times this machine's), which shows how far below it the links hold the swarm.
+
+One local swarm (a bootstrap node and one peer per stage) per model serves a trainer per codec and
+bandwidth. Reported per run: samples/s, speed-up over `none` of the plain model at the same
+bandwidth, and bytes on the wire per sample and how many times fewer than that `none` run, so a
+codec's speed-up stands beside its byte ratio.
 """
 
 from __future__ import annotations
@@ -19,64 +26,128 @@ from pathlib import Path
 from swarm.local_swarm import LocalSwarm
 
 
+def run_name(model: str, codec: str, bandwidth: float | None) -> str:
+    """How a run is keyed in the result: MODEL:CODEC@BANDWIDTH (or @no-link)."""
+    return f"{model}:{codec}@{'no-link' if bandwidth is None else f'{bandwidth:g}mbit'}"
+
+
+def trainer_flags(args: argparse.Namespace, codec: str, bandwidth: float | None) -> list[str]:
+    """The trainer's flags for one run; the link is scaled by --time-scale (see the module's docstring)."""
+    scale = args.time_scale
+    flags = [
+        "--compression",
+        codec,
+        "--steps",
+        str(args.steps),
+        "--microbatch-size",
+        str(args.microbatch_size),
+        "--max-in-flight",
+        str(args.max_in_flight),
+        # deadlines in this machine's time: K times those faster devices would need
+        "--call-timeout",
+        str(60.0 * scale),
+        "--call-timeout-floor",
+        str(15.0 * scale),
+        "--no-progress",
+    ]
+    if bandwidth is not None:
+        flags += ["--emulate-bandwidth-mbit", str(bandwidth / scale)]
+        flags += ["--emulate-latency-ms", str(args.latency_ms * scale)]
+    return flags
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--bandwidth-mbit", type=float, default=100.0, help="emulated bandwidth each way, per peer")
-    parser.add_argument("--latency-ms", type=float, default=50.0, help="emulated one-way latency")
-    parser.add_argument("--steps", type=int, default=8, help="steps per codec")
-    parser.add_argument("--target-batch-size", type=int, default=128, help="samples per step")
-    parser.add_argument("--microbatch-size", type=int, default=16, help="samples per microbatch")
-    parser.add_argument("--max-in-flight", type=int, default=8, help="microbatches in flight")
-    parser.add_argument("--codecs", nargs="+", default=["none", "fp16", "bf16", "8bit", "auto"], help="codecs to run")
+    parser.add_argument(
+        "--runs",
+        nargs="+",
+        default=["gpt-tiny:none", "gpt-tiny:8bit", "gpt-tiny-bottleneck:8bit"],
+        help="MODEL:CODEC runs (each model gets its own swarm); MODEL:none of the first model is the baseline",
+    )
+    parser.add_argument(
+        "--bandwidths-mbit", type=float, nargs="+", default=[100.0], help="link bandwidths each way, per peer: 100 20"
+    )
+    parser.add_argument("--latency-ms", type=float, default=50.0, help="one-way latency of every link")
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        default=20.0,
+        help="the devices stand for devices this many times faster than this machine (see the description)",
+    )
+    parser.add_argument("--num-stages", type=int, default=3, help="pipeline stages (one peer each)")
+    parser.add_argument("--steps", type=int, default=2, help="steps per run")
+    # steps large enough that the links' latency at each step boundary is a small part of a step
+    parser.add_argument("--target-batch-size", type=int, default=512, help="samples per step")
+    parser.add_argument("--microbatch-size", type=int, default=32, help="samples per microbatch")
+    parser.add_argument("--max-in-flight", type=int, default=16, help="microbatches in flight")
     args = parser.parse_args()
+    if args.time_scale < 1:
+        parser.error("--time-scale must be 1 or more")
+    runs_by_model: dict[str, list[str]] = {}
+    for run in args.runs:
+        model, sep, codec = run.partition(":")
+        if not sep or not model or not codec:
+            parser.error(f"--runs {run}: give MODEL:CODEC, e.g. gpt-tiny:8bit")
+        runs_by_model.setdefault(model, []).append(codec)
+    baseline_model = next(iter(runs_by_model))
 
     workdir = Path(tempfile.mkdtemp(prefix="bench-wan-"))
-    model_flags = ["--model", "gpt-tiny", "--num-stages", "3"]
-    link_flags = ["--emulate-bandwidth-mbit", str(args.bandwidth_mbit), "--emulate-latency-ms", str(args.latency_ms)]
-    runs: dict[str, dict] = {}
-    with LocalSwarm(workdir) as swarm:
-        swarm.start_bootstrap()
-        for stage in range(3):
-            swarm.start_peer(f"peer{stage}", stage, [*model_flags, "--target-batch-size", str(args.target_batch_size)])
-        plan = [(codec, link_flags) for codec in args.codecs] + [("none-no-link", [])]
-        for name, flags in plan:
-            summary_file = workdir / f"{name}.json"
-            trainer = swarm.start_trainer(
-                f"trainer-{name}",
-                [
-                    *model_flags,
-                    *flags,
-                    "--compression",
-                    name.removesuffix("-no-link"),
-                    "--steps",
-                    str(args.steps),
-                    "--microbatch-size",
-                    str(args.microbatch_size),
-                    "--max-in-flight",
-                    str(args.max_in_flight),
-                    "--summary-file",
-                    str(summary_file),
-                    "--no-progress",
-                ],
-            )
-            if trainer.wait() != 0:
-                sys.exit(f"the {name} trainer failed; logs in {workdir}")
-            runs[name] = json.loads(summary_file.read_text())
-    baseline = runs["none"]["samples_per_second"] if "none" in runs else float("nan")
-    result = {
-        "link": {"bandwidth_mbit": args.bandwidth_mbit, "latency_ms": args.latency_ms},
-        "model": "gpt-tiny",
-        "target_batch_size": args.target_batch_size,
-        "microbatch_size": args.microbatch_size,
-        "samples_per_s": {name: round(run["samples_per_second"], 2) for name, run in runs.items()},
-        "speedup_vs_none": {name: round(run["samples_per_second"] / baseline, 3) for name, run in runs.items()},
-        "wire_kb_per_sample": {
-            name: round((run["bytes_sent"] + run["bytes_received"]) / run["samples"] / 1024, 1)
-            for name, run in runs.items()
-        },
-        "auto_choices": runs.get("auto", {}).get("codecs", {}),
-    }
-    print(json.dumps(result))
+    summaries: dict[str, dict] = {}
+    links: dict[str, float | None] = {}  # run -> its bandwidth
+    for model, codecs in runs_by_model.items():
+        model_flags = ["--model", model, "--num-stages", str(args.num_stages)]
+        with LocalSwarm(workdir / model) as swarm:
+            swarm.start_bootstrap()
+            for stage in range(args.num_stages):
+                swarm.start_peer(
+                    f"peer{stage}", stage, [*model_flags, "--target-batch-size", str(args.target_batch_size)]
+                )
+            plan = [(codec, bandwidth) for bandwidth in args.bandwidths_mbit for codec in codecs]
+            plan.append((codecs[0], None))
+            for codec, bandwidth in plan:
+                name = run_name(model, codec, bandwidth)
+                summary_file = workdir / f"{name.replace(':', '-').replace('@', '-')}.json"
+                trainer = swarm.start_trainer(
+                    f"trainer-{len(summaries)}",
+                    [*model_flags, *trainer_flags(args, codec, bandwidth), "--summary-file", str(summary_file)],
+                )
+                if trainer.wait() != 0:
+                    sys.exit(f"the {name} trainer failed; logs in {workdir}")
+                summaries[name] = json.loads(summary_file.read_text())
+                links[name] = bandwidth
+
+    def bytes_per_sample(summary: dict) -> float:
+        return (summary["bytes_sent"] + summary["bytes_received"]) / max(1, summary["samples"])
+
+    samples_per_s, speedup, fewer_bytes, kb_per_sample = {}, {}, {}, {}
+    for name, summary in summaries.items():
+        samples_per_s[name] = round(summary["samples_per_second"] * args.time_scale, 1)
+        kb_per_sample[name] = round(bytes_per_sample(summary) / 1024, 1)
+        baseline = summaries.get(run_name(baseline_model, "none", links[name]))
+        if baseline is not None and links[name] is not None:
+            speedup[name] = round(summary["samples_per_second"] / baseline["samples_per_second"], 2)
+            fewer_bytes[name] = round(bytes_per_sample(baseline) / bytes_per_sample(summary), 2)
+    print(
+        json.dumps(
+            {
+                "bench": "wan",
+                "latency_ms": args.latency_ms,
+                "bandwidths_mbit": args.bandwidths_mbit,
+                "time_scale": args.time_scale,
+                "num_stages": args.num_stages,
+                "steps": args.steps,
+                "target_batch_size": args.target_batch_size,
+                "microbatch_size": args.microbatch_size,
+                "max_in_flight": args.max_in_flight,
+                "samples_per_s": samples_per_s,
+                "speedup_vs_none": speedup,
+                "times_fewer_bytes_than_none": fewer_bytes,
+                "wire_kb_per_sample": kb_per_sample,
+                "retries": {name: summary["retries"] for name, summary in summaries.items()},
+                "auto_choices": {name: s["codecs"] for name, s in summaries.items() if ":auto@" in name},
+            }
+        )
+    )
 
 
 if __name__ == "__main__":
