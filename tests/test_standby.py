@@ -130,7 +130,9 @@ def wait_for_log(local_swarm, name: str, pattern: str, timeout: float, since: in
     return found
 
 
+# a share of 0.5 lets the copies follow every 2 steps of a trainer doing several steps a second
 COMMON = [*MODEL, "--target-batch-size", "16", "--announce-period", "0.5", "--record-ttl", "4", "--standby-every", "2"]
+COMMON += ["--standby-share", "0.5"]
 HOLDERS, DOOMED = ["a0", "a1"], ["b0", "b1"]  # the peers of stage 0 (holders of stage 1's copy) and of stage 1
 RESTORED = r"Restored stage 1 from a standby at step (\d+) \(lost (\d+) steps\); parameters (\w+)"
 
@@ -167,7 +169,7 @@ def train_then_kill_stage_1(local_swarm, tmp_path, steps: int):
 
 @pytest.mark.timeout(300)
 def test_a_stage_whose_every_peer_dies_is_restored_from_a_standby(local_swarm, tmp_path):
-    steps = 14
+    steps = 30  # a trainer that starts in 3 s did 14 steps before any copy got past step 2
     trainer, summary_file, marks, killed_at = train_then_kill_stage_1(local_swarm, tmp_path, steps)
     names = {0: HOLDERS, 1: DOOMED}
     # one holder of the copy moves to stage 1 and serves it from the copy's step
@@ -204,7 +206,7 @@ def test_a_stage_whose_every_peer_dies_is_restored_from_a_standby(local_swarm, t
 def test_a_newcomer_on_a_stage_whose_every_peer_died_starts_from_a_copy_not_from_scratch(local_swarm, tmp_path):
     """A peer started on stage 1 right after its last peers died serves it at a copy's step: it takes the copy
     itself, or the state of the holder that restored it; never the stage's initial parameters."""
-    steps = 14
+    steps = 30  # a trainer that starts in 3 s did 14 steps before any copy got past step 2
     trainer, summary_file, marks, killed_at = train_then_kill_stage_1(local_swarm, tmp_path, steps)
     local_swarm.start_peer("b2", 1, [*COMMON, "--ledger", str(tmp_path / "b2.jsonl")])
     serving = wait_for_log(local_swarm, "b2", r"Serving stage 1/2 of gpt-tiny at step (\d+)", RESTORE_BOUND)
