@@ -10,7 +10,8 @@ A second swarm runs the same training on simulated devices (`--simulated-speed`:
 compute to that speed with sleep), where the peers do not compete for the cores: its utilization is
 the pipeline's own, what a real swarm of separate machines would see. A peer's busy time is the time
 it spent running requests (`busy_seconds` in its info), read when the trainer is done; utilization
-is that over the trainer's training seconds.
+is that over the trainer's training seconds. A third swarm repeats the simulated run with
+`--overlap-steps`, where the trainer starts each step while the last backwards of the one before finish.
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ from swarm.stage_records import fetch_stage_records
 from swarm.transport import get_peer_info
 
 
-def run_swarm(args: argparse.Namespace, peer_extra: list[str]) -> tuple[dict, list[float]]:
+def run_swarm(
+    args: argparse.Namespace, peer_extra: list[str], trainer_extra: tuple[str, ...] = ()
+) -> tuple[dict, list[float]]:
     """Trains on a fresh local swarm; returns the trainer's summary and each stage's peer's utilization."""
     model_flags = ["--model", args.model, "--num-stages", str(args.num_stages)]
     workdir = tempfile.mkdtemp(prefix="bench-pipeline-")
@@ -60,6 +63,7 @@ def run_swarm(args: argparse.Namespace, peer_extra: list[str]) -> tuple[dict, li
                 "--no-progress",
                 "--compression",
                 "none",
+                *trainer_extra,
             ],
         )
         if trainer.wait() != 0:
@@ -100,8 +104,11 @@ def main() -> None:
     args = parser.parse_args()
 
     swarm_summary, utilization = run_swarm(args, [])
-    simulated_summary, simulated_utilization = (
-        run_swarm(args, ["--simulated-speed", str(args.simulated_speed)]) if args.simulated_speed else ({}, [])
+    simulated = ["--simulated-speed", str(args.simulated_speed)]
+    simulated_summary, simulated_utilization = run_swarm(args, simulated) if args.simulated_speed else ({}, [])
+    # the same simulated devices with --overlap-steps: no stage should idle at step boundaries
+    overlap_summary, overlap_utilization = (
+        run_swarm(args, simulated, ("--overlap-steps",)) if args.simulated_speed else ({}, [])
     )
 
     torch.set_num_threads(args.baseline_threads)
@@ -139,6 +146,11 @@ def main() -> None:
                 "simulated_utilization_per_stage": simulated_utilization,
                 "simulated_utilization_mean": (
                     round(sum(simulated_utilization) / len(simulated_utilization), 3) if simulated_utilization else None
+                ),
+                "overlap_samples_per_s": round(overlap_summary.get("samples_per_second", 0.0), 2),
+                "overlap_utilization_per_stage": overlap_utilization,
+                "overlap_utilization_mean": (
+                    round(sum(overlap_utilization) / len(overlap_utilization), 3) if overlap_utilization else None
                 ),
                 "cpu_count": os.cpu_count(),
             }

@@ -498,6 +498,12 @@ class TrainerConfig(NetworkConfig, ModelConfig, MetricsConfig):
     steps: int = option(100, "optimizer steps to train for")
     microbatch_size: int = option(8, "samples in one microbatch")
     max_in_flight: int = option(8, "microbatches in flight at once")
+    overlap_steps: bool = option(
+        False,
+        "start the next step's microbatches while the last backwards of the step before finish, so stages do not "
+        "idle at step boundaries; gradients may then be one step stale (within the peers' --max-staleness) and a "
+        "stage's batch may take in samples that arrive while it fills, so training no longer matches one process",
+    )
     data: str | None = option(
         None,
         "what to train on: a text file, a folder (every text file under it, recognised by content), or "

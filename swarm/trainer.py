@@ -23,7 +23,8 @@ import logging
 import math
 import random
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from collections.abc import AsyncGenerator
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
@@ -431,15 +432,27 @@ class Trainer:
         self.ledger.write(fed_record(self.trainer_id, mb, len(tokens), at=time.time()))
         return reply.loss
 
-    async def run_step(self, batch: torch.Tensor) -> float:
-        """One optimizer step's worth of microbatches; returns the mean loss over the batch."""
-        gate = asyncio.Semaphore(self.config.max_in_flight)
+    async def run_step(
+        self, batch: torch.Tensor, gate: asyncio.Semaphore | None = None, admitted: asyncio.Event | None = None
+    ) -> float:
+        """One optimizer step's worth of microbatches; returns the mean loss over the batch.
+
+        `gate` bounds the microbatches in flight (shared with an overlapping step's); `admitted` is set once
+        every microbatch of this step has got past it, when the next step may start.
+        """
+        gate = gate or asyncio.Semaphore(self.config.max_in_flight)
+        microbatches = batch.split(self.config.microbatch_size)
+        waiting = len(microbatches)
 
         async def limited(tokens: torch.Tensor) -> tuple[float, int]:
+            nonlocal waiting
             async with gate:
+                waiting -= 1
+                if not waiting and admitted is not None:
+                    admitted.set()
                 return await self.run_microbatch(tokens), len(tokens)
 
-        results = await asyncio.gather(*(limited(mb) for mb in batch.split(self.config.microbatch_size)))
+        results = await asyncio.gather(*(limited(mb) for mb in microbatches))
         # the next step's forwards ask each stage for the step after the one these backwards reached: a
         # stage that has its batch waits to get there, one still short of it serves at once
         for stage, reached in self._reached.items():
@@ -448,18 +461,49 @@ class Trainer:
 
     # --- the run ---------------------------------------------------------------------------------
 
-    async def _step_unless_stopped(self, batch: torch.Tensor, stop: asyncio.Event) -> float | None:
-        """The step's loss, or None if a stop was requested first (a step waiting for peers can take long)."""
-        stepping = asyncio.create_task(self.run_step(batch))
+    async def _steps(self, count: int, target_batch_size: int, stop: asyncio.Event) -> AsyncGenerator[float, None]:
+        """Runs `count` steps from `self.step`, yielding each one's loss in order, until a stop is requested
+        (a step waiting for peers can take long: it is then cancelled, and not counted).
+
+        With --overlap-steps, the next step starts once every microbatch of the one before is in flight,
+        sharing its bound on microbatches in flight: at most two steps are under way.
+        """
+        data_seed = self.config.seed if self.config.data_seed is None else self.config.data_seed
+        depth = 2 if self.config.overlap_steps else 1
+        gate = asyncio.Semaphore(self.config.max_in_flight)
+        running: deque[tuple[asyncio.Task, asyncio.Event]] = deque()
         stopping = asyncio.create_task(stop.wait())
-        await asyncio.wait([stepping, stopping], return_when=asyncio.FIRST_COMPLETED)
-        stopping.cancel()
-        if stepping.done():
-            return stepping.result()
-        stepping.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await stepping
-        return None
+        started = 0
+        try:
+            while started < count or running:
+                while running and running[0][0].done():
+                    yield running.popleft()[0].result()
+                if stop.is_set():
+                    if running:
+                        logger.info(f"Stopping on request; step {self.step} was not finished and is not counted")
+                    else:
+                        logger.info("Stopping early on request")
+                    return
+                while started < count and len(running) < depth and (not running or running[-1][1].is_set()):
+                    batch = self.corpus.batch(self.step + len(running), target_batch_size, self.spec.seq_len, data_seed)
+                    admitted = asyncio.Event()
+                    running.append((asyncio.create_task(self.run_step(batch, gate, admitted)), admitted))
+                    started += 1
+                if not running:
+                    return
+                waits = [running[0][0], stopping]
+                if started < count and len(running) < depth:  # the next step may start once this one is in
+                    waits.append(asyncio.create_task(running[-1][1].wait()))
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                for extra in waits[2:]:
+                    extra.cancel()
+        finally:
+            stopping.cancel()
+            for task, _ in running:
+                task.cancel()
+            for task, _ in running:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
     def _start_metrics(self) -> None:
         """--metrics-port: serves the trainer's Prometheus metrics (ConfigError if the address cannot be bound)."""
@@ -477,6 +521,7 @@ class Trainer:
         self.progress.addresses = await direct_addresses(self.p2p)
         refreshing = asyncio.create_task(self._refresh_forever())
         publishing = asyncio.create_task(publish_forever(self.dht, config.run_id, self.progress))
+        steps: AsyncGenerator[float, None] | None = None
         try:
             target_batch_size, self.step = await self.wait_for_swarm()
             self._want = {stage: self.step for stage in range(config.num_stages)}
@@ -490,16 +535,8 @@ class Trainer:
             start = time.perf_counter()
             self.progress.begin()
             bar = tqdm(total=config.steps, desc="training", unit="step", disable=not config.progress, mininterval=1.0)
-            for _ in range(config.steps):
-                if stop.is_set():
-                    logger.info("Stopping early on request")
-                    break
-                data_seed = config.seed if config.data_seed is None else config.data_seed
-                batch = self.corpus.batch(self.step, target_batch_size, self.spec.seq_len, data_seed)
-                loss = await self._step_unless_stopped(batch, stop)
-                if loss is None:
-                    logger.info(f"Stopping on request; step {self.step} was not finished and is not counted")
-                    break
+            steps = self._steps(config.steps, target_batch_size, stop)
+            async for loss in steps:  # the generator is closed in `finally`, whatever happens here
                 self.step += 1
                 summary.steps += 1
                 if summary.steps == 1:
@@ -520,6 +557,8 @@ class Trainer:
                     logger.info(f"step {self.step} loss {loss:.4f} {summary.samples_per_second:.1f} samples/s")
             bar.close()
         finally:
+            if steps is not None:
+                await steps.aclose()
             refreshing.cancel()
             publishing.cancel()
         if self.chooser is not None:
