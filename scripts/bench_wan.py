@@ -50,6 +50,8 @@ def trainer_flags(args: argparse.Namespace, codec: str, bandwidth: float | None)
         str(15.0 * scale),
         "--no-progress",
     ]
+    if args.overlap_steps:
+        flags.append("--overlap-steps")
     if bandwidth is not None:
         flags += ["--emulate-bandwidth-mbit", str(bandwidth / scale)]
         flags += ["--emulate-latency-ms", str(args.latency_ms * scale)]
@@ -80,6 +82,9 @@ def main() -> None:
     parser.add_argument("--target-batch-size", type=int, default=512, help="samples per step")
     parser.add_argument("--microbatch-size", type=int, default=32, help="samples per microbatch")
     parser.add_argument("--max-in-flight", type=int, default=16, help="microbatches in flight")
+    parser.add_argument(
+        "--overlap-steps", action="store_true", help="trainers start each step while the one before finishes"
+    )
     args = parser.parse_args()
     if args.time_scale < 1:
         parser.error("--time-scale must be 1 or more")
@@ -139,6 +144,7 @@ def main() -> None:
                 "target_batch_size": args.target_batch_size,
                 "microbatch_size": args.microbatch_size,
                 "max_in_flight": args.max_in_flight,
+                "overlap_steps": args.overlap_steps,
                 "samples_per_s": samples_per_s,
                 "speedup_vs_none": speedup,
                 "times_fewer_bytes_than_none": fewer_bytes,
