@@ -34,6 +34,7 @@ from swarm.models import GPTStage
 from swarm.models.stage_io import StageInputError, check_stage_inputs
 from swarm.stage_records import SERVING
 from swarm.wire import (
+    StreamEnded,
     WireError,
     WireLimits,
     decode_tensors,
@@ -112,6 +113,12 @@ class StageHandler:
             with contextlib.suppress(Exception):
                 writer.close()
             return
+        except StreamEnded as e:
+            # a cancelled call (a trainer stopping, a step given up): answered in case the caller still
+            # listens, counted with the abandoned calls rather than as a refusal
+            self.runtime.count_hung_up()
+            logger.debug(f"A stage call from {stream_info.peer_id} ended mid-request")
+            frames = [StageReply(protocol_version=PROTOCOL_VERSION, error=Error(code=e.code, message=str(e)))]
         except WireError as e:
             frames = [self._error(e.code, str(e))]
         except asyncio.TimeoutError:

@@ -319,6 +319,11 @@ class StageRuntime:
         else:
             self._applied.pop(task.key, None)
 
+    def count_hung_up(self) -> None:
+        """Counts a call whose caller hung up before its request was complete with the abandoned ones."""
+        with self._cond:
+            self.abandoned += 1
+
     def _take_abandoned(self) -> list[_Task]:
         """Removes queued requests whose caller has given up; called with the lock held."""
         now = time.monotonic()

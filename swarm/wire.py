@@ -37,6 +37,13 @@ class WireError(Exception):
         self.code = code
 
 
+class StreamEnded(WireError):
+    """The sender hung up before its message was complete: most often a call its caller cancelled."""
+
+    def __init__(self) -> None:
+        super().__init__(ErrorCode.BAD_REQUEST, "stream ended in the middle of a message")
+
+
 @dataclass(frozen=True)
 class WireLimits:
     """What a receiver accepts. Frames are small by construction, so a huge one is refused at once."""
@@ -150,7 +157,7 @@ async def read_frames(
                 )
             data = await asyncio.wait_for(reader.readexactly(size), limits.frame_timeout)
         except asyncio.IncompleteReadError:
-            raise WireError(ErrorCode.BAD_REQUEST, "stream ended in the middle of a message") from None
+            raise StreamEnded() from None
         try:
             frame = message_type.FromString(data)
         except DecodeError as e:

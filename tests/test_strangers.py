@@ -276,16 +276,21 @@ def test_a_private_swarm_serves_nothing_to_a_peer_outside_its_allowlist(local_sw
 METRICS_LINE = re.compile(r"Metrics on (http://127\.0\.0\.1:\d+/metrics)")
 
 
-def open_streams(url: str) -> float:
-    """The peer's own count of streams open now (its gate's), read from its metrics endpoint."""
+def metric(url: str, name: str, **labels: str) -> float:
+    """The sum of a peer's samples of `name` with these labels, read from its metrics endpoint."""
     with urllib.request.urlopen(url, timeout=10) as reply:
         text = reply.read().decode()
     return sum(
         sample.value
         for family in text_string_to_metric_families(text)
         for sample in family.samples
-        if sample.name == "swarm_peer_open_streams"
+        if sample.name == name and labels.items() <= sample.labels.items()
     )
+
+
+def open_streams(url: str) -> float:
+    """The peer's own count of streams open now (its gate's)."""
+    return metric(url, "swarm_peer_open_streams")
 
 
 @pytest.mark.timeout(180)
@@ -324,6 +329,9 @@ def test_a_caller_holding_too_many_streams_open_is_turned_away_and_served_again_
             writer.close()
         # the held streams end on the peer's side too: it serves this caller again
         assert await wait_for_open_streams(0) == 0, "the closed streams stayed open on the peer"
+        # calls cut off mid-request are cancelled calls, counted as abandoned, not as bad requests answered
+        assert await asyncio.to_thread(metric, url, "swarm_peer_abandoned_calls_total") == 3
+        assert await asyncio.to_thread(metric, url, "swarm_peer_errors_total", protocol=STAGE_PROTOCOL) == 0
         return refused.value.code, (await get_peer_info(p2p, peer, timeout=10)).stage
 
     assert run_p2p_client(local_swarm.initial_peers, go) == (ErrorCode.UNAVAILABLE, 1)

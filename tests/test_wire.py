@@ -27,6 +27,7 @@ from swarm.proto import (
 from swarm.wire import (
     CHUNK_BYTES,
     HEADER_BYTES,
+    StreamEnded,
     WireError,
     WireLimits,
     decode_tensors,
@@ -222,10 +223,11 @@ def test_declared_shape_over_the_limit_is_refused_before_allocating():
     assert error.code == ErrorCode.TOO_LARGE and "MiB" in str(error)
 
 
-def test_truncated_stream_is_refused():
+def test_truncated_stream_is_refused_as_one_that_ended():
     data = frame(StageRequest(more=True))
-    assert read_error(data).code == ErrorCode.BAD_REQUEST
-    assert read_error(data[:-1] if len(data) > HEADER_BYTES else data[:3]).code == ErrorCode.BAD_REQUEST
+    for truncated in (data, data[:-1] if len(data) > HEADER_BYTES else data[:3]):
+        error = read_error(truncated)
+        assert isinstance(error, StreamEnded) and error.code == ErrorCode.BAD_REQUEST
 
 
 @pytest.mark.parametrize(
