@@ -126,6 +126,7 @@ class StageRuntime:
         target_batch_size: int,
         device: str = "cpu",
         max_batch_samples: int = 256,
+        max_batch_seconds: float = 0.1,
         step: int = 0,
         on_step: Callable[[int, str], None] | None = None,
         max_staleness: int = 1,
@@ -138,6 +139,9 @@ class StageRuntime:
         self.target_batch_size = target_batch_size
         self.device = torch.device(device)
         self.max_batch_samples = max_batch_samples
+        # merged requests all wait for the whole batch: one that runs long sends the next stage a burst
+        # after a pause, so merging stops at this much estimated work (0: at max_batch_samples only)
+        self.max_batch_seconds = max_batch_seconds
         self.step = step
         self.samples_accumulated = 0
         self.held: dict[SampleKey, int] = {}  # the microbatches accumulated toward the current step
@@ -344,14 +348,23 @@ class StageRuntime:
         """The next task and the queued ones that merge with it; called with the lock held."""
         batch = [self._queue.popleft()]
         total = batch[0].num_samples
+        limit = self._merge_limit(batch[0])
         for task in list(self._queue):
-            if total + task.num_samples > self.max_batch_samples:
+            if total + task.num_samples > limit:
                 break
             if batch[0].batches_with(task):
                 self._queue.remove(task)
                 batch.append(task)
                 total += task.num_samples
         return batch
+
+    def _merge_limit(self, head: _Task) -> int:
+        """Samples a batch led by `head` may hold: max_batch_samples, and max_batch_seconds of work once
+        the stage's speed is known (a forward costs about a third of a backward)."""
+        if self.max_batch_seconds <= 0 or not self.seconds_per_sample:
+            return self.max_batch_samples
+        per_sample = self.seconds_per_sample * (1.0 if head.backward else 1 / 3)
+        return min(self.max_batch_samples, int(self.max_batch_seconds / per_sample))
 
     def _run(self) -> None:
         while (batch := self._next_batch()) is not None:

@@ -118,6 +118,7 @@ class Peer:
             config.target_batch_size,
             device=config.device,
             max_batch_samples=config.max_batch_samples,
+            max_batch_seconds=config.max_batch_seconds,
             step=step,
             on_step=self._on_step,
             max_staleness=config.max_staleness,

@@ -334,6 +334,11 @@ class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig):
     beta1: float = option(0.9, "AdamW beta1")
     beta2: float = option(0.95, "AdamW beta2")
     max_batch_samples: int = option(256, "largest batch the peer runs at once, merging queued requests")
+    max_batch_seconds: float = option(
+        0.1,
+        "merge queued requests only up to this many seconds of estimated work, so the next stage gets a "
+        "steady flow rather than bursts (0: merge up to --max-batch-samples)",
+    )
     max_request_mb: float = option(256.0, "largest request the peer accepts, in MiB")
     max_queue: int = option(
         1024, "requests a peer keeps queued at most; past that it answers busy (UNAVAILABLE) at once"
@@ -460,6 +465,8 @@ class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig):
             raise ConfigError("--rebalance-margin must be 0 or more")
         if self.rebalance_horizon <= 0 or self.move_bandwidth_mbit <= 0:
             raise ConfigError("--rebalance-horizon and --move-bandwidth-mbit must be positive")
+        if self.max_batch_seconds < 0:
+            raise ConfigError("--max-batch-seconds must be 0 (no limit) or positive")
         if self.simulated_speed < 0:
             raise ConfigError("--simulated-speed must be 0 (real speed) or positive")
         for name in ("target_batch_size", "max_batch_samples", "num_threads", "max_queue", "max_streams_per_caller"):

@@ -195,3 +195,33 @@ def test_busy_time_counts_the_batches_run():
         runtime.submit(True, backward_inputs(2, seed)).result(30)
     assert 0.0 < runtime.busy_seconds <= time.perf_counter() - started
     runtime.shutdown()
+
+
+@pytest.mark.parametrize("max_batch_seconds, batches", [(0.05, [2, 2, 2]), (0.0, [6])])
+def test_merging_stops_at_max_batch_seconds_of_work(max_batch_seconds, batches):
+    module = build_stage(SPEC, 1, 3, seed=1)
+    runtime = StageRuntime(
+        module,
+        build_optimizer(module, OptimizerSettings()),
+        target_batch_size=1000,
+        max_batch_seconds=max_batch_seconds,
+        simulated_speed=100.0,  # 10 ms a sample of backward: 0.05 s holds two requests of 2 samples
+    )
+    runtime.measure_throughput(backward_inputs(2, 0))
+    settled: list[float] = []
+    # queued before the worker starts: without the limit it merges all six into one batch
+    futures = [runtime.submit(True, backward_inputs(2, seed)) for seed in range(6)]
+    for future in futures:
+        future.add_done_callback(lambda _: settled.append(time.perf_counter()))
+    runtime.start()
+    for future in futures:
+        future.result(30)
+    runtime.shutdown()
+    # requests of one batch settle together; batches are at least 40 ms of simulated work apart
+    sizes = [1]
+    for before, after in zip(settled, settled[1:]):
+        if after - before > 0.02:
+            sizes.append(1)
+        else:
+            sizes[-1] += 1
+    assert sizes == batches
