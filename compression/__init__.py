@@ -11,6 +11,7 @@ from swarm.compression.codecs import (
     dtype_from_name,
     dtype_name,
 )
+from swarm.compression.integers import PackedIntegers
 
 CODECS: dict[str, Codec] = {
     codec.name: codec
@@ -22,10 +23,14 @@ CODECS: dict[str, Codec] = {
         Blockwise4bitCompression(),
     )
 }
+#: the codec a compressing codec sends integer tensors with; only the wire picks it, so it is not in CODECS
+PACKED_INTEGERS = PackedIntegers()
 
 
 def get_codec(name: str) -> Codec:
-    """The codec registered under `name`; a clear error for an unknown one."""
+    """The codec registered under `name` (or the wire's integer packing); a clear error for an unknown one."""
+    if name == PACKED_INTEGERS.name:
+        return PACKED_INTEGERS
     try:
         return CODECS[name]
     except KeyError:
@@ -34,6 +39,7 @@ def get_codec(name: str) -> Codec:
 
 __all__ = [
     "CODECS",
+    "PACKED_INTEGERS",
     "DTYPES",
     "Codec",
     "CodecError",

@@ -19,7 +19,7 @@ from typing import TypeVar
 import torch
 from google.protobuf.message import DecodeError, Message
 
-from swarm.compression import Codec, CodecError, dtype_from_name, dtype_name, get_codec
+from swarm.compression import PACKED_INTEGERS, Codec, CodecError, dtype_from_name, dtype_name, get_codec
 from swarm.proto import ErrorCode, Tensor
 
 CHUNK_BYTES = 512 * 1024
@@ -55,9 +55,11 @@ class WireLimits:
 
 
 def encode_tensor(tensor: torch.Tensor, codec: Codec) -> list[Tensor]:
-    """The parts of one tensor on the wire; integer and bool tensors skip lossy codecs."""
+    """The parts of one tensor on the wire. Integer and bool tensors skip lossy codecs: with one, wide
+    integers (token ids) go packed into the narrowest type that holds them, and anything else as it is."""
     if not codec.applies_to(tensor.dtype):
-        codec = get_codec("none")
+        packs = codec.lossy and PACKED_INTEGERS.applies_to(tensor.dtype)
+        codec = PACKED_INTEGERS if packs else get_codec("none")
     buffer = codec.encode(tensor)
     num_parts = max(1, math.ceil(len(buffer) / CHUNK_BYTES))
     parts = [Tensor(buffer=buffer[i * CHUNK_BYTES : (i + 1) * CHUNK_BYTES]) for i in range(num_parts)]

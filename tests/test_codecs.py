@@ -7,7 +7,7 @@ import struct
 
 import pytest
 import torch
-from swarm.compression import CODECS, DTYPES, CodecError, blockwise, get_codec
+from swarm.compression import CODECS, DTYPES, PACKED_INTEGERS, CodecError, blockwise, get_codec
 from swarm.compression.blockwise import (
     HEADER,
     Blockwise4bitCompression,
@@ -440,12 +440,12 @@ def test_cuda_encoding_matches_cpu(name: str) -> None:
 
 @pytest.mark.parametrize("name", BLOCKWISE)
 def test_through_the_wire_parts(name: str) -> None:
-    """Split into wire parts and reassembled: floats within the bound, integers exact (sent as "none"),
-    and a corrupt payload a WireError rather than a crash."""
+    """Split into wire parts and reassembled: floats within the bound, integers exact (packed), and a
+    corrupt payload a WireError rather than a crash."""
     tokens = torch.randint(0, 50_000, (4, 33))
     hidden = torch.randn(4, 33, 3 * CHUNK_BYTES // 33, generator=torch.Generator().manual_seed(16))  # parts
     parts = [p for t in (tokens, hidden.bfloat16()) for p in encode_tensor(t, get_codec(name))]
-    assert [p.codec for p in parts if p.shape] == ["none", name]
+    assert [p.codec for p in parts if p.shape] == ["packed-int", name]
     assert sum(1 for p in parts if not p.shape) >= 1  # the quantized hidden states still span parts
     tokens_out, hidden_out = decode_tensors(parts, WireLimits())
     assert torch.equal(tokens_out, tokens)
@@ -453,3 +453,60 @@ def test_through_the_wire_parts(name: str) -> None:
     bad = Tensor(buffer=parts[1].buffer[:-1], shape=[4, 33], dtype="float32", codec=name, num_parts=1)
     with pytest.raises(WireError):
         decode_tensors([bad], WireLimits())
+
+
+PACKING_CASES = [(0, 255, torch.uint8), (-128, 127, torch.int8), (0, 256, torch.int16), (-32768, 32767, torch.int16)]
+
+
+@pytest.mark.parametrize(
+    ("low", "high", "packed", "dtype"),
+    [(*case, dtype) for case in PACKING_CASES for dtype in (torch.int64, torch.int32, torch.int16)]
+    + [
+        (0, 50_000, torch.int32, torch.int64),
+        (0, 50_000, torch.int32, torch.int32),
+        (-(2**40), 7, torch.int64, torch.int64),
+    ],
+)
+def test_packed_integers_are_exact_in_the_narrowest_type(
+    low: int, high: int, packed: torch.dtype, dtype: torch.dtype
+) -> None:
+    x = torch.randint(low, high + 1, (7, 13), generator=torch.Generator().manual_seed(20), dtype=torch.int64)
+    x[0, 0], x[0, 1] = low, high
+    x = x.to(dtype)
+    codec = PACKED_INTEGERS
+    payload = codec.encode(x.t())  # strided input too
+    assert len(payload) == 1 + x.numel() * packed.itemsize
+    y = codec.decode(payload, (13, 7), dtype)
+    assert y.dtype == dtype and torch.equal(y, x.t())
+    assert codec.decode(codec.encode(x[:0]), (0, 13), dtype).shape == (0, 13)
+
+
+def test_packed_integers_are_what_compressing_codecs_send_integers_with() -> None:
+    ids = torch.randint(0, 256, (32, 64))
+    for name in sorted(CODECS):
+        (head,) = encode_tensor(ids, get_codec(name))
+        assert head.codec == ("packed-int" if get_codec(name).lossy else "none")
+        assert len(head.buffer) == (1 + ids.numel() if get_codec(name).lossy else 8 * ids.numel())
+        (flags,) = encode_tensor(ids > 9, get_codec(name))  # narrow already: as it is
+        assert flags.codec == "none"
+        assert torch.equal(decode_tensors([head], WireLimits())[0], ids)
+    assert "packed-int" not in CODECS  # not a --compression choice
+    assert get_codec("packed-int") is PACKED_INTEGERS
+
+
+def test_corrupt_packed_integers_are_refused() -> None:
+    good = PACKED_INTEGERS.encode(torch.arange(300, dtype=torch.int64))  # int16
+    cases = {
+        "empty": (b"", (300,), torch.int64),
+        "unknown type byte": (bytes([9]) + good[1:], (300,), torch.int64),
+        "short": (good[:-1], (300,), torch.int64),
+        "long": (good + b"\0", (300,), torch.int64),
+        "wider than its dtype": (PACKED_INTEGERS.encode(torch.tensor([2**40])), (1,), torch.int32),
+        "into a float": (good, (300,), torch.float32),
+    }
+    for case, (payload, shape, dtype) in cases.items():
+        with pytest.raises(CodecError):
+            PACKED_INTEGERS.decode(payload, shape, dtype)
+            pytest.fail(f"decoded the corrupt payload: {case}")
+    with pytest.raises(CodecError):
+        PACKED_INTEGERS.encode(torch.randn(3))
