@@ -169,7 +169,7 @@ def test_registry_holds_the_blockwise_codecs() -> None:
     assert isinstance(CODECS["4bit"], Blockwise4bitCompression)
     for codec in CODECS.values():
         assert get_codec(codec.name) is codec
-        # lossy codecs leave integer and bool tensors to "none"
+        # lossy codecs leave integer and bool tensors to the wire, which packs wide integers
         assert codec.applies_to(torch.float32) and codec.applies_to(torch.bfloat16)
         assert codec.applies_to(torch.int64) == (not codec.lossy)
         assert codec.applies_to(torch.bool) == (not codec.lossy)

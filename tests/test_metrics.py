@@ -164,7 +164,7 @@ def test_peers_and_trainer_serve_documented_metrics_while_training(local_swarm):
             "--data",
             SMALL_CORPUS,
             "--compression",
-            "fp16",  # activations and gradients in fp16, tokens and targets as they are ("none")
+            "fp16",  # activations and gradients in fp16, token ids and targets packed ("packed-int")
             "--no-progress",
             "--metrics-port",
             "0",
@@ -213,8 +213,9 @@ def test_peers_and_trainer_serve_documented_metrics_while_training(local_swarm):
         assert scrape.value("swarm_peer_averaging_seconds_count") >= 3
         assert scrape.value("swarm_peer_averaging_rounds_total") >= 3
         assert scrape.value("swarm_peer_errors_total") == 0, scrape.labels("swarm_peer_errors_total")
-        # stage 0 reads tokens (sent as they are), the others fp16 activations; all answer in fp16
-        received = "none" if stage == 0 else "fp16"
+        # stage 0 reads token ids (packed, as a compressing codec sends integers), the others fp16
+        # activations; all answer in fp16
+        received = "packed-int" if stage == 0 else "fp16"
         assert scrape.value("swarm_peer_bytes_total", direction="received", codec=received) > 0
         assert scrape.value("swarm_peer_bytes_total", direction="sent", codec="fp16") > 0
     assert len(set(peer_ids)) == 3
