@@ -25,14 +25,15 @@ CODECS: dict[str, Codec] = {
 }
 #: the codec a compressing codec sends integer tensors with; only the wire picks it, so it is not in CODECS
 PACKED_INTEGERS = PackedIntegers()
+#: every codec a Tensor message may name
+WIRE_CODECS: dict[str, Codec] = {**CODECS, PACKED_INTEGERS.name: PACKED_INTEGERS}
 
 
 def get_codec(name: str) -> Codec:
-    """The codec registered under `name` (or the wire's integer packing); a clear error for an unknown one."""
-    if name == PACKED_INTEGERS.name:
-        return PACKED_INTEGERS
+    """The codec a Tensor message names (one of CODECS, or the wire's integer packing); a clear error for an
+    unknown one."""
     try:
-        return CODECS[name]
+        return WIRE_CODECS[name]
     except KeyError:
         raise CodecError(f"unknown codec {name!r}; known codecs: {sorted(CODECS)}") from None
 

@@ -59,5 +59,4 @@ class PackedIntegers(Codec):
         packed = PACKED_DTYPES[buffer[0]]
         if packed.itemsize > dtype.itemsize:
             raise CodecError(f"{self.name} payload packs {dtype_name(packed)}, wider than its {dtype_name(dtype)}")
-        # one copy into a bytearray that tensor_from_bytes then wraps as it is
-        return tensor_from_bytes(bytearray(memoryview(buffer)[1:]), shape, packed).to(dtype)
+        return tensor_from_bytes(memoryview(buffer)[1:], shape, packed).to(dtype)

@@ -51,6 +51,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def error_reply(code: int, message: str) -> StageReply:
+    """A stage reply that carries only an error."""
+    return StageReply(protocol_version=PROTOCOL_VERSION, error=Error(code=code, message=message))
+
+
 class StageHandler:
     """Serves stage calls and info requests for one hosted stage."""
 
@@ -118,7 +123,7 @@ class StageHandler:
             # listens, counted with the abandoned calls rather than as a refusal
             self.runtime.count_hung_up()
             logger.debug(f"A stage call from {stream_info.peer_id} ended mid-request")
-            frames = [StageReply(protocol_version=PROTOCOL_VERSION, error=Error(code=e.code, message=str(e)))]
+            frames = [error_reply(e.code, str(e))]
         except WireError as e:
             frames = [self._error(e.code, str(e))]
         except asyncio.TimeoutError:
@@ -236,7 +241,7 @@ class StageHandler:
         if self.metrics is not None:
             self.metrics.stage_error(code)
         logger.info(f"Refused a stage call: {ErrorCode.Name(code)}: {message}")
-        return StageReply(protocol_version=PROTOCOL_VERSION, error=Error(code=code, message=message))
+        return error_reply(code, message)
 
     async def handle_info(self, _stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Entry point of an info request stream."""
