@@ -108,7 +108,8 @@ def random_peer_id(rng: random.Random) -> str:
 
 def hostile_tensor(rng: random.Random) -> list[Tensor]:
     """One tensor's parts, broken in one of many ways (or sound in shape with hostile values)."""
-    kind = rng.choice(["overflow", "negative", "zero_huge", "nan", "huge", "bad_dtype", "bad_codec", "parts", "short"])
+    kinds = ["overflow", "negative", "zero_huge", "nan", "huge", "bad_dtype", "bad_codec", "parts", "short", "packed"]
+    kind = rng.choice(kinds)
     if kind in ("nan", "huge"):
         value = float("nan") if kind == "nan" else 3e38
         return encode_tensor(torch.full((2, SEQ, WIDTH), value), get_codec("none"))
@@ -125,6 +126,11 @@ def hostile_tensor(rng: random.Random) -> list[Tensor]:
     elif kind == "bad_codec":
         head.shape.extend([2, SEQ, WIDTH])
         head.codec = rng.choice(["zip", "../../etc", "fp8"])
+    elif kind == "packed":  # integers packed with a junk type byte, or wider than the dtype they name
+        head.shape.extend([2, SEQ])
+        head.dtype = rng.choice(["int64", "int16", "float32"])
+        head.codec = "packed-int"
+        head.buffer = bytes([rng.choice([0, 3, 4, 5, 200])]) + rng.randbytes(rng.choice([0, 2 * SEQ, 16 * SEQ]))
     elif kind == "parts":
         head.shape.extend([2, SEQ, WIDTH])
         head.num_parts = rng.choice([2**31, 0, 7])
