@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 POINTS = {
     "before_commit": "a backward was computed, before its gradient is added to the step's (runtime thread)",
-    "after_backward": "a backward was applied (its samples accumulated), before the reply is sent",
+    "after_backward": "a backward was applied (its samples accumulated, the mates told), before the reply is sent",
     "progress": "before this peer sends its progress to a mate",
     "before_contribution": "an averaging round starts, before this peer sends its gradients to its mates",
     "after_contribution": "this peer's gradients went out, before it commits to the round",

@@ -212,9 +212,9 @@ class StageHandler:
         except RuntimeError as e:
             return [self._error(ErrorCode.UNAVAILABLE, str(e))]
         if backward:
-            await self.faults.hit("after_backward")
             # the mates hear of these samples before the caller does (see StageMates.progress_delivered)
             await self.mates.progress_delivered()
+            await self.faults.hit("after_backward")
 
         if any(not bool(torch.isfinite(t).all()) for t in result.tensors):
             # its parameters went bad: never pass NaN on as an answer (the caller goes elsewhere)
@@ -287,6 +287,7 @@ class StageHandler:
             fingerprint=fingerprint,
             samples_lost=self.mates.samples_lost,
             samples_doubled=self.mates.samples_doubled,
+            duplicate_backwards=self.runtime.duplicates,
             divergences=self.mates.divergences,
             step_state=self.mates.phase(),
             refused_outsiders=self.mates.refused_outsiders,

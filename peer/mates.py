@@ -43,7 +43,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import Counter, defaultdict
+from collections import Counter, defaultdict, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -107,6 +107,9 @@ ABSENT_GRACE = 5.0  # seconds a round waits for a member whose DHT record no lon
 MEMBER_MEMORY = 60.0  # seconds a peer seen with a record on the stage may still speak as a mate without one
 REFRESH_INTERVAL = 1.0  # an unknown sender makes the peer re-read its stage's records at most this often
 HOLDERS_REFRESH_INTERVAL = 5.0  # an unknown asker for state makes it re-read every stage at most this often
+# rounds whose summed microbatch ids a peer remembers: a backward retried on it after another replica's
+# step summed it (its reply was lost) is then not summed again; a backward is refused past max_staleness
+RECENT_ROUNDS = 8
 CONFIRM_ATTEMPTS = 4  # looks at the mates' (step, fingerprint) before a newcomer gives up on a confirmed state
 
 ACCUMULATING, AVERAGING, SHORT = "accumulating", "averaging", "short"
@@ -234,6 +237,9 @@ class StageMates:
         # from the step they took, and must hear this peer's progress before its backwards are answered
         self._newcomers: set[str] = set()
         self._state_source: str | None = None  # the mate whose state this peer is downloading now
+        self._recently_summed: deque[frozenset[SampleKey]] = deque(maxlen=RECENT_ROUNDS)
+        # read on the runtime thread, replaced whole on the event loop (see held_elsewhere)
+        self._elsewhere: frozenset[SampleKey] = frozenset()
 
     async def start(self, p2p: P2P, admit: Callable[[Handler, str], Handler] = lambda handler, _: handler) -> None:
         """Registers the mate protocols on the peer's P2P (each through `admit`) and hooks into the runtime."""
@@ -453,6 +459,7 @@ class StageMates:
         for old in [s for s in self.steps if s < step]:
             del self.steps[old]
         if result is not None:
+            self._recently_summed.append(frozenset((trainer, mb) for trainer, mb, _ in result.ids))
             record = step_record(
                 self.peer_id, self.stage, step - 1, result.ids, result.lost, fingerprint, result.seconds
             )
@@ -461,9 +468,32 @@ class StageMates:
             for peer_id in set(self.mates) | self._newcomers:
                 self._spawn(self._send_progress(peer_id, step, self._own(step)))
             self._compare_fingerprints()
+        self._note_holdings()
         if self.on_phase is not None:
             self.on_phase()
         self._advance(step)
+
+    def held_elsewhere(self) -> frozenset[SampleKey]:
+        """Microbatches another replica holds toward the current step, or a recent step summed (any thread).
+
+        A backward for one of them reached this peer as a retry: its first attempt was applied, but the
+        reply never reached the trainer (lost, or late past the trainer's deadline). The runtime answers it
+        without summing its gradient again. Should that replica die before the round, its holdings are
+        lost by id and their trainers send them again, so skipping costs time at worst, never a sample.
+        """
+        return self._elsewhere
+
+    def _note_holdings(self) -> None:
+        """Rebuilds `held_elsewhere` after what the mates hold, who is silent, or the step changed."""
+        state = self.steps.get(self.runtime.step)
+        held: set[SampleKey] = set()
+        if state is not None:
+            for member, keys in state.progress.items():
+                # a mate that progress no longer reaches is likely dead: a retry of its microbatches is summed
+                # here, so the round need not wait for them (were it alive after all, the round counts them twice)
+                if member != self.peer_id and member not in self._silent:
+                    held.update(keys)
+        self._elsewhere = frozenset(held.union(*self._recently_summed))
 
     # --- StepCoordinator: called on the runtime thread --------------------------------------------
 
@@ -517,9 +547,12 @@ class StageMates:
                 exchange(self.p2p, PeerID.from_base58(peer_id), PROGRESS_PROTOCOL, [message], MateReply, WireLimits()),
                 PROGRESS_TIMEOUT,
             )
-            self._silent.discard(peer_id)
+            if peer_id in self._silent:
+                self._silent.discard(peer_id)
+                self._note_holdings()
         except Exception as e:  # the round itself tolerates a silent mate
             self._silent.add(peer_id)
+            self._note_holdings()
             self._newcomers.discard(peer_id)  # one that never came up; a live one speaks for itself
             logger.debug(f"Could not send progress to {peer_id}: {type(e).__name__}: {e}")
 
@@ -535,6 +568,7 @@ class StageMates:
                 # within a step a peer's holdings only grow, and progress messages may arrive out of order:
                 # an older, shorter one must not make this peer forget microbatches the sender holds
                 self.steps[message.step].progress.setdefault(sender, {}).update(ids_from_wire(message.held))
+                self._note_holdings()
                 if message.fingerprint:
                     self.fingerprints[sender] = (message.step, message.fingerprint)
                     self._compare_fingerprints()
@@ -699,6 +733,7 @@ class StageMates:
         # members outside the agreed set are gone: what they held is exactly what is lost
         for peer_id in [p for p in state.progress if p not in agreed and p != self.peer_id]:
             del state.progress[peer_id]
+        self._note_holdings()
         # what leaving mates handed over is still good: it goes into the next attempt as it is
         for peer_id in self._handed_over & set(box):
             state.mailbox[attempt + 1][peer_id] = box[peer_id]

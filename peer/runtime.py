@@ -68,6 +68,10 @@ class StepCoordinator(Protocol):
         accumulated and steps when the coordinator asks again.
         """
 
+    def held_elsewhere(self) -> frozenset[SampleKey]:
+        """Called on the runtime thread: microbatches another replica holds or a recent round summed,
+        whose backwards this peer answers without summing their gradients."""
+
 
 @dataclass
 class StageResult:
@@ -344,14 +348,32 @@ class StageRuntime:
             )
         return abandoned
 
+    def _held_elsewhere(self) -> frozenset[SampleKey]:
+        return self.coordinator.held_elsewhere() if self.coordinator is not None else frozenset()
+
+    def _not_summed_twice(self, task: _Task, elsewhere: frozenset[SampleKey]) -> None:
+        """A backward another replica holds (or a recent round summed) runs without accumulating: its
+        retry must only get its input gradient again. Called with the lock held."""
+        if task.backward and task.accumulate and task.key in elsewhere:
+            task.accumulate = False
+            self._applied.pop(task.key, None)  # sent again after all (that replica died), it must accumulate
+            self.duplicates += 1
+            logger.info(
+                f"Stage {self.module.stage}: backward {task.key} is held by a stage-mate or already summed; "
+                "answering it without accumulating it twice"
+            )
+
     def _take_batch(self) -> list[_Task]:
         """The next task and the queued ones that merge with it; called with the lock held."""
+        elsewhere = self._held_elsewhere()
         batch = [self._queue.popleft()]
+        self._not_summed_twice(batch[0], elsewhere)
         total = batch[0].num_samples
         limit = self._merge_limit(batch[0])
         for task in list(self._queue):
             if total + task.num_samples > limit:
                 break
+            self._not_summed_twice(task, elsewhere)
             if batch[0].batches_with(task):
                 self._queue.remove(task)
                 batch.append(task)
@@ -449,10 +471,11 @@ class StageRuntime:
             self._pad_to_simulated_speed(start, sum(sizes), backward=True)
             self.faults.hit_sync("before_commit")
             now = time.monotonic()
-            if any(task.late(now) for task in batch):
+            elsewhere = self._held_elsewhere()
+            if any(task.late(now) or task.key in elsewhere for task in batch):
                 for param, grad in zip(params, previous):
                     param.grad = grad
-                return self._requeue_on_time(batch, now)
+                return self._requeue_on_time(batch, now, elsewhere)
             for param, grad in zip(params, previous):
                 if grad is not None:
                     param.grad = grad if param.grad is None else param.grad.add_(grad)
@@ -471,20 +494,25 @@ class StageRuntime:
         loss_parts = losses.cpu().split(sizes) if losses is not None else [None] * len(batch)
         return [StageResult([] if grad is None else [grad], loss, step) for grad, loss in zip(grads, loss_parts)]
 
-    def _requeue_on_time(self, batch: list[_Task], now: float) -> list[Exception | None]:
-        """A batch finished after some caller gave up: its gradients are dropped; the late requests are
-        answered as abandoned, the others go back to the front of the queue to run without them."""
+    def _requeue_on_time(
+        self, batch: list[_Task], now: float, elsewhere: frozenset[SampleKey]
+    ) -> list[Exception | None]:
+        """A batch finished after some caller gave up, or holding a microbatch a mate summed meanwhile: its
+        gradients are dropped; the late requests are answered as abandoned, the others go back to the front
+        of the queue to run again, those the mate holds without accumulating."""
         late = [task for task in batch if task.late(now)]
         with self._cond:
             for task in reversed([t for t in batch if not t.late(now)]):
+                self._not_summed_twice(task, elsewhere)
                 self._queue.appendleft(task)
             for task in late:
                 self._release(task)
             self.abandoned += len(late)
-        logger.info(
-            f"Stage {self.module.stage}: {len(late)} backward(s) finished after their caller gave up; "
-            "not applied (the caller sends them elsewhere)"
-        )
+        if late:
+            logger.info(
+                f"Stage {self.module.stage}: {len(late)} backward(s) finished after their caller gave up; "
+                "not applied (the caller sends them elsewhere)"
+            )
         return [
             CallAbandonedError("the caller's deadline passed before this peer could apply the request")
             if task.late(now)

@@ -225,3 +225,43 @@ def test_merging_stops_at_max_batch_seconds_of_work(max_batch_seconds, batches):
         else:
             sizes[-1] += 1
     assert sizes == batches
+
+
+class MatesHolding:
+    """A step coordinator whose mates hold `keys` from its `from_call`-th look on (never stepping)."""
+
+    def __init__(self, keys: set, from_call: int = 1) -> None:
+        self.keys, self.from_call, self.calls = frozenset(keys), from_call, 0
+
+    def local_progress(self, step, held) -> None:
+        pass
+
+    def average(self, step, grad_sum, held):
+        return None
+
+    def held_elsewhere(self) -> frozenset:
+        self.calls += 1
+        return self.keys if self.calls >= self.from_call else frozenset()
+
+
+@pytest.mark.parametrize("from_call", [1, 2], ids=["queued", "while-computing"])
+def test_a_backward_a_mate_holds_is_answered_without_accumulating(from_call):
+    """A retried backward whose first attempt a mate applied (its reply lost): the same input gradient, no
+    gradient summed. A mate's progress may also arrive while it computes: the batch then runs again."""
+    plain, runtime = make_runtime(target=100), make_runtime(target=100)
+    runtime.coordinator = MatesHolding({("trainer", 7)}, from_call)
+    plain.start()
+    runtime.start()
+    inputs = backward_inputs(3, 0)
+    expected = plain.submit(True, inputs, key=("trainer", 7)).result(30)
+    answer = runtime.submit(True, inputs, key=("trainer", 7)).result(30)
+    torch.testing.assert_close(answer.tensors[0], expected.tensors[0])
+    assert runtime.samples_accumulated == 0 and not runtime.held and runtime.duplicates == 1
+    assert all(p.grad is None for p in runtime.module.parameters())
+    # other microbatches still accumulate, and the one the mate held does if it comes again (the mate died)
+    runtime.coordinator = MatesHolding(set())
+    runtime.submit(True, inputs, key=("trainer", 8)).result(30)
+    runtime.submit(True, inputs, key=("trainer", 7)).result(30)
+    assert runtime.held == {("trainer", 8): 3, ("trainer", 7): 3}
+    plain.shutdown()
+    runtime.shutdown()

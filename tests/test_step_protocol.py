@@ -95,6 +95,37 @@ def test_a_backward_finished_after_its_caller_gave_up_is_not_applied(local_swarm
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "faults", ["after_backward@2=drop_reply", "after_backward@2=delay:5,after_backward@2=drop_reply"]
+)
+def test_a_backward_whose_reply_was_lost_is_summed_once_by_the_stage(local_swarm, tmp_path, faults):
+    """peer1b applies its second backward and tells its mate, but the trainer never gets the reply (at once,
+    or after 5 s, past the trainer's deadline, when the stage may have stepped on it): the trainer sends it
+    to peer1a, which answers it without summing it again. Every stage sums every fed microbatch exactly
+    once, and the replicas of stage 1 end identical. (Not bit for bit one process's run: a retry answered
+    after its stage stepped carries a gradient of the newer parameters upstream, as a stale one does.)"""
+    steps = 4
+    layout = {0: ["peer0"], 1: ["peer1a", "peer1b"], 2: ["peer2"]}
+    start_swarm(local_swarm, tmp_path, layout, {"peer1b": ["--faults", faults]})
+    summary_file = tmp_path / "summary.json"
+    ledger = tmp_path / "trainer.ledger"
+    flags = [*trainer_flags(steps, summary_file), "--call-timeout", "4", "--call-timeout-floor", "4"]
+    trainer = local_swarm.start_trainer("trainer", [*flags, "--ledger", str(ledger)])
+    assert trainer_exit_code(local_swarm, trainer, 200) == 0, local_swarm.log_path("trainer").read_text()[-3000:]
+    infos = peer_infos(local_swarm, 1)
+    assert sum(i.duplicate_backwards for i in infos) >= 1, infos  # the retry came and was not summed
+    assert sum(i.samples_doubled for i in infos) == 0, infos
+    assert len({(i.step, i.fingerprint) for i in infos}) == 1, infos
+    local_swarm.stop_all()
+    fed = {(line["trainer"], line["mb"]) for line in read_lines(ledger) if line["kind"] == "fed"}
+    for stage, summed in summed_per_stage(tmp_path, {0: "peer0", 1: "peer1a", 2: "peer2"}).items():
+        assert set(summed.values()) == {1}, f"stage {stage} summed a microbatch twice: {summed}"
+        assert set(summed) == fed, f"stage {stage} summed other microbatches than were fed"
+    summary = json.loads(summary_file.read_text())
+    assert summary["steps"] == steps and summary["last_loss"] < summary["first_loss"], summary
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("resend_buffer_mb", ["0", "64"])
 def test_samples_that_die_with_a_peer_are_resent_or_counted_lost_by_id(local_swarm, tmp_path, resend_buffer_mb):
     """peer1a dies on the spot as its first round starts, holding the backwards it answered. With a
