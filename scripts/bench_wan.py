@@ -52,6 +52,8 @@ def trainer_flags(args: argparse.Namespace, codec: str, bandwidth: float | None)
     ]
     if args.overlap_steps:
         flags.append("--overlap-steps")
+    if args.in_flight_from_links:
+        flags.append("--in-flight-from-links")
     if bandwidth is not None:
         flags += ["--emulate-bandwidth-mbit", str(bandwidth / scale)]
         flags += ["--emulate-latency-ms", str(args.latency_ms * scale)]
@@ -81,7 +83,12 @@ def main() -> None:
     # steps large enough that the links' latency at each step boundary is a small part of a step
     parser.add_argument("--target-batch-size", type=int, default=512, help="samples per step")
     parser.add_argument("--microbatch-size", type=int, default=32, help="samples per microbatch")
-    parser.add_argument("--max-in-flight", type=int, default=16, help="microbatches in flight")
+    parser.add_argument("--max-in-flight", type=int, default=16, help="microbatches in flight (at most)")
+    parser.add_argument(
+        "--in-flight-from-links",
+        action="store_true",
+        help="trainers size the microbatches in flight from the pipeline's rate and round trip, up to --max-in-flight",
+    )
     parser.add_argument(
         "--overlap-steps", action="store_true", help="trainers start each step while the one before finishes"
     )
@@ -145,11 +152,17 @@ def main() -> None:
                 "microbatch_size": args.microbatch_size,
                 "max_in_flight": args.max_in_flight,
                 "overlap_steps": args.overlap_steps,
+                "in_flight_from_links": args.in_flight_from_links,
                 "samples_per_s": samples_per_s,
                 "speedup_vs_none": speedup,
                 "times_fewer_bytes_than_none": fewer_bytes,
                 "wire_kb_per_sample": kb_per_sample,
                 "retries": {name: summary["retries"] for name, summary in summaries.items()},
+                "in_flight_window_largest": (
+                    {name: s["in_flight_window_largest"] for name, s in summaries.items()}
+                    if args.in_flight_from_links
+                    else {}
+                ),
                 "auto_choices": {name: s["codecs"] for name, s in summaries.items() if ":auto@" in name},
             }
         )

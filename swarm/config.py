@@ -504,7 +504,13 @@ class TrainerConfig(NetworkConfig, ModelConfig, MetricsConfig):
 
     steps: int = option(100, "optimizer steps to train for")
     microbatch_size: int = option(8, "samples in one microbatch")
-    max_in_flight: int = option(8, "microbatches in flight at once")
+    max_in_flight: int = option(8, "microbatches in flight at once (with --in-flight-from-links: at most)")
+    in_flight_from_links: bool = option(
+        False,
+        "size the microbatches in flight from what the pipeline delivers: twice its rate times a microbatch's "
+        "round trip when nothing queues (the bandwidth-delay product), between 1 and --max-in-flight. For slow or "
+        "distant links give --max-in-flight room (e.g. 256); the summary reports the window's sizes",
+    )
     overlap_steps: bool = option(
         False,
         "start the next step's microbatches while the last backwards of the step before finish, so stages do not "

@@ -40,6 +40,7 @@ from swarm.data import Corpus, CorpusError, load_corpus
 from swarm.dht_node import connect_to_daemon, start_dht
 from swarm.direct_plane import DirectPlane
 from swarm.event_loop import run, stop_event_on_signals
+from swarm.in_flight import InFlightGate, InFlightWindow
 from swarm.launch_clock import seconds_since_launch
 from swarm.link_shaper import LinkShape, LinkShaper
 from swarm.models.stage_io import StageOutputError, check_stage_outputs
@@ -92,6 +93,10 @@ class TrainingSummary:
     found_swarm_after_launch_s: float = float("nan")
     first_step_after_launch_s: float = float("nan")
     losses: list[float] = field(default_factory=list)
+    # with --in-flight-from-links: the window's size at the end and its largest; its drains to re-measure
+    in_flight_window: int = 0
+    in_flight_window_largest: int = 0
+    in_flight_probes: int = 0
 
 
 class ResendBuffer:
@@ -150,6 +155,7 @@ class Trainer:
         self.ledger = SampleLedger(config.ledger)
         # random start: a restarted trainer with the same identity must not reuse microbatch ids
         self._microbatch_ids = random.getrandbits(62)
+        self.in_flight_window: InFlightWindow | None = None  # with --in-flight-from-links
         # per stage, the step to ask a forward for: the one after the step its latest backwards reached
         self._want: dict[int, int] = {}
         self._reached: dict[int, int] = {}
@@ -433,24 +439,26 @@ class Trainer:
         return reply.loss
 
     async def run_step(
-        self, batch: torch.Tensor, gate: asyncio.Semaphore | None = None, admitted: asyncio.Event | None = None
+        self, batch: torch.Tensor, gate: InFlightGate | None = None, admitted: asyncio.Event | None = None
     ) -> float:
         """One optimizer step's worth of microbatches; returns the mean loss over the batch.
 
         `gate` bounds the microbatches in flight (shared with an overlapping step's); `admitted` is set once
         every microbatch of this step has got past it, when the next step may start.
         """
-        gate = gate or asyncio.Semaphore(self.config.max_in_flight)
+        gate = gate or self._in_flight_gate()
         microbatches = batch.split(self.config.microbatch_size)
         waiting = len(microbatches)
 
         async def limited(tokens: torch.Tensor) -> tuple[float, int]:
             nonlocal waiting
-            async with gate:
+            async with gate as sent_at:
                 waiting -= 1
                 if not waiting and admitted is not None:
                     admitted.set()
-                return await self.run_microbatch(tokens), len(tokens)
+                loss = await self.run_microbatch(tokens)
+                gate.completed(len(tokens), sent_at)
+                return loss, len(tokens)
 
         results = await asyncio.gather(*(limited(mb) for mb in microbatches))
         # the next step's forwards ask each stage for the step after the one these backwards reached: a
@@ -458,6 +466,17 @@ class Trainer:
         for stage, reached in self._reached.items():
             self._want[stage] = max(self._want.get(stage, 0), reached + 1)
         return sum(loss * n for loss, n in results) / sum(n for _, n in results)
+
+    def _in_flight_gate(self) -> InFlightGate:
+        """The bound on microbatches in flight: --max-in-flight, or a window sized from the pipeline (the
+        trainer keeps one window for the whole run, so what it learned carries from step to step)."""
+        if self.in_flight_window is None and self.config.in_flight_from_links:
+            # from one microbatch per stage: the pipeline holds at least that much once it is full
+            self.in_flight_window = InFlightWindow(
+                initial=self.config.num_stages, maximum=self.config.max_in_flight,
+                microbatch_samples=self.config.microbatch_size,
+            )  # fmt: skip
+        return InFlightGate(self.config.max_in_flight, self.in_flight_window)
 
     # --- the run ---------------------------------------------------------------------------------
 
@@ -470,7 +489,7 @@ class Trainer:
         """
         data_seed = self.config.seed if self.config.data_seed is None else self.config.data_seed
         depth = 2 if self.config.overlap_steps else 1
-        gate = asyncio.Semaphore(self.config.max_in_flight)
+        gate = self._in_flight_gate()
         running: deque[tuple[asyncio.Task, asyncio.Event]] = deque()
         stopping = asyncio.create_task(stop.wait())
         started = 0
@@ -564,6 +583,10 @@ class Trainer:
         if self.chooser is not None:
             summary.codecs = self.chooser.choices()
         summary.calls_by_path = dict(self.p2p.calls)
+        if self.in_flight_window is not None:
+            window = self.in_flight_window
+            summary.in_flight_window, summary.in_flight_window_largest = window.size, window.largest
+            summary.in_flight_probes = window.probes
         if summary.losses:
             summary.first_loss = summary.losses[0]
             tail = summary.losses[-min(5, len(summary.losses)) :]
