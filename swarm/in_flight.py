@@ -2,16 +2,14 @@
 
 A pipeline of stages behind slow links holds as many microbatches as its delivery rate times a
 microbatch's round trip when nothing queues (Little's law: the bandwidth-delay product). Fewer leave
-links and stages idle; more only queue at the slowest stage. `InFlightWindow` estimates both from the
+links and stages idle; more only queue at the slowest one. `InFlightWindow` estimates both from the
 microbatches the trainer completes, as BBR does for a TCP flow: the round trip is the smallest seen
-lately (queueing only ever adds to it), the rate the highest delivered over recent completions, and
-the window `gain` times their product. While the window is what limits the rate, the round trip stays
-at its minimum and each estimate grows the window by about `gain`; once the slowest stage is busy, the
-rate stops growing and so does the window. A window over the product keeps a queue at that stage,
-which hides the true round trip: when none as small has been seen for `probe_every` seconds, the
-window drops to half the product (a queue then drains, the pipe stays half full) until a microbatch
-sent after the drop comes back, and that one's round trip is the new estimate. The rate is the highest
-of the recent estimates, so a drain does not pull it down. `InFlightGate` admits microbatches up to the window.
+(queueing only ever adds to it), the rate the highest of the recent estimates, and the window `gain`
+times their product. While the window is what holds the rate back, each estimate grows it by about
+`gain`; once the slowest link or stage is busy, the rate stops growing and so does the window, with
+about one product's worth queued in front of that bottleneck. The smallest round trip is kept for the
+whole run: a minimum that expired under a standing queue would come back higher each time and the
+window would run away to its ceiling. `InFlightGate` admits microbatches up to the window.
 """
 
 from __future__ import annotations
@@ -27,59 +25,34 @@ class InFlightWindow:
     """The trainer's estimate of the microbatches the pipeline holds; pure, fed completed microbatches."""
 
     def __init__(
-        self,
-        initial: int,
-        maximum: int,
-        microbatch_samples: int,
-        minimum: int = 1,
-        gain: float = 2.0,
-        memory: int = 64,
-        probe_every: float = 10.0,
+        self, initial: int, maximum: int, microbatch_samples: int, minimum: int = 1, gain: float = 2.0, memory: int = 64
     ) -> None:
         if not 1 <= minimum <= maximum:
             raise ValueError(f"the window's bounds must satisfy 1 <= minimum <= maximum, got {minimum}, {maximum}")
         self.minimum, self.maximum = minimum, maximum
         self.microbatch_samples = max(1, microbatch_samples)
         self.gain = gain
-        self.probe_every = probe_every
         self.size = min(max(initial, minimum), maximum)
         self.largest = self.size
-        self.probes = 0  # drains to measure the round trip again
         self._completions: deque[tuple[float, int]] = deque(maxlen=memory)  # (time, samples)
         self._rates: deque[float] = deque(maxlen=memory)  # samples/s delivered, per recent estimate
         self.rate = 0.0  # samples/s: the highest recent estimate
-        self.round_trip = math.inf  # seconds: the smallest round trip of one microbatch, lately
-        self._round_trip_seen = 0.0  # when a round trip that small was last seen
-        self._draining_since: float | None = None
+        self.round_trip = math.inf  # seconds: the smallest round trip of one microbatch seen
 
     def completed(self, samples: int, round_trip: float, now: float) -> int:
         """One microbatch of `samples` came back `round_trip` seconds after it went out; returns the window."""
-        round_trip = max(round_trip, 1e-6)
+        self.round_trip = min(self.round_trip, max(round_trip, 1e-6))
         self._completions.append((now, samples))
-        if self._draining_since is not None:
-            if now - round_trip < self._draining_since:
-                return self.size  # sent before the drain: it queued behind the others
-            self._draining_since = None
-            self.round_trip, self._round_trip_seen = round_trip, now
-        elif round_trip <= self.round_trip:
-            self.round_trip, self._round_trip_seen = round_trip, now
-        elif now - self._round_trip_seen > self.probe_every:
-            self._draining_since = now
-            self.probes += 1
-            self.size = self._bounded(0.5 * self.rate * self.round_trip / self.microbatch_samples)
-            return self.size
         first_time, _ = self._completions[0]
         span = now - first_time
         # over less than a round trip, completions measure bursts rather than the pipeline's rate
         if len(self._completions) >= 2 and span >= self.round_trip:
             self._rates.append(sum(n for _, n in list(self._completions)[1:]) / span)
             self.rate = max(self._rates)
-            self.size = self._bounded(self.gain * self.rate * self.round_trip / self.microbatch_samples)
+            product = self.rate * self.round_trip / self.microbatch_samples
+            self.size = min(self.maximum, max(self.minimum, math.ceil(self.gain * product)))
             self.largest = max(self.largest, self.size)
         return self.size
-
-    def _bounded(self, microbatches: float) -> int:
-        return min(self.maximum, max(self.minimum, math.ceil(microbatches)))
 
 
 class InFlightGate:

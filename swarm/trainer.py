@@ -48,7 +48,7 @@ from swarm.proto import BACKWARD, FORWARD, ErrorCode, StageRequest
 from swarm.router import Router
 from swarm.sample_ledger import SampleLedger, fed_record
 from swarm.stage_records import SERVING, StageRecord, fetch_stage_records
-from swarm.trainer_records import TrainerProgress, direct_addresses, publish_forever
+from swarm.trainer_records import TrainerProgress, direct_addresses, publish_forever, publish_now
 from swarm.transport import CallStats, StageCallError, call_stage
 
 if TYPE_CHECKING:
@@ -93,10 +93,9 @@ class TrainingSummary:
     found_swarm_after_launch_s: float = float("nan")
     first_step_after_launch_s: float = float("nan")
     losses: list[float] = field(default_factory=list)
-    # with --in-flight-from-links: the window's size at the end and its largest; its drains to re-measure
+    # with --in-flight-from-links: the window's size at the end and its largest
     in_flight_window: int = 0
     in_flight_window_largest: int = 0
-    in_flight_probes: int = 0
 
 
 class ResendBuffer:
@@ -580,13 +579,15 @@ class Trainer:
                 await steps.aclose()
             refreshing.cancel()
             publishing.cancel()
+        # the steps since the last periodic record: a monitor shows where this trainer ended, not a step before
+        if not await publish_now(self.dht, config.run_id, self.progress):
+            logger.warning("Could not publish this trainer's final progress; monitors show its last record before")
         if self.chooser is not None:
             summary.codecs = self.chooser.choices()
         summary.calls_by_path = dict(self.p2p.calls)
         if self.in_flight_window is not None:
             window = self.in_flight_window
             summary.in_flight_window, summary.in_flight_window_largest = window.size, window.largest
-            summary.in_flight_probes = window.probes
         if summary.losses:
             summary.first_loss = summary.losses[0]
             tail = summary.losses[-min(5, len(summary.losses)) :]

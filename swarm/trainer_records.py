@@ -270,14 +270,20 @@ class TrainerProgress:
         )
 
 
-async def publish_forever(dht: DHT, run_id: str, progress: TrainerProgress, period: float = PUBLISH_PERIOD) -> None:
-    """Publishes `progress` every `period` seconds, off the event loop, until cancelled; never raises."""
+async def publish_now(dht: DHT, run_id: str, progress: TrainerProgress, timeout: float = 10.0) -> bool:
+    """Publishes `progress` once, off the event loop, within `timeout` seconds; never raises."""
     loop = asyncio.get_running_loop()
+    try:
+        return await asyncio.wait_for(loop.run_in_executor(None, publish, dht, run_id, progress.record()), timeout)
+    except Exception as e:
+        logger.debug(f"Could not publish training progress: {type(e).__name__}: {e}")
+        return False
+
+
+async def publish_forever(dht: DHT, run_id: str, progress: TrainerProgress, period: float = PUBLISH_PERIOD) -> None:
+    """Publishes `progress` every `period` seconds until cancelled; never raises."""
     while True:
-        try:
-            await loop.run_in_executor(None, publish, dht, run_id, progress.record())
-        except Exception as e:
-            logger.debug(f"Could not publish training progress ({e}); retrying in {period}s")
+        await publish_now(dht, run_id, progress)
         await asyncio.sleep(period)
 
 

@@ -14,46 +14,79 @@ from test_peer_death import trainer_exit_code
 from swarm.in_flight import InFlightGate, InFlightWindow
 from swarm.stage_records import SERVING
 
-
-def simulate(window: InFlightWindow, delay: float, rate: float, microbatches: int) -> list[int]:
-    """A closed loop through one link of `delay` seconds (both ways together) and a stage that serves
-    `rate` samples/s one microbatch at a time, fed up to the window; returns the window after each return."""
-    now, stage_free_at, sent, sizes = 0.0, 0.0, 0, []
-    returns: list[float] = []  # (time back at the trainer) of microbatches in flight
-    departures: dict[float, float] = {}
-    service = window.microbatch_samples / rate
-    while len(sizes) < microbatches:
-        while len(returns) < window.size and sent < microbatches * 2:
-            start = max(now + delay / 2, stage_free_at)  # queued at the stage behind the ones before it
-            stage_free_at = start + service
-            back = stage_free_at + delay / 2
-            heapq.heappush(returns, back)
-            departures[back] = now
-            sent += 1
-        now = heapq.heappop(returns)
-        sizes.append(window.completed(window.microbatch_samples, now - departures.pop(now), now))
-    return sizes
+Route = list[tuple]  # ("delay", seconds) or ("server", name, seconds a microbatch): FIFO, one at a time
 
 
-def test_the_window_grows_to_the_pipelines_bandwidth_delay_product_and_no_further():
-    """A 1 s round trip and a stage of 40 samples/s in microbatches of 8 hold 5 microbatches (plus the one
-    being served): from 1, the window reaches gain times that, and the rate estimate the stage's rate."""
-    window = InFlightWindow(initial=1, maximum=1000, microbatch_samples=8, gain=2.0)
-    sizes = simulate(window, delay=1.0, rate=40.0, microbatches=400)
-    assert sizes[0] <= 2 and max(sizes[:20]) < max(sizes)  # it starts small and grows
-    assert 10 <= statistics.median(sizes[-200:]) <= 14, sizes[-200:]
-    assert window.rate == pytest.approx(40.0, rel=0.1)
-    # the delay and one microbatch's service, measured again by drains while a queue hid it
-    assert window.round_trip == pytest.approx(1.2, rel=0.05) and window.probes >= 2
-    assert window.largest <= 16
+def simulate(window: InFlightWindow, route: Route, microbatches: int) -> tuple[list[int], float]:
+    """A closed loop: microbatches go out while fewer than the window are in flight, and travel `route`.
+    Returns the window after each return and the samples/s delivered over the second half."""
+    free_at: dict[str, float] = {}
+    events: list[tuple[float, int, int, float]] = []  # (time, order, next hop, time sent)
+    sent = done = in_flight = order = 0
+    sizes, half_time, now = [], 0.0, 0.0
+
+    def launch(now: float) -> None:
+        nonlocal sent, in_flight, order
+        while in_flight < window.size:
+            heapq.heappush(events, (now, order, 0, now))
+            sent, in_flight, order = sent + 1, in_flight + 1, order + 1
+
+    launch(0.0)
+    while done < microbatches:
+        now, _, hop, sent_at = heapq.heappop(events)
+        if hop == len(route):
+            in_flight, done = in_flight - 1, done + 1
+            sizes.append(window.completed(window.microbatch_samples, now - sent_at, now))
+            half_time = now if done == microbatches // 2 else half_time
+            launch(now)
+            continue
+        kind, *what = route[hop]
+        if kind == "delay":
+            later = now + what[0]
+        else:
+            name, seconds = what
+            later = free_at[name] = max(now, free_at.get(name, 0.0)) + seconds
+        heapq.heappush(events, (later, order, hop + 1, sent_at))
+        order += 1
+    return sizes, (microbatches - microbatches // 2) * window.microbatch_samples / (now - half_time)
+
+
+ONE_STAGE = [("delay", 0.5), ("server", "stage", 0.2), ("delay", 0.5)]
+# five calls over 2 s links; stage b's link is crossed twice (forward, then backward with more to carry)
+FIVE_CALLS = [("delay", 2.0), ("server", "a", 0.2), ("delay", 2.0), ("server", "b", 0.4), ("delay", 2.0)]
+FIVE_CALLS += [("server", "c", 0.2), ("delay", 2.0), ("server", "b", 0.8), ("delay", 2.0), ("server", "a", 0.3)]
+FIVE_CALLS += [("delay", 2.0)]
+
+
+def test_the_window_grows_to_the_pipelines_bandwidth_delay_product():
+    """A 1 s round trip and a stage of 40 samples/s in microbatches of 8 hold 6 microbatches: from 3, the
+    window reaches gain (2) times that, the stage is kept busy, and the estimates are the pipeline's own."""
+    window = InFlightWindow(initial=3, maximum=1000, microbatch_samples=8, gain=2.0)
+    sizes, rate = simulate(window, ONE_STAGE, microbatches=600)
+    assert sizes[0] == 3 and 11 <= statistics.median(sizes[-200:]) <= 14, sizes[-200:]
+    assert rate == pytest.approx(40.0, rel=0.03) and window.rate == pytest.approx(40.0, rel=0.05)
+    assert window.round_trip == pytest.approx(1.2)  # the links and one microbatch's service
+
+
+def test_the_window_fills_a_pipeline_whose_slowest_link_is_crossed_twice():
+    """Behind 2 s links, 8 in flight (the trainer's default) leave the pipeline a third idle; the window
+    finds enough to keep its slowest link (b: 1.2 s a microbatch) busy, without running away."""
+    capacity = 8 / 1.2
+    _, fixed_rate = simulate(InFlightWindow(initial=8, maximum=8, microbatch_samples=8, minimum=8), FIVE_CALLS, 600)
+    window = InFlightWindow(initial=3, maximum=1000, microbatch_samples=8)
+    sizes, rate = simulate(window, FIVE_CALLS, microbatches=1500)
+    assert fixed_rate < 0.75 * capacity
+    assert rate > 0.97 * capacity, (rate, sizes[-50:])
+    assert window.largest <= 40, window.largest  # the product (about 12) twice over, and some
 
 
 def test_the_window_stays_within_its_bounds():
     capped = InFlightWindow(initial=1, maximum=4, microbatch_samples=8)
-    assert max(simulate(capped, delay=1.0, rate=40.0, microbatches=200)) == 4
+    assert max(simulate(capped, ONE_STAGE, microbatches=200)[0]) == 4
     floored = InFlightWindow(initial=8, maximum=64, microbatch_samples=8, minimum=3)
-    # a fast stage close by: the product is under one microbatch, the floor holds
-    assert min(simulate(floored, delay=0.0001, rate=100.0, microbatches=200)[50:]) == 3
+    # a stage close by: the product is about one microbatch, the floor holds
+    near = [("delay", 0.0001), ("server", "stage", 0.08)]
+    assert min(simulate(floored, near, microbatches=200)[0][50:]) == 3
     with pytest.raises(ValueError):
         InFlightWindow(initial=1, maximum=0, microbatch_samples=8)
 

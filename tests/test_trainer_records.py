@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
+from conftest import peer_flags, trainer_flags, wait_for_records
 from hivemind.utils import get_dht_time
 
 from swarm.dht_node import TetheredDHT
+from swarm.stage_records import SERVING
 from swarm.trainer_records import (
     MAX_ADDRESSES,
     MAX_BANNED,
@@ -113,3 +116,24 @@ def test_records_are_read_signed_and_bounded_from_a_real_dht():
     finally:
         forger.shutdown()
         honest.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_a_trainer_that_finishes_leaves_its_final_step_in_its_record(local_swarm, tmp_path):
+    """The record a trainer leaves when it ends names its last step, not the one its last periodic
+    publish (every 2 s) happened to see."""
+    local_swarm.start_bootstrap()
+    for stage in range(3):
+        local_swarm.start_peer(f"peer{stage}", stage, peer_flags(tmp_path / f"peer{stage}"))
+    wait_for_records(local_swarm.initial_peers, lambda r: all(any(p.state == SERVING for p in r[s]) for s in range(3)))
+    summary_file = tmp_path / "summary.json"
+    trainer = local_swarm.start_trainer("trainer", trainer_flags(3, summary_file))
+    assert trainer.wait(200) == 0, local_swarm.log_path("trainer").read_text()[-3000:]
+    summary = json.loads(summary_file.read_text())
+    reader = TetheredDHT(initial_peers=local_swarm.initial_peers, start=True)
+    try:
+        (record,) = fetch_trainer_records(reader, "swarm")
+    finally:
+        reader.shutdown()
+    assert record.step == summary["first_step"] + summary["steps"] == 3, record
+    assert record.samples == summary["samples"] and record.loss == pytest.approx(summary["losses"][-1]), record
