@@ -238,6 +238,7 @@ class StageMates:
         self._newcomers: set[str] = set()
         self._state_source: str | None = None  # the mate whose state this peer is downloading now
         self._recently_summed: deque[frozenset[SampleKey]] = deque(maxlen=RECENT_ROUNDS)
+        self._summed_union: frozenset[SampleKey] = frozenset()  # of _recently_summed, rebuilt once a step
         # read on the runtime thread, replaced whole on the event loop (see held_elsewhere)
         self._elsewhere: frozenset[SampleKey] = frozenset()
 
@@ -460,6 +461,7 @@ class StageMates:
             del self.steps[old]
         if result is not None:
             self._recently_summed.append(frozenset((trainer, mb) for trainer, mb, _ in result.ids))
+            self._summed_union = frozenset().union(*self._recently_summed)
             record = step_record(
                 self.peer_id, self.stage, step - 1, result.ids, result.lost, fingerprint, result.seconds
             )
@@ -493,7 +495,7 @@ class StageMates:
                 # here, so the round need not wait for them (were it alive after all, the round counts them twice)
                 if member != self.peer_id and member not in self._silent:
                     held.update(keys)
-        self._elsewhere = frozenset(held.union(*self._recently_summed))
+        self._elsewhere = self._summed_union.union(held)
 
     # --- StepCoordinator: called on the runtime thread --------------------------------------------
 
@@ -551,8 +553,9 @@ class StageMates:
                 self._silent.discard(peer_id)
                 self._note_holdings()
         except Exception as e:  # the round itself tolerates a silent mate
-            self._silent.add(peer_id)
-            self._note_holdings()
+            if peer_id not in self._silent:
+                self._silent.add(peer_id)
+                self._note_holdings()
             self._newcomers.discard(peer_id)  # one that never came up; a live one speaks for itself
             logger.debug(f"Could not send progress to {peer_id}: {type(e).__name__}: {e}")
 

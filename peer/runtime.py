@@ -475,7 +475,7 @@ class StageRuntime:
             if any(task.late(now) or task.key in elsewhere for task in batch):
                 for param, grad in zip(params, previous):
                     param.grad = grad
-                return self._requeue_on_time(batch, now, elsewhere)
+                return self._requeue_uncommitted(batch, now, elsewhere)
             for param, grad in zip(params, previous):
                 if grad is not None:
                     param.grad = grad if param.grad is None else param.grad.add_(grad)
@@ -494,7 +494,7 @@ class StageRuntime:
         loss_parts = losses.cpu().split(sizes) if losses is not None else [None] * len(batch)
         return [StageResult([] if grad is None else [grad], loss, step) for grad, loss in zip(grads, loss_parts)]
 
-    def _requeue_on_time(
+    def _requeue_uncommitted(
         self, batch: list[_Task], now: float, elsewhere: frozenset[SampleKey]
     ) -> list[Exception | None]:
         """A batch finished after some caller gave up, or holding a microbatch a mate summed meanwhile: its

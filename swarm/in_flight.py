@@ -15,6 +15,7 @@ window would run away to its ceiling. `InFlightGate` admits microbatches up to t
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import time
 from collections import deque
@@ -32,7 +33,7 @@ class InFlightWindow:
         self.minimum, self.maximum = minimum, maximum
         self.microbatch_samples = max(1, microbatch_samples)
         self.gain = gain
-        self.size = min(max(initial, minimum), maximum)
+        self.size = self._bounded(initial)
         self.largest = self.size
         self._completions: deque[tuple[float, int]] = deque(maxlen=memory)  # (time, samples)
         self._rates: deque[float] = deque(maxlen=memory)  # samples/s delivered, per recent estimate
@@ -47,12 +48,14 @@ class InFlightWindow:
         span = now - first_time
         # over less than a round trip, completions measure bursts rather than the pipeline's rate
         if len(self._completions) >= 2 and span >= self.round_trip:
-            self._rates.append(sum(n for _, n in list(self._completions)[1:]) / span)
+            self._rates.append(sum(n for _, n in itertools.islice(self._completions, 1, None)) / span)
             self.rate = max(self._rates)
-            product = self.rate * self.round_trip / self.microbatch_samples
-            self.size = min(self.maximum, max(self.minimum, math.ceil(self.gain * product)))
+            self.size = self._bounded(self.gain * self.rate * self.round_trip / self.microbatch_samples)
             self.largest = max(self.largest, self.size)
         return self.size
+
+    def _bounded(self, microbatches: float) -> int:
+        return min(self.maximum, max(self.minimum, math.ceil(microbatches)))
 
 
 class InFlightGate:
@@ -87,4 +90,5 @@ class InFlightGate:
     def completed(self, samples: int, sent_at: float) -> None:
         """A microbatch admitted at `sent_at` finished: its round trip feeds the window."""
         if self.window is not None:
-            self.window.completed(samples, time.monotonic() - sent_at, time.monotonic())
+            now = time.monotonic()
+            self.window.completed(samples, now - sent_at, now)
