@@ -449,7 +449,7 @@ class StageRuntime:
         start = time.perf_counter()
         if not batch[0].backward:
             with torch.inference_mode():
-                outputs = self.module(merged[0])
+                outputs = self._stage_forward(merged)
             self._pad_to_simulated_speed(start, sum(sizes), backward=False)
             return [StageResult([out.cpu()], None, step) for out in outputs.split(sizes)]
 
@@ -529,6 +529,10 @@ class StageRuntime:
         if remaining > 0:
             time.sleep(remaining)
 
+    def _stage_forward(self, inputs: list[torch.Tensor], targets: torch.Tensor | None = None) -> torch.Tensor:
+        """The stage's module on a call's inputs: its input, then the token ids where it takes them."""
+        return self.module(inputs[0], targets, tokens=inputs[1] if self.module.takes_tokens else None)
+
     def _backward(
         self, tensors: list[torch.Tensor], accumulate: bool = True
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -536,14 +540,18 @@ class StageRuntime:
 
         With accumulate=False only the input gradient is computed; parameter gradients stay as they are.
         """
-        inputs, extra = tensors[0], tensors[1]
+        split = self.module.num_inputs
+        stage_inputs, extra = list(tensors[:split]), tensors[split]
+        inputs = stage_inputs[0]
         if inputs.is_floating_point():
-            inputs = inputs.detach().requires_grad_(True)
+            inputs = stage_inputs[0] = inputs.detach().requires_grad_(True)
         elif not accumulate and not self.module.is_last:
             return None, None  # token inputs have no gradient, and nothing is to be accumulated
         with torch.enable_grad():
-            losses = self.module(inputs, extra) if self.module.is_last else None
-            output, grad_output = (losses.sum(), None) if losses is not None else (self.module(inputs), extra)
+            losses = self._stage_forward(stage_inputs, extra) if self.module.is_last else None
+            output, grad_output = (
+                (losses.sum(), None) if losses is not None else (self._stage_forward(stage_inputs), extra)
+            )
             if accumulate:
                 output.backward(grad_output)
                 input_grad = inputs.grad if inputs.requires_grad else None

@@ -383,7 +383,8 @@ class Peer:
             if stage.is_last
             else torch.randn(batch, seq, spec.boundary_width)
         )
-        return [first.to(self.runtime.device), extra.to(self.runtime.device)]
+        ids = [torch.randint(0, spec.vocab_size, (batch, seq))] if stage.takes_tokens else []
+        return [tensor.to(self.runtime.device) for tensor in (first, *ids, extra)]
 
     async def _handle_stage(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await self.handler.handle_stage(stream_info, reader, writer)

@@ -65,7 +65,7 @@ def main() -> None:
     parser.add_argument(
         "--runs",
         nargs="+",
-        default=["gpt-tiny:none", "gpt-tiny:8bit", "gpt-tiny-bottleneck:8bit"],
+        default=["gpt-tiny:none", "gpt-tiny:8bit", "gpt-tiny-subspace:8bit"],
         help="MODEL:CODEC runs (each model gets its own swarm); MODEL:none of the first model is the baseline",
     )
     parser.add_argument(

@@ -98,7 +98,8 @@ def loads_from_records(records: dict[int, list[StageRecord]], costs: Sequence[fl
 def stage_costs(spec: ModelSpec, num_stages: int) -> list[float]:
     """Relative compute per sample of each stage (mean 1), from the matrix multiplications it holds."""
     d, layers = spec.d_model, partition_layers(spec.n_layer, num_stages)
-    per_block = (4 + 2 * spec.mlp_ratio) * d * d + 2 * spec.seq_len * d  # projections, then attention scores
+    # projections (those writing the residual stream are narrower with a subspace), then attention scores
+    per_block = (3 + spec.mlp_ratio) * d * d + (1 + spec.mlp_ratio) * d * spec.learned_width + 2 * spec.seq_len * d
     costs = []
     for stage in range(num_stages):
         cost = len(layers[stage]) * per_block

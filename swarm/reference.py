@@ -44,10 +44,10 @@ def train_reference(
         batch = corpus.batch(step, target_batch_size, spec.seq_len, seed)
         total = 0.0
         for tokens in batch.split(microbatch_size):
-            hidden = tokens[:, :-1]
+            inputs = hidden = tokens[:, :-1]
             for stage in stages[:-1]:
-                hidden = stage(hidden)
-            sample_losses = stages[-1](hidden, tokens[:, 1:])
+                hidden = stage(hidden, tokens=inputs)
+            sample_losses = stages[-1](hidden, tokens[:, 1:], tokens=inputs)
             sample_losses.sum().backward()
             total += float(sample_losses.detach().sum())
         for stage, optimizer in zip(stages, optimizers):

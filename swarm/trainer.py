@@ -422,16 +422,18 @@ class Trainer:
         mb = self._microbatch_ids
         last = self.config.num_stages - 1
         inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-        stage_inputs, versions, forward_peers = [inputs], [], []
+        # a subspace model's stages after the first take the token ids beside the hidden states
+        ids = [inputs] if self.spec.subspace else []
+        stage_inputs, versions, forward_peers = [[inputs]], [], []
         for stage in range(last):
-            reply, (hidden,) = await self.call(stage, False, [stage_inputs[-1]], mb, self._want[stage])
-            stage_inputs.append(hidden)
+            reply, (hidden,) = await self.call(stage, False, stage_inputs[-1], mb, self._want[stage])
+            stage_inputs.append([hidden, *ids])
             versions.append(reply.step)
             forward_peers.append(self._served_by)
-        reply, grads = await self.call(last, True, [stage_inputs[last], targets], mb, self._want[last])
+        reply, grads = await self.call(last, True, [*stage_inputs[last], targets], mb, self._want[last])
         for stage in reversed(range(last)):
             (grad,) = grads
-            _, grads = await self.call(stage, True, [stage_inputs[stage], grad], mb, versions[stage])
+            _, grads = await self.call(stage, True, [*stage_inputs[stage], grad], mb, versions[stage])
             if self._served_by != forward_peers[stage]:  # stateless serving: any stage-mate can do it
                 self.summary.backwards_moved += 1
         self.ledger.write(fed_record(self.trainer_id, mb, len(tokens), at=time.time()))

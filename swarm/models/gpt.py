@@ -7,6 +7,10 @@ whole model in one process is just the stages applied in order.
 With a bottleneck in the spec, each stage boundary also gets a learned pair of projections: the
 stage before it ends with `down` (d_model -> bottleneck), the stage after it starts with `up`
 (bottleneck -> d_model), so the activations and gradients sent between peers are narrower.
+
+With a subspace in the spec, the blocks write only the first `subspace` coordinates of the residual
+stream; the others hold a fixed embedding of each token and position, the same on every stage. A stage
+sends those learned coordinates, the next one takes them with the token ids and rebuilds the stream.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.n_head = spec.n_head
         self.qkv = nn.Linear(spec.d_model, 3 * spec.d_model)
-        self.proj = nn.Linear(spec.d_model, spec.d_model)
+        self.proj = nn.Linear(spec.d_model, spec.learned_width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, width = x.shape
@@ -44,12 +48,17 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(
             nn.Linear(spec.d_model, spec.mlp_ratio * spec.d_model),
             nn.GELU(),
-            nn.Linear(spec.mlp_ratio * spec.d_model, spec.d_model),
+            nn.Linear(spec.mlp_ratio * spec.d_model, spec.learned_width),
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+    def forward(self, x: torch.Tensor, fixed: torch.Tensor | None = None) -> torch.Tensor:
+        """`x` is the learned part of the residual stream; `fixed`, with a subspace, the rest of it."""
+        x = x + self.attn(self.ln1(_whole_stream(x, fixed)))
+        return x + self.mlp(self.ln2(_whole_stream(x, fixed)))
+
+
+def _whole_stream(learned: torch.Tensor, fixed: torch.Tensor | None) -> torch.Tensor:
+    return learned if fixed is None else torch.cat([learned, fixed], dim=-1)
 
 
 def partition_layers(n_layer: int, num_stages: int) -> list[range]:
@@ -69,9 +78,9 @@ class GPTStage(nn.Module):
     """One pipeline stage of the GPT model.
 
     Inputs: token ids [batch, seq] on stage 0, hidden states [batch, seq, spec.boundary_width]
-    elsewhere. Output: hidden states [batch, seq, spec.boundary_width], or on the last stage
-    [batch, seq, d_model] without targets and, given targets, the loss of each sample [batch]
-    (cross-entropy averaged over the sample's tokens).
+    elsewhere, and with a subspace also the token ids (`tokens`). Output: hidden states
+    [batch, seq, spec.boundary_width], or on the last stage [batch, seq, d_model] without targets and,
+    given targets, the loss of each sample [batch] (cross-entropy averaged over the sample's tokens).
     """
 
     def __init__(self, spec: ModelSpec, stage: int, num_stages: int) -> None:
@@ -80,9 +89,16 @@ class GPTStage(nn.Module):
             raise ValueError(f"stage {stage} is out of range for {num_stages} stages")
         self.spec, self.stage, self.num_stages = spec, stage, num_stages
         self.is_first, self.is_last = stage == 0, stage == num_stages - 1
+        self.takes_tokens = spec.subspace > 0 and not self.is_first  # besides the hidden states
         if self.is_first:
-            self.tok_emb = nn.Embedding(spec.vocab_size, spec.d_model)
-            self.pos_emb = nn.Embedding(spec.seq_len, spec.d_model)
+            self.tok_emb = nn.Embedding(spec.vocab_size, spec.learned_width)
+            self.pos_emb = nn.Embedding(spec.seq_len, spec.learned_width)
+        if spec.subspace:
+            # not in the state dict: they follow from the spec, so a newcomer that downloads only the
+            # parameters, or a checkpoint, has them already
+            tok_fixed, pos_fixed = _fixed_embedding(spec)
+            self.register_buffer("tok_fixed", tok_fixed, persistent=False)
+            self.register_buffer("pos_fixed", pos_fixed, persistent=False)
         self.blocks = nn.ModuleList(Block(spec) for _ in partition_layers(spec.n_layer, num_stages)[stage])
         if self.is_last:
             self.ln_f = nn.LayerNorm(spec.d_model)
@@ -97,17 +113,31 @@ class GPTStage(nn.Module):
             if not self.is_last:
                 self.down = nn.Linear(spec.d_model, spec.bottleneck)
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Runs the stage; see the class docstring for what `x`, `targets` and the result are."""
+    @property
+    def num_inputs(self) -> int:
+        """How many tensors a forward call carries: the stage's input, and the token ids if it takes them."""
+        return 2 if self.takes_tokens else 1
+
+    def forward(
+        self, x: torch.Tensor, targets: torch.Tensor | None = None, tokens: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Runs the stage; see the class docstring for what `x`, `targets`, `tokens` and the result are."""
+        fixed = None
+        if self.spec.subspace:
+            ids = x if self.is_first else tokens
+            if ids is None:
+                raise ValueError(f"stage {self.stage} of {self.spec.name} takes the token ids with its hidden states")
+            fixed = self.tok_fixed[ids] + self.pos_fixed[: ids.shape[1]]
         if self.is_first:
             positions = torch.arange(x.shape[1], device=x.device)
             x = self.tok_emb(x) + self.pos_emb(positions)
         elif self.up is not None:
             x = self.up(x)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, fixed)
         if not self.is_last:
             return x if self.down is None else self.down(x)
+        x = _whole_stream(x, fixed)
         if targets is None:
             return x
         logits = self.head(self.ln_f(x))
@@ -124,6 +154,18 @@ def _boundary_basis(spec: ModelSpec, boundary: int, seed: int) -> torch.Tensor:
     # A stream apart from the stages' own (seed * 1_000_003 + stage) generators.
     generator = torch.Generator().manual_seed((seed * 1_000_003 + boundary) ^ 0x5EED_B077)
     return torch.randn(spec.d_model, spec.bottleneck, generator=generator)
+
+
+def _fixed_embedding(spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fixed part of a subspace model's token and position embeddings: [vocab, d_model - subspace]
+    and [seq_len, d_model - subspace], scaled like the learned ones at initialization.
+
+    It depends on the spec alone, not on the seed, so every peer agrees on it whatever its --seed.
+    """
+    generator = torch.Generator().manual_seed(0x5EED_F1ED)
+    width = spec.d_model - spec.subspace
+    tokens = torch.randn(spec.vocab_size, width, generator=generator) * 0.02
+    return tokens, torch.randn(spec.seq_len, width, generator=generator) * 0.02
 
 
 def build_stage(spec: ModelSpec, stage: int, num_stages: int, seed: int = 0) -> GPTStage:

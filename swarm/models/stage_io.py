@@ -36,6 +36,8 @@ def _describe(tensor: torch.Tensor) -> str:
 def expected_inputs(stage: GPTStage, backward: bool) -> list[str]:
     """Names of the tensors a forward or backward call to `stage` carries, in order."""
     names = ["tokens" if stage.is_first else "hidden"]
+    if stage.takes_tokens:
+        names.append("tokens")
     if backward:
         names.append("targets" if stage.is_last else "grad_outputs")
     return names
