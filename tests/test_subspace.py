@@ -24,9 +24,9 @@ def tokens(seed: int = 0) -> torch.Tensor:
     return torch.randint(0, SPEC.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
 
 
-def test_preset_is_gpt_tiny_sending_a_quarter_of_the_width():
+def test_preset_is_gpt_tiny_sending_a_fifth_of_the_width():
     tiny = get_model_spec("gpt-tiny")
-    assert SPEC.subspace == 32 and SPEC.boundary_width == 32 and SPEC.bottleneck == 0
+    assert SPEC.subspace == 24 and SPEC.boundary_width == 24 and SPEC.bottleneck == 0
     assert (SPEC.d_model, SPEC.n_layer, SPEC.seq_len) == (tiny.d_model, tiny.n_layer, tiny.seq_len)
     with pytest.raises(ValueError, match="subspace must be"):
         get_model_spec("gpt-tiny", subspace=128)
@@ -41,7 +41,7 @@ def test_num_parameters_counts_the_narrow_projections(num_stages: int):
 
 
 def test_the_boundary_loses_nothing():
-    """Three stages passing 32 coordinates and the token ids compute what one stage holding every block does."""
+    """Three stages passing 24 coordinates and the token ids compute what one stage holding every block does."""
     stages = [build_stage(SPEC, k, NUM_STAGES, seed=3) for k in range(NUM_STAGES)]
     whole = build_stage(SPEC, 0, 1, seed=3)
     parameters = {}
@@ -90,7 +90,7 @@ def test_the_fixed_embedding_depends_on_the_spec_alone():
 
 
 def test_split_backward_through_runtimes_matches_one_process_autograd():
-    """Stage by stage as peers run it (32 coordinates and the ids forward, 32-wide gradients back)."""
+    """Stage by stage as peers run it (24 coordinates and the ids forward, 24-wide gradients back)."""
     stages = [build_stage(SPEC, k, NUM_STAGES, seed=5) for k in range(NUM_STAGES)]
     ids, targets = tokens(), tokens(1)
     hidden = ids

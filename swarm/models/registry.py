@@ -78,8 +78,8 @@ MODELS: dict[str, ModelSpec] = {
         ModelSpec("gpt-tiny", seq_len=64, d_model=128, n_layer=6, n_head=4),
         # gpt-tiny with a learned bottleneck at stage boundaries: 4x fewer values on the wire
         ModelSpec("gpt-tiny-bottleneck", seq_len=64, d_model=128, n_layer=6, n_head=4, bottleneck=32),
-        # gpt-tiny whose blocks write a 32-wide subspace of the residual stream: 4x fewer values, sent exactly
-        ModelSpec("gpt-tiny-subspace", seq_len=64, d_model=128, n_layer=6, n_head=4, subspace=32),
+        # gpt-tiny whose blocks write 24 of the residual stream's 128 coordinates: 5.3x fewer values, sent exactly
+        ModelSpec("gpt-tiny-subspace", seq_len=64, d_model=128, n_layer=6, n_head=4, subspace=24),
         # simulated devices (--simulated-speed): real compute this small leaves room for dozens of peers
         ModelSpec("gpt-micro", seq_len=16, d_model=32, n_layer=8, n_head=2),
         # GPU presets
