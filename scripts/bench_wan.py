@@ -158,8 +158,14 @@ def main() -> None:
                 "times_fewer_bytes_than_none": fewer_bytes,
                 "wire_kb_per_sample": kb_per_sample,
                 "retries": {name: summary["retries"] for name, summary in summaries.items()},
-                "in_flight_window_largest": (
-                    {name: s["in_flight_window_largest"] for name, s in summaries.items()}
+                # per run: the window at the end of each step, and the smallest round trip it measured
+                "in_flight_window_per_step": (
+                    {name: s["in_flight_window_per_step"] for name, s in summaries.items()}
+                    if args.in_flight_from_links
+                    else {}
+                ),
+                "in_flight_round_trip_s": (
+                    {name: s["in_flight_round_trip_s"] for name, s in summaries.items()}
                     if args.in_flight_from_links
                     else {}
                 ),

@@ -93,9 +93,12 @@ class TrainingSummary:
     found_swarm_after_launch_s: float = float("nan")
     first_step_after_launch_s: float = float("nan")
     losses: list[float] = field(default_factory=list)
-    # with --in-flight-from-links: the window's size at the end and its largest
+    # with --in-flight-from-links: the window's size at the end, its largest, its size at the end of each
+    # step, and the smallest round trip of a microbatch it measured (seconds)
     in_flight_window: int = 0
     in_flight_window_largest: int = 0
+    in_flight_window_per_step: list[int] = field(default_factory=list)
+    in_flight_round_trip_s: float = float("nan")
 
 
 class ResendBuffer:
@@ -568,6 +571,8 @@ class Trainer:
                 summary.seconds = time.perf_counter() - start
                 summary.samples_per_second = summary.samples / summary.seconds
                 summary.step_seconds.append(round(summary.seconds, 3))
+                if self.in_flight_window is not None:
+                    summary.in_flight_window_per_step.append(self.in_flight_window.size)
                 summary.bans = self.router.bans_issued
                 banned = [p for p, ban in self.router.bans.items() if ban.until > self.router.clock()]
                 self.progress.add_step(self.step, loss, target_batch_size, summary.bans, banned)
@@ -590,6 +595,7 @@ class Trainer:
         if self.in_flight_window is not None:
             window = self.in_flight_window
             summary.in_flight_window, summary.in_flight_window_largest = window.size, window.largest
+            summary.in_flight_round_trip_s = round(window.round_trip, 3)
         if summary.losses:
             summary.first_loss = summary.losses[0]
             tail = summary.losses[-min(5, len(summary.losses)) :]

@@ -149,3 +149,6 @@ def test_a_trainer_sizes_its_microbatches_in_flight_from_slow_links(local_swarm,
     # the window grows past its start of 3 (one microbatch per stage), never past --max-in-flight
     assert 3 < summary["in_flight_window_largest"] <= 64, summary
     assert 1 <= summary["in_flight_window"] <= summary["in_flight_window_largest"], summary
+    # and says how it got there: its size at the end of each step, and the round trip it measured
+    assert len(summary["in_flight_window_per_step"]) == 4 and max(summary["in_flight_window_per_step"]) > 3, summary
+    assert summary["in_flight_round_trip_s"] > 0.04, summary  # the 40 ms links, at the least
