@@ -131,9 +131,12 @@ def main() -> None:
     def bytes_per_sample(summary: dict) -> float:
         return (summary["bytes_sent"] + summary["bytes_received"]) / max(1, summary["samples"])
 
-    samples_per_s, speedup, fewer_bytes, kb_per_sample = {}, {}, {}, {}
+    samples_per_s, speedup, fewer_bytes, kb_per_sample, last_step = {}, {}, {}, {}, {}
     for name, summary in summaries.items():
         samples_per_s[name] = round(summary["samples_per_second"] * args.time_scale, 1)
+        ends = summary["step_seconds"]
+        if len(ends) >= 2:  # past the first step: the pipeline filled, and a window sized to it
+            last_step[name] = round(args.target_batch_size / (ends[-1] - ends[-2]) * args.time_scale, 1)
         kb_per_sample[name] = round(bytes_per_sample(summary) / 1024, 1)
         baseline = summaries.get(run_name(baseline_model, "none", links[name]))
         if baseline is not None and links[name] is not None:
@@ -155,6 +158,7 @@ def main() -> None:
                 "in_flight_from_links": args.in_flight_from_links,
                 "samples_per_s": samples_per_s,
                 "speedup_vs_none": speedup,
+                "samples_per_s_last_step": last_step,
                 "times_fewer_bytes_than_none": fewer_bytes,
                 "wire_kb_per_sample": kb_per_sample,
                 "retries": {name: summary["retries"] for name, summary in summaries.items()},

@@ -456,12 +456,12 @@ class Trainer:
 
         async def limited(tokens: torch.Tensor) -> tuple[float, int]:
             nonlocal waiting
-            async with gate as sent_at:
+            async with gate as sent:
                 waiting -= 1
                 if not waiting and admitted is not None:
                     admitted.set()
                 loss = await self.run_microbatch(tokens)
-                gate.completed(len(tokens), sent_at)
+                gate.completed(len(tokens), sent)
                 return loss, len(tokens)
 
         results = await asyncio.gather(*(limited(mb) for mb in microbatches))
