@@ -3,18 +3,12 @@
 from __future__ import annotations
 
 import hashlib
-import math
 
 import pytest
 import torch
-from conftest import SMALL_CORPUS
-from swarm.peer.runtime import StageRuntime
 
-from swarm.data import ByteCorpus
 from swarm.models import build_stage, get_model_spec
 from swarm.models.stage_io import StageInputError, check_stage_inputs
-from swarm.optimizer import OptimizerSettings, build_optimizer
-from swarm.reference import train_reference
 
 SPEC = get_model_spec("gpt-tiny-bottleneck")
 TINY = get_model_spec("gpt-tiny")
@@ -101,39 +95,6 @@ def test_gradients_flow_through_the_projections():
     assert bool(stages[0].tok_emb.weight.grad.abs().sum() > 0)  # and on through the bottlenecks to stage 0
 
 
-def test_split_backward_over_the_wire_matches_one_process_autograd():
-    """Stage by stage as peers run it (narrow activations forward, narrow gradients back), via StageRuntime."""
-    stages = [build_stage(SPEC, k, NUM_STAGES, seed=5) for k in range(NUM_STAGES)]
-    hidden = tokens()
-    for stage in stages[:-1]:
-        hidden = stage(hidden)
-    stages[-1](hidden, tokens(1)).sum().backward()
-    expected = [{name: p.grad.clone() for name, p in stage.named_parameters()} for stage in stages]
-
-    runtimes = []
-    for k in range(NUM_STAGES):
-        module = build_stage(SPEC, k, NUM_STAGES, seed=5)
-        runtimes.append(StageRuntime(module, build_optimizer(module, OptimizerSettings()), target_batch_size=100))
-        runtimes[-1].start()
-    try:
-        inputs = [tokens()]
-        for runtime in runtimes[:-1]:
-            # clone: a copy as the wire makes (the runtime answers forwards with inference tensors)
-            inputs.append(runtime.submit(False, [inputs[-1]]).result(30).tensors[0].clone())
-        grad = runtimes[-1].submit(True, [inputs[-1], tokens(1)]).result(30).tensors[0]
-        for runtime, stage_input in zip(reversed(runtimes[:-1]), reversed(inputs[:-1])):
-            assert grad.shape == (BATCH, SEQ, SPEC.boundary_width)
-            check_stage_inputs(runtime.module, True, [stage_input, grad], max_batch=8)
-            result = runtime.submit(True, [stage_input, grad]).result(30)
-            grad = result.tensors[0] if result.tensors else None
-        for runtime, grads in zip(runtimes, expected):
-            for name, param in runtime.module.named_parameters():
-                torch.testing.assert_close(param.grad, grads[name], rtol=1e-4, atol=1e-6, msg=name)
-    finally:
-        for runtime in runtimes:
-            runtime.shutdown()
-
-
 # sha256 (first 32 hex digits) of gpt-tiny's stages, seed 7, as built before bottlenecks existed
 GPT_TINY_HASHES = {
     (1, 0): "caa203f2387cab39716ea772a651ea7d",
@@ -167,18 +128,3 @@ def test_bottleneck_keeps_the_shared_parameters_and_ties_the_boundary():
     for name, value in stages[1].state_dict().items():
         assert torch.equal(again[name], value), name
     assert not torch.equal(build_stage(SPEC, 1, NUM_STAGES, seed=8).up.weight, stages[1].up.weight)
-
-
-def test_reference_training_lowers_the_loss():
-    run = train_reference(
-        SPEC,
-        NUM_STAGES,
-        ByteCorpus(SMALL_CORPUS),
-        steps=8,
-        target_batch_size=8,
-        microbatch_size=4,
-        settings=OptimizerSettings(lr=3e-3),
-        seed=7,
-    )
-    assert all(math.isfinite(loss) for loss in run.losses)
-    assert sum(run.losses[-3:]) / 3 < run.losses[0] - 0.5, run.losses
