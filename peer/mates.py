@@ -125,6 +125,19 @@ def ids_from_wire(ids) -> Held:
     return {(i.trainer, int(i.microbatch)): int(i.samples) for i in ids}
 
 
+@dataclass
+class MateState:
+    """A stage's state as a mate gave it (`request_state`)."""
+
+    step: int
+    tensors: list[torch.Tensor]
+    has_optimizer_state: bool
+    samples_stepped: int
+    held: dict[str, Held]  # the microbatches each other member is known to hold toward the next step
+    attempt: int  # rounds at `step` the giver has found short so far
+    recently_summed: frozenset[SampleKey]  # what the giver's last rounds summed: the state includes them
+
+
 def as_triples(held: Held) -> list[tuple[str, int, int]]:
     return [(trainer, mb, n) for (trainer, mb), n in sorted(held.items())]
 
@@ -1066,6 +1079,7 @@ class StageMates:
                         for p, held in self.steps[step].progress.items()
                         if member and p != requester and held
                     ],
+                    recently_summed=[SampleId(trainer=t, microbatch=mb) for t, mb in self._summed_union],
                 )
                 frames = pack_frames(reply, parts)
         except WireError as e:
@@ -1091,9 +1105,8 @@ class StageMates:
         """
         self._state_source = peer_id
         try:
-            step, tensors, has_optimizer_state, samples_stepped, held, attempt = await request_state(
-                self.p2p, peer_id, self.model, self.stage, self.limits, timeout
-            )
+            given = await request_state(self.p2p, peer_id, self.model, self.stage, self.limits, timeout)
+            step, tensors, has_optimizer_state = given.step, given.tensors, given.has_optimizer_state
             if step < minimum_step:
                 raise StageStateError(f"the mate is at step {step}, not past {minimum_step}")
             runtime = self.runtime
@@ -1111,7 +1124,7 @@ class StageMates:
                 load_state_tensors(runtime.module, runtime.optimizer, tensors, has_optimizer_state)
 
             await asyncio.wrap_future(
-                runtime.run_exclusive(lambda: runtime.load_state(step, apply, samples_stepped), front=True)
+                runtime.run_exclusive(lambda: runtime.load_state(step, apply, given.samples_stepped), front=True)
             )
         finally:
             self._state_source = None
@@ -1121,14 +1134,20 @@ class StageMates:
         # rounds at this step that the giver found short: the next one is the one this peer joins (its own
         # first round at attempt 0 would wait for mates that moved past it, for the whole averaging timeout)
         state = self.steps[step]
-        state.attempt = max(state.attempt, attempt)
+        state.attempt = max(state.attempt, given.attempt)
         progress = state.progress
-        for mate, ids in held.items():
+        for mate, ids in given.held.items():
             if mate != self.peer_id:
                 progress.setdefault(mate, {}).update(ids)
+        # the state already sums what the giver's last rounds summed: a trainer may still send one of them
+        # here (its reply was lost, or this peer had asked for it as lost before it took this state)
+        if given.recently_summed:
+            self._recently_summed.append(given.recently_summed)
+            self._summed_union = frozenset().union(*self._recently_summed)
+        self._note_holdings()
         # tell every member this peer is one now, so that each sends it its progress before answering
         # backwards: otherwise this peer could not tell that the stage has its batch and should wait
-        members = ({peer_id, *held, *self.mates}) - {self.peer_id}
+        members = ({peer_id, *given.held, *self.mates}) - {self.peer_id}
         sends = [self._send_progress(mate, step, {}) for mate in members]
         await asyncio.gather(*sends, return_exceptions=True)
         return step
@@ -1213,21 +1232,26 @@ class StageMates:
 
 async def request_state(
     p2p: P2P, peer_id: str, model: str, stage: int, limits: WireLimits, timeout: float = 120.0
-) -> tuple[int, list[torch.Tensor], bool, int, dict[str, Held], int]:
-    """Asks a peer for its stage's state, or StageStateError.
-
-    Returns (step, tensors, has_optimizer_state, samples_stepped, held, attempt): held is the microbatches
-    each other member is known to hold toward the next step; attempt the giver's round attempt at `step`.
-    """
+) -> MateState:
+    """Asks a peer for its stage's state, or StageStateError."""
     request = StateRequest(protocol_version=PROTOCOL_VERSION, model=model, stage=stage)
     reply, parts = await asyncio.wait_for(
         exchange(p2p, PeerID.from_base58(peer_id), STATE_PROTOCOL, [request], StateReply, limits), timeout
     )
     if reply.error.code != ErrorCode.OK:
         raise StageStateError(f"{ErrorCode.Name(reply.error.code)}: {reply.error.message}")
+    if len(reply.recently_summed) > MAX_IDS:
+        raise StageStateError(f"the state names {len(reply.recently_summed)} summed microbatches, over {MAX_IDS}")
     tensors = await asyncio.get_running_loop().run_in_executor(None, decode_tensors, parts, limits)
-    held = {entry.peer: ids_from_wire(entry.ids) for entry in reply.held}
-    return reply.step, tensors, reply.has_optimizer_state, reply.samples_stepped, held, reply.attempt
+    return MateState(
+        step=reply.step,
+        tensors=tensors,
+        has_optimizer_state=reply.has_optimizer_state,
+        samples_stepped=reply.samples_stepped,
+        held={entry.peer: ids_from_wire(entry.ids) for entry in reply.held},
+        attempt=reply.attempt,
+        recently_summed=frozenset((i.trainer, int(i.microbatch)) for i in reply.recently_summed),
+    )
 
 
 def confirmed_versions(versions: dict[str, tuple[int, str]]) -> set[tuple[int, str]]:

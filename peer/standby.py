@@ -319,9 +319,9 @@ class StandbyKeeper:
             # any peer at the newest confirmed version: the copies' cost is spread over the stage
             source = self.rng.choice([h for h in holders if versions[h] == top])
             model = self.peer.config.model
-            step, tensors, has_optimizer_state, samples_stepped, _, _ = await request_state(
-                self.peer.mates.p2p, source, model, stage, self.limits(stage), STATE_TIMEOUT
-            )
+            given = await request_state(self.peer.mates.p2p, source, model, stage, self.limits(stage), STATE_TIMEOUT)
+            step, tensors, has_optimizer_state = given.step, given.tensors, given.has_optimizer_state
+            samples_stepped = given.samples_stepped
             template = self.template(stage)
             check_state_tensors(template, tensors, has_optimizer_state)
             count = sum(1 for _ in template.parameters())

@@ -36,12 +36,12 @@ def all_serving(records: dict) -> bool:
 
 def served_state(initial_peers: list[str], peer_id: str, stage: int) -> tuple[int, dict[str, torch.Tensor]]:
     """A peer's live state, fetched over the wire and loaded into a fresh stage."""
-    step, tensors, has_optimizer_state, _, _, _ = run_as_stage_members(  # only a stage-mate is given a state
+    given = run_as_stage_members(  # only a stage-mate is given a state
         initial_peers, stage, 1, lambda p2p: request_state(p2p, peer_id, "gpt-tiny", stage, WireLimits())
     )
     module = build_stage(get_model_spec("gpt-tiny"), stage, 3, seed=0)  # another seed: every value must come in
-    load_state_tensors(module, build_optimizer(module, OptimizerSettings()), tensors, has_optimizer_state)
-    return step, module.state_dict()
+    load_state_tensors(module, build_optimizer(module, OptimizerSettings()), given.tensors, given.has_optimizer_state)
+    return given.step, module.state_dict()
 
 
 @pytest.mark.timeout(300)

@@ -23,6 +23,7 @@ from conftest import (
 from hivemind.p2p import PeerID
 from swarm.compression import get_codec
 from swarm.peer.checkpoint import load_checkpoint
+from swarm.peer.mates import request_state
 from swarm.proto import FORWARD, PROTOCOL_VERSION, ErrorCode, MateProgress, MateReply, SampleId, StageRequest
 from test_peer_death import trainer_exit_code
 
@@ -123,6 +124,26 @@ def test_a_backward_whose_reply_was_lost_is_summed_once_by_the_stage(local_swarm
         assert set(summed) == fed, f"stage {stage} summed other microbatches than were fed"
     summary = json.loads(summary_file.read_text())
     assert summary["steps"] == steps and summary["last_loss"] < summary["first_loss"], summary
+
+
+@pytest.mark.timeout(300)
+def test_a_given_state_names_the_microbatches_its_last_rounds_summed(local_swarm, tmp_path):
+    """A peer that takes a mate's state takes the ids of what it already sums: a retry of one of them (its
+    reply lost before the newcomer joined, or sent again because the newcomer counted it lost while its
+    mate had stepped on it) is then answered without summing it twice."""
+    local_swarm.start_bootstrap()
+    for stage in range(3):
+        local_swarm.start_peer(f"peer{stage}", stage, peer_flags(tmp_path / f"peer{stage}"))
+    trainer = local_swarm.start_trainer("trainer", trainer_flags(2, tmp_path / "summary.json"))
+    assert trainer_exit_code(local_swarm, trainer, 180) == 0, local_swarm.log_path("trainer").read_text()[-3000:]
+    records = wait_for_records(local_swarm.initial_peers, lambda r: all(p.step == 2 for p in r[1]))
+    (record,) = records[1]
+    given = run_as_stage_members(
+        local_swarm.initial_peers, 1, 1, lambda p2p: request_state(p2p, record.peer_id, "gpt-tiny", 1, WireLimits())
+    )
+    assert given.step == 2
+    # 2 steps of 24 samples in microbatches of 5: 5 microbatches a step, all of one trainer
+    assert len(given.recently_summed) == 10 and len({trainer for trainer, _ in given.recently_summed}) == 1
 
 
 @pytest.mark.timeout(300)
