@@ -473,8 +473,7 @@ class StageMates:
         for old in [s for s in self.steps if s < step]:
             del self.steps[old]
         if result is not None:
-            self._recently_summed.append(frozenset((trainer, mb) for trainer, mb, _ in result.ids))
-            self._summed_union = frozenset().union(*self._recently_summed)
+            self._remember_summed(frozenset((trainer, mb) for trainer, mb, _ in result.ids))
             record = step_record(
                 self.peer_id, self.stage, step - 1, result.ids, result.lost, fingerprint, result.seconds
             )
@@ -487,6 +486,11 @@ class StageMates:
         if self.on_phase is not None:
             self.on_phase()
         self._advance(step)
+
+    def _remember_summed(self, keys: frozenset[SampleKey]) -> None:
+        """Adds one round's summed microbatches to the last RECENT_ROUNDS', and their union."""
+        self._recently_summed.append(keys)
+        self._summed_union = frozenset().union(*self._recently_summed)
 
     def held_elsewhere(self) -> frozenset[SampleKey]:
         """Microbatches another replica holds toward the current step, or a recent step summed (any thread).
@@ -1142,8 +1146,7 @@ class StageMates:
         # the state already sums what the giver's last rounds summed: a trainer may still send one of them
         # here (its reply was lost, or this peer had asked for it as lost before it took this state)
         if given.recently_summed:
-            self._recently_summed.append(given.recently_summed)
-            self._summed_union = frozenset().union(*self._recently_summed)
+            self._remember_summed(given.recently_summed)
         self._note_holdings()
         # tell every member this peer is one now, so that each sends it its progress before answering
         # backwards: otherwise this peer could not tell that the stage has its batch and should wait

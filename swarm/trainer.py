@@ -425,8 +425,7 @@ class Trainer:
         mb = self._microbatch_ids
         last = self.config.num_stages - 1
         inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-        # a subspace model's stages after the first take the token ids beside the hidden states
-        ids = [inputs] if self.spec.subspace else []
+        ids = [inputs] if self.spec.later_stages_take_tokens else []
         stage_inputs, versions, forward_peers = [[inputs]], [], []
         for stage in range(last):
             reply, (hidden,) = await self.call(stage, False, stage_inputs[-1], mb, self._want[stage])

@@ -89,7 +89,7 @@ class GPTStage(nn.Module):
             raise ValueError(f"stage {stage} is out of range for {num_stages} stages")
         self.spec, self.stage, self.num_stages = spec, stage, num_stages
         self.is_first, self.is_last = stage == 0, stage == num_stages - 1
-        self.takes_tokens = spec.subspace > 0 and not self.is_first  # besides the hidden states
+        self.takes_tokens = spec.later_stages_take_tokens and not self.is_first  # besides the hidden states
         if self.is_first:
             self.tok_emb = nn.Embedding(spec.vocab_size, spec.learned_width)
             self.pos_emb = nn.Embedding(spec.seq_len, spec.learned_width)

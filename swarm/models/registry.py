@@ -51,6 +51,12 @@ class ModelSpec:
         return self.bottleneck or self.subspace or self.d_model
 
     @property
+    def later_stages_take_tokens(self) -> bool:
+        """Whether every stage after the first takes the token ids beside the hidden states (a subspace
+        model rebuilds the fixed part of its residual stream from them)."""
+        return self.subspace > 0
+
+    @property
     def learned_width(self) -> int:
         """How many coordinates of the residual stream the blocks and the learned embeddings write."""
         return self.subspace or self.d_model
