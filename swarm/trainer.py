@@ -10,8 +10,10 @@ Every microbatch has a global id (this trainer's peer id, a microbatch number). 
 peer died holding applied backwards names the lost ids in its SHORT reply; the trainer sends
 again those it still holds in a bounded buffer (`--resend-buffer-mb`). Nothing depends on that
 buffer surviving: a stage waits for lost samples only a bounded time, then steps without them.
-Several trainers may feed one swarm; each asks a stage for the step after the one its own last
-backwards reached, and a stage still short of its batch serves at once.
+After its last step a trainer waits (bounded) until every stage has stepped past it, so that what
+a stage lost of its last microbatches is sent again too. Several trainers may feed one swarm; each
+asks a stage for the step after the one its own last backwards reached, and a stage still short
+of its batch serves at once.
 """
 
 from __future__ import annotations
@@ -99,6 +101,9 @@ class TrainingSummary:
     in_flight_window_largest: int = 0
     in_flight_window_per_step: list[int] = field(default_factory=list)
     in_flight_round_trip_s: float = float("nan")
+    # after the last step: seconds until every stage stepped past it, and whether every stage confirmed it did
+    settle_seconds: float = 0.0
+    settled: bool = False
 
 
 class ResendBuffer:
@@ -470,6 +475,43 @@ class Trainer:
             self._want[stage] = max(self._want.get(stage, 0), reached + 1)
         return sum(loss * n for loss, n in results) / sum(n for _, n in results)
 
+    def _probe(self, stage: int) -> list[torch.Tensor]:
+        """The inputs of a one-token forward to `stage`: all it asks of the stage is to be at a step."""
+        tokens = torch.zeros(1, 1, dtype=torch.int64)
+        if stage == 0:
+            return [tokens]
+        hidden = torch.zeros(1, 1, self.spec.boundary_width)
+        return [hidden, tokens] if self.spec.later_stages_take_tokens else [hidden]
+
+    async def settle(self) -> bool:
+        """After the last step: waits until every stage has stepped past the step this trainer's last
+        backwards reached; returns whether every stage confirmed it.
+
+        A stage that loses a dying peer's samples before its round asks their trainers for them in the
+        SHORT reply to their next forward; after its last step a trainer sends none, so it asks each
+        stage for the next step with a one-token forward instead, which waits for that step and meets
+        any SHORT reply with the resends. A stage still short of other trainers' samples answers at
+        once: what it holds of this trainer's is then in their step, not lost.
+        """
+
+        async def past(stage: int, step: int) -> None:
+            reply, _ = await self.call(stage, False, self._probe(stage), 0, step)
+            if reply.step < step:
+                logger.debug(f"Stage {stage} is at step {reply.step}, waiting for other trainers' samples")
+
+        try:
+            await asyncio.wait_for(
+                asyncio.gather(*(past(stage, reached + 1) for stage, reached in self._reached.items())),
+                self.config.stage_wait_timeout,
+            )
+        except (asyncio.TimeoutError, TrainingError) as e:
+            logger.warning(
+                f"Could not see every stage step past this trainer's last step ({str(e) or 'timed out'}); what a "
+                "stage lost of its last microbatches with a dying peer is counted lost by id there"
+            )
+            return False
+        return True
+
     def _in_flight_gate(self) -> InFlightGate:
         """The bound on microbatches in flight: --max-in-flight, or a window sized from the pipeline (the
         trainer keeps one window for the whole run, so what it learned carries from step to step)."""
@@ -580,6 +622,19 @@ class Trainer:
                 if not config.progress and summary.steps % 10 == 0:
                     logger.info(f"step {self.step} loss {loss:.4f} {summary.samples_per_second:.1f} samples/s")
             bar.close()
+            if not stop.is_set():
+                settling = time.perf_counter()
+                stopping = asyncio.create_task(stop.wait())
+                settle = asyncio.create_task(self.settle())
+                await asyncio.wait([settle, stopping], return_when=asyncio.FIRST_COMPLETED)
+                stopping.cancel()
+                if settle.done():
+                    summary.settled = settle.result()
+                else:
+                    settle.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await settle
+                summary.settle_seconds = round(time.perf_counter() - settling, 3)
         finally:
             if steps is not None:
                 await steps.aclose()

@@ -184,11 +184,43 @@ def test_samples_that_die_with_a_peer_are_resent_or_counted_lost_by_id(local_swa
         assert {(t, mb) for t, mb, _ in lost_lines} <= fed  # named by id: microbatches the trainer fed
     else:
         assert survivor.samples_lost == 0 and not lost_lines, survivor
-        assert summary["samples_resent"] >= 1, summary
+        assert summary["settled"] and summary["samples_resent"] >= 1, summary
         local_swarm.stop_all()
         reference = reference_run(steps, microbatch_size=1)
         checkpoint = load_checkpoint(tmp_path / "peer1b", "gpt-tiny", 1, 3)
         assert_matches_reference(reference.stages[1], checkpoint.parameters, "stage 1", (4e-4, 3e-6))
+
+
+@pytest.mark.timeout(300)
+def test_samples_lost_after_a_trainers_last_step_are_sent_again_before_it_exits(local_swarm, tmp_path):
+    """peer1a dies on the spot as the round of the trainer's last step starts, holding backwards of that
+    step. The trainer has had every backward answered, yet it does not exit until stage 1 steps past its
+    last step: it hears that the stage is short, sends them again, and the stage loses nothing."""
+    steps = 2
+    start_swarm(
+        local_swarm,
+        tmp_path,
+        {0: ["peer0"], 1: ["peer1a", "peer1b"], 2: ["peer2"]},
+        {
+            # a long wait: without the resend the stage would step short long after the trainer exited
+            "peer1a": ["--faults", f"before_contribution@{steps}=die", "--short-wait", "60"],
+            "peer1b": ["--short-wait", "60"],
+        },
+    )
+    summary_file = tmp_path / "summary.json"
+    flags = [*trainer_flags(steps, summary_file, microbatch_size=1, in_flight=8), "--emulate-latency-ms", "50"]
+    trainer = local_swarm.start_trainer("trainer", flags)
+    assert trainer_exit_code(local_swarm, trainer, 240) == 0, local_swarm.log_path("trainer").read_text()[-3000:]
+    summary = json.loads(summary_file.read_text())
+    assert summary["settled"] and summary["samples_resent"] >= 1, summary
+    # the trainer exited only after the stage stepped: no wait on records for it
+    (survivor,) = peer_infos(local_swarm, 1)
+    assert survivor.step == steps and survivor.samples_lost == 0, survivor
+    assert not [entry for line in read_lines(tmp_path / "peer1b.ledger") for entry in line["lost"]]
+    local_swarm.stop_all()
+    reference = reference_run(steps, microbatch_size=1)
+    checkpoint = load_checkpoint(tmp_path / "peer1b", "gpt-tiny", 1, 3)
+    assert_matches_reference(reference.stages[1], checkpoint.parameters, "stage 1", (4e-4, 3e-6))
 
 
 @pytest.mark.timeout(300)
