@@ -4,7 +4,7 @@ A tensor is flattened and cut into blocks of `block_size` values (the last block
 block is divided by its largest finite magnitude (absmax), which maps it onto [-1, 1], and every value is
 replaced by the index of the nearest level of a fixed, non-uniform codebook on [-1, 1]. Decoding looks the
 levels up again and multiplies by the block's scale. Everything is vectorized torch, on CPU or GPU alike;
-on CPU large tensors go through in chunks of 2**18 values to keep the temporaries in cache. Decoding always
+on CPU large tensors go through in chunks of 2**17 values to keep the temporaries in cache. Decoding always
 produces a CPU tensor.
 
 Payload layout (all little-endian)::
@@ -32,6 +32,7 @@ import operator
 import struct
 from typing import ClassVar
 
+import numpy
 import torch
 from swarm.compression.codecs import Codec, CodecError
 
@@ -39,14 +40,17 @@ HEADER = struct.Struct("<4sBBHQ")
 VERSION = 1
 DEFAULT_BLOCK_SIZE = 64
 #: values quantized at a time on CPU: large tensors in one go spend most of their time in page faults on
-#: fresh temporaries and in memory traffic; chunks of 1 MiB of float32 keep them in cache
-CPU_CHUNK_VALUES = 2**18
+#: fresh temporaries and in memory traffic; chunks of 512 KiB of float32 keep the temporaries (about 2 MiB) in
+#: a core's cache, and larger ones were slower on these machines (measured: 2**16 to 2**18)
+CPU_CHUNK_VALUES = 2**17
 #: exponent of the signed power codebook. Measured (relative L2 error, blocks of 64): a uniform grid (1.0)
 #: wins only on plain gaussian data, and by about 1%; 1.75 cuts the error by a third (student-t, 3 degrees
 #: of freedom) to two thirds (gaussian with rare 50x outliers, heavy-tailed gradients), because such blocks
 #: hold one large value and many small ones that a uniform grid rounds coarsely. 2 and above start to cost
 #: on gaussian data (+8% at 2.0); 1.75 is also among the best exponents at 4 bits.
 CODEBOOK_EXPONENT = 1.75
+#: below this (2**-100) a block's scale divided by the table's half would leave float32's normal range
+TINY_SCALE = 2.0**-100
 
 
 def signed_power_codebook(bits: int, exponent: float = CODEBOOK_EXPONENT) -> torch.Tensor:
@@ -79,9 +83,13 @@ class _NearestLevelTable:
 
     torch.bucketize runs a branchy binary search per value: about 30-100 MB/s of float32 on one CPU core
     for 255 midpoints, the bottleneck of the whole codec. Instead, [-1, 1] is cut into `cells` equal cells
-    so narrow that any two neighbouring cells hold at most one midpoint; a table (built with bucketize)
-    holds the code at each cell's left edge, and one comparison with the next midpoint finishes the job.
-    That is two gathers from small tables and a few elementwise passes, about ten times faster.
+    so narrow that any two neighbouring cells hold at most one midpoint; one table (built with bucketize)
+    holds the code at each cell's left edge, another the midpoint after that code, and one comparison
+    finishes the job. That is two gathers by the same index and a few elementwise passes.
+
+    It works on values scaled by `half` (cells / 2, a power of two), so that the cell index is one add
+    and a truncation. A power of two scales exactly: comparing scaled values with scaled midpoints gives
+    the same answers as comparing the values themselves.
     """
 
     def __init__(self, bits: int, device: torch.device) -> None:
@@ -89,21 +97,63 @@ class _NearestLevelTable:
         min_gap = float((mids[1:] - mids[:-1]).min())
         # two neighbouring cells (width 2 / cells) must be narrower than the smallest gap between midpoints
         self.cells = 2 ** math.ceil(math.log2(4 / min_gap))
+        self.half = self.cells // 2
         edges = torch.linspace(-1.0, 1.0, self.cells + 1, dtype=torch.float64)[:-1].to(torch.float32)
-        self.first_code = torch.bucketize(edges, mids, out_int32=True).to(device)
+        first_code = torch.bucketize(edges, mids)
+        self.first_code = first_code.to(torch.uint8).to(device)
         # +inf after the last midpoint: the top code never moves up
-        self.next_midpoint = torch.cat([mids, torch.tensor([math.inf])]).to(device)
+        next_midpoint = torch.cat([mids, torch.tensor([math.inf])])
+        self.threshold = (next_midpoint[first_code] * self.half).to(device)
 
-    def __call__(self, normalized: torch.Tensor) -> torch.Tensor:
-        """int32 codes of the nearest levels to `normalized`, whose values must lie in [-1, 1]."""
-        half = self.cells / 2
+    def codes_into(self, scaled: torch.Tensor, codes: torch.Tensor, work: _Workspace) -> None:
+        """Writes into uint8 `codes` those of the nearest levels to `scaled` / half; `scaled` holds values
+        in [-half, half], flat like `codes`."""
         # the cell index, computed a hundredth of a cell low so that float rounding can only err downwards
         # (by at most one cell, after which the value still lies within two cells of the cell's left edge,
-        # so within one midpoint of its code); truncation then floors, and 1.0 lands in the last cell
-        cell = normalized.mul(half).add_(half - 0.01).to(torch.int32)
-        codes = self.first_code.index_select(0, cell.view(-1)).view(cell.shape)
-        codes += normalized > self.next_midpoint.index_select(0, codes.view(-1)).view(codes.shape)
-        return codes
+        # so within one midpoint of its code); truncation then floors, and half lands in the last cell
+        torch.add(scaled, self.half - 0.01, out=work.floats)
+        work.cells.copy_(work.floats)
+        torch.index_select(self.first_code, 0, work.cells, out=codes)
+        torch.index_select(self.threshold, 0, work.cells, out=work.floats)
+        if work.host is not None:  # torch 2.13's CPU comparison into bool is about 3x slower than numpy's
+            numpy.greater(*work.host, out=work.host_above)
+        else:
+            torch.gt(scaled, work.floats, out=work.above)
+        codes.add_(work.above)
+
+    def __call__(self, normalized: torch.Tensor) -> torch.Tensor:
+        """uint8 codes of the nearest levels to `normalized`, whose values must lie in [-1, 1]."""
+        flat = normalized.reshape(-1) * self.half
+        codes = torch.empty(flat.shape, dtype=torch.uint8, device=flat.device)
+        work = _Workspace(flat.numel(), flat.device)
+        work.scaled.copy_(flat)
+        self.codes_into(work.scaled, codes, work)
+        return codes.view(normalized.shape)
+
+
+class _Workspace:
+    """Temporaries of one chunk, allocated once per call and reused chunk after chunk."""
+
+    def __init__(self, values: int, device: torch.device) -> None:
+        self.scaled = torch.empty(values, dtype=torch.float32, device=device)
+        self.floats = torch.empty(values, dtype=torch.float32, device=device)
+        self.cells = torch.empty(values, dtype=torch.int32, device=device)
+        self.above = torch.empty(values, dtype=torch.bool, device=device)
+        self.codes = torch.empty(values, dtype=torch.uint8, device=device)  # off the CPU: copied to the host after
+        # on CPU, numpy views of the comparison's operands (scaled, floats) and result, made once
+        on_host = device.type == "cpu"
+        self.host = (self.scaled.numpy(), self.floats.numpy()) if on_host else None
+        self.host_above = self.above.numpy() if on_host else None
+
+    def take(self, values: int) -> _Workspace:
+        """Views of the first `values` of each temporary (a chunk shorter than the first)."""
+        view = object.__new__(_Workspace)
+        for name, value in vars(self).items():
+            if isinstance(value, tuple):
+                setattr(view, name, tuple(array[:values] for array in value))
+            else:
+                setattr(view, name, None if value is None else value[:values])
+        return view
 
 
 @functools.cache
@@ -156,40 +206,72 @@ class BlockwiseQuantization(Codec):
         )
         out_scales = out[HEADER.size : HEADER.size + scale_bytes].view(torch.float32)
         out_codes = out[HEADER.size + scale_bytes :]
-        step = _chunk_blocks(flat.device, block_size) * block_size
+        step = max(1, min(_chunk_blocks(flat.device, block_size), num_blocks)) * block_size
+        work = _Workspace(step, flat.device)
+        padded: torch.Tensor | None = None
+        # on CPU scales and 8-bit codes go straight into the payload; otherwise through buffers (on a GPU,
+        # copied to the host after; 4-bit codes, packed first)
+        on_host = flat.device.type == "cpu"
+        direct = on_host and self.bits == 8
+        scale_buffer = None if on_host else torch.empty(step // block_size, dtype=torch.float32, device=flat.device)
         for begin in range(0, numel, step):
             count = min(step, numel - begin)
             blocks = -(-count // block_size)
-            chunk = torch.empty(blocks * block_size, dtype=torch.float32, device=flat.device)
-            chunk[:count].copy_(flat[begin : begin + count])  # float32, whatever the input dtype
-            chunk[count:].zero_()
-            scales, codes = self._quantize(chunk.view(blocks, block_size))
+            chunk = flat[begin : begin + count]
+            if count % block_size or chunk.dtype != torch.float32:
+                # padded with zeros to whole blocks, in float32 whatever the input dtype
+                if padded is None:
+                    padded = torch.empty(step, dtype=torch.float32, device=flat.device)
+                chunk = padded[: blocks * block_size]
+                chunk[:count].copy_(flat[begin : begin + count])
+                chunk[count:].zero_()
             first = begin // block_size
-            out_scales[first : first + blocks].copy_(scales)
-            # int32 or uint8 -> uint8, and device -> host
-            out_codes[self._code_bytes(first, block_size) :][: codes.numel()].copy_(codes)
+            target = out_codes[self._code_bytes(first, block_size) :][: self._code_bytes(blocks, block_size)]
+            codes = target if direct else work.codes[: blocks * block_size]
+            scales = out_scales[first : first + blocks]
+            device_scales = scales if scale_buffer is None else scale_buffer[:blocks]
+            packed = self._quantize(chunk.view(blocks, block_size), device_scales, codes, work)
+            if not on_host:
+                scales.copy_(device_scales)
+            if not direct:
+                target.copy_(packed)
         return out.numpy().tobytes()
 
-    def _quantize(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Scales and flat codes (int32; for 4 bits packed uint8) of float32 `blocks`, which it overwrites."""
-        # abs().amax() beats the temporary-free aminmax() several times over on CPU
-        scales = blocks.abs().amax(dim=1)
-        finite = bool(torch.isfinite(scales).all())
+    def _quantize(
+        self, blocks: torch.Tensor, scales_out: torch.Tensor, codes: torch.Tensor, work: _Workspace
+    ) -> torch.Tensor:
+        """Writes the scales of float32 `blocks` (read only) into `scales_out` and their codes into uint8
+        `codes`, one a value; returns the code bytes: `codes` itself, or for 4 bits their packed pairs."""
+        table = _nearest_level_table(self.bits, blocks.device)
+        if blocks.numel() != work.scaled.numel():
+            work = work.take(blocks.numel())
+        # abs() into a reused buffer, then amax(): on CPU several times faster than the temporary-free aminmax()
+        scales = torch.amax(torch.abs(blocks, out=work.floats.view(blocks.shape)), dim=1, out=scales_out)
+        low, high = torch.stack(torch.aminmax(scales)).tolist()  # one wait on a GPU, not two
+        finite = math.isfinite(high)
         if not finite:
             # rare: NaN or inf somewhere; scale by the largest finite magnitude, and send NaN as 0
-            scales = torch.where(torch.isfinite(blocks), blocks.abs(), 0.0).amax(dim=1)
-            blocks.nan_to_num_(nan=0.0, posinf=math.inf, neginf=-math.inf)
-        # an all-zero block keeps scale 0 but is divided by 1: no 0/0. Finite values now lie in [-1, 1]
-        # (|x| <= scale, and division rounds monotonically); infinities are clamped to +-1, times scale 0
-        # if their block has no finite nonzero value.
-        blocks.div_(torch.where(scales > 0, scales, 1.0).unsqueeze(1))
+            scales_out.copy_(torch.where(torch.isfinite(blocks), blocks.abs(), 0.0).amax(dim=1))
+            blocks = blocks.nan_to_num(nan=0.0, posinf=math.inf, neginf=-math.inf)
+            low = float(scales.min())
+        # Finite values now lie in [-half, half] (|x| <= scale, and division rounds monotonically); infinities
+        # are clamped to +-half, times scale 0 if their block has no finite nonzero value. Dividing by
+        # scale / half gives exactly the value over its scale times half, as long as scale / half is exact:
+        # not so below float32's normal range, where the two steps are taken one after the other. An
+        # all-zero block keeps scale 0 but is divided by 1: no 0/0.
+        scaled = work.scaled.view(blocks.shape)
+        if low >= TINY_SCALE:
+            torch.div(blocks, (scales / table.half).unsqueeze(1), out=scaled)
+        else:
+            torch.div(blocks, torch.where(scales > 0, scales, 1.0).unsqueeze(1), out=scaled).mul_(table.half)
         if not finite:
-            blocks.clamp_(-1.0, 1.0)
-        codes = _nearest_level_table(self.bits, blocks.device)(blocks).view(-1)
-        if self.bits == 4:
-            pairs = codes.to(torch.uint8).view(-1, 2)  # block sizes are even: no pair straddles a block
-            codes = torch.add(pairs[:, 1], pairs[:, 0], alpha=16)  # first code in the high nibble
-        return scales, codes
+            scaled.clamp_(-table.half, table.half)
+        table.codes_into(work.scaled, codes, work)
+        if self.bits == 8:
+            return codes
+        pairs = codes.view(-1, 2)  # block sizes are even: no pair straddles a block
+        packed = work.above.view(torch.uint8)[: pairs.shape[0]]  # free again once the codes are found
+        return torch.add(pairs[:, 1], pairs[:, 0], alpha=16, out=packed)  # first code in the high nibble
 
     def decode(self, buffer: bytes, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The CPU tensor of `shape` and `dtype` in `buffer`; CodecError for any inconsistent payload."""
@@ -234,15 +316,27 @@ class BlockwiseQuantization(Codec):
         codes = torch.frombuffer(body, dtype=torch.uint8, offset=scale_bytes)
         table = _decode_table(self.bits)
         step = _chunk_blocks(result.device, block_size)
+        indices = torch.empty(self._code_bytes(min(step, num_blocks), block_size), dtype=torch.int32)
+        staging: torch.Tensor | None = None  # float32 values of a chunk that cannot go straight into the result
         for first in range(0, num_blocks, step):
             blocks = min(step, num_blocks - first)
-            chunk_codes = codes[self._code_bytes(first, block_size) :][: self._code_bytes(blocks, block_size)]
-            # index_select: several times faster than advanced indexing on CPU
-            values = table.index_select(0, chunk_codes.int()).view(blocks, block_size)
-            values.mul_(scales[first : first + blocks].unsqueeze(1))
+            code_bytes = self._code_bytes(blocks, block_size)
+            chunk_indices = indices[:code_bytes]
+            chunk_indices.copy_(codes[self._code_bytes(first, block_size) :][:code_bytes])
             begin = first * block_size
             count = min(blocks * block_size, numel - begin)
-            result[begin : begin + count].copy_(values.view(-1)[:count])  # to the requested dtype
+            direct = dtype == torch.float32 and count == blocks * block_size
+            if direct:
+                values = result[begin : begin + count]
+            else:
+                if staging is None:
+                    staging = torch.empty(min(step, num_blocks) * block_size, dtype=torch.float32)
+                values = staging[: blocks * block_size]
+            # index_select: several times faster than advanced indexing on CPU
+            torch.index_select(table, 0, chunk_indices, out=values.view(code_bytes, -1).squeeze(1))
+            values.view(blocks, block_size).mul_(scales[first : first + blocks].unsqueeze(1))
+            if not direct:
+                result[begin : begin + count].copy_(values[:count])  # to the requested dtype
         return result.view(shape)
 
 

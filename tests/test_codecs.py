@@ -257,6 +257,17 @@ def test_chunked_codec_equals_reference(name: str, chunk_values: int | None, mon
 
 
 @pytest.mark.parametrize("name", BLOCKWISE)
+def test_blocks_of_every_magnitude_and_with_zeros_equal_the_reference(name: str) -> None:
+    """Blocks whose scale lies near or below float32's normal range (where dividing by scale / half would
+    not be exact), all-zero blocks and ordinary ones, mixed in one chunk, give the plain recipe's values."""
+    generator = torch.Generator().manual_seed(21)
+    magnitudes = [1.0, 1e-30, 1e-36, 1e-38, 1e-40, 1e-44, 0.0, 1e37]
+    x = torch.cat([torch.randn(64 * 3, generator=generator) * m for m in magnitudes])
+    assert torch.equal(roundtrip(name, x), reference_blockwise(x, 8 if name == "8bit" else 4))
+    assert torch.equal(roundtrip(name, x[:-64]), reference_blockwise(x[:-64], 8 if name == "8bit" else 4))
+
+
+@pytest.mark.parametrize("name", BLOCKWISE)
 def test_block_absmax_is_exact_and_zero_stays_zero(name: str) -> None:
     x = torch.randn(1000, generator=torch.Generator().manual_seed(5))
     x[100:228] = 0  # two whole blocks of zeros
