@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from hivemind.p2p import P2P, PeerID
 
 from swarm.direct_handshake import HandshakeError, Session, SessionStore, prove_to_caller, prove_to_server
+from swarm.direct_stream import DirectStream, open_direct_stream, start_direct_server
 from swarm.identity import Identity
 
 logger = logging.getLogger(__name__)
@@ -37,7 +38,6 @@ Handler = Callable[..., Awaitable[None]]
 CONNECT_TIMEOUT = 3.0  # seconds to connect and finish the handshake before falling back to libp2p
 UNREACHABLE_FOR = 60.0  # seconds a peer's direct address is left alone after it failed
 MAX_HANDSHAKES = 64  # connections a server lets finish their handshake at once; more are closed unread
-STREAM_BUFFER = 2**20  # bytes a connection reads ahead; large, since the frames are 512 KiB
 MAX_ADDRESS_CHARS = 64
 ADDRESS = re.compile(r"([0-9A-Za-z.\-]{1,48}|\[[0-9A-Fa-f:.]{2,45}\]):([0-9]{1,5})")
 
@@ -65,8 +65,8 @@ def format_direct_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _tune(writer: asyncio.StreamWriter) -> None:
-    sock = writer.get_extra_info("socket")
+def _tune(stream: DirectStream) -> None:
+    sock = stream.get_extra_info("socket")
     if sock is not None:
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -88,7 +88,7 @@ class DirectServer:
 
     async def start(self, host: str, port: int) -> int:
         """Listens on host:port (port 0: any free one); returns the port."""
-        self._server = await asyncio.start_server(self._accept, host, port, limit=STREAM_BUFFER)
+        self._server = await start_direct_server(self._accept, host, port)
         return self._server.sockets[0].getsockname()[1]
 
     async def close(self) -> None:
@@ -97,25 +97,27 @@ class DirectServer:
         for task in list(self._tasks):
             task.cancel()
 
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _accept(self, stream: DirectStream) -> None:
         task = asyncio.current_task()
         if task is not None:
             self._tasks.add(task)
         try:
-            await self._serve_connection(reader, writer)
+            await self._serve_connection(stream)
         finally:
             if task is not None:
                 self._tasks.discard(task)
             with contextlib.suppress(Exception):
-                writer.close()
+                stream.close()
 
-    async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer = writer.get_extra_info("peername")
+    async def _serve_connection(self, stream: DirectStream) -> None:
+        # the stream is the handlers' reader and writer both
+        reader = writer = stream
+        peer = stream.get_extra_info("peername")
         address = format_direct_address(str(peer[0]), int(peer[1])) if peer else "?"
         if self._handshaking >= self.max_handshakes:
             self._refuse("busy", f"over {self.max_handshakes} handshakes at once, lately from {address}")
             return
-        _tune(writer)
+        _tune(stream)
         self._handshaking += 1
         try:
             caller, protocol = await prove_to_caller(self.identity, self.sessions, reader, writer)
@@ -226,18 +228,18 @@ class DirectPlane:
 
     async def _open(self, peer_id: PeerID, peer: str, address: tuple[str, int], protocol: str):
         for _ in range(2):  # a second, full handshake if the peer has forgotten the session
-            reader, writer = await asyncio.open_connection(*address, limit=STREAM_BUFFER)
+            stream = await open_direct_stream(*address)
             try:
-                _tune(writer)
-                session = await prove_to_server(self.identity, peer, protocol, reader, writer, self._sessions.get(peer))
+                _tune(stream)
+                session = await prove_to_server(self.identity, peer, protocol, stream, stream, self._sessions.get(peer))
             except BaseException:
-                writer.close()
+                stream.close()
                 raise
             if session is not None:
                 self._sessions[peer] = session
-                return DirectStreamInfo(peer_id, protocol, format_direct_address(*address)), reader, writer
+                return DirectStreamInfo(peer_id, protocol, format_direct_address(*address)), stream, stream
             self._sessions.pop(peer, None)
-            writer.close()
+            stream.close()
         raise HandshakeError("the peer forgot the session twice")
 
 

@@ -1,0 +1,138 @@
+"""The direct plane's stream over real loopback TCP: large reads land in their own buffer, small ones are
+buffered, a sender that runs ahead is paused and resumed, and a stream that ends mid-read says so."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+from swarm.direct_stream import DIRECT_READ_BYTES, MAX_BUFFERED, DirectStream, open_direct_stream, start_direct_server
+from swarm.event_loop import run
+
+
+async def _pair(serve) -> tuple[DirectStream, asyncio.AbstractServer]:
+    server = await start_direct_server(serve, "127.0.0.1", 0)
+    client = await open_direct_stream("127.0.0.1", server.sockets[0].getsockname()[1])
+    return client, server
+
+
+async def _echo_frames(stream: DirectStream) -> None:
+    """Answers every (8-byte length, payload) message with the same message, until the caller hangs up."""
+    try:
+        while True:
+            size = int.from_bytes(await stream.readexactly(8), "big")
+            data = await stream.readexactly(size)
+            stream.write(size.to_bytes(8, "big"))
+            stream.write(data)
+            await stream.drain()
+    except asyncio.IncompleteReadError:
+        stream.close()
+
+
+@pytest.mark.timeout(60)
+def test_messages_of_every_size_cross_unchanged_around_the_direct_read_threshold():
+    sizes = [0, 1, 7, DIRECT_READ_BYTES - 1, DIRECT_READ_BYTES, DIRECT_READ_BYTES + 1, 3 * 2**20 + 5]
+
+    async def main() -> None:
+        client, server = await _pair(_echo_frames)
+        try:
+            # sent back to back, so that a large read often starts with part of it buffered already
+            payloads = [os.urandom(size) for size in sizes]
+            for payload in payloads:
+                client.write(len(payload).to_bytes(8, "big"))
+                client.write(payload)
+            await client.drain()
+            for payload in payloads:
+                size = int.from_bytes(await client.readexactly(8), "big")
+                assert size == len(payload)
+                assert bytes(await client.readexactly(size)) == payload
+        finally:
+            client.close()
+            server.close()
+
+    run(main())
+
+
+@pytest.mark.timeout(60)
+def test_a_reader_that_falls_behind_pauses_the_sender_and_loses_nothing():
+    total = 8 * MAX_BUFFERED
+
+    async def main() -> None:
+        sender_waited, received = asyncio.Event(), asyncio.get_running_loop().create_future()
+
+        async def slow_reader(stream: DirectStream) -> None:
+            # nothing is read until the sender had to wait: the stream stopped taking data from the socket
+            await sender_waited.wait()
+            chunks = []
+            while chunk := await stream.read(2**16):
+                chunks.append(chunk)
+            received.set_result(b"".join(chunks))
+            stream.close()
+
+        client, server = await _pair(slow_reader)
+        payload = os.urandom(total)
+        try:
+            client.write(payload)
+            drained = asyncio.ensure_future(client.drain())
+            done, _ = await asyncio.wait([drained], timeout=1.0)
+            assert not done, "the sender was never held back: the reader buffered everything"
+            sender_waited.set()
+            await asyncio.wait_for(drained, 30)
+            client.close()
+            assert await asyncio.wait_for(received, 30) == payload
+        finally:
+            server.close()
+
+    run(main())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("size", [100, 4 * DIRECT_READ_BYTES])
+def test_a_stream_that_ends_mid_read_raises_with_what_came(size: int):
+    async def main() -> None:
+        outcome = asyncio.get_running_loop().create_future()
+
+        async def reader(stream: DirectStream) -> None:
+            try:
+                await stream.readexactly(size)
+            except asyncio.IncompleteReadError as e:
+                outcome.set_result(e)
+            else:
+                outcome.set_result(None)
+
+        client, server = await _pair(reader)
+        try:
+            client.write(b"x" * (size // 2))
+            await client.drain()
+            client.close()
+            error = await asyncio.wait_for(outcome, 30)
+            assert isinstance(error, asyncio.IncompleteReadError)
+            assert error.expected == size and error.partial == b"x" * (size // 2)
+        finally:
+            server.close()
+
+    run(main())
+
+
+@pytest.mark.timeout(60)
+def test_writing_to_a_peer_that_hung_up_fails_on_drain():
+    async def hang_up(stream: DirectStream) -> None:
+        stream.close()
+
+    async def main() -> None:
+        client, server = await _pair(hang_up)
+        try:
+            assert await asyncio.wait_for(client.read(10), 30) == b""
+            with pytest.raises(ConnectionError):
+                # the kernel may take the first writes; the peer's reset then ends the connection
+                for _ in range(1000):
+                    client.write(b"y" * 2**16)
+                    await asyncio.wait_for(client.drain(), 30)
+                    await asyncio.sleep(0)
+        finally:
+            client.close()
+            server.close()
+
+    run(main())
