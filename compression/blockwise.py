@@ -115,8 +115,8 @@ class _NearestLevelTable:
         work.cells.copy_(work.floats)
         torch.index_select(self.first_code, 0, work.cells, out=codes)
         torch.index_select(self.threshold, 0, work.cells, out=work.floats)
-        if work.host is not None:  # torch 2.13's CPU comparison into bool is about 3x slower than numpy's
-            numpy.greater(*work.host, out=work.host_above)
+        if scaled.device.type == "cpu":  # torch 2.13's CPU comparison into bool is about 3x slower than numpy's
+            numpy.greater(scaled.numpy(), work.floats.numpy(), out=work.above.numpy())
         else:
             torch.gt(scaled, work.floats, out=work.above)
         codes.add_(work.above)
@@ -140,19 +140,12 @@ class _Workspace:
         self.cells = torch.empty(values, dtype=torch.int32, device=device)
         self.above = torch.empty(values, dtype=torch.bool, device=device)
         self.codes = torch.empty(values, dtype=torch.uint8, device=device)  # off the CPU: copied to the host after
-        # on CPU, numpy views of the comparison's operands (scaled, floats) and result, made once
-        on_host = device.type == "cpu"
-        self.host = (self.scaled.numpy(), self.floats.numpy()) if on_host else None
-        self.host_above = self.above.numpy() if on_host else None
 
     def take(self, values: int) -> _Workspace:
         """Views of the first `values` of each temporary (a chunk shorter than the first)."""
         view = object.__new__(_Workspace)
-        for name, value in vars(self).items():
-            if isinstance(value, tuple):
-                setattr(view, name, tuple(array[:values] for array in value))
-            else:
-                setattr(view, name, None if value is None else value[:values])
+        for name, tensor in vars(self).items():
+            setattr(view, name, tensor[:values])
         return view
 
 
@@ -238,20 +231,20 @@ class BlockwiseQuantization(Codec):
         return out.numpy().tobytes()
 
     def _quantize(
-        self, blocks: torch.Tensor, scales_out: torch.Tensor, codes: torch.Tensor, work: _Workspace
+        self, blocks: torch.Tensor, scales: torch.Tensor, codes: torch.Tensor, work: _Workspace
     ) -> torch.Tensor:
-        """Writes the scales of float32 `blocks` (read only) into `scales_out` and their codes into uint8
+        """Writes the scales of float32 `blocks` (read only) into `scales` and their codes into uint8
         `codes`, one a value; returns the code bytes: `codes` itself, or for 4 bits their packed pairs."""
         table = _nearest_level_table(self.bits, blocks.device)
         if blocks.numel() != work.scaled.numel():
             work = work.take(blocks.numel())
         # abs() into a reused buffer, then amax(): on CPU several times faster than the temporary-free aminmax()
-        scales = torch.amax(torch.abs(blocks, out=work.floats.view(blocks.shape)), dim=1, out=scales_out)
+        torch.amax(torch.abs(blocks, out=work.floats.view(blocks.shape)), dim=1, out=scales)
         low, high = torch.stack(torch.aminmax(scales)).tolist()  # one wait on a GPU, not two
         finite = math.isfinite(high)
         if not finite:
             # rare: NaN or inf somewhere; scale by the largest finite magnitude, and send NaN as 0
-            scales_out.copy_(torch.where(torch.isfinite(blocks), blocks.abs(), 0.0).amax(dim=1))
+            scales.copy_(torch.where(torch.isfinite(blocks), blocks.abs(), 0.0).amax(dim=1))
             blocks = blocks.nan_to_num(nan=0.0, posinf=math.inf, neginf=-math.inf)
             low = float(scales.min())
         # Finite values now lie in [-half, half] (|x| <= scale, and division rounds monotonically); infinities

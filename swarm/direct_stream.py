@@ -109,7 +109,9 @@ class DirectStream(asyncio.BufferedProtocol):
     # --- reading ----------------------------------------------------------------------------------
 
     async def readexactly(self, n: int) -> bytes | bytearray:
-        """Exactly `n` bytes (a bytearray for large reads); IncompleteReadError if the stream ends first."""
+        """Exactly `n` bytes (a bytearray for large reads); IncompleteReadError if the stream ends first.
+
+        A large read allocates its `n` bytes at once: callers bound `n` first (the wire's frame limit)."""
         if n >= DIRECT_READ_BYTES and len(self._buffered) < n:
             return await self._read_into_own_buffer(n)
         while len(self._buffered) < n:
@@ -148,9 +150,6 @@ class DirectStream(asyncio.BufferedProtocol):
         data = bytes(memoryview(self._buffered)[:n])
         del self._buffered[:n]
         return data
-
-    def at_eof(self) -> bool:
-        return self._eof and not self._buffered
 
     # --- writing ----------------------------------------------------------------------------------
 

@@ -101,7 +101,8 @@ class TrainingSummary:
     in_flight_window_largest: int = 0
     in_flight_window_per_step: list[int] = field(default_factory=list)
     in_flight_round_trip_s: float = float("nan")
-    # after the last step: seconds until every stage stepped past it, and whether every stage confirmed it did
+    # after the last step: seconds until every stage stepped past it, and whether every stage did (a stage that
+    # waits for other trainers' samples to fill its step does not)
     settle_seconds: float = 0.0
     settled: bool = False
 
@@ -494,15 +495,18 @@ class Trainer:
         once: what it holds of this trainer's is then in their step, not lost.
         """
 
-        async def past(stage: int, step: int) -> None:
+        async def past(stage: int, step: int) -> bool:
             reply, _ = await self.call(stage, False, self._probe(stage), 0, step)
             if reply.step < step:
-                logger.debug(f"Stage {stage} is at step {reply.step}, waiting for other trainers' samples")
+                logger.info(f"Stage {stage} is at step {reply.step}, waiting for other trainers' samples to step")
+            return reply.step >= step
 
         try:
-            await asyncio.wait_for(
-                asyncio.gather(*(past(stage, reached + 1) for stage, reached in self._reached.items())),
-                self.config.stage_wait_timeout,
+            return all(
+                await asyncio.wait_for(
+                    asyncio.gather(*(past(stage, reached + 1) for stage, reached in self._reached.items())),
+                    self.config.stage_wait_timeout,
+                )
             )
         except (asyncio.TimeoutError, TrainingError) as e:
             logger.warning(
@@ -510,7 +514,6 @@ class Trainer:
                 "stage lost of its last microbatches with a dying peer is counted lost by id there"
             )
             return False
-        return True
 
     def _in_flight_gate(self) -> InFlightGate:
         """The bound on microbatches in flight: --max-in-flight, or a window sized from the pipeline (the
