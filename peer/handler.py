@@ -177,7 +177,7 @@ class StageHandler:
             return [self._error(ErrorCode.BAD_REQUEST, str(e))]
         # answer in the codec the caller asked for, else in that of its first tensor
         try:
-            codec = get_codec(request.reply_codec or parts[0].codec or "none")
+            codec = get_codec(request.reply_codec or parts[0].head.codec or "none")
         except CodecError as e:
             return [self._error(ErrorCode.BAD_REQUEST, f"reply codec: {e}")]
         # the caller expects the stage at request.step: its previous step must be applied first

@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from swarm.peer.mates import StageMates
 from swarm.peer.runtime import RoundResult, StageRuntime
-from swarm.proto import Tensor
 
 from swarm import __version__
 from swarm.allowlist import Handler
 from swarm.metrics import DURATION_BUCKETS, CountersFrom, error_name, tensor_bytes_by_codec
 from swarm.stage_records import JOINING, LEAVING, SERVING
 from swarm.transport import INFO_PROTOCOL, STAGE_PROTOCOL
+from swarm.wire import Part
 
 if TYPE_CHECKING:
     from swarm.peer.server import Peer
@@ -181,12 +181,12 @@ class PeerMetrics:
 
         return counted
 
-    def stage_request(self, parts: list[Tensor]) -> None:
+    def stage_request(self, parts: list[Part]) -> None:
         """A stage call's tensors were read."""
         for codec, size in tensor_bytes_by_codec(parts).items():
             self.bytes.labels("received", codec).inc(size)
 
-    def stage_served(self, backward: bool, samples: int, seconds: float, parts: list[Tensor]) -> None:
+    def stage_served(self, backward: bool, samples: int, seconds: float, parts: list[Part]) -> None:
         """A stage call was answered with these tensor `parts`."""
         kind = "backward" if backward else "forward"
         self.samples.labels(kind).inc(samples)

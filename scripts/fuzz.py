@@ -75,7 +75,7 @@ from swarm.transport import (
     call_stage,
     get_peer_info,
 )
-from swarm.wire import HEADER_BYTES, WireError, WireLimits, encode_tensor, pack_frames, read_frames
+from swarm.wire import HEADER_BYTES, Part, WireError, WireLimits, encode_tensor, pack_frames, read_frames
 
 MODEL, STAGE, NUM_STAGES = "gpt-tiny", 1, 3
 SPEC = get_model_spec(MODEL)
@@ -106,7 +106,7 @@ def random_peer_id(rng: random.Random) -> str:
     return "12D3KooW" + "".join(rng.choice(alphabet) for _ in range(44))
 
 
-def hostile_tensor(rng: random.Random) -> list[Tensor]:
+def hostile_tensor(rng: random.Random) -> list[Part]:
     """One tensor's parts, broken in one of many ways (or sound in shape with hostile values)."""
     kinds = ["overflow", "negative", "zero_huge", "nan", "huge", "bad_dtype", "bad_codec", "parts", "short", "packed"]
     kind = rng.choice(kinds)
@@ -136,7 +136,9 @@ def hostile_tensor(rng: random.Random) -> list[Tensor]:
         head.num_parts = rng.choice([2**31, 0, 7])
     else:  # a buffer shorter than its shape needs
         head.shape.extend([2, SEQ, WIDTH])
-    return [head]
+    buffer = head.buffer
+    head.ClearField("buffer")
+    return [Part(head, buffer)]
 
 
 def absurd_ids(rng: random.Random) -> list[SampleId]:

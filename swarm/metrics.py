@@ -28,11 +28,12 @@ from prometheus_client.core import CounterMetricFamily, Metric
 
 from swarm import __version__
 from swarm.config import ConfigError
-from swarm.proto import ErrorCode, Tensor
+from swarm.proto import ErrorCode
 
 if TYPE_CHECKING:
     from swarm.trainer import Trainer
     from swarm.transport import CallStats
+    from swarm.wire import Part
 
 logger = logging.getLogger(__name__)
 
@@ -63,13 +64,13 @@ def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> int:
     return actual
 
 
-def tensor_bytes_by_codec(parts: Sequence[Tensor]) -> dict[str, int]:
+def tensor_bytes_by_codec(parts: Sequence[Part]) -> dict[str, int]:
     """Bytes of tensor data in `parts` (as `swarm.wire` cuts them), per the codec each tensor was encoded with."""
     sizes: dict[str, int] = {}
     codec = "none"
     for part in parts:
-        if part.dtype:  # the first part of a tensor names its codec; the parts after it carry only data
-            codec = part.codec or "none"
+        if part.head.dtype:  # the first part of a tensor names its codec; the parts after it carry only data
+            codec = part.head.codec or "none"
         sizes[codec] = sizes.get(codec, 0) + len(part.buffer)
     return sizes
 

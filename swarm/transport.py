@@ -118,7 +118,7 @@ async def call_stage(
     parts = await loop.run_in_executor(None, lambda: [p for t in tensors for p in encode_tensor(t, codec)])
     frames = pack_frames(request, parts)
     stats = stats if stats is not None else CallStats()
-    stats.bytes_sent = sum(frame.ByteSize() for frame in frames)
+    stats.bytes_sent = sum(frame.nbytes for frame in frames)
     try:
         started = time.perf_counter()
         if shaper is not None:

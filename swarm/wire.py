@@ -1,20 +1,27 @@
-"""Framing of stage calls on a libp2p stream, and tensors split into parts for streaming.
+"""Framing of stage calls on a stream, and tensors split into parts for streaming.
 
 A message on the wire is a sequence of frames: 8 bytes of big-endian length, then one serialized
 protobuf message. Tensors are encoded by their codec and cut into parts of at most CHUNK_BYTES;
 frames are filled with parts in order, and every frame but the last says `more`. The reader
 enforces its limits before it allocates anything, so an oversized or malformed message costs the
 receiver nothing but a clear error.
+
+A part's bytes stay outside protobuf (`Part`): the writer serializes a frame's own fields and each
+part's small header with protobuf and writes the bytes after them as the `buffer` field; the reader
+takes the `tensors` fields out of a frame by their protobuf encoding and keeps each `buffer` as a
+view of the frame it came in. Frames are valid protobuf both ways; a tensor is copied once on its
+way from the codec to the socket and once from the socket to the codec, instead of at every step.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import torch
 from google.protobuf.message import DecodeError, Message
@@ -25,6 +32,14 @@ from swarm.proto import ErrorCode, Tensor
 CHUNK_BYTES = 512 * 1024
 HEADER_BYTES = 8
 MAX_TENSOR_DIMS = 8
+MAX_PARTS_PER_FRAME = 512  # a frame of many small tensors stays far below the reader's field limit
+MAX_FIELDS_PER_FRAME = 2**13
+JOIN_BELOW_BYTES = 64 * 1024  # smaller pieces of a frame are joined into one write; larger ones written as they are
+
+# protobuf's encoding, as far as frames need it (https://protobuf.dev/programming-guides/encoding/)
+VARINT, FIXED64, LENGTH_DELIMITED, FIXED32 = 0, 1, 2, 5
+BUFFER_FIELD = Tensor.DESCRIPTOR.fields_by_name["buffer"].number
+BUFFER_TAG = bytes([BUFFER_FIELD << 3 | LENGTH_DELIMITED])
 
 M = TypeVar("M", bound=Message)
 
@@ -51,19 +66,66 @@ class WireLimits:
     max_frame_bytes: int = 4 * CHUNK_BYTES
     max_message_bytes: int = 256 * 1024 * 1024
     max_tensor_bytes: int = 256 * 1024 * 1024
+    max_fields: int = 2**17  # protobuf fields in a message, tensor parts' own included
+    max_parts: int = 2**14  # tensor parts in a message (a 256 MiB tensor is 512)
     frame_timeout: float = 60.0
 
 
-def encode_tensor(tensor: torch.Tensor, codec: Codec) -> list[Tensor]:
+class Part(NamedTuple):
+    """One part of a tensor on the wire: its header fields and its bytes, which protobuf never holds.
+
+    `head` is a Tensor message with an empty buffer: shape, dtype, codec and number of parts on a
+    tensor's first part, nothing on the others. `buffer` is a view of the codec's output when sent
+    and of the received frame when read, so parts cost no copies of their own."""
+
+    head: Tensor
+    buffer: bytes | bytearray | memoryview
+
+
+class Frame:
+    """One frame to write: a message's own fields (the header on the first frame, `more` on all but
+    the last), then its parts as that message's `tensors`, serialized without copying their bytes."""
+
+    def __init__(self, message: Message, parts: Sequence[Part] = ()) -> None:
+        self.message, self.parts = message, list(parts)
+
+    def chunks(self) -> list[bytes | memoryview]:
+        """The frame's serialization in pieces: small ones joined, each part's bytes as they are."""
+        chunks, pending = [], [self.message.SerializeToString()]
+        if self.parts:
+            tag = _tag(_tensors_field(type(self.message)), LENGTH_DELIMITED)
+        for part in self.parts:
+            head, size = part.head.SerializeToString(), len(part.buffer)
+            inner = len(head) + len(BUFFER_TAG) + _varint_size(size) + size
+            pending += [tag, _varint(inner), head, BUFFER_TAG, _varint(size)]
+            if size < JOIN_BELOW_BYTES:
+                pending.append(bytes(part.buffer))
+            else:
+                chunks += [b"".join(pending), part.buffer]
+                pending = []
+        if pending:
+            chunks.append(b"".join(pending))
+        return chunks
+
+    @property
+    def nbytes(self) -> int:
+        """The serialized frame's length (without the 8-byte length before it)."""
+        return sum(len(chunk) for chunk in self.chunks())
+
+    def SerializeToString(self) -> bytes:  # noqa: N802 (as a protobuf message says it: tools frame either)
+        return b"".join(self.chunks())
+
+
+def encode_tensor(tensor: torch.Tensor, codec: Codec) -> list[Part]:
     """The parts of one tensor on the wire. Integer and bool tensors skip lossy codecs: with one, wide
     integers (token ids) go packed into the narrowest type that holds them, and anything else as it is."""
     if not codec.applies_to(tensor.dtype):
         packs = codec.lossy and PACKED_INTEGERS.applies_to(tensor.dtype)
         codec = PACKED_INTEGERS if packs else get_codec("none")
-    buffer = codec.encode(tensor)
+    buffer = memoryview(codec.encode(tensor)).cast("B")
     num_parts = max(1, math.ceil(len(buffer) / CHUNK_BYTES))
-    parts = [Tensor(buffer=buffer[i * CHUNK_BYTES : (i + 1) * CHUNK_BYTES]) for i in range(num_parts)]
-    head = parts[0]
+    parts = [Part(Tensor(), buffer[i * CHUNK_BYTES : (i + 1) * CHUNK_BYTES]) for i in range(num_parts)]
+    head = parts[0].head
     head.shape.extend(tensor.shape)
     head.dtype = dtype_name(tensor.dtype)
     head.codec = codec.name
@@ -71,11 +133,11 @@ def encode_tensor(tensor: torch.Tensor, codec: Codec) -> list[Tensor]:
     return parts
 
 
-def decode_tensors(parts: Sequence[Tensor], limits: WireLimits) -> list[torch.Tensor]:
+def decode_tensors(parts: Sequence[Part], limits: WireLimits) -> list[torch.Tensor]:
     """Reassembles and decodes the tensors in `parts`; raises WireError on anything malformed."""
     tensors, index = [], 0
     while index < len(parts):
-        head = parts[index]
+        head = parts[index].head
         num_parts = max(1, head.num_parts)
         if index + num_parts > len(parts):
             raise WireError(ErrorCode.BAD_REQUEST, f"tensor {len(tensors)} is truncated: {num_parts} parts announced")
@@ -95,7 +157,7 @@ def decode_tensors(parts: Sequence[Tensor], limits: WireLimits) -> list[torch.Te
                 f"over this peer's limit of {limits.max_tensor_bytes / 2**20:.1f} MiB",
             )
         continuation = parts[index + 1 : index + num_parts]
-        if any(part.shape or part.dtype or part.codec or part.num_parts for part in continuation):
+        if any(p.head.shape or p.head.dtype or p.head.codec or p.head.num_parts for p in continuation):
             raise WireError(ErrorCode.BAD_REQUEST, f"tensor {len(tensors)} has a malformed continuation part")
         # a bytearray: the one copy of the payload, which the codec may then wrap without copying again
         buffer = bytearray().join(part.buffer for part in parts[index : index + num_parts])
@@ -107,41 +169,44 @@ def decode_tensors(parts: Sequence[Tensor], limits: WireLimits) -> list[torch.Te
     return tensors
 
 
-def pack_frames(header: M, parts: Sequence[Tensor]) -> list[M]:
-    """Spreads `parts` over frames of about CHUNK_BYTES; the first frame is `header` itself."""
-    frames: list[M] = [header]
+def pack_frames(header: Message, parts: Sequence[Part]) -> list[Frame]:
+    """Spreads `parts` over frames of about CHUNK_BYTES; the first frame carries `header`."""
+    frames = [Frame(header)]
     filled = 0
     for part in parts:
-        if filled and filled + len(part.buffer) > CHUNK_BYTES:
-            frames.append(type(header)())
+        if filled and filled + len(part.buffer) > CHUNK_BYTES or len(frames[-1].parts) == MAX_PARTS_PER_FRAME:
+            frames.append(Frame(type(header)()))
             filled = 0
-        frames[-1].tensors.append(part)
+        frames[-1].parts.append(part)
         filled += len(part.buffer)
     for frame in frames[:-1]:
-        frame.more = True
+        frame.message.more = True
     return frames
 
 
-async def write_frames(writer: asyncio.StreamWriter, frames: Sequence[Message]) -> None:
-    """Writes frames, waiting for the transport to drain after each one."""
+async def write_frames(writer: asyncio.StreamWriter, frames: Sequence[Frame | Message]) -> None:
+    """Writes frames (a plain message is a frame without parts), waiting for the transport to drain after each."""
     for frame in frames:
-        data = frame.SerializeToString()
-        writer.write(len(data).to_bytes(HEADER_BYTES, "big"))
-        writer.write(data)
+        chunks = frame.chunks() if isinstance(frame, Frame) else [frame.SerializeToString()]
+        size = sum(len(chunk) for chunk in chunks)
+        if len(chunks[0]) < JOIN_BELOW_BYTES:  # the length goes out with the frame's start in one write
+            chunks[0] = size.to_bytes(HEADER_BYTES, "big") + chunks[0]
+        else:
+            writer.write(size.to_bytes(HEADER_BYTES, "big"))
+        for chunk in chunks:
+            writer.write(chunk)
         await writer.drain()
 
 
-async def read_frames(
-    reader: asyncio.StreamReader, message_type: type[M], limits: WireLimits
-) -> tuple[M, list[Tensor]]:
+async def read_frames(reader: asyncio.StreamReader, message_type: type[M], limits: WireLimits) -> tuple[M, list[Part]]:
     """Reads one message: its first frame (the header) and the tensor parts of all its frames.
 
     Raises WireError for a frame or message over the limits, a malformed frame, or a stream that
     ends mid-message; asyncio.TimeoutError if the sender stalls for longer than frame_timeout.
     """
     header: M | None = None
-    parts: list[Tensor] = []
-    total = 0
+    parts: list[Part] = []
+    total, fields_left = 0, limits.max_fields
     while True:
         try:
             size = int.from_bytes(await asyncio.wait_for(reader.readexactly(HEADER_BYTES), limits.frame_timeout), "big")
@@ -160,24 +225,132 @@ async def read_frames(
             data = await asyncio.wait_for(reader.readexactly(size), limits.frame_timeout)
         except asyncio.IncompleteReadError:
             raise StreamEnded() from None
-        try:
-            frame = message_type.FromString(data)
-        except DecodeError as e:
-            raise WireError(ErrorCode.BAD_REQUEST, f"malformed {message_type.__name__} frame: {e}") from None
+        frame, frame_parts, fields = parse_frame(data, message_type, min(MAX_FIELDS_PER_FRAME, fields_left))
         if header is None:
             header = frame
-        if not _streamed(frame):
+        if not _streamed(message_type):
             return frame, []
-        parts.extend(frame.tensors)
+        fields_left -= fields
+        parts.extend(frame_parts)
+        if len(parts) > limits.max_parts:
+            raise WireError(ErrorCode.TOO_LARGE, f"message of more than this peer's limit of {limits.max_parts} parts")
         if not frame.more:
             break
-    header.ClearField("tensors")
     return header, parts
 
 
-def _streamed(message: Message) -> bool:
+def parse_frame(data: bytes | bytearray, message_type: type[M], max_fields: int) -> tuple[M, list[Part], int]:
+    """A frame's own fields, its tensor parts (their buffers views of `data`) and how many protobuf fields it
+    had. WireError if malformed, or past `max_fields`: a frame of a million tiny fields is refused before it
+    costs more time than a frame of large ones."""
+    try:
+        if not _streamed(message_type):
+            return message_type.FromString(data), [], 0
+        scan = _FieldScan(memoryview(data), max_fields)
+        own, tensors = scan.split(0, len(data), _tensors_field(message_type))
+        frame = message_type.FromString(b"".join(scan.data[start:end] for start, end in own))
+        parts = []
+        for start, end in tensors:
+            fields, buffers = scan.split(start, end, BUFFER_FIELD)
+            head = Tensor.FromString(b"".join(scan.data[s:e] for s, e in fields)) if fields else Tensor()
+            last = buffers[-1] if buffers else (start, start)  # as protobuf does: the last occurrence wins
+            parts.append(Part(head, scan.data[last[0] : last[1]]))
+        return frame, parts, max_fields - scan.fields_left
+    except DecodeError as e:
+        raise WireError(ErrorCode.BAD_REQUEST, f"malformed {message_type.__name__} frame: {e}") from None
+    except _Malformed as e:
+        raise WireError(e.code, f"malformed {message_type.__name__} frame: {e}") from None
+
+
+class _Malformed(Exception):
+    def __init__(self, message: str, code: int = ErrorCode.BAD_REQUEST) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class _FieldScan:
+    """Walks the protobuf fields of one frame, counting them against a budget."""
+
+    def __init__(self, data: memoryview, max_fields: int) -> None:
+        self.data, self.fields_left, self.max_fields = data, max_fields, max_fields
+
+    def split(self, start: int, end: int, number: int) -> tuple[list, list]:
+        """The spans of the fields in data[start:end] other than `number` (adjacent ones merged), and the
+        payload spans of every length-delimited field `number`."""
+        data, others, found = self.data, [], []
+        pos = start
+        while pos < end:
+            self.fields_left -= 1
+            if self.fields_left < 0:
+                raise _Malformed(f"more fields than the {self.max_fields} it may have", ErrorCode.TOO_LARGE)
+            field_start = pos
+            key, pos = _read_varint(data, pos, end)
+            field, wire_type = key >> 3, key & 7
+            if field == 0:
+                raise _Malformed("field number 0")
+            if wire_type == VARINT:
+                _, pos = _read_varint(data, pos, end)
+            elif wire_type == FIXED64:
+                pos += 8
+            elif wire_type == LENGTH_DELIMITED:
+                length, pos = _read_varint(data, pos, end)
+                if field == number and pos + length <= end:
+                    found.append((pos, pos + length))
+                    pos += length
+                    continue
+                pos += length
+            elif wire_type == FIXED32:
+                pos += 4
+            else:
+                raise _Malformed(f"wire type {wire_type} of field {field}")
+            if pos > end:
+                raise _Malformed(f"field {field} runs past the end of its message")
+            if others and others[-1][1] == field_start:
+                others[-1][1] = pos
+            else:
+                others.append([field_start, pos])
+        return others, found
+
+
+def _read_varint(data: memoryview, pos: int, end: int) -> tuple[int, int]:
+    value = shift = 0
+    while shift < 64:
+        if pos >= end:
+            raise _Malformed("truncated varint")
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, pos
+        shift += 7
+    raise _Malformed("varint longer than 10 bytes")
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _varint_size(value: int) -> int:
+    return max(1, (value.bit_length() + 6) // 7)
+
+
+def _tag(field: int, wire_type: int) -> bytes:
+    return _varint(field << 3 | wire_type)
+
+
+@functools.cache
+def _tensors_field(message_type: type[Message]) -> int:
+    return message_type.DESCRIPTOR.fields_by_name["tensors"].number
+
+
+def _streamed(message_type: type[Message]) -> bool:
     """Whether a message type carries tensors across frames (small info messages do not)."""
-    return "more" in message.DESCRIPTOR.fields_by_name
+    return "more" in message_type.DESCRIPTOR.fields_by_name
 
 
 async def wait_for_hang_up(reader: asyncio.StreamReader, timeout: float = 10.0) -> None:

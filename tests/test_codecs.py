@@ -20,7 +20,7 @@ from swarm.compression.blockwise import (
 )
 from swarm.proto import Tensor
 
-from swarm.wire import CHUNK_BYTES, WireError, WireLimits, decode_tensors, encode_tensor
+from swarm.wire import CHUNK_BYTES, Part, WireError, WireLimits, decode_tensors, encode_tensor
 
 FLOAT_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 BLOCKWISE = ["8bit", "4bit"]
@@ -456,12 +456,12 @@ def test_through_the_wire_parts(name: str) -> None:
     tokens = torch.randint(0, 50_000, (4, 33))
     hidden = torch.randn(4, 33, 3 * CHUNK_BYTES // 33, generator=torch.Generator().manual_seed(16))  # parts
     parts = [p for t in (tokens, hidden.bfloat16()) for p in encode_tensor(t, get_codec(name))]
-    assert [p.codec for p in parts if p.shape] == ["packed-int", name]
-    assert sum(1 for p in parts if not p.shape) >= 1  # the quantized hidden states still span parts
+    assert [p.head.codec for p in parts if p.head.shape] == ["packed-int", name]
+    assert sum(1 for p in parts if not p.head.shape) >= 1  # the quantized hidden states still span parts
     tokens_out, hidden_out = decode_tensors(parts, WireLimits())
     assert torch.equal(tokens_out, tokens)
     assert_within_bound(name, hidden.bfloat16(), hidden_out)
-    bad = Tensor(buffer=parts[1].buffer[:-1], shape=[4, 33], dtype="float32", codec=name, num_parts=1)
+    bad = Part(Tensor(shape=[4, 33], dtype="float32", codec=name, num_parts=1), parts[1].buffer[:-1])
     with pytest.raises(WireError):
         decode_tensors([bad], WireLimits())
 
@@ -496,10 +496,10 @@ def test_packed_integers_are_what_compressing_codecs_send_integers_with() -> Non
     ids = torch.randint(0, 256, (32, 64))
     for name in sorted(CODECS):
         (head,) = encode_tensor(ids, get_codec(name))
-        assert head.codec == ("packed-int" if get_codec(name).lossy else "none")
+        assert head.head.codec == ("packed-int" if get_codec(name).lossy else "none")
         assert len(head.buffer) == (1 + ids.numel() if get_codec(name).lossy else 8 * ids.numel())
         (flags,) = encode_tensor(ids > 9, get_codec(name))  # narrow already: as it is
-        assert flags.codec == "none"
+        assert flags.head.codec == "none"
         assert torch.equal(decode_tensors([head], WireLimits())[0], ids)
     assert "packed-int" not in CODECS  # not a --compression choice
     assert get_codec("packed-int") is PACKED_INTEGERS

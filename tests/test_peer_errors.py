@@ -97,7 +97,7 @@ def test_compressed_both_ways(stage1_peer, codec):
     for kind, tensors in ((FORWARD, [hidden]), (BACKWARD, [hidden, grad])):
         req = StageRequest(protocol_version=PROTOCOL_VERSION, kind=kind, model="gpt-tiny", stage=1)
         parts = [p for t in tensors for p in encode_tensor(t, get_codec(codec))]
-        assert {p.codec for p in parts if p.shape} == {codec}
+        assert {p.head.codec for p in parts if p.head.shape} == {codec}
         reply, reply_parts = run_client(
             swarm,
             lambda p2p, req=req, parts=parts: exchange(
@@ -105,7 +105,7 @@ def test_compressed_both_ways(stage1_peer, codec):
             ),
         )
         assert reply.error.code == ErrorCode.OK, reply.error.message
-        assert [p.codec for p in reply_parts if p.shape] == [codec]
+        assert [p.head.codec for p in reply_parts if p.head.shape] == [codec]
         full = sum(len(p.buffer) for p in encode_tensor(tensors[0], NONE))
         assert sum(len(p.buffer) for p in reply_parts) < 0.6 * full
 
@@ -198,8 +198,8 @@ def test_malformed_bytes(stage1_peer):
     assert reply.error.code == ErrorCode.TOO_LARGE
     # a tensor header that claims far more data than the limit, with a tiny buffer
     head = encode_tensor(torch.zeros(1), NONE)[0]
-    del head.shape[:]
-    head.shape.extend([2**20, 2**20])
+    del head.head.shape[:]
+    head.head.shape.extend([2**20, 2**20])
     frame = pack_frames(request(protocol_version=PROTOCOL_VERSION), [head])[0].SerializeToString()
     reply = run_client(swarm, lambda p2p: raw_exchange(p2p, peer_id, len(frame).to_bytes(HEADER_BYTES, "big") + frame))
     assert reply.error.code == ErrorCode.TOO_LARGE

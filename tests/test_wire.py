@@ -243,3 +243,80 @@ def test_truncated_stream_is_refused_as_one_that_ended():
 def test_malformed_tensor_is_refused(tensor):
     error = read_error(frame(StageRequest(tensors=[tensor])))
     assert error.code == ErrorCode.BAD_REQUEST
+
+
+def test_frames_are_protobuf_as_any_parser_reads_them():
+    """What write_frames sends parses with protobuf's own parser into the same tensors, and frames serialized by
+    protobuf (fields in any order) read back as the parts they hold: peers on either side interoperate."""
+    tensors = [torch.randn(CHUNK_BYTES // 4 + 5), torch.arange(7), torch.tensor(1.5)]
+    parts = [p for t in tensors for p in encode_tensor(t, get_codec("none"))]
+    header = StageRequest(protocol_version=PROTOCOL_VERSION, model="m", stage=3, microbatch_id=2**40)
+    frames = pack_frames(header, parts)
+    parsed = [StageRequest.FromString(frame.SerializeToString()) for frame in frames]
+    assert parsed[0].model == "m" and parsed[0].microbatch_id == 2**40
+    assert [f.more for f in parsed] == [True] * (len(parsed) - 1) + [False]
+    as_protobuf = [t for f in parsed for t in f.tensors]
+    assert [bytes(t.buffer) for t in as_protobuf] == [bytes(p.buffer) for p in parts]
+    assert [t.num_parts for t in as_protobuf] == [p.head.num_parts for p in parts]
+    # the other way: protobuf's serialization, tensors before the header fields, read by read_frames
+    data = b""
+    for message in parsed:
+        reordered = b"".join(StageRequest(tensors=[t]).SerializeToString() for t in message.tensors)
+        rest = StageRequest()
+        rest.CopyFrom(message)
+        rest.ClearField("tensors")
+        body = reordered + rest.SerializeToString()
+        data += len(body).to_bytes(HEADER_BYTES, "big") + body
+
+    async def read():
+        return await read_frames(reader_of(data), StageRequest, WireLimits())
+
+    request, got = asyncio.run(read())
+    assert request.model == "m" and not request.tensors
+    decoded = decode_tensors(got, WireLimits())
+    assert all(torch.equal(a, b) for a, b in zip(decoded, tensors))
+
+
+def test_a_frame_counts_its_bytes_as_written():
+    parts = encode_tensor(torch.randn(1000), get_codec("none"))
+    (frame_,) = pack_frames(StageRequest(model="m"), parts)
+    writer = BufferWriter()
+    asyncio.run(write_frames(writer, [frame_]))
+    assert len(writer.data) == HEADER_BYTES + frame_.nbytes == HEADER_BYTES + len(frame_.SerializeToString())
+
+
+def test_many_small_tensors_spread_over_frames_a_reader_accepts():
+    parts = [p for _ in range(2000) for p in encode_tensor(torch.tensor(1.0), get_codec("none"))]
+    _, decoded, _ = roundtrip([torch.tensor(float(i)) for i in range(2000)])
+    assert [float(t) for t in decoded] == [float(i) for i in range(2000)]
+    assert len(pack_frames(StageRequest(), parts)) >= 2000 // 512
+
+
+def raw_frame(body: bytes) -> bytes:
+    return len(body).to_bytes(HEADER_BYTES, "big") + body
+
+
+@pytest.mark.parametrize(
+    ("body", "code"),
+    [
+        (b"\x3a\x05\x0a\x09abc", ErrorCode.BAD_REQUEST),  # a part's buffer runs past the part
+        (b"\x3a\x80", ErrorCode.BAD_REQUEST),  # a truncated length
+        (b"\x3a" + b"\xff" * 11, ErrorCode.BAD_REQUEST),  # a varint longer than protobuf allows
+        (b"\x03\x00", ErrorCode.BAD_REQUEST),  # field number 0
+        (b"\x3b\x3c", ErrorCode.BAD_REQUEST),  # a group (wire type 3)
+        (b"\x3a\x02\x0f\x00", ErrorCode.BAD_REQUEST),  # wire type 7 inside a part
+        (b"\x3a\x00" * 9000, ErrorCode.TOO_LARGE),  # more fields than a frame may have
+        (b"\xa0\x01\x00" * 9000, ErrorCode.TOO_LARGE),  # the same with unknown fields
+    ],
+)
+def test_a_malformed_frame_is_refused_before_it_costs_much(body, code):
+    error = read_error(raw_frame(body))
+    assert error.code == code and "StageRequest" in str(error)
+
+
+def test_a_message_of_too_many_parts_is_refused():
+    body = b"\x3a\x00" * 8000 + b"\x40\x01"  # 8,000 empty parts, more to come
+    error = read_error(raw_frame(body) * 3, WireLimits(max_parts=10_000))
+    assert error.code == ErrorCode.TOO_LARGE and "parts" in str(error)
+    error = read_error(raw_frame(body) * 20, WireLimits(max_fields=50_000, max_parts=10**6))
+    assert error.code == ErrorCode.TOO_LARGE and "fields" in str(error)
