@@ -43,7 +43,7 @@ def run_demo(config: DemoConfig) -> int:
         "--vocab-size",
         str(vocab_size),
     ]
-    with LocalSwarm(workdir) as swarm:
+    with LocalSwarm(workdir, preloaded=True) as swarm:
         logger.info(f"Starting a bootstrap node, {config.num_stages} peers and a trainer; logs in {workdir}")
         swarm.start_bootstrap()
         for stage in range(config.num_stages):

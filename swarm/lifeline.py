@@ -28,6 +28,9 @@ LAUNCHER_PID_ENV = "SWARM_LAUNCHER_PID"
 # set as well when the launcher started the child from its main thread: the kernel's parent-death
 # signal fires when the *thread* that forked the child ends, so it is only safe from the main thread
 PARENT_DEATH_SIGNAL_ENV = "SWARM_PARENT_DEATH_SIGNAL"
+# set in a role forked by the launcher's forkserver (swarm.role_forkserver): its parent is the forkserver,
+# which outlives the launcher while roles hold it open, so the role watches the launcher itself
+LAUNCHER_NOT_PARENT_ENV = "SWARM_LAUNCHER_NOT_PARENT"
 
 # how long a role may take to leave gracefully after its launcher died before its group is killed;
 # the same as LocalSwarm gives a process it stops
@@ -65,6 +68,30 @@ def watch_parent(parent_pid: int, on_orphaned: Callable[[], None], name: str = "
     return thread
 
 
+def watch_process(pid: int, on_gone: Callable[[], None], name: str = "process-watch") -> threading.Thread:
+    """Calls `on_gone()` on a daemon thread once process `pid` (not this one's parent) has ended.
+
+    A zombie counts as ended, and so does another process that took over the pid (by its start time)."""
+    started = _start_time(pid)
+
+    def watch() -> None:
+        while started is not None and _start_time(pid) == started:
+            time.sleep(POLL_S)
+        on_gone()
+
+    thread = threading.Thread(target=watch, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
+def _start_time(pid: int) -> int | None:
+    """When a live process started, in clock ticks since boot; None for a process gone or a zombie."""
+    with contextlib.suppress(OSError, IndexError, ValueError):
+        fields = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+        return None if fields[0] in ("Z", "X") else int(fields[19])
+    return None
+
+
 def child_pids(pid: int | None = None) -> list[int]:
     """The pids of the live children of process `pid` (this one by default), read from /proc."""
     parent = os.getpid() if pid is None else pid
@@ -90,11 +117,12 @@ def die_with_launcher(grace: float = LEAVE_GRACE_S) -> None:
     """
     value = os.environ.pop(LAUNCHER_PID_ENV, None)  # not inherited further: grandchildren have other parents
     use_signal = os.environ.pop(PARENT_DEATH_SIGNAL_ENV, None) == "1"
+    not_parent = os.environ.pop(LAUNCHER_NOT_PARENT_ENV, None) == "1"
     if not value:
         return
     launcher = int(value)
     # immediate where available; the watch below covers the rest
-    signalled = use_signal and set_parent_death_signal(signal.SIGTERM)
+    signalled = use_signal and not not_parent and set_parent_death_signal(signal.SIGTERM)
     if os.getppid() != launcher:  # gone before the kernel was asked: no signal will come from it
         signalled = False
 
@@ -108,4 +136,7 @@ def die_with_launcher(grace: float = LEAVE_GRACE_S) -> None:
             os.killpg(os.getpid(), signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
 
-    watch_parent(launcher, on_orphaned, name="launcher-watch")
+    if not_parent:
+        watch_process(launcher, on_orphaned, name="launcher-watch")
+    else:
+        watch_parent(launcher, on_orphaned, name="launcher-watch")

@@ -3,6 +3,11 @@
 Every process runs in its own session (process group), so stopping it also stops the DHT child
 and the libp2p daemons it started, and none is left behind.
 
+With `preloaded`, peers and trainers are forked from a process that has imported torch and hivemind
+once (see `swarm.role_forkserver`) instead of each importing them: the demo's swarm trains sooner.
+As with any use of multiprocessing, a launcher script then guards its code with
+`if __name__ == "__main__":`, since the forked roles import it.
+
 Nothing is left behind either when the launcher itself is stopped: used as a context manager, a
 LocalSwarm stops its processes in order on SIGTERM or SIGINT as on an exception; and if the launcher
 dies without that (SIGKILL, a second signal), each process it started leaves on its own
@@ -25,6 +30,7 @@ from types import FrameType
 from typing import Any
 
 from swarm.lifeline import LAUNCHER_PID_ENV, PARENT_DEATH_SIGNAL_ENV
+from swarm.role_forkserver import ForkedRole, start_forkserver
 
 
 class LaunchError(RuntimeError):
@@ -45,11 +51,16 @@ def _exit_on_signal(signum: int, frame: FrameType | None) -> None:
 class LocalSwarm:
     """A bootstrap node, peers and trainers as child processes, stopped together on exit."""
 
-    def __init__(self, workdir: str | os.PathLike | None = None, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, workdir: str | os.PathLike | None = None, env: dict[str, str] | None = None, preloaded: bool = False
+    ) -> None:
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="swarm-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
-        self.processes: dict[str, subprocess.Popen] = {}
+        self.preloaded = preloaded
+        if preloaded:  # now: it imports while the bootstrap node starts
+            start_forkserver(self.env)
+        self.processes: dict[str, subprocess.Popen | ForkedRole] = {}
         self.initial_peers: list[str] = []
         self._saved_handlers: dict[int, Any] = {}  # signal -> the handler to restore
 
@@ -57,17 +68,30 @@ class LocalSwarm:
         return self.workdir / f"{name}.log"
 
     def spawn(
-        self, name: str, role: str, flags: list[str], log: bool = True, prefix: Sequence[str] = ()
-    ) -> subprocess.Popen:
+        self,
+        name: str,
+        role: str,
+        flags: list[str],
+        log: bool = True,
+        prefix: Sequence[str] = (),
+        forked: bool | None = None,
+    ) -> subprocess.Popen | ForkedRole:
         """Starts `swarm ROLE FLAGS` as process `name`, its output in NAME.log (or this console).
 
         `prefix`: a command that runs it, e.g. `ip netns exec NAME` (it must exec the program, keeping its pid).
+        `forked=False`: launched as a program even where this swarm is `preloaded` (a newcomer, as users start one).
         The process leaves, with its DHT child and daemons, when this one dies (see swarm.lifeline).
         """
-        command = [*prefix, sys.executable, "-m", "swarm", role, *flags]
         env = {**self.env, LAUNCHER_PID_ENV: str(os.getpid())}
         # the kernel's parent-death signal fires when the forking thread ends: only the main thread lives as long
         env[PARENT_DEATH_SIGNAL_ENV] = "1" if threading.current_thread() is threading.main_thread() else "0"
+        if self.preloaded and forked is not False and not prefix and role in ("peer", "train"):
+            if log:  # there as soon as this returns, as a launched process's log is
+                self.log_path(name).touch()
+            process = ForkedRole([role, *flags], str(self.log_path(name)) if log else None, env)
+            self.processes[name] = process
+            return process
+        command = [*prefix, sys.executable, "-m", "swarm", role, *flags]
         output = open(self.log_path(name), "ab") if log else None
         try:
             process = subprocess.Popen(
@@ -96,17 +120,18 @@ class LocalSwarm:
         self.initial_peers = address_file.read_text().split()
         return self.initial_peers
 
-    def start_peer(self, name: str, stage: int | str, flags: list[str] = ()) -> subprocess.Popen:
+    def start_peer(
+        self, name: str, stage: int | str, flags: list[str] = (), forked: bool | None = None
+    ) -> subprocess.Popen | ForkedRole:
         """Starts a peer for `stage` (a number or auto), joined to the bootstrap node.
 
         The layout asked for is kept (no rebalancing) unless `flags` set `--rebalance-period`.
         """
         pinned = [] if "--rebalance-period" in flags else ["--rebalance-period", "0"]
-        return self.spawn(
-            name, "peer", ["--stage", str(stage), "--initial-peers", *self.initial_peers, *pinned, *flags]
-        )
+        peer_flags = ["--stage", str(stage), "--initial-peers", *self.initial_peers, *pinned, *flags]
+        return self.spawn(name, "peer", peer_flags, forked=forked)
 
-    def start_trainer(self, name: str, flags: list[str] = (), log: bool = True) -> subprocess.Popen:
+    def start_trainer(self, name: str, flags: list[str] = (), log: bool = True) -> subprocess.Popen | ForkedRole:
         """Starts a trainer joined to the bootstrap node."""
         return self.spawn(name, "train", ["--initial-peers", *self.initial_peers, *flags], log=log)
 
@@ -159,7 +184,7 @@ class LocalSwarm:
         self.stop_all()
 
 
-def reap(process: subprocess.Popen, timeout: float) -> int | None:
+def reap(process: subprocess.Popen | ForkedRole, timeout: float) -> int | None:
     """Waits up to `timeout` s for a process started in a session of its own, then kills what is left of its group.
 
     The DHT child and p2pd share the process group: whatever the main process left behind goes with it.

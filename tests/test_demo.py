@@ -15,7 +15,9 @@ from conftest import SMALL_CORPUS
 
 
 def swarm_processes() -> set[int]:
-    out = subprocess.run(["pgrep", "-f", "--", "-m swarm |hivemind_cli/p2pd"], capture_output=True, text=True).stdout
+    # the demo forks its peers and trainer from a forkserver: they show the forkserver's command line
+    pattern = "-m swarm |hivemind_cli/p2pd|multiprocessing.forkserver"
+    out = subprocess.run(["pgrep", "-f", "--", pattern], capture_output=True, text=True).stdout
     return {int(pid) for pid in out.split()}
 
 

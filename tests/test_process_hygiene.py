@@ -1,7 +1,8 @@
 """A launcher stopped any way at all (SIGKILL, SIGTERM, SIGINT, `timeout`) leaves no process behind.
 
 The launcher is a small script like the benchmarks: a LocalSwarm with a bootstrap node and one
-gpt-tiny peer, and a DHT node of its own. Every process it starts, however deep (peers, their DHT
+gpt-tiny peer (launched as a program, or forked from a preloaded forkserver as the demo's are), and
+a DHT node of its own. Every process it starts, however deep (peers, their DHT
 children, p2pd daemons), inherits an environment tag unique to the test, by which it is found in
 /proc even once re-parented to init.
 """
@@ -28,19 +29,20 @@ import json, signal, sys, time
 from swarm.dht_node import TetheredDHT
 from swarm.local_swarm import LocalSwarm
 
-with LocalSwarm(sys.argv[1]) as swarm:
-    swarm.start_bootstrap()
-    dht = TetheredDHT(initial_peers=swarm.initial_peers, start=True)  # as the benchmarks keep one
-    try:
-        peer = swarm.start_peer("peer0", 0, ["--model", "gpt-tiny", "--num-stages", "3"])
-        while "Serving stage" not in swarm.log_path("peer0").read_text(errors="replace"):
-            if peer.poll() is not None:
-                sys.exit("the peer exited")
-            time.sleep(0.1)
-        print(json.dumps({"peer": peer.pid, "dht": dht.pid}), flush=True)
-        signal.pause()
-    finally:
-        dht.shutdown()
+if __name__ == "__main__":  # forked peers re-import this script as multiprocessing's children do
+    with LocalSwarm(sys.argv[1], preloaded=sys.argv[2] == "forked") as swarm:
+        swarm.start_bootstrap()
+        dht = TetheredDHT(initial_peers=swarm.initial_peers, start=True)  # as the benchmarks keep one
+        try:
+            peer = swarm.start_peer("peer0", 0, ["--model", "gpt-tiny", "--num-stages", "3"])
+            while "Serving stage" not in swarm.log_path("peer0").read_text(errors="replace"):
+                if peer.poll() is not None:
+                    sys.exit("the peer exited")
+                time.sleep(0.1)
+            print(json.dumps({"peer": peer.pid, "dht": dht.pid}), flush=True)
+            signal.pause()
+        finally:
+            dht.shutdown()
 """
 
 
@@ -97,12 +99,12 @@ def wait_until_gone(tag: str, which=lambda pid: True, timeout: float = GONE_WITH
 class Launcher:
     """The launcher script as a subprocess (under `timeout` if asked), every descendant tagged."""
 
-    def __init__(self, tmp_path: Path, under_timeout: bool = False) -> None:
+    def __init__(self, tmp_path: Path, under_timeout: bool = False, peer: str = "launched") -> None:
         self.tag = uuid.uuid4().hex
         self.workdir = tmp_path / "swarm"
         script = tmp_path / "launcher.py"
         script.write_text(LAUNCHER)
-        command = [sys.executable, str(script), str(self.workdir)]
+        command = [sys.executable, str(script), str(self.workdir), peer]
         if under_timeout:
             command = ["timeout", "600", *command]
         self.process = subprocess.Popen(
@@ -136,9 +138,13 @@ class Launcher:
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM", "SIGINT", "timeout"])
-def test_a_stopped_launcher_leaves_no_process(tmp_path, how):
-    launcher = Launcher(tmp_path, under_timeout=how == "timeout")
+@pytest.mark.parametrize(
+    ("how", "peer"),
+    [(how, "launched") for how in ("SIGKILL", "SIGTERM", "SIGINT", "timeout")]
+    + [("SIGKILL", "forked"), ("SIGTERM", "forked")],
+)
+def test_a_stopped_launcher_leaves_no_process(tmp_path, how, peer):
+    launcher = Launcher(tmp_path, under_timeout=how == "timeout", peer=peer)
     try:
         launcher.wait_ready()
         started = tagged(launcher.tag)
