@@ -31,6 +31,9 @@ from swarm.stage_records import SERVING
 from swarm.transport import PROGRESS_PROTOCOL, StageCallError, call_stage, exchange, get_peer_info
 from swarm.wire import WireLimits
 
+# a stage-mate that reports (and runs at) 10 samples/s, against some hundreds for a peer at CPU speed
+SLOW_MATE = ["--simulated-speed", "10"]
+
 
 def read_lines(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
@@ -76,7 +79,8 @@ def test_a_backward_finished_after_its_caller_gave_up_is_not_applied(local_swarm
         local_swarm,
         tmp_path,
         {0: ["peer0"], 1: ["peer1a", "peer1b"], 2: ["peer2"]},
-        {"peer1b": ["--faults", "before_commit@1=delay:6"]},
+        # peer1a as a slow device: the router sends peer1b nearly every call, so its fault fires
+        {"peer1b": ["--faults", "before_commit@1=delay:6"], "peer1a": SLOW_MATE},
     )
     summary_file = tmp_path / "summary.json"
     flags = [*trainer_flags(steps, summary_file), "--call-timeout", "4", "--call-timeout-floor", "4"]
@@ -107,7 +111,8 @@ def test_a_backward_whose_reply_was_lost_is_summed_once_by_the_stage(local_swarm
     after its stage stepped carries a gradient of the newer parameters upstream, as a stale one does.)"""
     steps = 4
     layout = {0: ["peer0"], 1: ["peer1a", "peer1b"], 2: ["peer2"]}
-    start_swarm(local_swarm, tmp_path, layout, {"peer1b": ["--faults", faults]})
+    # peer1a as a slow device: the router sends peer1b nearly every call, so its second backward comes
+    start_swarm(local_swarm, tmp_path, layout, {"peer1b": ["--faults", faults], "peer1a": SLOW_MATE})
     summary_file = tmp_path / "summary.json"
     ledger = tmp_path / "trainer.ledger"
     flags = [*trainer_flags(steps, summary_file), "--call-timeout", "4", "--call-timeout-floor", "4"]
