@@ -14,6 +14,7 @@ watching the launcher rather than its parent: the forkserver lives on as long as
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -24,6 +25,7 @@ from collections.abc import Sequence
 
 from swarm.lifeline import LAUNCHER_NOT_PARENT_ENV
 
+_PR_SET_NAME = 15
 PRELOADED = ["swarm.peer.server", "swarm.trainer"]  # what `swarm peer` and `swarm train` import
 _CONTEXT = multiprocessing.get_context("forkserver")
 
@@ -93,6 +95,13 @@ def _run_role(argv: list[str], log_path: str | None, env: dict[str, str]) -> Non
     with contextlib.suppress(AttributeError, ValueError):
         sys.stdout.reconfigure(line_buffering=True)  # as PYTHONUNBUFFERED gives a launched role
     sys.argv = ["swarm", *argv]
+    _name_process(f"swarm {argv[0]}")
     from swarm.cli import main
 
     sys.exit(main(argv))
+
+
+def _name_process(name: str) -> None:
+    """Names this process as `ps -o comm`, top and pgrep show it: its command line is the forkserver's."""
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: the name stays python's
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)

@@ -33,6 +33,8 @@ def test_a_forked_role_is_a_role_as_a_launched_one(tmp_path):
             assert peer.poll() is None and time.monotonic() < deadline, log[-3000:]
             time.sleep(0.1)
         assert process_group(peer.pid) == peer.pid  # a session of its own: stopping it takes its DHT and daemons
+        with open(f"/proc/{peer.pid}/comm") as file:
+            assert file.read().strip() == "swarm peer"  # as top and pgrep show it
         with pytest.raises(subprocess.TimeoutExpired):
             peer.wait(0.05)
         # nothing left to import: from its fork to its first milestone is parsing flags
