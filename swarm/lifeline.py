@@ -28,9 +28,6 @@ LAUNCHER_PID_ENV = "SWARM_LAUNCHER_PID"
 # set as well when the launcher started the child from its main thread: the kernel's parent-death
 # signal fires when the *thread* that forked the child ends, so it is only safe from the main thread
 PARENT_DEATH_SIGNAL_ENV = "SWARM_PARENT_DEATH_SIGNAL"
-# set in a role forked by the launcher's forkserver (swarm.role_forkserver): its parent is the forkserver,
-# which outlives the launcher while roles hold it open, so the role watches the launcher itself
-LAUNCHER_NOT_PARENT_ENV = "SWARM_LAUNCHER_NOT_PARENT"
 
 # how long a role may take to leave gracefully after its launcher died before its group is killed;
 # the same as LocalSwarm gives a process it stops
@@ -117,14 +114,15 @@ def die_with_launcher(grace: float = LEAVE_GRACE_S) -> None:
     """
     value = os.environ.pop(LAUNCHER_PID_ENV, None)  # not inherited further: grandchildren have other parents
     use_signal = os.environ.pop(PARENT_DEATH_SIGNAL_ENV, None) == "1"
-    not_parent = os.environ.pop(LAUNCHER_NOT_PARENT_ENV, None) == "1"
     if not value:
         return
     launcher = int(value)
     # immediate where available; the watch below covers the rest
-    signalled = use_signal and not not_parent and set_parent_death_signal(signal.SIGTERM)
-    if os.getppid() != launcher:  # gone before the kernel was asked: no signal will come from it
-        signalled = False
+    signalled = use_signal and set_parent_death_signal(signal.SIGTERM)
+    # not the parent: gone before the kernel was asked, or a forkserver's role (swarm.role_forkserver), whose
+    # parent outlives the launcher while it holds roles; either way no signal comes, and the launcher is watched
+    launcher_is_parent = os.getppid() == launcher
+    signalled = signalled and launcher_is_parent
 
     def on_orphaned() -> None:
         logger.warning("The launcher of this process has gone; leaving")
@@ -136,7 +134,7 @@ def die_with_launcher(grace: float = LEAVE_GRACE_S) -> None:
             os.killpg(os.getpid(), signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
 
-    if not_parent:
-        watch_process(launcher, on_orphaned, name="launcher-watch")
-    else:
+    if launcher_is_parent:
         watch_parent(launcher, on_orphaned, name="launcher-watch")
+    else:
+        watch_process(launcher, on_orphaned, name="launcher-watch")

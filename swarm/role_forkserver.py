@@ -23,7 +23,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-from swarm.lifeline import LAUNCHER_NOT_PARENT_ENV
+from swarm.lifeline import PARENT_DEATH_SIGNAL_ENV
 
 _PR_SET_NAME = 15
 PRELOADED = ["swarm.peer.server", "swarm.trainer"]  # what `swarm peer` and `swarm train` import
@@ -85,8 +85,8 @@ def _run_role(argv: list[str], log_path: str | None, env: dict[str, str]) -> Non
     os.setsid()
     os.environ.clear()
     os.environ.update(env)
-    # the forkserver, this process's parent, lives as long as any role it forked: watch the launcher itself
-    os.environ[LAUNCHER_NOT_PARENT_ENV] = "1"
+    # the forkserver, this process's parent, lives as long as any role it forked: the role watches the launcher
+    os.environ[PARENT_DEATH_SIGNAL_ENV] = "0"
     if log_path is not None:
         output = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(output, sys.stdout.fileno())

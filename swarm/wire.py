@@ -99,7 +99,7 @@ class Frame:
             inner = len(head) + len(BUFFER_TAG) + _varint_size(size) + size
             pending += [tag, _varint(inner), head, BUFFER_TAG, _varint(size)]
             if size < JOIN_BELOW_BYTES:
-                pending.append(bytes(part.buffer))
+                pending.append(part.buffer)
             else:
                 chunks += [b"".join(pending), part.buffer]
                 pending = []
@@ -109,8 +109,15 @@ class Frame:
 
     @property
     def nbytes(self) -> int:
-        """The serialized frame's length (without the 8-byte length before it)."""
-        return sum(len(chunk) for chunk in self.chunks())
+        """The serialized frame's length (without the 8-byte length before it), counted without serializing."""
+        total = self.message.ByteSize()
+        if self.parts:
+            tag_bytes = len(_tag(_tensors_field(type(self.message)), LENGTH_DELIMITED))
+        for part in self.parts:
+            size = len(part.buffer)
+            inner = part.head.ByteSize() + len(BUFFER_TAG) + _varint_size(size) + size
+            total += tag_bytes + _varint_size(inner) + inner
+        return total
 
     def SerializeToString(self) -> bytes:  # noqa: N802 (as a protobuf message says it: tools frame either)
         return b"".join(self.chunks())
