@@ -34,6 +34,7 @@ from typing import ClassVar
 
 import numpy
 import torch
+
 from swarm.compression.codecs import Codec, CodecError
 
 HEADER = struct.Struct("<4sBBHQ")

@@ -68,7 +68,7 @@ def tensor_from_bytes(
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
     # bytearray: torch.frombuffer needs a writable buffer to hand out a writable tensor (one the caller made
-    # for this tensor alone, as `swarm.wire.decode_tensors` does, is wrapped as it is)
+    # for this tensor alone, as `swarm.net.wire.decode_tensors` does, is wrapped as it is)
     raw = torch.frombuffer(buffer if isinstance(buffer, bytearray) else bytearray(buffer), dtype=torch.uint8)
     return raw.view(dtype).reshape(shape)
 

@@ -50,6 +50,7 @@ from hivemind.compression import serialization as _hivemind_serialization
 from hivemind.compression.base import CompressionBase, CompressionInfo
 from hivemind.compression.floating import get_num_bits
 from hivemind.proto import runtime_pb2
+
 from swarm.compression.blockwise import Blockwise4bitCompression, Blockwise8bitCompression, BlockwiseQuantization
 from swarm.compression.codecs import (
     BFloat16Compression,

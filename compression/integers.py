@@ -11,6 +11,7 @@ type, little-endian. Decoding widens them back to the dtype the Tensor message n
 from __future__ import annotations
 
 import torch
+
 from swarm.compression.codecs import Codec, CodecError, dtype_name, tensor_from_bytes, tensor_to_bytes
 
 #: narrowest first; an index into this tuple is the payload's first byte
@@ -30,7 +31,7 @@ def narrowest_dtype(low: int, high: int) -> torch.dtype:
 
 class PackedIntegers(Codec):
     """Integers in the narrowest type that holds them; exact. Not a choice of `--compression`: a
-    compressing codec sends integer tensors this way (see `swarm.wire.encode_tensor`)."""
+    compressing codec sends integer tensors this way (see `swarm.net.wire.encode_tensor`)."""
 
     name = "packed-int"
 

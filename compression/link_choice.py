@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+
 from swarm.compression.codecs import Codec
 
 MIN_OBSERVATIONS = 4

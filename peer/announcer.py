@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from swarm.stage_records import StageRecord
+from swarm.records.stage_records import StageRecord
 
 logger = logging.getLogger(__name__)
 

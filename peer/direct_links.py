@@ -17,7 +17,7 @@ from hivemind import DHT
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
-from swarm.trainer_records import fetch_trainer_records
+from swarm.records.trainer_records import fetch_trainer_records
 
 logger = logging.getLogger(__name__)
 

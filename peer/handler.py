@@ -14,7 +14,21 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
+
 from swarm.compression import CodecError, get_codec
+from swarm.models import GPTStage
+from swarm.models.stage_io import StageInputError, check_stage_inputs
+from swarm.net.wire import (
+    StreamEnded,
+    WireError,
+    WireLimits,
+    decode_tensors,
+    encode_tensor,
+    pack_frames,
+    read_frames,
+    wait_for_hang_up,
+    write_frames,
+)
 from swarm.peer.faults import DropReply, FaultPlan
 from swarm.peer.mates import StageMates, ids_to_wire
 from swarm.peer.runtime import StageRuntime, StaleGradientError
@@ -29,21 +43,7 @@ from swarm.proto import (
     StageReply,
     StageRequest,
 )
-
-from swarm.models import GPTStage
-from swarm.models.stage_io import StageInputError, check_stage_inputs
-from swarm.stage_records import SERVING
-from swarm.wire import (
-    StreamEnded,
-    WireError,
-    WireLimits,
-    decode_tensors,
-    encode_tensor,
-    pack_frames,
-    read_frames,
-    wait_for_hang_up,
-    write_frames,
-)
+from swarm.records.stage_records import SERVING
 
 if TYPE_CHECKING:
     from swarm.peer.metrics import PeerMetrics

@@ -24,7 +24,7 @@ peer sees in the DHT (mates announced as serving), widened by every peer that se
 a contribution for the step and by the member lists those carry. A mate that cannot be reached is
 dropped from the round at once; one that stays silent is dropped when `averaging_timeout` runs out.
 
-Mates are who the signed records say (`swarm.identity`): the mate protocols answer only a peer
+Mates are who the signed records say (`swarm.net.identity`): the mate protocols answer only a peer
 whose libp2p-authenticated peer id has a record on this stage (joining, serving or leaving), and
 refuse anyone else with FORBIDDEN before reading a byte. A peer takes a mate's state only at a
 step and fingerprint that another mate confirms, where two or more serve, so one lying mate cannot
@@ -49,7 +49,27 @@ from dataclasses import dataclass, field
 
 import torch
 from hivemind.p2p import P2P, PeerID
+
 from swarm.compression import Codec, get_codec
+from swarm.net.allowlist import Handler
+from swarm.net.transport import (
+    COMMIT_PROTOCOL,
+    GRAD_PROTOCOL,
+    PROGRESS_PROTOCOL,
+    STATE_PROTOCOL,
+    exchange,
+    get_peer_info,
+)
+from swarm.net.wire import (
+    WireError,
+    WireLimits,
+    decode_tensors,
+    encode_tensor,
+    pack_frames,
+    read_frames,
+    wait_for_hang_up,
+    write_frames,
+)
 from swarm.peer.contribution_bounds import clip_scales
 from swarm.peer.faults import FaultPlan
 from swarm.peer.runtime import RoundResult, SampleKey, StageRuntime
@@ -74,28 +94,8 @@ from swarm.proto import (
     StateReply,
     StateRequest,
 )
-
-from swarm.allowlist import Handler
-from swarm.sample_ledger import SampleLedger, step_record
-from swarm.stage_records import LEAVING, PEER_ID, SERVING, StageRecord
-from swarm.transport import (
-    COMMIT_PROTOCOL,
-    GRAD_PROTOCOL,
-    PROGRESS_PROTOCOL,
-    STATE_PROTOCOL,
-    exchange,
-    get_peer_info,
-)
-from swarm.wire import (
-    WireError,
-    WireLimits,
-    decode_tensors,
-    encode_tensor,
-    pack_frames,
-    read_frames,
-    wait_for_hang_up,
-    write_frames,
-)
+from swarm.records.sample_ledger import SampleLedger, step_record
+from swarm.records.stage_records import LEAVING, PEER_ID, SERVING, StageRecord
 
 logger = logging.getLogger(__name__)
 

@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
-from swarm.peer.faults import FaultPlan
-from swarm.peer.stage_state import parameter_fingerprint
 
 from swarm.models import GPTStage
-from swarm.optimizer import apply_accumulated_step
+from swarm.models.optimizer import apply_accumulated_step
+from swarm.peer.faults import FaultPlan
+from swarm.peer.stage_state import parameter_fingerprint
 
 logger = logging.getLogger(__name__)
 

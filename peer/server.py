@@ -11,7 +11,17 @@ from typing import TYPE_CHECKING
 
 import torch
 from hivemind.p2p import P2P
+
 from swarm.compression import get_codec
+from swarm.config import ConfigError, PeerConfig
+from swarm.models import build_stage
+from swarm.models.optimizer import OptimizerSettings, build_optimizer, import_compiler_in_background
+from swarm.net.allowlist import StreamGate
+from swarm.net.dht_node import connect_to_daemon, start_dht
+from swarm.net.direct_plane import DirectPlane, announce_host, listen_host
+from swarm.net.reachability import REACH_PROTOCOL, check_before_start, report_reachability, serve_reachability
+from swarm.net.transport import INFO_PROTOCOL, STAGE_PROTOCOL
+from swarm.net.wire import WireLimits
 from swarm.peer.announcer import Announcer
 from swarm.peer.checkpoint import checkpoint_path, load_checkpoint, restore, save_checkpoint
 from swarm.peer.direct_links import keep_direct_links
@@ -22,22 +32,12 @@ from swarm.peer.preemption import notice_source, watch_for_preemption
 from swarm.peer.runtime import StageRuntime
 from swarm.peer.stage_state import parameter_fingerprint
 from swarm.peer.standby import STANDBY_PROTOCOL, Standby, StandbyKeeper
+from swarm.policy.balance import Move, MoveCost, capacities, choose_stage, loads_from_records, plan_moves, stage_costs
+from swarm.process.event_loop import run, stop_event_on_signals
+from swarm.process.launch_clock import seconds_since_launch
 from swarm.proto import PROTOCOL_VERSION
-
-from swarm.allowlist import StreamGate
-from swarm.balance import Move, MoveCost, capacities, choose_stage, loads_from_records, plan_moves, stage_costs
-from swarm.config import ConfigError, PeerConfig
-from swarm.dht_node import connect_to_daemon, start_dht
-from swarm.direct_plane import DirectPlane, announce_host, listen_host
-from swarm.event_loop import run, stop_event_on_signals
-from swarm.launch_clock import seconds_since_launch
-from swarm.models import build_stage
-from swarm.optimizer import OptimizerSettings, build_optimizer, import_compiler_in_background
-from swarm.reachability import REACH_PROTOCOL, check_before_start, report_reachability, serve_reachability
-from swarm.sample_ledger import SampleLedger
-from swarm.stage_records import JOINING, LEAVING, SERVING, StageRecord, announce, fetch_stage_records
-from swarm.transport import INFO_PROTOCOL, STAGE_PROTOCOL
-from swarm.wire import WireLimits
+from swarm.records.sample_ledger import SampleLedger
+from swarm.records.stage_records import JOINING, LEAVING, SERVING, StageRecord, announce, fetch_stage_records
 
 if TYPE_CHECKING:
     from swarm.peer.metrics import PeerMetrics
@@ -52,7 +52,7 @@ class Peer:
     """A host of one stage at a time: the runtime, the handlers, the announcements and the checkpoints.
 
     It starts on the stage given, or with `--stage auto` on the swarm's bottleneck, and every
-    `--rebalance-period` (randomised) it applies the balance rule (`swarm.balance`): if the rule
+    `--rebalance-period` (randomised) it applies the balance rule (`swarm.policy.balance`): if the rule
     moves it, it leaves its stage as on a graceful leave (handing its gradients to its mates) and
     joins the bottleneck, downloading that stage's state from the peers there.
     """
@@ -401,8 +401,7 @@ class Peer:
     def _start_metrics(self) -> None:
         """--metrics-port: serves the peer's Prometheus metrics (ConfigError if the address cannot be bound)."""
         from swarm.peer.metrics import PeerMetrics
-
-        from swarm.metrics import serve_metrics
+        from swarm.trainer.metrics import serve_metrics
 
         self.metrics = PeerMetrics(self)
         serve_metrics(self.metrics.registry, self.config.metrics_host, self.config.metrics_port)
@@ -557,7 +556,7 @@ class Peer:
                 since = f"{time.perf_counter() - started:.2f}s after start"
                 if announcing is None:
                     announcing = asyncio.create_task(self._announce_forever())
-                    import_compiler_in_background()  # serving already: see swarm.optimizer
+                    import_compiler_in_background()  # serving already: see swarm.models.optimizer
                     self.startup["joined"] = seconds_since_launch()
                     since = f"{self.startup['joined']:.2f}s after launch ({startup_breakdown(self.startup)})"
                 maddrs = " ".join(str(m) for m in self.dht.get_visible_maddrs())

@@ -35,22 +35,11 @@ from typing import TYPE_CHECKING
 
 import torch
 from hivemind.p2p import PeerID
-from swarm.compression import get_codec
-from swarm.peer.mates import confirmed_holders, confirmed_versions, request_state
-from swarm.peer.stage_state import (
-    StageStateError,
-    check_state_tensors,
-    load_state_tensors,
-    parameter_fingerprint,
-    state_fingerprint,
-)
-from swarm.proto import PROTOCOL_VERSION, Error, ErrorCode, PeerInfo, StateReply, StateRequest
 
+from swarm.compression import get_codec
 from swarm.models import build_stage
-from swarm.sample_ledger import restore_record
-from swarm.stage_records import JOINING, LEAVING, SERVING, StageRecord
-from swarm.transport import exchange, get_peer_info
-from swarm.wire import (
+from swarm.net.transport import exchange, get_peer_info
+from swarm.net.wire import (
     WireError,
     WireLimits,
     decode_tensors,
@@ -60,6 +49,17 @@ from swarm.wire import (
     wait_for_hang_up,
     write_frames,
 )
+from swarm.peer.mates import confirmed_holders, confirmed_versions, request_state
+from swarm.peer.stage_state import (
+    StageStateError,
+    check_state_tensors,
+    load_state_tensors,
+    parameter_fingerprint,
+    state_fingerprint,
+)
+from swarm.proto import PROTOCOL_VERSION, Error, ErrorCode, PeerInfo, StateReply, StateRequest
+from swarm.records.sample_ledger import restore_record
+from swarm.records.stage_records import JOINING, LEAVING, SERVING, StageRecord
 
 if TYPE_CHECKING:
     from swarm.peer.server import Peer

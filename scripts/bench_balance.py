@@ -15,7 +15,7 @@ Four runs, each on a fresh swarm:
 Every `--sample-every` seconds the bench reads the DHT: which peer serves which stage. The
 assignment's throughput is computed from the speeds set here (the least, over stages, of the
 summed speeds divided by the stage's cost), and divided by the ideal: the best assignment of the
-live peers, computed exactly (`swarm.balance.ideal_assignment`). The trainer's own samples/s are
+live peers, computed exactly (`swarm.policy.balance.ideal_assignment`). The trainer's own samples/s are
 also reported against the ideal, with the trainer's pipeline overheads in them.
 """
 
@@ -33,13 +33,13 @@ from pathlib import Path
 
 from hivemind import DHT
 
-from swarm.balance import ideal_assignment, stage_costs
-from swarm.dht_node import TetheredDHT
-from swarm.local_swarm import LocalSwarm
+from harness.spot_trace import live_peer_targets
+from swarm.launch.local_swarm import LocalSwarm
 from swarm.models import get_model_spec
-from swarm.router import FORWARD_SHARE_OF_BACKWARD
-from swarm.spot_trace import live_peer_targets
-from swarm.stage_records import SERVING, fetch_stage_records
+from swarm.net.dht_node import TetheredDHT
+from swarm.policy.balance import ideal_assignment, stage_costs
+from swarm.policy.router import FORWARD_SHARE_OF_BACKWARD
+from swarm.records.stage_records import SERVING, fetch_stage_records
 
 MODEL = "gpt-micro"
 

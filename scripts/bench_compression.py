@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
 from swarm.compression import CODECS, Codec
 
 SMALL_SHAPES = {"activation": [(8, 64, 128)], "gradient": [(128, 128), (768, 768)]}

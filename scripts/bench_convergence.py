@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from swarm.local_swarm import LocalSwarm
+from swarm.launch.local_swarm import LocalSwarm
 
 
 def train(run: str, seed: int, args: argparse.Namespace, workdir: Path) -> dict:
@@ -102,7 +102,7 @@ def main() -> None:
         "curves": curves,
     }
     if args.plot:
-        from swarm.plots import PlotError, curves_from_summary, plot_training
+        from swarm.ops.plots import PlotError, curves_from_summary, plot_training
 
         runs = [curves_from_summary(summary, run) for run, summary in summaries.items()]
         try:

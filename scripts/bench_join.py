@@ -18,9 +18,9 @@ import time
 
 from hivemind import DHT
 
-from swarm.dht_node import TetheredDHT
-from swarm.local_swarm import LocalSwarm
-from swarm.stage_records import SERVING, fetch_stage_records
+from swarm.launch.local_swarm import LocalSwarm
+from swarm.net.dht_node import TetheredDHT
+from swarm.records.stage_records import SERVING, fetch_stage_records
 
 
 def wait_serving(dht: DHT, stage: int, count: int, timeout: float = 180.0) -> float:

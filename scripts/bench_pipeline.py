@@ -26,14 +26,14 @@ import tempfile
 import torch
 from hivemind.p2p import P2P, PeerID
 
-from swarm.data import ByteCorpus
-from swarm.dht_node import TetheredDHT
-from swarm.local_swarm import LocalSwarm
+from swarm.launch.local_swarm import LocalSwarm
 from swarm.models import get_model_spec
-from swarm.optimizer import OptimizerSettings
-from swarm.reference import train_reference
-from swarm.stage_records import fetch_stage_records
-from swarm.transport import get_peer_info
+from swarm.models.optimizer import OptimizerSettings
+from swarm.net.dht_node import TetheredDHT
+from swarm.net.transport import get_peer_info
+from swarm.records.stage_records import fetch_stage_records
+from swarm.trainer.data import ByteCorpus
+from swarm.trainer.reference import train_reference
 
 
 def run_swarm(

@@ -1,6 +1,6 @@
 """How long one whole balance plan takes, and how close it comes to the ideal; prints one JSON object.
 
-Every peer computes the balance rule's plan (`swarm.balance.plan_moves`) from the swarm's records
+Every peer computes the balance rule's plan (`swarm.policy.balance.plan_moves`) from the swarm's records
 once per check, so its cost grows with the swarm. For each size, the peers start skewed (70% on
 stage 0, the rest spread, as `scripts/simulate.py --start skewed`) with speeds spread 10x and a few
 per cent of measurement noise (so no two are equal, as measured throughputs are not); the plan is
@@ -18,7 +18,7 @@ import statistics
 import sys
 import time
 
-from swarm.balance import PeerLoad, capacities, plan_moves, upper_bound_throughput
+from swarm.policy.balance import PeerLoad, capacities, plan_moves, upper_bound_throughput
 
 
 def skewed_swarm(peers: int, stages: int, seed: int) -> list[PeerLoad]:

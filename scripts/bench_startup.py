@@ -26,9 +26,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from swarm.dht_node import TetheredDHT
-from swarm.local_swarm import LocalSwarm
-from swarm.stage_records import SERVING, fetch_stage_records
+from swarm.launch.local_swarm import LocalSwarm
+from swarm.net.dht_node import TetheredDHT
+from swarm.records.stage_records import SERVING, fetch_stage_records
 
 FLAGS = ["--model", "gpt-tiny", "--num-stages", "3"]
 BREAKDOWN = re.compile(r"s after launch \(([^)]*)\)")

@@ -35,9 +35,9 @@ from chaos import (
     supports_ledger,
 )
 
-from swarm.dht_node import TetheredDHT
-from swarm.local_swarm import LocalSwarm
-from swarm.sample_ledger import account, read_ledger
+from swarm.launch.local_swarm import LocalSwarm
+from swarm.net.dht_node import TetheredDHT
+from swarm.records.sample_ledger import account, read_ledger
 
 TARGET_BATCH = 32
 MICROBATCH = 8

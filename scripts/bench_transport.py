@@ -2,7 +2,7 @@
 
 A server process answers each call with the tensor it was sent. On libp2p and on the direct plane the
 call is what a stage call is: the tensor encoded (codec none), cut into 512 KiB parts, framed, sent,
-read back and decoded by `swarm.transport.exchange`, with the direct plane's handshake (resumed
+read back and decoded by `swarm.net.transport.exchange`, with the direct plane's handshake (resumed
 after the first call) on each call. Raw TCP sends the bare bytes over one open connection: the
 ceiling for the machine. Reported per size and path: the median round trip and GB/s, counted as the
 tensor's bytes each way (2 x size / round trip), and the ratio to raw TCP in the same run.
@@ -19,15 +19,12 @@ import time
 
 import torch
 from hivemind.p2p import P2P, PeerID
-from swarm.compression import get_codec
-from swarm.proto import StageReply, StageRequest
 
-from swarm.allocator import keep_large_buffers
-from swarm.direct_plane import DirectPlane, parse_direct_address
-from swarm.event_loop import run
-from swarm.identity import load_identity
-from swarm.transport import exchange
-from swarm.wire import (
+from swarm.compression import get_codec
+from swarm.net.direct_plane import DirectPlane, parse_direct_address
+from swarm.net.identity import load_identity
+from swarm.net.transport import exchange
+from swarm.net.wire import (
     WireLimits,
     decode_tensors,
     encode_tensor,
@@ -36,6 +33,9 @@ from swarm.wire import (
     wait_for_hang_up,
     write_frames,
 )
+from swarm.process.allocator import keep_large_buffers
+from swarm.process.event_loop import run
+from swarm.proto import StageReply, StageRequest
 
 ECHO_PROTOCOL = "/swarm/bench/echo"
 LIMITS = WireLimits(max_message_bytes=2**30, max_tensor_bytes=2**30)

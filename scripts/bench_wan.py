@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from swarm.local_swarm import LocalSwarm
+from swarm.launch.local_swarm import LocalSwarm
 
 
 def run_name(model: str, codec: str, bandwidth: float | None) -> str:

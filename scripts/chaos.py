@@ -53,13 +53,13 @@ from typing import Any
 from hivemind import DHT
 from hivemind.p2p import P2P, PeerID
 
+from harness.spot_trace import live_peer_targets, mean_live_peers
 from swarm.config import PeerConfig, TrainerConfig
-from swarm.dht_node import TetheredDHT
-from swarm.local_swarm import LocalSwarm
-from swarm.sample_ledger import account, read_ledger
-from swarm.spot_trace import live_peer_targets, mean_live_peers
-from swarm.stage_records import LEAVING, SERVING, fetch_stage_records
-from swarm.transport import get_peer_info
+from swarm.launch.local_swarm import LocalSwarm
+from swarm.net.dht_node import TetheredDHT
+from swarm.net.transport import get_peer_info
+from swarm.records.sample_ledger import account, read_ledger
+from swarm.records.stage_records import LEAVING, SERVING, fetch_stage_records
 
 NUM_STAGES = 3
 MODEL_FLAGS = ["--model", "gpt-tiny", "--num-stages", str(NUM_STAGES)]
@@ -438,7 +438,7 @@ def end_state(churn: Churn, initial_peers: list[str], timeout: float) -> dict[st
 
 
 def ledger_report(ledger_dir: Path) -> dict[str, Any]:
-    """The run's ledger accounted for (see swarm.sample_ledger.account), ids cut to the first few."""
+    """The run's ledger accounted for (see swarm.records.sample_ledger.account), ids cut to the first few."""
     records = read_ledger(sorted(ledger_dir.glob("*.jsonl")))
     accounted = account(records, records)
     stages = accounted["stages"]

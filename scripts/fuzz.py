@@ -36,7 +36,25 @@ from typing import Any
 
 import torch
 from hivemind.p2p import P2P, PeerID
+
 from swarm.compression import get_codec
+from swarm.launch.local_swarm import LocalSwarm
+from swarm.models import get_model_spec
+from swarm.net.dht_node import TetheredDHT
+from swarm.net.direct_handshake import HANDSHAKE_LIMITS
+from swarm.net.direct_plane import DirectPlane, parse_direct_address
+from swarm.net.identity import load_identity
+from swarm.net.transport import (
+    COMMIT_PROTOCOL,
+    GRAD_PROTOCOL,
+    INFO_PROTOCOL,
+    PROGRESS_PROTOCOL,
+    STAGE_PROTOCOL,
+    STATE_PROTOCOL,
+    call_stage,
+    get_peer_info,
+)
+from swarm.net.wire import HEADER_BYTES, Part, WireError, WireLimits, encode_tensor, pack_frames, read_frames
 from swarm.peer.standby import STANDBY_PROTOCOL
 from swarm.proto import (
     BACKWARD,
@@ -57,25 +75,7 @@ from swarm.proto import (
     StateRequest,
     Tensor,
 )
-
-from swarm.dht_node import TetheredDHT
-from swarm.direct_handshake import HANDSHAKE_LIMITS
-from swarm.direct_plane import DirectPlane, parse_direct_address
-from swarm.identity import load_identity
-from swarm.local_swarm import LocalSwarm
-from swarm.models import get_model_spec
-from swarm.stage_records import JOINING, SERVING, StageRecord, announce, fetch_stage_records
-from swarm.transport import (
-    COMMIT_PROTOCOL,
-    GRAD_PROTOCOL,
-    INFO_PROTOCOL,
-    PROGRESS_PROTOCOL,
-    STAGE_PROTOCOL,
-    STATE_PROTOCOL,
-    call_stage,
-    get_peer_info,
-)
-from swarm.wire import HEADER_BYTES, Part, WireError, WireLimits, encode_tensor, pack_frames, read_frames
+from swarm.records.stage_records import JOINING, SERVING, StageRecord, announce, fetch_stage_records
 
 MODEL, STAGE, NUM_STAGES = "gpt-tiny", 1, 3
 SPEC = get_model_spec(MODEL)

@@ -2,7 +2,7 @@
 
     python scripts/nat_check.py [--steps 3] [--no-train] [--timeout 110] [--workdir DIR]
 
-Builds the lab of `swarm.netns_lab` (a public LAN, and a private LAN behind a masquerading router that
+Builds the lab of `harness.netns_lab` (a public LAN, and a private LAN behind a masquerading router that
 drops new inbound connections), then runs there:
 
 - `swarm dht` on the public LAN (the relay of the swarm),
@@ -38,8 +38,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from swarm.local_swarm import LocalSwarm
-from swarm.netns_lab import LabUnavailable, NatLab
+from harness.netns_lab import LabUnavailable, NatLab
+from swarm.launch.local_swarm import LocalSwarm
 
 PORT = 4100  # every namespace has its own ports: the same numbers everywhere keep the logs readable
 SMALL_CORPUS = str(Path(argparse.__file__))
@@ -78,7 +78,7 @@ async def fetch_peer_info(initial_peers: list[str], peer_id: str) -> dict:
     """A peer's counters over `/swarm/info`, from a new client (run inside a namespace by --peer-info)."""
     from hivemind.p2p import P2P, PeerID
 
-    from swarm.transport import get_peer_info
+    from swarm.net.transport import get_peer_info
 
     p2p = await P2P.create(initial_peers=initial_peers, dht_mode="client", no_listen=True)
     try:

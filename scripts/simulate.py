@@ -2,8 +2,8 @@
 
 Thousands of peers and their trainers run in simulated time on one machine. The objects that
 decide where work goes are the ones the real system uses: every trainer routes its calls with a
-`swarm.router.Router` (the clock is simulated time), every peer decides whether to move with
-`swarm.balance.plan_moves`, and every newcomer picks its stage with `swarm.balance.choose_stage`.
+`swarm.policy.router.Router` (the clock is simulated time), every peer decides whether to move with
+`swarm.policy.balance.plan_moves`, and every newcomer picks its stage with `swarm.policy.balance.choose_stage`.
 Prints one JSON object on stdout; progress goes to stderr.
 
 What is modelled:
@@ -34,7 +34,7 @@ What is modelled:
   in [0.5, 1.5] (the first time in [0, 1], so a whole plan is carried out within one period), a
   serving peer computes `plan_moves` on the current view (computed once per view and shared, since
   every peer reading that view computes the same plan), with the cost of a move from `--state-mb`,
-  `--bandwidth-mbit`, `--move-seconds` and `--move-horizon` (`swarm.balance.MoveCost`). If the plan
+  `--bandwidth-mbit`, `--move-seconds` and `--move-horizon` (`swarm.policy.balance.MoveCost`). If the plan
   moves it, a second look 1 to 2 announce periods later must still move it (to the target that
   look gives). It announces LEAVING on its source at once, naming its target, so that every plan
   counts it there while it is on its way, and finishes its queue; only then does it announce
@@ -46,7 +46,7 @@ What is modelled:
   throughput, so newcomers after it see its choice; it serves after the state download.
 - Churn: `--trace FILE` replays a spot trace (`time_ms,add|remove,node`) compressed into
   `--trace-minutes`, as a live-instance count scaled so that the trace's peak is `--peers`
-  (`swarm.spot_trace.live_peer_targets`, never below one instance per stage). A rise launches
+  (`harness.spot_trace.live_peer_targets`, never below one instance per stage). A rise launches
   fresh instances (fresh speeds; started at once, or spread over `--join-spread` seconds of boot
   time); a fall preempts instances at random, all at once, as a spot market reclaims many
   together. An instance preempted before it has picked a stage never joins. The count at time 0
@@ -103,9 +103,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-import swarm.balance
-import swarm.router
-from swarm.balance import (
+import swarm.policy.balance
+import swarm.policy.router
+from harness.spot_trace import live_peer_targets, read_trace
+from swarm.config import PeerConfig, TrainerConfig
+from swarm.policy.balance import (
     Move,
     MoveCost,
     PeerLoad,
@@ -116,11 +118,9 @@ from swarm.balance import (
     plan_moves,
     upper_bound_throughput,
 )
-from swarm.config import PeerConfig, TrainerConfig
-from swarm.router import FORWARD_SHARE_OF_BACKWARD, Router
-from swarm.spot_trace import live_peer_targets, read_trace
-from swarm.stage_records import JOINING, LEAVING, SERVING, StageRecord
-from swarm.trainer import REQUEUE_PAUSE_MAX
+from swarm.policy.router import FORWARD_SHARE_OF_BACKWARD, Router
+from swarm.records.stage_records import JOINING, LEAVING, SERVING, StageRecord
+from swarm.trainer.trainer import REQUEUE_PAUSE_MAX
 
 # a sample costs a forward and a backward on every stage: capacity (backward samples/s) over this
 WORK_PER_SAMPLE = 1 + FORWARD_SHARE_OF_BACKWARD
@@ -164,7 +164,7 @@ class SimConfig:
     move_seconds: float = 2.0
     state_mb: float = 500.0
     bandwidth_mbit: float = 400.0
-    # seconds a move's gain is counted for, against its cost (`swarm.balance.MoveCost`)
+    # seconds a move's gain is counted for, against its cost (`swarm.policy.balance.MoveCost`)
     move_horizon: float = PEER_DEFAULTS.rebalance_horizon
     throughput_noise: float = 0.05  # relative error of one batch's timing
     # False: as the real peer, a mover announces JOINING on its target only once it has drained its
@@ -956,7 +956,10 @@ def run_study(
     # the rule and the router evolve: say which versions this report is about
     report["sources_sha256"] = {
         name: hashlib.sha256(Path(module.__file__).read_bytes()).hexdigest()[:12]
-        for name, module in (("swarm/balance.py", swarm.balance), ("swarm/router.py", swarm.router))
+        for name, module in (
+            ("swarm/policy/balance.py", swarm.policy.balance),
+            ("swarm/policy/router.py", swarm.policy.router),
+        )
     }
     report["config"]["in_flight"] = config.microbatches_in_flight
     report["ideal_basis"] = (

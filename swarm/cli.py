@@ -8,7 +8,6 @@ import sys
 from collections.abc import Callable, Sequence
 
 from swarm import __version__
-from swarm.allocator import keep_large_buffers
 from swarm.config import (
     ConfigError,
     DemoConfig,
@@ -21,7 +20,8 @@ from swarm.config import (
     add_options,
     load_config,
 )
-from swarm.lifeline import die_with_launcher
+from swarm.process.allocator import keep_large_buffers
+from swarm.process.lifeline import die_with_launcher
 
 
 def _peer(config: PeerConfig) -> int:
@@ -32,8 +32,8 @@ def _peer(config: PeerConfig) -> int:
 
 
 def _train(config: TrainerConfig) -> int:
-    from swarm.plots import PlotError
-    from swarm.trainer import TrainingError, run_trainer
+    from swarm.ops.plots import PlotError
+    from swarm.trainer.trainer import TrainingError, run_trainer
 
     try:
         run_trainer(config)
@@ -47,21 +47,21 @@ def _train(config: TrainerConfig) -> int:
 
 
 def _dht(config: DHTConfig) -> int:
-    from swarm.bootstrap import run_bootstrap
+    from swarm.ops.bootstrap import run_bootstrap
 
     run_bootstrap(config)
     return 0
 
 
 def _status(config: StatusConfig) -> int:
-    from swarm.status import run_status
+    from swarm.ops.status import run_status
 
     run_status(config)
     return 0
 
 
 def _monitor(config: MonitorConfig) -> int:
-    from swarm.monitor import MonitorError, run_monitor
+    from swarm.ops.monitor import MonitorError, run_monitor
 
     try:
         run_monitor(config)
@@ -72,7 +72,7 @@ def _monitor(config: MonitorConfig) -> int:
 
 
 def _identity(config: IdentityConfig) -> int:
-    from swarm.identity import IdentityError, load_identity
+    from swarm.net.identity import IdentityError, load_identity
 
     try:
         identity = load_identity(config.identity_path)
@@ -84,7 +84,7 @@ def _identity(config: IdentityConfig) -> int:
 
 
 def _demo(config: DemoConfig) -> int:
-    from swarm.demo import run_demo
+    from swarm.launch.demo import run_demo
 
     return run_demo(config)
 
@@ -134,8 +134,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         parser.exit(2, f"swarm {command}: error: {e}\n")
     setup_logging(level, command)
-    keep_large_buffers()  # tensors on the wire are megabytes: see swarm.allocator
-    from swarm.dht_node import JoinError
+    keep_large_buffers()  # tensors on the wire are megabytes: see swarm.process.allocator
+    from swarm.net.dht_node import JoinError
     from swarm.peer.checkpoint import CheckpointError
 
     try:

@@ -240,14 +240,14 @@ class NetworkConfig:
                     )
         if self.trusted_relays and not self.use_relay:
             raise ConfigError("--trusted-relays needs --use-relay")
-        from swarm.allowlist import AllowlistError, load_allowlist
+        from swarm.net.allowlist import AllowlistError, load_allowlist
 
         try:
             load_allowlist(self.allowlist)
         except AllowlistError as e:
             raise ConfigError(f"--allowlist: {e}") from None
         if self.identity_path is not None and os.path.exists(self.identity_path):
-            from swarm.identity import IdentityError, read_identity
+            from swarm.net.identity import IdentityError, read_identity
 
             try:
                 read_identity(self.identity_path)
@@ -445,7 +445,7 @@ class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig):
         if not -1 <= self.direct_port < 65536:
             raise ConfigError(f"--direct-port must be a TCP port, 0 for any or -1 for none: {self.direct_port}")
         if self.direct_host:
-            from swarm.direct_plane import format_direct_address, parse_direct_address
+            from swarm.net.direct_plane import format_direct_address, parse_direct_address
 
             if parse_direct_address(format_direct_address(self.direct_host, 1)) is None:
                 raise ConfigError(f"--direct-host: {self.direct_host!r} is not a host name or IP address")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from swarm.local_swarm import LocalSwarm
+from swarm.launch.local_swarm import LocalSwarm
 
 # A small, fixed corpus present on every machine: the Python source of argparse.
 SMALL_CORPUS = str(Path(__import__("argparse").__file__))
@@ -73,10 +73,9 @@ def run_as_stage_members(initial_peers: list[str], stage: int, count: int, corou
     peer of `stage` (of gpt-tiny in 3 stages): peers of that stage take them for stage-mates."""
     import asyncio
 
+    from swarm.net.dht_node import TetheredDHT
     from swarm.proto import PROTOCOL_VERSION
-
-    from swarm.dht_node import TetheredDHT
-    from swarm.stage_records import JOINING, StageRecord, announce
+    from swarm.records.stage_records import JOINING, StageRecord, announce
 
     dhts = []
     try:
@@ -99,8 +98,8 @@ def wait_for_records(initial_peers: list[str], ready, timeout: float = 90.0, num
     """Polls the DHT until `ready(records)` holds; returns the records (AssertionError on timeout)."""
     import time
 
-    from swarm.dht_node import TetheredDHT
-    from swarm.stage_records import fetch_stage_records
+    from swarm.net.dht_node import TetheredDHT
+    from swarm.records.stage_records import fetch_stage_records
 
     dht = TetheredDHT(initial_peers=initial_peers, start=True)
     try:
@@ -177,11 +176,11 @@ def trainer_flags(
 
 
 def reference_run(steps: int, microbatch_size: int = MICRO, model: str = "gpt-tiny"):
-    """The same training in one process (see swarm.reference)."""
-    from swarm.data import ByteCorpus
+    """The same training in one process (see swarm.trainer.reference)."""
     from swarm.models import get_model_spec
-    from swarm.optimizer import OptimizerSettings
-    from swarm.reference import train_reference
+    from swarm.models.optimizer import OptimizerSettings
+    from swarm.trainer.data import ByteCorpus
+    from swarm.trainer.reference import train_reference
 
     return train_reference(
         get_model_spec(model),

@@ -7,11 +7,11 @@ import threading
 import time
 
 import pytest
+
+from swarm.net.dht_node import TetheredDHT
 from swarm.peer.announcer import Announcer
 from swarm.proto import PROTOCOL_VERSION
-
-from swarm.dht_node import TetheredDHT
-from swarm.stage_records import LEAVING, SERVING, StageRecord, announce, fetch_stage_records
+from swarm.records.stage_records import LEAVING, SERVING, StageRecord, announce, fetch_stage_records
 
 RUN, TTL, PERIOD, BUSY = "announcer-test", 1.5, 0.3, 4.0
 

@@ -8,7 +8,8 @@ import random
 
 import pytest
 
-from swarm.balance import (
+from swarm.models import get_model_spec
+from swarm.policy.balance import (
     MoveCost,
     PeerLoad,
     assignment_throughput,
@@ -20,8 +21,7 @@ from swarm.balance import (
     stage_costs,
     upper_bound_throughput,
 )
-from swarm.models import get_model_spec
-from swarm.stage_records import JOINING, LEAVING, SERVING, StageRecord
+from swarm.records.stage_records import JOINING, LEAVING, SERVING, StageRecord
 
 
 def peers_on(stages: dict[int, list[float]], joining: dict[int, list[float]] | None = None) -> list[PeerLoad]:

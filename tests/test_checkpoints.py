@@ -20,14 +20,14 @@ from conftest import (
     trainer_flags,
     wait_for_records,
 )
+
+from swarm.models import build_stage, get_model_spec
+from swarm.models.optimizer import OptimizerSettings, build_optimizer
+from swarm.net.wire import WireLimits
 from swarm.peer.checkpoint import CheckpointError, load_checkpoint, restore, save_checkpoint
 from swarm.peer.mates import request_state
 from swarm.peer.stage_state import load_state_tensors
-
-from swarm.models import build_stage, get_model_spec
-from swarm.optimizer import OptimizerSettings, build_optimizer
-from swarm.stage_records import SERVING
-from swarm.wire import WireLimits
+from swarm.records.stage_records import SERVING
 
 
 def all_serving(records: dict) -> bool:

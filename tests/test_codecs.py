@@ -7,6 +7,7 @@ import struct
 
 import pytest
 import torch
+
 from swarm.compression import CODECS, DTYPES, PACKED_INTEGERS, CodecError, blockwise, get_codec
 from swarm.compression.blockwise import (
     HEADER,
@@ -18,9 +19,8 @@ from swarm.compression.blockwise import (
     nearest_codes_bucketize,
     signed_power_codebook,
 )
+from swarm.net.wire import CHUNK_BYTES, Part, WireError, WireLimits, decode_tensors, encode_tensor
 from swarm.proto import Tensor
-
-from swarm.wire import CHUNK_BYTES, Part, WireError, WireLimits, decode_tensors, encode_tensor
 
 FLOAT_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 BLOCKWISE = ["8bit", "4bit"]

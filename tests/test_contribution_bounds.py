@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from swarm.peer.contribution_bounds import CLIP_FACTOR, clip_scales
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from swarm.data import ByteCorpus, CorpusError, corpus_files, load_corpus, looks_like_text
 from swarm.models import BYTE_VOCAB_SIZE
+from swarm.trainer.data import ByteCorpus, CorpusError, corpus_files, load_corpus, looks_like_text
 
 LICENCE = """Permission is hereby granted, free of charge, to any person obtaining a copy of this software
 and associated documentation files (the "Software"), to deal in the Software without restriction,

@@ -13,15 +13,15 @@ import torch
 from conftest import assert_matches_reference, peer_flags, reference_run, trainer_flags, wait_for_records
 from cryptography.hazmat.primitives import serialization
 from hivemind.p2p import P2P, PeerID
+
+from swarm.net.direct_handshake import HandshakeError, Session, prove_to_server
+from swarm.net.direct_plane import DirectPlane, DirectServer, announce_host, listen_host, parse_direct_address
+from swarm.net.identity import load_identity
+from swarm.net.transport import exchange
+from swarm.net.wire import HEADER_BYTES, WireLimits, read_frames, write_frames
 from swarm.peer.checkpoint import load_checkpoint
 from swarm.proto import PROTOCOL_VERSION, DirectChallenge, DirectHello, DirectProof, PeerInfo, PeerInfoRequest
-
-from swarm.direct_handshake import HandshakeError, Session, prove_to_server
-from swarm.direct_plane import DirectPlane, DirectServer, announce_host, listen_host, parse_direct_address
-from swarm.identity import load_identity
-from swarm.stage_records import SERVING
-from swarm.transport import exchange
-from swarm.wire import HEADER_BYTES, WireLimits, read_frames, write_frames
+from swarm.records.stage_records import SERVING
 
 ECHO = "/swarm/test/echo"
 

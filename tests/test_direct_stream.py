@@ -8,8 +8,14 @@ import os
 
 import pytest
 
-from swarm.direct_stream import DIRECT_READ_BYTES, MAX_BUFFERED, DirectStream, open_direct_stream, start_direct_server
-from swarm.event_loop import run
+from swarm.net.direct_stream import (
+    DIRECT_READ_BYTES,
+    MAX_BUFFERED,
+    DirectStream,
+    open_direct_stream,
+    start_direct_server,
+)
+from swarm.process.event_loop import run
 
 
 async def _pair(serve) -> tuple[DirectStream, asyncio.AbstractServer]:

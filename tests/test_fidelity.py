@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 from conftest import assert_matches_reference, peer_flags, reference_run, reordering_noise, trainer_flags
+
 from swarm.peer.checkpoint import load_checkpoint
 
 STEPS = 4

@@ -16,9 +16,9 @@ from conftest import (
     trainer_flags,
     wait_for_records,
 )
-from swarm.peer.checkpoint import load_checkpoint
 
-from swarm.stage_records import SERVING
+from swarm.peer.checkpoint import load_checkpoint
+from swarm.records.stage_records import SERVING
 
 LEAVE_BOUND = 30.0  # seconds from notice to exit with the defaults: drain 15 s, withdraw 5 s, hand-over 10 s
 

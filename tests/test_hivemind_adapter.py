@@ -25,6 +25,7 @@ from hivemind.compression import NoCompression as HivemindNoCompression
 from hivemind.compression.serialization import _BASE_COMPRESSION_TYPES
 from hivemind.proto import runtime_pb2
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
+
 from swarm.compression import CODECS, CodecError
 from swarm.compression.blockwise import Blockwise8bitCompression
 from swarm.compression.hivemind_adapter import HIVEMIND_TYPES, HivemindCodecAdapter, register_with_hivemind

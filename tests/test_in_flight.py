@@ -1,4 +1,4 @@
-"""Sizing the microbatches in flight from the pipeline's round trip and delivery rate (swarm.in_flight)."""
+"""Sizing the microbatches in flight from the pipeline's round trip and delivery rate (swarm.policy.in_flight)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 from conftest import peer_flags, trainer_flags, wait_for_records
 from test_peer_death import trainer_exit_code
 
-from swarm.in_flight import InFlightGate, InFlightWindow
-from swarm.stage_records import SERVING
+from swarm.policy.in_flight import InFlightGate, InFlightWindow
+from swarm.records.stage_records import SERVING
 
 Route = list[tuple]  # ("delay", seconds) or ("server", name, seconds a microbatch): FIFO, one at a time
 

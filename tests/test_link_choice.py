@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+
 from swarm.compression import CODECS
 from swarm.compression.link_choice import (
     CodecChooser,
@@ -14,8 +15,7 @@ from swarm.compression.link_choice import (
     choose_codec,
     profile_codecs,
 )
-
-from swarm.link_shaper import LinkShape, LinkShaper
+from swarm.net.link_shaper import LinkShape, LinkShaper
 
 # made-up but typical: coding costs in s/byte, errors as measured by scripts/bench_compression.py
 PROFILES = [

@@ -16,10 +16,10 @@ from conftest import SMALL_CORPUS, model_flags, run_p2p_client
 from hivemind.p2p import PeerID
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from swarm.compression import get_codec
-from swarm.proto import FORWARD, ErrorCode, StageRequest
 
-from swarm.transport import StageCallError, call_stage
+from swarm.compression import get_codec
+from swarm.net.transport import StageCallError, call_stage
+from swarm.proto import FORWARD, ErrorCode, StageRequest
 
 TARGET, MICRO = 8, 4
 METRICS_LINE = re.compile(r"Metrics on (http://127\.0\.0\.1:(\d+)/metrics)")
@@ -256,19 +256,19 @@ def test_a_metrics_port_out_of_range_is_refused_before_start():
 
 def test_without_the_flag_nothing_of_prometheus_is_loaded():
     loaded = (
-        "sorted(m for m in sys.modules if m.startswith(('prometheus_client', 'swarm.metrics', 'swarm.peer.metrics')))"
+        "sorted(m for m in sys.modules"
+        " if m.startswith(('prometheus_client', 'swarm.trainer.metrics', 'swarm.peer.metrics')))"
     )
-    code = f"import sys, swarm.cli, swarm.peer.server, swarm.trainer; print({loaded})"
+    code = f"import sys, swarm.cli, swarm.peer.server, swarm.trainer.trainer; print({loaded})"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
 
 
 def test_a_peer_that_moves_keeps_counting_from_where_it_was():
+    from swarm.config import PeerConfig, load_config
     from swarm.peer.metrics import PeerMetrics
     from swarm.peer.server import Peer
-
-    from swarm.config import PeerConfig, load_config
 
     peer = Peer(load_config(PeerConfig, {"stage": "0"}, environ={}))
     try:

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from conftest import SMALL_CORPUS
 
-from swarm.monitor_snapshot import MAX_HISTORY, MonitorHistory, build_snapshot
-from swarm.stage_records import JOINING, SERVING, StageRecord
-from swarm.trainer_records import ProgressPoint, TrainerRecord
+from swarm.ops.monitor_snapshot import MAX_HISTORY, MonitorHistory, build_snapshot
+from swarm.records.stage_records import JOINING, SERVING, StageRecord
+from swarm.records.trainer_records import ProgressPoint, TrainerRecord
 
 CHROMIUM = "/usr/bin/chromium"
 ARTIFACT = Path(__file__).resolve().parent.parent / "test-artifacts" / "monitor.png"

@@ -7,13 +7,13 @@ import math
 import pytest
 import torch
 from conftest import SMALL_CORPUS
-from swarm.peer.runtime import StageRuntime
 
-from swarm.data import ByteCorpus
 from swarm.models import build_stage, get_model_spec
+from swarm.models.optimizer import OptimizerSettings, build_optimizer
 from swarm.models.stage_io import check_stage_inputs
-from swarm.optimizer import OptimizerSettings, build_optimizer
-from swarm.reference import train_reference
+from swarm.peer.runtime import StageRuntime
+from swarm.trainer.data import ByteCorpus
+from swarm.trainer.reference import train_reference
 
 MODELS = ["gpt-tiny-bottleneck", "gpt-tiny-subspace"]
 NUM_STAGES = 3

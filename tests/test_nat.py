@@ -1,6 +1,6 @@
 """A peer behind NAT serves a trainer through a relay: a real swarm across Linux network namespaces.
 
-Runs scripts/nat_check.py (see there and swarm/netns_lab.py for the lab). Skipped, with the reason,
+Runs scripts/nat_check.py (see there and scripts/harness/netns_lab.py for the lab). Skipped, with the reason,
 where network namespaces cannot be made (not root, no `ip netns`, no iptables).
 """
 

@@ -9,10 +9,10 @@ import pytest
 from conftest import SMALL_CORPUS, model_flags, run_p2p_client
 from hivemind.p2p import PeerID
 
-from swarm.dht_node import TetheredDHT
-from swarm.sample_ledger import account, read_ledger
-from swarm.stage_records import fetch_stage_records
-from swarm.transport import get_peer_info
+from swarm.net.dht_node import TetheredDHT
+from swarm.net.transport import get_peer_info
+from swarm.records.sample_ledger import account, read_ledger
+from swarm.records.stage_records import fetch_stage_records
 
 STEPS, TARGET, MICRO = 12, 24, 4
 

@@ -22,10 +22,10 @@ from conftest import (
     wait_for_records,
 )
 from hivemind.p2p import PeerID
-from swarm.peer.checkpoint import load_checkpoint
 
-from swarm.stage_records import SERVING
-from swarm.transport import get_peer_info
+from swarm.net.transport import get_peer_info
+from swarm.peer.checkpoint import load_checkpoint
+from swarm.records.stage_records import SERVING
 
 
 def start_two_mates_and_trainer(local_swarm, tmp_path, steps: int, in_flight: int, *extra: str):

@@ -9,13 +9,13 @@ import pytest
 import torch
 from conftest import run_p2p_client
 from hivemind.p2p import P2P, PeerID
-from swarm.compression import get_codec
-from swarm.proto import BACKWARD, FORWARD, PROTOCOL_VERSION, ErrorCode, StageReply, StageRequest
 
-from swarm.dht_node import TetheredDHT
-from swarm.stage_records import fetch_stage_records
-from swarm.transport import STAGE_PROTOCOL, StageCallError, call_stage, exchange, get_peer_info, open_stream
-from swarm.wire import HEADER_BYTES, WireLimits, encode_tensor, pack_frames, read_frames
+from swarm.compression import get_codec
+from swarm.net.dht_node import TetheredDHT
+from swarm.net.transport import STAGE_PROTOCOL, StageCallError, call_stage, exchange, get_peer_info, open_stream
+from swarm.net.wire import HEADER_BYTES, WireLimits, encode_tensor, pack_frames, read_frames
+from swarm.proto import BACKWARD, FORWARD, PROTOCOL_VERSION, ErrorCode, StageReply, StageRequest
+from swarm.records.stage_records import fetch_stage_records
 
 D_MODEL, SEQ = 128, 64  # gpt-tiny
 NONE = get_codec("none")
@@ -24,7 +24,7 @@ NONE = get_codec("none")
 @pytest.fixture(scope="module")
 def stage1_peer(tmp_path_factory):
     """Bootstrap node and one peer hosting stage 1 of 3, limited to 8 MiB requests."""
-    from swarm.local_swarm import LocalSwarm
+    from swarm.launch.local_swarm import LocalSwarm
 
     swarm = LocalSwarm(tmp_path_factory.mktemp("peer-errors"))
     try:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import SMALL_CORPUS
 
-from swarm.plots import PlotError, RunCurves, curves_from_summary, draw_training, plot_training
+from swarm.ops.plots import PlotError, RunCurves, curves_from_summary, draw_training, plot_training
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -26,8 +26,8 @@ GONE_WITHIN_S = 40.0
 
 LAUNCHER = """
 import json, signal, sys, time
-from swarm.dht_node import TetheredDHT
-from swarm.local_swarm import LocalSwarm
+from swarm.net.dht_node import TetheredDHT
+from swarm.launch.local_swarm import LocalSwarm
 
 if __name__ == "__main__":  # forked peers re-import this script as multiprocessing's children do
     with LocalSwarm(sys.argv[1], preloaded=sys.argv[2] == "forked") as swarm:
@@ -50,7 +50,7 @@ if __name__ == "__main__":  # forked peers re-import this script as multiprocess
 STUBBORN = """
 import signal, subprocess, sys
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
-from swarm.lifeline import die_with_launcher
+from swarm.process.lifeline import die_with_launcher
 die_with_launcher(grace=1.0)
 subprocess.Popen(["sleep", "600"])
 print("up", flush=True)
@@ -60,7 +60,7 @@ signal.pause()
 # a launcher of STUBBORN as LocalSwarm starts a role: its own session, told the launcher's pid
 STUBBORN_LAUNCHER = """
 import os, subprocess, sys
-from swarm.lifeline import LAUNCHER_PID_ENV, PARENT_DEATH_SIGNAL_ENV
+from swarm.process.lifeline import LAUNCHER_PID_ENV, PARENT_DEATH_SIGNAL_ENV
 env = {**os.environ, LAUNCHER_PID_ENV: str(os.getpid()), PARENT_DEATH_SIGNAL_ENV: "1"}
 role = subprocess.Popen([sys.executable, sys.argv[1]], env=env, start_new_session=True, stdout=subprocess.PIPE)
 role.stdout.readline()

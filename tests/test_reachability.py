@@ -7,11 +7,10 @@ import asyncio
 
 import pytest
 from hivemind.p2p import P2P, PeerID
-from swarm.proto.reachability_pb2 import ReachRequest
 
 from swarm.config import ConfigError, DHTConfig, NetworkConfig, PeerConfig, TrainerConfig
-from swarm.dht_node import relay_options
-from swarm.reachability import (
+from swarm.net.dht_node import relay_options
+from swarm.net.reachability import (
     MAX_MESSAGE_BYTES,
     REACH_VERSION,
     Reachability,
@@ -22,6 +21,7 @@ from swarm.reachability import (
     probe,
     read_message,
 )
+from swarm.proto.reachability_pb2 import ReachRequest
 
 
 def test_a_member_dials_the_asker_back(local_swarm):

@@ -16,9 +16,9 @@ from conftest import (
     trainer_flags,
     wait_for_records,
 )
-from swarm.peer.checkpoint import load_checkpoint
 
-from swarm.stage_records import SERVING
+from swarm.peer.checkpoint import load_checkpoint
+from swarm.records.stage_records import SERVING
 
 
 def wait_for_log(local_swarm, name: str, pattern: str, timeout: float) -> re.Match:

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from swarm.local_swarm import LocalSwarm
+from swarm.launch.local_swarm import LocalSwarm
 
 FLAGS = ["--model", "gpt-tiny", "--num-stages", "3"]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from swarm.router import Router
-from swarm.stage_records import LEAVING, SERVING, StageRecord
+from swarm.policy.router import Router
+from swarm.records.stage_records import LEAVING, SERVING, StageRecord
 
 
 def record(peer: str, throughput: float = 10.0, state: str = SERVING, expiration: float = 100.0) -> StageRecord:

@@ -6,11 +6,11 @@ import time
 
 import pytest
 import torch
-from swarm.peer.faults import FaultPlan
-from swarm.peer.runtime import CallAbandonedError, QueueFullError, StageRuntime
 
 from swarm.models import build_stage, get_model_spec
-from swarm.optimizer import OptimizerSettings, build_optimizer
+from swarm.models.optimizer import OptimizerSettings, build_optimizer
+from swarm.peer.faults import FaultPlan
+from swarm.peer.runtime import CallAbandonedError, QueueFullError, StageRuntime
 
 SPEC = get_model_spec("gpt-tiny")
 

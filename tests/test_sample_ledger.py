@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from swarm.sample_ledger import SampleLedger, account, fed_record, read_ledger, restore_record, step_record
+from swarm.records.sample_ledger import SampleLedger, account, fed_record, read_ledger, restore_record, step_record
 
 
 def fed(*ids: tuple[str, int, int]) -> list[dict]:

@@ -22,12 +22,12 @@ from pathlib import Path
 
 import pytest
 from conftest import wait_for_records
-from swarm.peer.checkpoint import checkpoint_path
 
 from swarm.cli import build_parser
 from swarm.config import PeerConfig, load_config
-from swarm.identity import read_identity
-from swarm.local_swarm import reap
+from swarm.launch.local_swarm import reap
+from swarm.net.identity import read_identity
+from swarm.peer.checkpoint import checkpoint_path
 
 REPO = Path(__file__).resolve().parent.parent
 SPOT = REPO / "scripts" / "spot"

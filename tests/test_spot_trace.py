@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from swarm.spot_trace import live_peer_targets, mean_live_peers, read_trace
+from harness.spot_trace import live_peer_targets, mean_live_peers, read_trace
 
 
 def test_live_count_is_scaled_so_the_peak_becomes_the_peer_count(tmp_path):

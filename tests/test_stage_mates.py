@@ -19,10 +19,10 @@ from conftest import (
     wait_for_records,
 )
 from hivemind.p2p import PeerID
-from swarm.peer.checkpoint import load_checkpoint
 
-from swarm.stage_records import SERVING
-from swarm.transport import get_peer_info
+from swarm.net.transport import get_peer_info
+from swarm.peer.checkpoint import load_checkpoint
+from swarm.records.stage_records import SERVING
 
 
 def serving(records: dict, stage: int) -> list:

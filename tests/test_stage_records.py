@@ -7,9 +7,9 @@ import math
 import pytest
 from hivemind.utils import get_dht_time
 
-from swarm.dht_node import TetheredDHT
-from swarm.router import Router
-from swarm.stage_records import (
+from swarm.net.dht_node import TetheredDHT
+from swarm.policy.router import Router
+from swarm.records.stage_records import (
     SERVING,
     StageRecord,
     announce,

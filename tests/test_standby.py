@@ -10,6 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 from conftest import SMALL_CORPUS, wait_for_records
+
+from swarm.config import PeerConfig
 from swarm.peer.standby import (
     LOST_GRACE,
     WHOLE_SWARM_EVERY,
@@ -20,10 +22,8 @@ from swarm.peer.standby import (
     standby_holders,
     standby_targets,
 )
-
-from swarm.config import PeerConfig
-from swarm.sample_ledger import read_ledger
-from swarm.stage_records import JOINING, LEAVING, SERVING, StageRecord
+from swarm.records.sample_ledger import read_ledger
+from swarm.records.stage_records import JOINING, LEAVING, SERVING, StageRecord
 
 RESTORE_BOUND = 40.0  # seconds from the kill to the stage serving again (record expiry 4 s, grace 1 s, leave, build)
 MODEL = ["--model", "gpt-tiny", "--num-stages", "2", "--seed", "7"]

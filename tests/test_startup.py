@@ -8,12 +8,11 @@ import sys
 import time
 
 from swarm.peer.server import startup_breakdown
-
-from swarm.launch_clock import seconds_since_launch
+from swarm.process.launch_clock import seconds_since_launch
 
 
 def test_the_launch_clock_counts_from_the_process_start_including_what_ran_before_python_code():
-    code = "import time; time.sleep(0.5); from swarm.launch_clock import seconds_since_launch as s; print(s())"
+    code = "import time; time.sleep(0.5); from swarm.process.launch_clock import seconds_since_launch as s; print(s())"
     started = time.monotonic()
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     elapsed = time.monotonic() - started
@@ -29,7 +28,7 @@ def test_the_breakdown_names_each_phase_by_its_own_seconds():
 def test_building_a_stage_optimizer_does_not_import_the_compiler():
     code = (
         "import sys, torch\n"
-        "from swarm.optimizer import OptimizerSettings, apply_accumulated_step, build_optimizer\n"
+        "from swarm.models.optimizer import OptimizerSettings, apply_accumulated_step, build_optimizer\n"
         "module = torch.nn.Linear(4, 4)\n"
         "optimizer = build_optimizer(module, OptimizerSettings())\n"
         "optimizer.load_state_dict(optimizer.state_dict())\n"

@@ -21,15 +21,15 @@ from conftest import (
     wait_for_records,
 )
 from hivemind.p2p import PeerID
+from test_peer_death import trainer_exit_code
+
 from swarm.compression import get_codec
+from swarm.net.transport import PROGRESS_PROTOCOL, StageCallError, call_stage, exchange, get_peer_info
+from swarm.net.wire import WireLimits
 from swarm.peer.checkpoint import load_checkpoint
 from swarm.peer.mates import request_state
 from swarm.proto import FORWARD, PROTOCOL_VERSION, ErrorCode, MateProgress, MateReply, SampleId, StageRequest
-from test_peer_death import trainer_exit_code
-
-from swarm.stage_records import SERVING
-from swarm.transport import PROGRESS_PROTOCOL, StageCallError, call_stage, exchange, get_peer_info
-from swarm.wire import WireLimits
+from swarm.records.stage_records import SERVING
 
 # a stage-mate that reports (and runs at) 10 samples/s, against some hundreds for a peer at CPU speed
 SLOW_MATE = ["--simulated-speed", "10"]

@@ -15,7 +15,24 @@ from conftest import model_flags, run_as_stage_members, run_p2p_client, trainer_
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 from prometheus_client.parser import text_string_to_metric_families
+
 from swarm.compression import get_codec
+from swarm.models import build_stage, get_model_spec
+from swarm.models.optimizer import OptimizerSettings, build_optimizer
+from swarm.net.dht_node import TetheredDHT
+from swarm.net.identity import load_identity
+from swarm.net.transport import (
+    COMMIT_PROTOCOL,
+    GRAD_PROTOCOL,
+    INFO_PROTOCOL,
+    PROGRESS_PROTOCOL,
+    STAGE_PROTOCOL,
+    STATE_PROTOCOL,
+    StageCallError,
+    exchange,
+    get_peer_info,
+)
+from swarm.net.wire import WireLimits, encode_tensor, pack_frames, read_frames, wait_for_hang_up, write_frames
 from swarm.peer.stage_state import parameter_fingerprint, state_tensors
 from swarm.proto import (
     PROTOCOL_VERSION,
@@ -30,24 +47,7 @@ from swarm.proto import (
     StateReply,
     StateRequest,
 )
-
-from swarm.dht_node import TetheredDHT
-from swarm.identity import load_identity
-from swarm.models import build_stage, get_model_spec
-from swarm.optimizer import OptimizerSettings, build_optimizer
-from swarm.stage_records import SERVING, StageRecord, announce, fetch_stage_records, stage_key
-from swarm.transport import (
-    COMMIT_PROTOCOL,
-    GRAD_PROTOCOL,
-    INFO_PROTOCOL,
-    PROGRESS_PROTOCOL,
-    STAGE_PROTOCOL,
-    STATE_PROTOCOL,
-    StageCallError,
-    exchange,
-    get_peer_info,
-)
-from swarm.wire import WireLimits, encode_tensor, pack_frames, read_frames, wait_for_hang_up, write_frames
+from swarm.records.stage_records import SERVING, StageRecord, announce, fetch_stage_records, stage_key
 
 NONE = get_codec("none")
 FLAGS = [*model_flags(), "--target-batch-size", "16", "--announce-period", "0.5"]
@@ -225,7 +225,7 @@ def test_a_private_swarm_serves_nothing_to_a_peer_outside_its_allowlist(local_sw
 
     outsider = TetheredDHT(initial_peers=local_swarm.initial_peers, start=True)  # a stranger with no list
     reader_identity = load_identity(str(tmp_path / "keys" / "reader.key"))
-    from swarm.allowlist import Allowlist
+    from swarm.net.allowlist import Allowlist
 
     reader = TetheredDHT(
         initial_peers=local_swarm.initial_peers,

@@ -9,9 +9,9 @@ import pytest
 from conftest import peer_flags, trainer_flags, wait_for_records
 from hivemind.utils import get_dht_time
 
-from swarm.dht_node import TetheredDHT
-from swarm.stage_records import SERVING
-from swarm.trainer_records import (
+from swarm.net.dht_node import TetheredDHT
+from swarm.records.stage_records import SERVING
+from swarm.records.trainer_records import (
     MAX_ADDRESSES,
     MAX_BANNED,
     MAX_POINTS,

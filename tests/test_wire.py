@@ -10,7 +10,20 @@ from pathlib import Path
 import pytest
 import torch
 from google.protobuf import descriptor_pb2
+
 from swarm.compression import get_codec
+from swarm.net.wire import (
+    CHUNK_BYTES,
+    HEADER_BYTES,
+    StreamEnded,
+    WireError,
+    WireLimits,
+    decode_tensors,
+    encode_tensor,
+    pack_frames,
+    read_frames,
+    write_frames,
+)
 from swarm.proto import (
     BACKWARD,
     PROTOCOL_VERSION,
@@ -22,19 +35,6 @@ from swarm.proto import (
     StageRequest,
     Tensor,
     swarm_pb2,
-)
-
-from swarm.wire import (
-    CHUNK_BYTES,
-    HEADER_BYTES,
-    StreamEnded,
-    WireError,
-    WireLimits,
-    decode_tensors,
-    encode_tensor,
-    pack_frames,
-    read_frames,
-    write_frames,
 )
 
 PROTO_DIR = Path(__file__).resolve().parent.parent / "proto"

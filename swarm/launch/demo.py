@@ -15,7 +15,7 @@ import tempfile
 import time
 
 from swarm.config import DemoConfig
-from swarm.local_swarm import LocalSwarm
+from swarm.launch.local_swarm import LocalSwarm
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ def run_demo(config: DemoConfig) -> int:
         return returncode or 1
     plot_line = ""
     if plot_file:  # drawn here from the summary: a plot that fails costs nothing of the run
-        from swarm.plots import PlotError, curves_from_summary, plot_training
+        from swarm.ops.plots import PlotError, curves_from_summary, plot_training
 
         try:
             title = f"swarm demo: {config.model}, {config.num_stages} stages"
@@ -114,8 +114,8 @@ def run_demo(config: DemoConfig) -> int:
 
 def tokenizer_vocab_size(tokenizer: str) -> int | None:
     """The model vocabulary that `tokenizer`'s ids need, for every process of the demo; None (said why) if unusable."""
-    from swarm.data import CorpusError
-    from swarm.hugging_face import load_tokenizer
+    from swarm.trainer.data import CorpusError
+    from swarm.trainer.hugging_face import load_tokenizer
 
     try:
         return load_tokenizer(tokenizer).vocab_size

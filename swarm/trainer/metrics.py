@@ -31,9 +31,9 @@ from swarm.config import ConfigError
 from swarm.proto import ErrorCode
 
 if TYPE_CHECKING:
-    from swarm.trainer import Trainer
-    from swarm.transport import CallStats
-    from swarm.wire import Part
+    from swarm.net.transport import CallStats
+    from swarm.net.wire import Part
+    from swarm.trainer.trainer import Trainer
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> int:
 
 
 def tensor_bytes_by_codec(parts: Sequence[Part]) -> dict[str, int]:
-    """Bytes of tensor data in `parts` (as `swarm.wire` cuts them), per the codec each tensor was encoded with."""
+    """Bytes of tensor data in `parts` (as `swarm.net.wire` cuts them), per the codec each tensor was encoded with."""
     sizes: dict[str, int] = {}
     codec = "none"
     for part in parts:

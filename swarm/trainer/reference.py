@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from swarm.data import ByteCorpus
 from swarm.models import GPTStage, ModelSpec, build_stage
-from swarm.optimizer import OptimizerSettings, apply_accumulated_step, build_optimizer
+from swarm.models.optimizer import OptimizerSettings, apply_accumulated_step, build_optimizer
+from swarm.trainer.data import ByteCorpus
 
 
 @dataclass

@@ -38,23 +38,23 @@ from tqdm import tqdm
 from swarm.compression import CODECS, get_codec
 from swarm.compression.link_choice import CodecChooser, activation_like, profile_codecs
 from swarm.config import TrainerConfig
-from swarm.data import Corpus, CorpusError, load_corpus
-from swarm.dht_node import connect_to_daemon, start_dht
-from swarm.direct_plane import DirectPlane
-from swarm.event_loop import run, stop_event_on_signals
-from swarm.in_flight import InFlightGate, InFlightWindow
-from swarm.launch_clock import seconds_since_launch
-from swarm.link_shaper import LinkShape, LinkShaper
 from swarm.models.stage_io import StageOutputError, check_stage_outputs
+from swarm.net.dht_node import connect_to_daemon, start_dht
+from swarm.net.direct_plane import DirectPlane
+from swarm.net.link_shaper import LinkShape, LinkShaper
+from swarm.net.transport import CallStats, StageCallError, call_stage
+from swarm.policy.in_flight import InFlightGate, InFlightWindow
+from swarm.policy.router import Router
+from swarm.process.event_loop import run, stop_event_on_signals
+from swarm.process.launch_clock import seconds_since_launch
 from swarm.proto import BACKWARD, FORWARD, ErrorCode, StageRequest
-from swarm.router import Router
-from swarm.sample_ledger import SampleLedger, fed_record
-from swarm.stage_records import SERVING, StageRecord, fetch_stage_records
-from swarm.trainer_records import TrainerProgress, direct_addresses, publish_forever, publish_now
-from swarm.transport import CallStats, StageCallError, call_stage
+from swarm.records.sample_ledger import SampleLedger, fed_record
+from swarm.records.stage_records import SERVING, StageRecord, fetch_stage_records
+from swarm.records.trainer_records import TrainerProgress, direct_addresses, publish_forever, publish_now
+from swarm.trainer.data import Corpus, CorpusError, load_corpus
 
 if TYPE_CHECKING:
-    from swarm.metrics import TrainerMetrics
+    from swarm.trainer.metrics import TrainerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -574,7 +574,7 @@ class Trainer:
 
     def _start_metrics(self) -> None:
         """--metrics-port: serves the trainer's Prometheus metrics (ConfigError if the address cannot be bound)."""
-        from swarm.metrics import TrainerMetrics, serve_metrics
+        from swarm.trainer.metrics import TrainerMetrics, serve_metrics
 
         self.metrics = TrainerMetrics(self)
         serve_metrics(self.metrics.registry, self.config.metrics_host, self.config.metrics_port)
@@ -680,7 +680,7 @@ def run_trainer(config: TrainerConfig) -> TrainingSummary:
         with open(config.summary_file, "w") as file:
             json.dump(asdict(summary), file, indent=1)
     if config.plot:  # last: a plot that cannot be written loses nothing above (PlotError reaches the command)
-        from swarm.plots import curves_from_summary, plot_training
+        from swarm.ops.plots import curves_from_summary, plot_training
 
         title = f"{config.model}, {config.num_stages} stages, data: {trainer.corpus.name}"
         print(f"loss plot: {plot_training([curves_from_summary(summary, config.model)], config.plot, title)}")

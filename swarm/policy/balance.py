@@ -38,7 +38,7 @@ import numpy as np
 
 from swarm.models.gpt import partition_layers
 from swarm.models.registry import ModelSpec
-from swarm.stage_records import JOINING, LEAVING, SERVING, StageRecord
+from swarm.records.stage_records import JOINING, LEAVING, SERVING, StageRecord
 
 
 @dataclass(frozen=True)

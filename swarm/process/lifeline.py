@@ -4,7 +4,7 @@ Two links of the chain live here:
 - a role started by `LocalSwarm` (`swarm peer`, `swarm train`, ...) learns its launcher's pid from
   the environment and leaves as on SIGTERM when the launcher dies, then kills its own process group
   if leaving takes too long (`die_with_launcher`, called first thing by the CLI);
-- a DHT node's child process ends when the process that started it dies (see `swarm.dht_node`).
+- a DHT node's child process ends when the process that started it dies (see `swarm.net.dht_node`).
   Its libp2p daemon needs nothing more: p2pd writes to a pipe read only by the DHT child, and dies
   of SIGPIPE within milliseconds of that child's death (measured with hivemind 1.1.12).
 """
@@ -119,7 +119,7 @@ def die_with_launcher(grace: float = LEAVE_GRACE_S) -> None:
     launcher = int(value)
     # immediate where available; the watch below covers the rest
     signalled = use_signal and set_parent_death_signal(signal.SIGTERM)
-    # not the parent: gone before the kernel was asked, or a forkserver's role (swarm.role_forkserver), whose
+    # not the parent: gone before the kernel was asked, or a forkserver's role (swarm.launch.role_forkserver), whose
     # parent outlives the launcher while it holds roles; either way no signal comes, and the launcher is watched
     launcher_is_parent = os.getppid() == launcher
     signalled = signalled and launcher_is_parent

@@ -1,9 +1,9 @@
 """`swarm monitor`: a live web dashboard of the swarm, served over HTTP from a DHT node of its own.
 
 In the background the monitor reads the stage records and the trainers' progress records from the
-DHT every `--refresh` seconds and builds a snapshot (`swarm.monitor_snapshot`). The HTTP side only
+DHT every `--refresh` seconds and builds a snapshot (`swarm.ops.monitor_snapshot`). The HTTP side only
 ever serves the latest snapshot, so a slow or unreachable DHT never holds up a page load. Routes:
-`/` (the page, `swarm.dashboard_page`) and `/api/swarm` (the snapshot as JSON); anything else is 404.
+`/` (the page, `swarm.ops.dashboard_page`) and `/api/swarm` (the snapshot as JSON); anything else is 404.
 
 The HTTP server is a small one of our own on asyncio streams: one request per connection, GET and
 HEAD only, bounded request size and time. It listens on 127.0.0.1 unless told otherwise: the
@@ -24,12 +24,12 @@ from hivemind import DHT
 from hivemind.utils import get_dht_time
 
 from swarm.config import MonitorConfig
-from swarm.dashboard_page import PAGE
-from swarm.dht_node import start_dht
-from swarm.event_loop import run, stop_event_on_signals
-from swarm.monitor_snapshot import MonitorHistory, build_snapshot
-from swarm.stage_records import fetch_stage_records
-from swarm.trainer_records import fetch_trainer_records
+from swarm.net.dht_node import start_dht
+from swarm.ops.dashboard_page import PAGE
+from swarm.ops.monitor_snapshot import MonitorHistory, build_snapshot
+from swarm.process.event_loop import run, stop_event_on_signals
+from swarm.records.stage_records import fetch_stage_records
+from swarm.records.trainer_records import fetch_trainer_records
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Client side of stage calls: one libp2p stream per call, framed as in `swarm.wire`."""
+"""Client side of stage calls: one libp2p stream per call, framed as in `swarm.net.wire`."""
 
 from __future__ import annotations
 
@@ -12,9 +12,8 @@ import torch
 from hivemind.p2p import P2P, PeerID
 
 from swarm.compression import Codec
-from swarm.link_shaper import LinkShaper
-from swarm.proto import PROTOCOL_VERSION, ErrorCode, PeerInfo, PeerInfoRequest, StageReply, StageRequest
-from swarm.wire import (
+from swarm.net.link_shaper import LinkShaper
+from swarm.net.wire import (
     WireError,
     WireLimits,
     decode_tensors,
@@ -23,6 +22,7 @@ from swarm.wire import (
     read_frames,
     write_frames,
 )
+from swarm.proto import PROTOCOL_VERSION, ErrorCode, PeerInfo, PeerInfoRequest, StageReply, StageRequest
 
 STAGE_PROTOCOL = "/swarm/stage"
 INFO_PROTOCOL = "/swarm/info"

@@ -7,7 +7,7 @@ and each role is forked from it with nothing left to import.
 
 A forked role is what a launched one is: a session of its own (stopping it stops its DHT child and
 daemons), its output in its log, the environment it was given, the same exit codes; it runs the
-`swarm` command's main with its arguments. It leaves when its launcher dies (see `swarm.lifeline`),
+`swarm` command's main with its arguments. It leaves when its launcher dies (see `swarm.process.lifeline`),
 watching the launcher rather than its parent: the forkserver lives on as long as a role it forked.
 """
 
@@ -23,10 +23,10 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-from swarm.lifeline import PARENT_DEATH_SIGNAL_ENV
+from swarm.process.lifeline import PARENT_DEATH_SIGNAL_ENV
 
 _PR_SET_NAME = 15
-PRELOADED = ["swarm.peer.server", "swarm.trainer"]  # what `swarm peer` and `swarm train` import
+PRELOADED = ["swarm.peer.server", "swarm.trainer.trainer"]  # what `swarm peer` and `swarm train` import
 _CONTEXT = multiprocessing.get_context("forkserver")
 
 

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from swarm.stage_records import SERVING, StageRecord
+from swarm.records.stage_records import SERVING, StageRecord
 
 
 @dataclass

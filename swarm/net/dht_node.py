@@ -13,10 +13,10 @@ from typing import Any
 from hivemind import DHT
 from hivemind.p2p import P2P
 
-from swarm.allowlist import Allowlist, AllowlistError, AllowlistValidator, load_allowlist
 from swarm.config import NetworkConfig
-from swarm.identity import Identity, IdentityError, forget_generated, load_identity
-from swarm.lifeline import child_pids, watch_parent
+from swarm.net.allowlist import Allowlist, AllowlistError, AllowlistValidator, load_allowlist
+from swarm.net.identity import Identity, IdentityError, forget_generated, load_identity
+from swarm.process.lifeline import child_pids, watch_parent
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ class TetheredDHT(DHT):
 
     It also holds this process's identity (a new one unless `identity` is given): its daemon's
     peer id, whose key signs every record this node stores and whose signature validator checks
-    every record it stores for others or reads (see `swarm.identity`). With an allowlist, it
+    every record it stores for others or reads (see `swarm.net.identity`). With an allowlist, it
     refuses to store or return records of peers outside it.
     """
 
@@ -147,7 +147,7 @@ def start_dht(config: NetworkConfig, reachable: bool | None = None) -> DHT:
     The node's process and daemon end with this process, however it ends. It forks, so call it
     before starting threads or touching CUDA. Raises JoinError when the node cannot start or none
     of the initial peers answers. `reachable`: whether others can dial this process, if known (see
-    `swarm.reachability`); one that cannot serves through a relay.
+    `swarm.net.reachability`); one that cannot serves through a relay.
     """
     try:
         identity = load_identity(config.identity_path)

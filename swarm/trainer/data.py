@@ -201,7 +201,7 @@ def load_corpus(
     Raises CorpusError with a message for the user when the data or the tokenizer cannot be used.
     """
     if data is not None and data.startswith(HF_PREFIX):
-        from swarm.hugging_face import dataset_documents
+        from swarm.trainer.hugging_face import dataset_documents
 
         documents: Iterable[bytes] = dataset_documents(data[len(HF_PREFIX) :], split, text_column)
     else:
@@ -209,7 +209,7 @@ def load_corpus(
     name = data or "stdlib"
     if tokenizer is None:
         return Corpus(byte_tokens(documents, max_bytes), BYTE_VOCAB_SIZE, name)
-    from swarm.hugging_face import load_tokenizer
+    from swarm.trainer.hugging_face import load_tokenizer
 
     text_tokenizer = load_tokenizer(tokenizer)
     chunks, batch = [], []

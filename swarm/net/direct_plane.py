@@ -7,9 +7,9 @@ record (`StageRecord.direct`); a caller that knows the address dials it, and fal
 (NAT, relays, a firewall, a peer that moved) when it cannot.
 
 A call is one TCP connection, as on libp2p it is one stream: the handshake of
-`swarm.direct_handshake` (both sides prove their identity key), then the very frames, limits, codecs
+`swarm.net.direct_handshake` (both sides prove their identity key), then the very frames, limits, codecs
 and handlers of the libp2p path. `DirectPlane` stands in for the process's `P2P` object, so every
-call helper (`swarm.transport.exchange`) and every handler works on both paths unchanged.
+call helper (`swarm.net.transport.exchange`) and every handler works on both paths unchanged.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 from hivemind.p2p import P2P, PeerID
 
-from swarm.direct_handshake import HandshakeError, Session, SessionStore, prove_to_caller, prove_to_server
-from swarm.direct_stream import DirectStream, open_direct_stream, start_direct_server
-from swarm.identity import Identity
+from swarm.net.direct_handshake import HandshakeError, Session, SessionStore, prove_to_caller, prove_to_server
+from swarm.net.direct_stream import DirectStream, open_direct_stream, start_direct_server
+from swarm.net.identity import Identity
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ not call it. Before its DHT node starts, a peer asks a member (an initial peer) 
 3. the member opens a new direct connection (the listener must prove its peer id in the handshake)
    and says what happened.
 
-The answer decides how the peer's own daemon starts (see `swarm.dht_node.relay_options`): reachable,
+The answer decides how the peer's own daemon starts (see `swarm.net.dht_node.relay_options`): reachable,
 it serves directly; unreachable, it reserves a slot on a relay and serves through it. Once serving,
 the peer says plainly which it is and, if unreachable, which port to open. Every answer from the
 network is bounded before it is used.
@@ -44,7 +44,7 @@ MAX_PORTS = 4  # ports a member dials for one request
 MAX_TEXT = 300  # characters kept of an address or error a member sends
 MAX_PEER_ID_BYTES = 128
 MAX_MESSAGE_BYTES = 4096
-FRAME_HEADER_BYTES = 8  # big-endian length, as in swarm.wire (whose torch this module does without)
+FRAME_HEADER_BYTES = 8  # big-endian length, as in swarm.net.wire (whose torch this module does without)
 READ_TIMEOUT = 10.0
 DIAL_TIMEOUT = 5.0  # a member's dial back; a NAT that drops packets makes it wait this long
 ASK_TIMEOUT = DIAL_TIMEOUT * MAX_PORTS + 10.0
@@ -73,7 +73,7 @@ class Reachability:
 
     @property
     def for_daemon(self) -> bool | None:
-        """What this process's daemon is told (see `swarm.dht_node.relay_options`): unreachable; reachable,
+        """What this process's daemon is told (see `swarm.net.dht_node.relay_options`): unreachable; reachable,
         if reached at a public address; else unknown, and the daemon's own AutoNAT decides."""
         return None if self.on_private_network else self.reachable
 

@@ -9,10 +9,10 @@ import signal
 import tempfile
 import threading
 
-from swarm.allowlist import StreamGate
 from swarm.config import DHTConfig
-from swarm.dht_node import TetheredDHT, connect_to_daemon, start_dht
-from swarm.reachability import serve_reachability
+from swarm.net.allowlist import StreamGate
+from swarm.net.dht_node import TetheredDHT, connect_to_daemon, start_dht
+from swarm.net.reachability import serve_reachability
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def run_bootstrap(config: DHTConfig) -> None:
     try:
         maddrs = [str(m) for m in dht.get_visible_maddrs()]
         logger.info("DHT node is up. Join with: --initial-peers " + " ".join(maddrs))
-        # members about to join ask this node to dial them back (see swarm.reachability)
+        # members about to join ask this node to dial them back (see swarm.net.reachability)
         answering = threading.Event()
         threading.Thread(target=answer_reachability, args=(dht, answering), name="reachability", daemon=True).start()
         answering.wait(timeout=config.startup_timeout)

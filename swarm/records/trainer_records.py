@@ -5,7 +5,7 @@ seconds: its step, last loss, recent samples/s, the bans it has issued and the p
 and its last few steps as (time, step, loss, samples/s) points. A monitor that runs for a while
 keeps the history itself; the points let one started late show the recent past too.
 
-Signed and read like the stage records (`swarm.stage_records`): the subkey is the trainer's public
+Signed and read like the stage records (`swarm.records.stage_records`): the subkey is the trainer's public
 key and the record is signed with it, so no one can write or shadow another trainer's progress;
 a record whose peer id is not the one its key hashes to is skipped. Every field is bounded where
 it is read (finite numbers in range, lists and strings capped), and a record that breaks a bound
@@ -25,7 +25,7 @@ from hivemind import DHT
 from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
-from swarm.stage_records import MAX_MODEL_NAME, PEER_ID, ownership_problem
+from swarm.records.stage_records import MAX_MODEL_NAME, PEER_ID, ownership_problem
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The handshake that opens a call on the direct data plane: both sides prove their identity key.
 
 libp2p authenticates every stream by the peer's key; a plain TCP connection proves nothing, so
-each one starts with this exchange (messages in `swarm.proto`, framed as in `swarm.wire`):
+each one starts with this exchange (messages in `swarm.proto`, framed as in `swarm.net.wire`):
 
     caller -> server  DirectHello      protocol, nonce, [RSA public key, X25519 key] or [session id]
     server -> caller  DirectChallenge  nonce, [RSA public key, X25519 key, session id], proof
@@ -35,9 +35,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import padding, rsa, x25519
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from swarm.identity import Identity, peer_id_of_public_key
+from swarm.net.identity import Identity, peer_id_of_public_key
+from swarm.net.wire import WireError, WireLimits, read_frames, write_frames
 from swarm.proto import PROTOCOL_VERSION, DirectChallenge, DirectHello, DirectProof, Error, ErrorCode
-from swarm.wire import WireError, WireLimits, read_frames, write_frames
 
 NONCE_BYTES = 32
 SESSION_ID_BYTES = 16

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 
-from swarm.identity import OWNER, owner_peer_id
+from swarm.net.identity import OWNER, owner_peer_id
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ class Allowlist:
 
     @classmethod
     def read(cls, path: str) -> Allowlist:
-        from swarm.stage_records import PEER_ID
+        from swarm.records.stage_records import PEER_ID
 
         try:
             with open(path, "rb") as file:
@@ -70,7 +70,7 @@ def load_allowlist(path: str | None) -> Allowlist | None:
 
 
 class AllowlistValidator(RecordValidatorBase):
-    """A DHT validator that refuses records not owned (signed, see `swarm.identity`) by an allowed peer."""
+    """A DHT validator that refuses records not owned (signed, see `swarm.net.identity`) by an allowed peer."""
 
     def __init__(self, allowlist: Allowlist) -> None:
         self.allowlist = allowlist

@@ -4,14 +4,14 @@ Every process runs in its own session (process group), so stopping it also stops
 and the libp2p daemons it started, and none is left behind.
 
 With `preloaded`, peers and trainers are forked from a process that has imported torch and hivemind
-once (see `swarm.role_forkserver`) instead of each importing them: the demo's swarm trains sooner.
+once (see `swarm.launch.role_forkserver`) instead of each importing them: the demo's swarm trains sooner.
 As with any use of multiprocessing, a launcher script then guards its code with
 `if __name__ == "__main__":`, since the forked roles import it.
 
 Nothing is left behind either when the launcher itself is stopped: used as a context manager, a
 LocalSwarm stops its processes in order on SIGTERM or SIGINT as on an exception; and if the launcher
 dies without that (SIGKILL, a second signal), each process it started leaves on its own
-(see `swarm.lifeline`).
+(see `swarm.process.lifeline`).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from swarm.lifeline import LAUNCHER_PID_ENV, PARENT_DEATH_SIGNAL_ENV
-from swarm.role_forkserver import ForkedRole, start_forkserver
+from swarm.launch.role_forkserver import ForkedRole, start_forkserver
+from swarm.process.lifeline import LAUNCHER_PID_ENV, PARENT_DEATH_SIGNAL_ENV
 
 
 class LaunchError(RuntimeError):
@@ -80,7 +80,7 @@ class LocalSwarm:
 
         `prefix`: a command that runs it, e.g. `ip netns exec NAME` (it must exec the program, keeping its pid).
         `forked=False`: launched as a program even where this swarm is `preloaded` (a newcomer, as users start one).
-        The process leaves, with its DHT child and daemons, when this one dies (see swarm.lifeline).
+        The process leaves, with its DHT child and daemons, when this one dies (see swarm.process.lifeline).
         """
         env = {**self.env, LAUNCHER_PID_ENV: str(os.getpid())}
         # the kernel's parent-death signal fires when the forking thread ends: only the main thread lives as long

@@ -2,7 +2,7 @@
 
 Every peer stores one record under its stage's key and renews it before it expires; a peer that
 vanishes drops out when its record expires. The record's subkey is the peer's public key and the
-record is signed with it (`swarm.identity`): DHT nodes refuse, at store and at read, a record under
+record is signed with it (`swarm.net.identity`): DHT nodes refuse, at store and at read, a record under
 that subkey that its owner did not sign, and a reader skips a record whose peer id is not the one
 that key hashes to. So nobody can announce, renew or shadow another peer's record.
 
@@ -24,8 +24,8 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from hivemind import DHT
 from hivemind.utils import get_dht_time
 
-from swarm.direct_plane import parse_direct_address
-from swarm.identity import owner_peer_id
+from swarm.net.direct_plane import parse_direct_address
+from swarm.net.identity import owner_peer_id
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class StageRecord:
     # while LEAVING for another stage: that stage, so that the balance rule counts the peer where it is
     # going (not serving there yet) and nobody plans a second move for the gap it fills; -1 otherwise
     moving_to: int = -1
-    # "HOST:PORT" of the peer's direct data plane (`swarm.direct_plane`), or "" if it serves none
+    # "HOST:PORT" of the peer's direct data plane (`swarm.net.direct_plane`), or "" if it serves none
     direct: str = ""
 
     def standby_of(self, stage: int) -> tuple[int, str] | None:

@@ -7,8 +7,8 @@ import time
 from hivemind.utils import get_dht_time
 
 from swarm.config import StatusConfig
-from swarm.dht_node import start_dht
-from swarm.stage_records import StageRecord, fetch_stage_records
+from swarm.net.dht_node import start_dht
+from swarm.records.stage_records import StageRecord, fetch_stage_records
 
 
 def format_status(records: dict[int, list[StageRecord]], now: float) -> str:

@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
-from swarm.balance import capacities, ideal_assignment, loads_from_records, plan_moves, stage_costs
 from swarm.models import get_model_spec
-from swarm.stage_records import JOINING, SERVING, StageRecord
-from swarm.trainer_records import ProgressPoint, TrainerRecord
+from swarm.policy.balance import capacities, ideal_assignment, loads_from_records, plan_moves, stage_costs
+from swarm.records.stage_records import JOINING, SERVING, StageRecord
+from swarm.records.trainer_records import ProgressPoint, TrainerRecord
 
 MAX_HISTORY = 2000  # points kept per trainer
 MAX_TRAINERS_KEPT = 64  # trainers whose history is kept; the one seen longest ago goes first

@@ -1,0 +1,1 @@
+"""Harnesses that only tests and benchmarks use: network labs and spot-trace replay."""

@@ -1,0 +1,1 @@
+"""Launching roles: the local swarm (the demo and the tests' swarms) and the forkserver it forks from."""

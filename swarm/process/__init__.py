@@ -1,0 +1,2 @@
+"""Process plumbing every role shares: the event loop, the launch clock, leaving with the launcher,
+the allocator's settings."""
