@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+import time
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import MISSING, asdict, dataclass, fields
@@ -156,20 +157,37 @@ def stage_key(run_id: str, stage: int) -> str:
     return f"{run_id}.stage{stage}"
 
 
+# a store that no node accepted (a node that has just joined may know no neighbour yet) is tried again
+# after these pauses, in seconds: about 3 s in all, well inside any record's time to live
+STORE_RETRY_PAUSES = (0.1, 0.2, 0.4, 0.8, 1.6)
+
+
 def announce(dht: DHT, run_id: str, record: StageRecord, ttl: float) -> bool:
     """Stores (or renews) a peer's record for `ttl` seconds, signed by its key; blocking, so call it off the loop.
 
-    `dht` must be this process's `TetheredDHT`: its identity is the record's owner.
+    `dht` must be this process's `TetheredDHT`: its identity is the record's owner. A store that no DHT
+    node accepted is retried a few times (`STORE_RETRY_PAUSES`); returns whether one was accepted.
     """
-    expiration = get_dht_time() + ttl
-    return bool(
-        dht.store(
+    for pause in (*STORE_RETRY_PAUSES, None):
+        stored = dht.store(
             stage_key(run_id, record.stage),
             record.to_value(),
-            expiration_time=expiration,
+            expiration_time=get_dht_time() + ttl,
             subkey=dht.identity.owner,
         )
-    )
+        if stored:
+            return True
+        if pause is None:
+            logger.warning(
+                "no DHT node accepted the record of %s for stage %d after %d tries: other processes will not see "
+                "it until a renewal is stored; check that --initial-peers reach a live node",
+                record.peer_id[-8:],
+                record.stage,
+                len(STORE_RETRY_PAUSES) + 1,
+            )
+            return False
+        time.sleep(pause)
+    return False
 
 
 def fetch_stage_records(
