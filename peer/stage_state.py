@@ -1,6 +1,10 @@
-"""A stage's state as a list of tensors: what a joining peer downloads from its stage-mates.
+"""A stage's state: one named mapping of tensors, and the list of them that a joining peer downloads.
 
-The list is the parameters in module order, then, once the optimizer has stepped, AdamW's first
+By name (what checkpoints and standby spills keep, see `state_file`): `param.<name>` for each of
+`module.named_parameters()`, then, for each key of the optimizer's per-parameter state (AdamW's
+exp_avg, exp_avg_sq and step first), `<key>.<name>` for every parameter that has it.
+
+On the wire: the parameters in module order, then, once the optimizer has stepped, AdamW's first
 moments, second moments and per-parameter step counts in the same order. It travels as ordinary
 wire tensors, so nothing a remote sends is ever unpickled; the receiver checks every count, shape
 and dtype against its own freshly built stage before it copies anything in.
@@ -13,24 +17,56 @@ import hashlib
 import torch
 from torch import nn
 
+PARAM = "param"
 MOMENTS = ("exp_avg", "exp_avg_sq")
+WIRE_KEYS = (*MOMENTS, "step")  # the optimizer's per-parameter state that travels, in the wire's order
 
 
 class StageStateError(ValueError):
     """A state from a mate that does not fit this peer's stage."""
 
 
+def state_key(key: str, name: str) -> str:
+    """The name of one tensor of state: `param.<name>` for a parameter, `<key>.<name>` for optimizer state."""
+    return f"{key}.{name}"
+
+
+def split_state_key(entry: str) -> tuple[str, str]:
+    """(key, parameter name) of a tensor of state; parameter names may hold dots, keys never do."""
+    key, _, name = entry.partition(".")
+    return key, name
+
+
+def named_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """The stage's state by name, detached and on the CPU (where it lives there already, not copied)."""
+    params = list(module.named_parameters())
+    state = {state_key(PARAM, name): param.detach().cpu() for name, param in params}
+    per_param = [(name, optimizer.state.get(param, {})) for name, param in params]
+    others = sorted({key for _, values in per_param for key in values} - set(WIRE_KEYS))
+    for key in (*WIRE_KEYS, *others):
+        dtype = torch.float32 if key == "step" else None  # the wire's step counts are float32 scalars
+        for name, values in per_param:
+            if values.get(key) is not None:
+                state[state_key(key, name)] = torch.as_tensor(values[key], dtype=dtype).detach().cpu()
+    return state
+
+
+def wire_tensors(state: dict[str, torch.Tensor], names: list[str]) -> tuple[list[torch.Tensor], bool]:
+    """A named state in the wire's order for parameters `names`; returns (tensors, has_optimizer_state).
+
+    The optimizer's state travels only if every parameter has all of `WIRE_KEYS`."""
+    tensors = [state[state_key(PARAM, name)] for name in names]
+    has_optimizer_state = all(state_key(key, name) in state for key in WIRE_KEYS for name in names)
+    if has_optimizer_state:
+        tensors += [state[state_key(key, name)] for key in WIRE_KEYS for name in names]
+    return tensors, has_optimizer_state
+
+
 def state_tensors(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[list[torch.Tensor], bool]:
     """Copies of the stage's parameters and optimizer state; returns (tensors, has_optimizer_state)."""
-    params = list(module.parameters())
-    tensors = [p.detach().cpu().clone() for p in params]
-    states = [optimizer.state.get(p, {}) for p in params]
-    has_optimizer_state = all(all(key in state for key in (*MOMENTS, "step")) for state in states)
-    if has_optimizer_state:
-        for key in MOMENTS:
-            tensors += [state[key].detach().cpu().clone() for state in states]
-        tensors += [torch.as_tensor(state["step"], dtype=torch.float32).detach().cpu().clone() for state in states]
-    return tensors, has_optimizer_state
+    names = [name for name, _ in module.named_parameters()]
+    tensors, has_optimizer_state = wire_tensors(named_state(module, optimizer), names)
+    return [tensor.clone() for tensor in tensors], has_optimizer_state
 
 
 def check_state_tensors(module: nn.Module, tensors: list[torch.Tensor], has_optimizer_state: bool) -> None:

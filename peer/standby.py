@@ -57,6 +57,7 @@ from swarm.peer.stage_state import (
     parameter_fingerprint,
     state_fingerprint,
 )
+from swarm.peer.state_file import StateFileError, read_tensor_list, write_tensor_list
 from swarm.proto import PROTOCOL_VERSION, Error, ErrorCode, PeerInfo, StateReply, StateRequest
 from swarm.records.sample_ledger import restore_record
 from swarm.records.stage_records import JOINING, LEAVING, SERVING, StageRecord
@@ -148,7 +149,13 @@ class Standby:
         """The state's tensors, read back from disk if they were spilled there."""
         if self.tensors is not None:
             return self.tensors
-        return torch.load(self.path, weights_only=True)
+        try:
+            return read_tensor_list(self.path)
+        except StateFileError as e:
+            raise StageStateError(
+                f"the standby copy of stage {self.stage} cannot be used ({e}); is the disk under --checkpoint-dir "
+                "full or failing?"
+            ) from None
 
     def apply(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Copies the state into a freshly built stage and its optimizer."""
@@ -341,7 +348,9 @@ class StandbyKeeper:
             if in_memory + nbytes <= self.budget:
                 copy.tensors = tensors
             elif self.spill_dir is not None:
-                copy.path = self.spill_dir / f"standby-{model}-stage{stage}-of-{self.peer.config.num_stages}.pt"
+                copy.path = (
+                    self.spill_dir / f"standby-{model}-stage{stage}-of-{self.peer.config.num_stages}.safetensors"
+                )
                 await asyncio.get_running_loop().run_in_executor(None, self._spill, tensors, copy.path)
             else:
                 if stage not in self._warned_budget:
@@ -370,10 +379,7 @@ class StandbyKeeper:
 
     @staticmethod
     def _spill(tensors: list[torch.Tensor], path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(".partial")
-        torch.save(tensors, partial)
-        partial.replace(path)
+        write_tensor_list(path, tensors)  # a safetensors state file, written atomically
 
     # --- restoring a stage ----------------------------------------------------------------------------
 
