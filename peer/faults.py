@@ -1,6 +1,6 @@
 """Deterministic fault injection for tests: a peer that fails at a named point, on a named hit.
 
-`--faults` takes comma-separated entries `POINT[@N]=ACTION[:ARG]`:
+`--faults` takes comma-separated entries `POINT[@N]=ACTION[:ARG]` (parsed by `swarm.config.faults_flag`):
 - POINT is one of `POINTS`: where in the peer's work the fault strikes;
 - `@N` makes it strike only the N-th time the point is reached (counting from 1); without it,
   every time;
@@ -23,63 +23,14 @@ import signal
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+
+from swarm.config.faults_flag import ONLY_AT, Fault, parse_faults
 
 logger = logging.getLogger(__name__)
-
-POINTS = {
-    "before_commit": "a backward was computed, before its gradient is added to the step's (runtime thread)",
-    "after_backward": "a backward was applied (its samples accumulated, the mates told), before the reply is sent",
-    "progress": "before this peer sends its progress to a mate",
-    "before_contribution": "an averaging round starts, before this peer sends its gradients to its mates",
-    "after_contribution": "this peer's gradients went out, before it commits to the round",
-    "after_step": "the stage has stepped",
-    "reply": "a forward or backward was computed, before its reply is encoded",
-}
-ACTIONS = ("die", "drop_reply", "delay", "perturb", "nan")
-ONLY_AT = {"perturb": "after_step", "nan": "reply"}  # actions that make sense at one point only
-
-
-class FaultError(ValueError):
-    """A --faults entry that does not parse."""
 
 
 class DropReply(Exception):
     """Raised at a `drop_reply` fault: the handler closes the stream without answering."""
-
-
-@dataclass(frozen=True)
-class Fault:
-    point: str
-    action: str
-    hit: int | None = None  # strike only at this hit of the point; None: every hit
-    seconds: float = 0.0
-
-
-def parse_faults(text: str) -> list[Fault]:
-    """Parses a --faults value; FaultError names what is wrong."""
-    faults = []
-    for entry in filter(None, (e.strip() for e in text.split(","))):
-        where, sep, what = entry.partition("=")
-        if not sep:
-            raise FaultError(f"{entry!r}: expected POINT[@N]=ACTION")
-        point, _, hit = where.partition("@")
-        if point not in POINTS:
-            raise FaultError(f"{entry!r}: unknown point {point!r}; points are {sorted(POINTS)}")
-        action, _, argument = what.partition(":")
-        if action not in ACTIONS:
-            raise FaultError(f"{entry!r}: unknown action {action!r}; actions are {list(ACTIONS)}")
-        try:
-            number = int(hit) if hit else None
-            seconds = float(argument) if action == "delay" else 0.0
-        except ValueError:
-            raise FaultError(f"{entry!r}: @N must be a whole number and delay's argument seconds") from None
-        if number is not None and number < 1:
-            raise FaultError(f"{entry!r}: hits count from 1")
-        if action in ONLY_AT and point != ONLY_AT[action]:
-            raise FaultError(f"{entry!r}: {action} applies at {ONLY_AT[action]} only")
-        faults.append(Fault(point, action, number, seconds))
-    return faults
 
 
 class FaultPlan:

@@ -17,6 +17,8 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+from swarm.config.preemption_flag import parse_notice_source
+
 logger = logging.getLogger(__name__)
 
 # The metadata services' base URLs; the variables (shared with scripts/spot/swarm-peer.sh) point
@@ -35,10 +37,6 @@ def _aws_url(path: str) -> str:
 
 def _gcp_url(path: str) -> str:
     return os.environ.get(GCP_METADATA_URL_ENV, GCP_METADATA_URL).rstrip("/") + path
-
-
-class PreemptionSourceError(ValueError):
-    """A --preemption-notice value that names no known source."""
 
 
 def _aws_notice() -> bool:
@@ -72,17 +70,11 @@ def _gcp_notice() -> bool:
 
 
 def notice_source(spec: str) -> Callable[[], bool] | None:
-    """The check named by --preemption-notice: none, aws, gcp or file:PATH."""
-    if spec in ("", "none"):
-        return None
-    if spec == "aws":
-        return _aws_notice
-    if spec == "gcp":
-        return _gcp_notice
-    if spec.startswith("file:") and len(spec) > len("file:"):
-        path = Path(spec[len("file:") :])
-        return path.exists
-    raise PreemptionSourceError(f"unknown preemption notice source {spec!r}: use none, aws, gcp or file:PATH")
+    """The check named by --preemption-notice: none, aws, gcp or file:PATH (PreemptionSourceError if none of them)."""
+    source = parse_notice_source(spec)
+    if isinstance(source, Path):
+        return source.exists
+    return {None: None, "aws": _aws_notice, "gcp": _gcp_notice}[source]
 
 
 async def watch_for_preemption(check: Callable[[], bool], period: float, stop: asyncio.Event) -> None:

@@ -1,310 +1,15 @@
-"""Typed configuration for every role, from CLI flags, environment variables and a YAML file.
-
-Each setting is declared once, as a dataclass field with a help text; the same declaration makes
-the flag `--target-batch-size`, the variable `SWARM_TARGET_BATCH_SIZE` and the YAML key
-`target_batch_size`. Precedence: flag, then environment, then the `--config` file, then default.
-"""
+"""The settings of each command: `swarm dht`, `peer`, `train`, `demo`, `identity`, `status` and `monitor`."""
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import os
-import types
-import typing
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
 
-import yaml
-
-ENV_PREFIX = "SWARM_"
-MAX_VOCAB_SIZE = 2**20  # larger than any tokenizer in use; bounds the embedding a typo could ask for
-C = TypeVar("C")
-
-
-class ConfigError(ValueError):
-    """A setting that cannot be used: unknown key, wrong type, or out of range."""
-
-
-def option(default: Any, help: str, **argparse_kwargs: Any) -> Any:
-    """A config field: its default, its help text, and extra argparse options (e.g. choices)."""
-    kwargs: dict[str, Any] = {"metadata": {"help": help, **argparse_kwargs}}
-    if isinstance(default, list):
-        kwargs["default_factory"] = lambda: list(default)
-    else:
-        kwargs["default"] = default
-    return field(**kwargs)
-
-
-def _base_type(annotation: Any) -> tuple[type, bool, bool]:
-    """(element type, is_optional, is_list) of a field annotation such as `list[str]` or `int | None`."""
-    optional = False
-    origin = typing.get_origin(annotation)
-    if origin in (typing.Union, types.UnionType):
-        args = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
-        optional, annotation = True, args[0]
-        origin = typing.get_origin(annotation)
-    if origin is list:
-        return typing.get_args(annotation)[0], optional, True
-    return annotation, optional, False
-
-
-def _convert(value: Any, annotation: Any, source: str) -> Any:
-    kind, optional, is_list = _base_type(annotation)
-    if value is None or (optional and isinstance(value, str) and value.lower() in ("", "none", "null")):
-        if optional:
-            return None
-        raise ConfigError(f"{source}: a value is required")
-    if is_list:
-        items = value.split(",") if isinstance(value, str) else value
-        if not isinstance(items, (list, tuple)):
-            raise ConfigError(f"{source}: expected a list, got {value!r}")
-        return [_convert(item, kind, source) for item in items if item != ""]
-    if kind is bool:
-        if isinstance(value, bool):
-            return value
-        text = str(value).strip().lower()
-        if text in ("1", "true", "yes", "on"):
-            return True
-        if text in ("0", "false", "no", "off"):
-            return False
-        raise ConfigError(f"{source}: expected true or false, got {value!r}")
-    try:
-        if kind is int and isinstance(value, float) and not value.is_integer():
-            raise ValueError
-        return kind(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{source}: expected {kind.__name__}, got {value!r}") from None
-
-
-def _fields(cls: type) -> list[tuple[dataclasses.Field, Any]]:
-    hints = typing.get_type_hints(cls)
-    return [(f, hints[f.name]) for f in dataclasses.fields(cls)]
-
-
-def add_options(parser: argparse.ArgumentParser, cls: type) -> None:
-    """Adds one flag per field of config class `cls`, and `--config FILE`."""
-    parser.add_argument("--config", metavar="FILE", help="YAML file with settings (keys as the flags, with _)")
-    for f, annotation in _fields(cls):
-        kind, _, is_list = _base_type(annotation)
-        meta = dict(f.metadata)
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        help_text = f"{meta.pop('help')} (default: {default}; env {ENV_PREFIX}{f.name.upper()})"
-        flag = "--" + f.name.replace("_", "-")
-        kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": help_text, **meta}
-        if kind is bool and not is_list:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
-        elif is_list:
-            parser.add_argument(flag, nargs="*", metavar=f.name.upper(), **kwargs)
-        else:
-            parser.add_argument(flag, metavar=kind.__name__.upper(), **kwargs)
-
-
-def load_config(
-    cls: type[C],
-    cli: Mapping[str, Any] | argparse.Namespace | None = None,
-    environ: Mapping[str, str] | None = None,
-    config_file: str | None = None,
-) -> C:
-    """Builds config `cls` from flags (only those given), environment variables and a YAML file."""
-    cli = vars(cli) if isinstance(cli, argparse.Namespace) else dict(cli or {})
-    environ = os.environ if environ is None else environ
-    config_file = cli.pop("config", None) or config_file
-    from_file: dict[str, Any] = {}
-    if config_file:
-        try:
-            with open(config_file) as file:
-                from_file = yaml.safe_load(file) or {}
-        except OSError as e:
-            raise ConfigError(f"cannot read config file {config_file}: {e}") from None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {config_file} is not valid YAML: {e}") from None
-        if not isinstance(from_file, dict):
-            raise ConfigError(f"config file {config_file} must hold a mapping of settings")
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(from_file) - known)
-    if unknown:
-        raise ConfigError(f"config file {config_file}: unknown settings {unknown}; known: {sorted(known)}")
-    values = {}
-    for f, annotation in _fields(cls):
-        env_name = ENV_PREFIX + f.name.upper()
-        if f.name in cli:
-            values[f.name] = _convert(cli[f.name], annotation, "--" + f.name.replace("_", "-"))
-        elif env_name in environ:
-            values[f.name] = _convert(environ[env_name], annotation, env_name)
-        elif f.name in from_file:
-            values[f.name] = _convert(from_file[f.name], annotation, f"{config_file}: {f.name}")
-    config = cls(**values)
-    check = getattr(config, "check", None)
-    if check is not None:
-        check()
-    return config
-
-
-def to_flags(config: Any) -> list[str]:
-    """The CLI flags that reproduce `config` (used to launch processes with the same settings)."""
-    flags = []
-    for f, annotation in _fields(type(config)):
-        value = getattr(config, f.name)
-        flag = "--" + f.name.replace("_", "-")
-        kind, _, is_list = _base_type(annotation)
-        if value is None:
-            continue
-        if is_list:
-            flags += [flag, *map(str, value)]
-        elif kind is bool:
-            flags.append(flag if value else "--no-" + f.name.replace("_", "-"))
-        else:
-            flags += [flag, str(value)]
-    return flags
-
-
-# ---------------------------------------------------------------------------------------------
-# The settings of each role.
-
-
-@dataclass
-class NetworkConfig:
-    """How a process joins the swarm's DHT."""
-
-    initial_peers: list[str] = option([], "multiaddrs of any live swarm member to join through")
-    host_maddrs: list[str] = option(
-        ["/ip4/127.0.0.1/tcp/0"],
-        "multiaddrs to listen on; use /ip4/0.0.0.0/tcp/PORT to accept other machines",
-    )
-    announce_maddrs: list[str] = option([], "public multiaddrs to announce when behind NAT or a port forward")
-    identity_path: str | None = option(
-        None,
-        "file with this process's RSA private key, for a stable peer id (made there if missing; "
-        "`swarm identity FILE` makes one and prints its peer id); default: a new key at every start",
-    )
-    allowlist: str | None = option(
-        None,
-        "private swarm: file of the peer ids allowed in, one per line; others are served nothing and "
-        "their DHT records are ignored",
-    )
-    run_id: str = option("swarm", "name of the training run; processes of other runs are ignored")
-    startup_timeout: float = option(30.0, "seconds to wait for the libp2p daemon to start")
-    use_relay: bool = option(
-        True,
-        "circuit relays: reach members behind NAT through a relay, and relay for others (within the libp2p "
-        "daemon's limits: 16 circuits per peer, 30 min each)",
-    )
-    use_auto_relay: bool = option(
-        True,
-        "when this process is found unreachable from outside (behind NAT or a firewall), reserve a slot on a "
-        "relay (--trusted-relays, else the --initial-peers) and serve through it; inert where reachable",
-    )
-    trusted_relays: list[str] = option(
-        [], "multiaddrs of the relays to use when unreachable (default: the --initial-peers)"
-    )
-    relay_service: bool = option(
-        True,
-        "with --use-relay, relay for members behind NAT that reserve a slot here; useful on bootstrap nodes and "
-        "peers others can reach, inert on those nobody can",
-    )
-    client_mode: bool = option(
-        False,
-        "DHT client: listen for no connections and hold no DHT records for others (trainers and `swarm status` "
-        "behind NAT then need nothing opened); peers and bootstrap nodes must serve, so they refuse it",
-    )
-    check_reachability: bool = option(
-        True, "at start, ask another member to dial this process back, and say whether it is reachable from outside"
-    )
-    direct: bool = option(
-        True,
-        "call peers that announce a direct address over plain TCP (both sides prove their identity key; the data "
-        "is not encrypted), falling back to libp2p where that fails; --no-direct keeps every call on libp2p",
-    )
-
-    def check(self) -> None:
-        from hivemind.utils.multiaddr import Multiaddr
-
-        for flag, addresses in (
-            ("--initial-peers", self.initial_peers),
-            ("--host-maddrs", self.host_maddrs),
-            ("--announce-maddrs", self.announce_maddrs),
-            ("--trusted-relays", self.trusted_relays),
-        ):
-            for address in addresses:
-                try:
-                    protocols = [p.name for p in Multiaddr(address).protocols()]
-                except Exception as e:
-                    raise ConfigError(f"{flag}: {address!r} is not a multiaddr ({e})") from None
-                if flag in ("--initial-peers", "--trusted-relays") and "p2p" not in protocols:
-                    raise ConfigError(
-                        f"{flag}: {address!r} names no peer; give the whole address a swarm member "
-                        "prints, ending in /p2p/PEER_ID"
-                    )
-        if self.trusted_relays and not self.use_relay:
-            raise ConfigError("--trusted-relays needs --use-relay")
-        from swarm.net.allowlist import AllowlistError, load_allowlist
-
-        try:
-            load_allowlist(self.allowlist)
-        except AllowlistError as e:
-            raise ConfigError(f"--allowlist: {e}") from None
-        if self.identity_path is not None and os.path.exists(self.identity_path):
-            from swarm.net.identity import IdentityError, read_identity
-
-            try:
-                read_identity(self.identity_path)
-            except IdentityError as e:
-                raise ConfigError(f"--identity-path: {e}") from None
-
-
-@dataclass
-class ModelConfig:
-    """Which model the swarm trains and how it is cut into stages."""
-
-    model: str = option(
-        "gpt-tiny", "model preset (gpt-tiny, gpt-tiny-bottleneck, gpt-small, gpt-medium, gpt-large, gpt-xl)"
-    )
-    num_stages: int = option(3, "number of pipeline stages the model is cut into")
-    seed: int = option(0, "seed of the initial parameters and of the data order")
-    vocab_size: int = option(
-        0,
-        "token ids the model knows: 0 for the byte-level default (257: 256 bytes and an end-of-document token); "
-        "with a trainer's --tokenizer, the size it names; every peer and trainer of a swarm must agree",
-    )
-
-    def model_spec(self):
-        """The model's spec: the preset, with --vocab-size if given."""
-        from swarm.models import get_model_spec
-
-        return get_model_spec(self.model, **({"vocab_size": self.vocab_size} if self.vocab_size else {}))
-
-    def check(self) -> None:
-        from swarm.models import get_model_spec
-
-        try:
-            spec = get_model_spec(self.model)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        if not 1 <= self.num_stages <= spec.n_layer:
-            raise ConfigError(f"--num-stages must be within 1..{spec.n_layer} for {spec.name}, got {self.num_stages}")
-        if self.vocab_size != 0 and not 2 <= self.vocab_size <= MAX_VOCAB_SIZE:
-            raise ConfigError(f"--vocab-size must be 0 (bytes) or within 2..{MAX_VOCAB_SIZE}, got {self.vocab_size}")
-
-
-@dataclass
-class MetricsConfig:
-    """Where a peer or trainer serves its Prometheus metrics (off unless --metrics-port is given)."""
-
-    metrics_port: int | None = option(
-        None, "serve Prometheus metrics at http://METRICS_HOST:PORT/metrics (0: pick a free port; default off)"
-    )
-    metrics_host: str = option(
-        "127.0.0.1", "address the metrics endpoint listens on; 0.0.0.0 lets other machines scrape it"
-    )
-
-    def check(self) -> None:
-        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
-            raise ConfigError(f"--metrics-port must be within 0..65535 (0: a free port), got {self.metrics_port}")
-        if not self.metrics_host.strip():
-            raise ConfigError("--metrics-host must name an address, e.g. 127.0.0.1 or 0.0.0.0")
+from swarm.config.faults_flag import FaultError, parse_faults
+from swarm.config.options import ConfigError, option
+from swarm.config.preemption_flag import PreemptionSourceError, parse_notice_source
+from swarm.config.shared import MetricsConfig, ModelConfig, NetworkConfig
 
 
 @dataclass
@@ -386,7 +91,7 @@ class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig):
     )
     faults: str = option(
         "",
-        "for tests: deterministic faults, comma-separated POINT[@N]=ACTION[:ARG] (see swarm/peer/faults.py), "
+        "for tests: deterministic faults, comma-separated POINT[@N]=ACTION[:ARG] (see swarm/config/faults_flag.py), "
         "e.g. after_backward@1=drop_reply",
     )
     rebalance_period: float = option(
@@ -476,18 +181,14 @@ class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig):
             raise ConfigError("--lr must be positive")
         if self.averaging_timeout <= 0:
             raise ConfigError("--averaging-timeout must be positive")
-        from swarm.peer.preemption import PreemptionSourceError, notice_source
-
         try:
-            notice_source(self.preemption_notice)
+            parse_notice_source(self.preemption_notice)
         except PreemptionSourceError as e:
             raise ConfigError(f"--preemption-notice: {e}") from None
         if self.max_staleness < 0:
             raise ConfigError("--max-staleness must be 0 or more")
         if self.short_wait <= 0:
             raise ConfigError("--short-wait must be positive")
-        from swarm.peer.faults import FaultError, parse_faults
-
         try:
             parse_faults(self.faults)
         except FaultError as e:

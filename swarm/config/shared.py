@@ -1,0 +1,152 @@
+"""Settings more than one role shares: how to join the swarm's DHT, the model and its cut, the metrics endpoint."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from swarm.config.options import ConfigError, option
+
+MAX_VOCAB_SIZE = 2**20  # larger than any tokenizer in use; bounds the embedding a typo could ask for
+
+
+@dataclass
+class NetworkConfig:
+    """How a process joins the swarm's DHT."""
+
+    initial_peers: list[str] = option([], "multiaddrs of any live swarm member to join through")
+    host_maddrs: list[str] = option(
+        ["/ip4/127.0.0.1/tcp/0"],
+        "multiaddrs to listen on; use /ip4/0.0.0.0/tcp/PORT to accept other machines",
+    )
+    announce_maddrs: list[str] = option([], "public multiaddrs to announce when behind NAT or a port forward")
+    identity_path: str | None = option(
+        None,
+        "file with this process's RSA private key, for a stable peer id (made there if missing; "
+        "`swarm identity FILE` makes one and prints its peer id); default: a new key at every start",
+    )
+    allowlist: str | None = option(
+        None,
+        "private swarm: file of the peer ids allowed in, one per line; others are served nothing and "
+        "their DHT records are ignored",
+    )
+    run_id: str = option("swarm", "name of the training run; processes of other runs are ignored")
+    startup_timeout: float = option(30.0, "seconds to wait for the libp2p daemon to start")
+    use_relay: bool = option(
+        True,
+        "circuit relays: reach members behind NAT through a relay, and relay for others (within the libp2p "
+        "daemon's limits: 16 circuits per peer, 30 min each)",
+    )
+    use_auto_relay: bool = option(
+        True,
+        "when this process is found unreachable from outside (behind NAT or a firewall), reserve a slot on a "
+        "relay (--trusted-relays, else the --initial-peers) and serve through it; inert where reachable",
+    )
+    trusted_relays: list[str] = option(
+        [], "multiaddrs of the relays to use when unreachable (default: the --initial-peers)"
+    )
+    relay_service: bool = option(
+        True,
+        "with --use-relay, relay for members behind NAT that reserve a slot here; useful on bootstrap nodes and "
+        "peers others can reach, inert on those nobody can",
+    )
+    client_mode: bool = option(
+        False,
+        "DHT client: listen for no connections and hold no DHT records for others (trainers and `swarm status` "
+        "behind NAT then need nothing opened); peers and bootstrap nodes must serve, so they refuse it",
+    )
+    check_reachability: bool = option(
+        True, "at start, ask another member to dial this process back, and say whether it is reachable from outside"
+    )
+    direct: bool = option(
+        True,
+        "call peers that announce a direct address over plain TCP (both sides prove their identity key; the data "
+        "is not encrypted), falling back to libp2p where that fails; --no-direct keeps every call on libp2p",
+    )
+
+    def check(self) -> None:
+        from hivemind.utils.multiaddr import Multiaddr
+
+        for flag, addresses in (
+            ("--initial-peers", self.initial_peers),
+            ("--host-maddrs", self.host_maddrs),
+            ("--announce-maddrs", self.announce_maddrs),
+            ("--trusted-relays", self.trusted_relays),
+        ):
+            for address in addresses:
+                try:
+                    protocols = [p.name for p in Multiaddr(address).protocols()]
+                except Exception as e:
+                    raise ConfigError(f"{flag}: {address!r} is not a multiaddr ({e})") from None
+                if flag in ("--initial-peers", "--trusted-relays") and "p2p" not in protocols:
+                    raise ConfigError(
+                        f"{flag}: {address!r} names no peer; give the whole address a swarm member "
+                        "prints, ending in /p2p/PEER_ID"
+                    )
+        if self.trusted_relays and not self.use_relay:
+            raise ConfigError("--trusted-relays needs --use-relay")
+        from swarm.net.allowlist import AllowlistError, load_allowlist
+
+        try:
+            load_allowlist(self.allowlist)
+        except AllowlistError as e:
+            raise ConfigError(f"--allowlist: {e}") from None
+        if self.identity_path is not None and os.path.exists(self.identity_path):
+            from swarm.net.identity import IdentityError, read_identity
+
+            try:
+                read_identity(self.identity_path)
+            except IdentityError as e:
+                raise ConfigError(f"--identity-path: {e}") from None
+
+
+@dataclass
+class ModelConfig:
+    """Which model the swarm trains and how it is cut into stages."""
+
+    model: str = option(
+        "gpt-tiny", "model preset (gpt-tiny, gpt-tiny-bottleneck, gpt-small, gpt-medium, gpt-large, gpt-xl)"
+    )
+    num_stages: int = option(3, "number of pipeline stages the model is cut into")
+    seed: int = option(0, "seed of the initial parameters and of the data order")
+    vocab_size: int = option(
+        0,
+        "token ids the model knows: 0 for the byte-level default (257: 256 bytes and an end-of-document token); "
+        "with a trainer's --tokenizer, the size it names; every peer and trainer of a swarm must agree",
+    )
+
+    def model_spec(self):
+        """The model's spec: the preset, with --vocab-size if given."""
+        from swarm.models import get_model_spec
+
+        return get_model_spec(self.model, **({"vocab_size": self.vocab_size} if self.vocab_size else {}))
+
+    def check(self) -> None:
+        from swarm.models import get_model_spec
+
+        try:
+            spec = get_model_spec(self.model)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if not 1 <= self.num_stages <= spec.n_layer:
+            raise ConfigError(f"--num-stages must be within 1..{spec.n_layer} for {spec.name}, got {self.num_stages}")
+        if self.vocab_size != 0 and not 2 <= self.vocab_size <= MAX_VOCAB_SIZE:
+            raise ConfigError(f"--vocab-size must be 0 (bytes) or within 2..{MAX_VOCAB_SIZE}, got {self.vocab_size}")
+
+
+@dataclass
+class MetricsConfig:
+    """Where a peer or trainer serves its Prometheus metrics (off unless --metrics-port is given)."""
+
+    metrics_port: int | None = option(
+        None, "serve Prometheus metrics at http://METRICS_HOST:PORT/metrics (0: pick a free port; default off)"
+    )
+    metrics_host: str = option(
+        "127.0.0.1", "address the metrics endpoint listens on; 0.0.0.0 lets other machines scrape it"
+    )
+
+    def check(self) -> None:
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"--metrics-port must be within 0..65535 (0: a free port), got {self.metrics_port}")
+        if not self.metrics_host.strip():
+            raise ConfigError("--metrics-host must name an address, e.g. 127.0.0.1 or 0.0.0.0")

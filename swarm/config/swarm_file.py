@@ -1,0 +1,33 @@
+"""The swarm file: one YAML an organizer publishes, read by every role of the swarm with `--config`.
+
+It holds the settings every process of one swarm must share (examples/swarm.yaml is one): the
+run, where to join, the model and its cut, the batch and the optimizer, the codecs. A volunteer
+then needs nothing else (`swarm peer --config swarm.yaml --device cuda:0`), and a trainer only its
+own choices (`swarm train --config swarm.yaml --steps 1000 --data corpus/`).
+
+Each role reads the keys it uses and passes over the others named here, so one file serves them
+all; any other key it does not know is still an error (a typo). Per-process settings (device,
+ports, stage, data, steps) stay out of the file, as flags or environment variables.
+"""
+
+from __future__ import annotations
+
+SWARM_SETTINGS: dict[str, str] = {
+    "run_id": "the run's name: processes of other runs are ignored",
+    "initial_peers": "where a newcomer joins (any live member will do, so these may differ, but must be members)",
+    "model": "the model preset every stage is cut from",
+    "num_stages": "how the model is cut into stages",
+    "seed": "the initial parameters (and the trainers' default data order)",
+    "vocab_size": "the token ids every stage's embedding and head know",
+    "tokenizer": "how trainers turn text into those ids",
+    "target_batch_size": "the samples a stage steps on",
+    "lr": "the optimizer: replicas of a stage step alike only with the same settings",
+    "weight_decay": "the optimizer",
+    "beta1": "the optimizer",
+    "beta2": "the optimizer",
+    "averaging_codec": "how stage-mates send each other gradients",
+    "compression": "how trainers send activations and gradients",
+    "rebalance_margin": "the balance rule: every peer must compute the same plan",
+    "rebalance_horizon": "the balance rule",
+    "move_bandwidth_mbit": "the balance rule",
+}
