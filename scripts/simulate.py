@@ -10,9 +10,10 @@ What is modelled:
 - Peers: a speed in samples/s of backward work on a stage of cost 1 (integers, spread 10x by
   default), one FIFO server each. A call of n samples on a stage of cost c takes n*c/speed
   seconds for a backward and a third of that for a forward (a backward recomputes the forward).
-- Measured throughput, as the real runtime measures it: a peer starting on a stage times one
-  batch, then folds every backward it runs into a moving average (0.9 old, 0.1 new) of seconds
-  per sample; each timing is off by a relative error drawn with deviation `--throughput-noise`.
+- Measured throughput, as the real runtime measures it: a peer starting on a stage times one batch,
+  then folds every backward it runs into a moving average (0.9 old, 0.1 new) of seconds per sample
+  (`swarm.policy.throughput_average`, the runtime's own); each timing is off by a relative error
+  drawn with deviation `--throughput-noise`.
 - Announcements: a single DHT-like view holds each peer's record (state, stage, measured
   throughput, queue length) with `expiration = now + --record-ttl`, renewed every
   `--announce-period` seconds; a change of state is announced at once, as the real peer does.
@@ -30,20 +31,23 @@ What is modelled:
   is re-queued after a backoff, as the real trainer does (which stops training when a call runs
   out of attempts after its stage has completed no call for `stage_wait_timeout`; the simulation
   counts how often that would have happened instead).
-- Rebalancing, as the real peer does it: every `--rebalance-period` seconds times a random factor
-  in [0.5, 1.5] (the first time in [0, 1], so a whole plan is carried out within one period), a
-  serving peer computes `plan_moves` on the current view (computed once per view and shared, since
-  every peer reading that view computes the same plan), with the cost of a move from `--state-mb`,
-  `--bandwidth-mbit`, `--move-seconds` and `--move-horizon` (`swarm.policy.balance.MoveCost`). If the plan
-  moves it, a second look 1 to 2 announce periods later must still move it (to the target that
-  look gives). It announces LEAVING on its source at once, naming its target, so that every plan
-  counts it there while it is on its way, and finishes its queue; only then does it announce
-  JOINING on the target (with a fresh timing) (`--target-at-decision`: it announces JOINING on the
-  target at once, a change to the peer worth weighing). It serves the target after the state
-  download, and checks again after a random [0.5, 1.5] periods.
+- Rebalancing, as the real peer does it, timed by its own `swarm.policy.rebalance_timing`: every
+  `--rebalance-period` seconds times a random factor in [0.5, 1.5] (the first time in [0, 1], so a
+  whole plan is carried out within one period), a serving peer computes `plan_moves` on the current
+  view (computed once per view and shared, since every peer reading that view computes the same
+  plan), with the cost of a move from `--state-mb`, `--bandwidth-mbit`, `--move-seconds` and
+  `--move-horizon` (`swarm.policy.balance.MoveCost`). If the plan moves it, a second look 1 to 2
+  announce periods later must still move it (to the target that look gives). It announces LEAVING on
+  its source at once, naming its target, so that every plan counts it there while it is on its way,
+  and finishes its queue; only then does it announce JOINING on the target (with a fresh timing)
+  (`--target-at-decision`: it announces JOINING on the target at once, a change to the peer worth
+  weighing). It serves the target after the state download, and checks again after a random
+  [0.5, 1.5] periods.
 - Newcomers, as the real `--stage auto` peer: after a random pause of up to `--announce-period`,
   it reads the view, picks `choose_stage`, and announces JOINING there at once with its speed as
-  throughput, so newcomers after it see its choice; it serves after the state download.
+  throughput, so newcomers after it see its choice; it serves after the state download. Its first
+  look at the plan then comes after [0.5, 1.5] periods, as after a move (the real newcomer's first
+  look comes within one period, as a peer's that has not moved yet).
 - Churn: `--trace FILE` replays a spot trace (`time_ms,add|remove,node`) compressed into
   `--trace-minutes`, as a live-instance count scaled so that the trace's peak is `--peers`
   (`harness.spot_trace.live_peer_targets`, never below one instance per stage). A rise launches
@@ -118,7 +122,9 @@ from swarm.policy.balance import (
     plan_moves,
     upper_bound_throughput,
 )
+from swarm.policy.rebalance_timing import LOOK, RebalanceTiming, Wait
 from swarm.policy.router import FORWARD_SHARE_OF_BACKWARD, Router
+from swarm.policy.throughput_average import ThroughputAverage
 from swarm.records.stage_records import JOINING, LEAVING, SERVING, StageRecord
 from swarm.trainer.trainer import REQUEUE_PAUSE_MAX
 
@@ -133,7 +139,6 @@ STAGE_POLL_SECONDS = 0.5  # a trainer with no live peer for a stage looks again 
 TRAINER_DEFAULTS = TrainerConfig()  # the real trainer's attempts per call and patience with a stalled stage
 PEER_DEFAULTS = PeerConfig()  # the real peer's rebalancing period and margin are the simulation's defaults
 DEFAULT_MARGINS = (0.0, 0.1, 0.25, 0.5, 1.0)  # the sweep of hysteresis margins a study runs
-THROUGHPUT_EWMA = 0.1  # weight of the newest batch in the runtime's seconds-per-sample average
 
 # peer states in the simulation: a moving peer announces LEAVING on its source while it drains its
 # queue, then JOINING on its target; a newcomer announces JOINING from the moment it has chosen
@@ -215,7 +220,8 @@ class SimPeer:
         "check_token",
         "left_at",
         "announced",
-        "seconds_per_sample",
+        "measured",
+        "timing",
     )
 
     def __init__(self, peer_id: str, speed: int, stage: int, state: str) -> None:
@@ -230,7 +236,8 @@ class SimPeer:
         self.check_token = 0
         self.left_at: dict[int, float] = {}
         self.announced: list[StageRecord] = []  # its latest records, which outlive it in the DHT
-        self.seconds_per_sample = 0.0  # measured on its stage, as the real runtime's moving average
+        self.measured = ThroughputAverage()  # its speed on its stage, as the real runtime measures it
+        self.timing: RebalanceTiming | None = None  # when it next looks at the plan, as the real peer
 
     def queue_length(self, now: float) -> int:
         """Calls accepted and not finished (including ones whose caller gave up)."""
@@ -260,7 +267,7 @@ class SimPeer:
                 moving_to=moving_to,
             )  # fmt: skip
 
-        measured = throughput if throughput is not None else 1 / self.seconds_per_sample
+        measured = throughput if throughput is not None else self.measured.samples_per_second
         if self.state == SIM_SERVING:
             return [record(self.stage, SERVING, measured)]
         if self.draining(now) and self.source is not None:
@@ -414,7 +421,7 @@ class Simulation:
             stage,
             state,
         )
-        peer.seconds_per_sample = self._timing(peer)  # the runtime times one batch as it starts
+        peer.measured.reset(self._timing(peer))  # the runtime times one batch as it starts
         self._integrate()
         self.peers[peer.peer_id] = peer
         self.live[peer.peer_id] = peer
@@ -445,7 +452,7 @@ class Simulation:
             peer = self._new_peer(stage, SIM_SERVING)
             self._serving_changed(peer, +1, cause="start")
             # as the real peer: its first look comes within one period, so a whole plan is carried out in one
-            self._schedule_check(peer, self.rng.uniform(0.0, 1.0))
+            self._start_checks(peer, first_look=True)
             placed.append(peer)
         return placed
 
@@ -519,7 +526,7 @@ class Simulation:
         target = None
         if self.config.target_at_decision and peer.draining(self.now) and peer.source is not None:
             # what it would announce for the target: its throughput, scaled by the stages' costs
-            target = self.costs[peer.source] / self.costs[peer.stage] / peer.seconds_per_sample
+            target = self.costs[peer.source] / self.costs[peer.stage] / peer.measured.seconds_per_sample
         return peer.records(self.now, self.config.record_ttl, self.num_stages, throughput, target)
 
     def _view_loads(self) -> list[PeerLoad]:
@@ -611,7 +618,7 @@ class Simulation:
         mb.trainer.router.report_success(peer.peer_id, backward, self.config.microbatch, self.now - mb.start)
         if backward and peer.state == SIM_SERVING:
             # the runtime's moving average of its backward timings (a draining peer's is thrown away)
-            peer.seconds_per_sample += THROUGHPUT_EWMA * (self._timing(peer) - peer.seconds_per_sample)
+            peer.measured.add(self._timing(peer))
         self.counters["completed_calls"] += 1
         mb.trainer.last_success[self._stage_of(mb)] = self.now
         mb.tried, mb.attempts, mb.requeues, mb.since = [], 0, 0, self.now
@@ -669,33 +676,48 @@ class Simulation:
 
     # --- peers: rebalancing, joining, leaving ----------------------------------------------------
 
-    def _schedule_check(self, peer: SimPeer, periods: float) -> None:
+    def _start_checks(self, peer: SimPeer, first_look: bool) -> None:
+        """The peer starts serving a stage: its rebalancing timing starts afresh, as the real peer's loop.
+
+        The first wait is drawn even with rebalancing off, so that the runs with and without it draw alike.
+        """
+        config = self.config
+        peer.timing = RebalanceTiming(config.rebalance_period, config.announce_period, self.rng, first_look)
+        self._schedule_check(peer, peer.timing.start())
+
+    def _schedule_check(self, peer: SimPeer, wait: Wait) -> None:
         if not self.config.rebalance or self.config.rebalance_period <= 0:
             return
         peer.check_token += 1
-        self._at(self.now + periods * self.config.rebalance_period, self._check, peer, peer.check_token)
+        self._at(self.now + wait.seconds, self._check, peer, peer.check_token)
+
+    def _planned_move(self, peer: SimPeer) -> Move | None:
+        """The peer's move in the plan on the current view, if the plan moves it from the stage it serves."""
+        move = self._view_plan().get(peer.peer_id)
+        return move if move is not None and move.source == peer.stage else None
 
     def _check(self, peer: SimPeer, token: int) -> None:
         """A serving peer's periodic look at the plan; it moves if the plan has a move for it."""
         if not peer.alive or token != peer.check_token or peer.state != SIM_SERVING:
             return
-        move = self._view_plan().get(peer.peer_id)
-        if move is None or move.source != peer.stage:
-            self._schedule_check(peer, self.rng.uniform(0.5, 1.5))
+        move = self._planned_move(peer)
+        wait = peer.timing.looked(move is not None)
+        if wait.action == LOOK:
+            self._schedule_check(peer, wait)
             return
         # as the real peer: a second look a moment later must show the same move
         peer.check_token += 1
-        delay = self.rng.uniform(1.0, 2.0) * self.config.announce_period
-        self._at(self.now + delay, self._confirm, peer, move.target, peer.check_token)
+        self._at(self.now + wait.seconds, self._confirm, peer, move.target, peer.check_token)
 
     def _confirm(self, peer: SimPeer, target: int, token: int) -> None:
-        """The second look: the peer moves only if the plan on the view now still sends it to `target`."""
+        """The second look: the peer moves only if the plan on the view now still moves it (to where it says now)."""
         if not peer.alive or token != peer.check_token or peer.state != SIM_SERVING:
             return
-        move = self._view_plan().get(peer.peer_id)
-        if move is None or move.source != peer.stage:
+        move = self._planned_move(peer)
+        wait = peer.timing.confirmed(move is not None)
+        if wait.action == LOOK:
             self.counters["moves_not_confirmed"] += 1
-            self._schedule_check(peer, self.rng.uniform(0.5, 1.5))
+            self._schedule_check(peer, wait)
             return
         self._start_move(peer, move.target)
 
@@ -719,7 +741,7 @@ class Simulation:
         """A moving peer's queue is done: it times a batch on the target, announces JOINING, downloads."""
         if not peer.alive or token != peer.check_token:
             return
-        peer.seconds_per_sample = self._timing(peer)
+        peer.measured.reset(self._timing(peer))
         self._announce(peer)
         self._at(self.now + self.config.download_seconds, self._serve, peer, token)
 
@@ -730,7 +752,7 @@ class Simulation:
         self._serving_changed(peer, +1, cause="serve")
         peer.source = None
         self._announce(peer)
-        self._schedule_check(peer, self.rng.uniform(0.5, 1.5))  # its balance loop starts afresh
+        self._start_checks(peer, first_look=False)  # its balance loop starts afresh
 
     def _launch(self) -> None:
         """A new spot instance: it boots, pauses at random, then joins."""
