@@ -1,7 +1,7 @@
 """The runtime: one thread that runs a stage's forward and backward work on its device.
 
-Requests wait in a queue; the worker takes the oldest and merges queued requests of the same
-kind and shape into one batch, up to a sample limit, so a busy peer runs fewer, larger batches.
+Requests wait in a queue (`swarm.peer.request_queue`); the worker takes the oldest merged with
+queued requests of the same kind and shape into one batch, so a busy peer runs fewer, larger batches.
 Only this thread touches the parameters, so accumulation and optimizer steps need no locks:
 work that must see a consistent state (an averaging round and its step, a state snapshot for a
 joining mate, loading a mate's state) runs on this thread too, as an exclusive task.
@@ -9,13 +9,11 @@ joining mate, loading a mate's state) runs on this thread too, as an exclusive t
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
-from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -24,24 +22,37 @@ import torch
 from swarm.models import GPTStage
 from swarm.models.optimizer import apply_accumulated_step
 from swarm.peer.faults import FaultPlan
+from swarm.peer.request_queue import (
+    CallAbandonedError,
+    QueueFullError,
+    RequestQueue,
+    SampleKey,
+    StageResult,
+    Task,
+    fail,
+    settle,
+)
 from swarm.peer.stage_state import parameter_fingerprint
+from swarm.policy.throughput_average import ThroughputAverage
 
 logger = logging.getLogger(__name__)
 
 
-class CallAbandonedError(RuntimeError):
-    """The caller's deadline passed before the runtime started the request: computing it would be wasted."""
+# what other modules import from here, beside the runtime itself
+__all__ = [
+    "CallAbandonedError",
+    "QueueFullError",
+    "RoundResult",
+    "SampleKey",
+    "StageResult",
+    "StageRuntime",
+    "StaleGradientError",
+    "StepCoordinator",
+]
 
 
 class StaleGradientError(RuntimeError):
     """A backward whose forward ran against a model version older than the peer accepts."""
-
-
-class QueueFullError(RuntimeError):
-    """The peer already holds as many queued requests as it accepts: the caller should go elsewhere."""
-
-
-SampleKey = tuple[str, int]  # a microbatch's global id: (trainer, microbatch id)
 
 
 @dataclass
@@ -73,53 +84,6 @@ class StepCoordinator(Protocol):
         whose backwards this peer answers without summing their gradients."""
 
 
-@dataclass
-class StageResult:
-    """What one request gets back: output tensors (or input gradients), per-sample losses, the step."""
-
-    tensors: list[torch.Tensor]
-    losses: torch.Tensor | None
-    step: int
-
-
-@dataclass(eq=False)  # compared by identity: queue removals must not compare tensors
-class _Task:
-    backward: bool
-    tensors: list[torch.Tensor]
-    key: Hashable = None
-    accumulate: bool = True
-    version: int | None = None  # the step a backward's forward ran at
-    exclusive: Callable[[], Any] | None = None  # runs alone on the runtime thread
-    give_up_at: float | None = None  # time.monotonic() when the caller stops waiting for the reply
-    future: Future = field(default_factory=Future)
-
-    @property
-    def num_samples(self) -> int:
-        return self.tensors[0].shape[0] if self.tensors else 0
-
-    def late(self, now: float) -> bool:
-        return self.give_up_at is not None and self.give_up_at <= now
-
-    def batches_with(self, other: _Task) -> bool:
-        if self.exclusive is not None or other.exclusive is not None:
-            return False
-        return (self.backward, self.accumulate) == (other.backward, other.accumulate) and all(
-            a.dtype == b.dtype and a.shape[1:] == b.shape[1:] for a, b in zip(self.tensors, other.tensors)
-        )
-
-
-def _settle(future: Future, result: Any) -> None:
-    """Resolves a request's future unless its caller cancelled it (it went away): never raises."""
-    with contextlib.suppress(InvalidStateError):
-        future.set_result(result)
-
-
-def _fail(future: Future, error: BaseException) -> None:
-    """Fails a request's future unless its caller cancelled it: never raises."""
-    with contextlib.suppress(InvalidStateError):
-        future.set_exception(error)
-
-
 class StageRuntime:
     """Runs one stage: queued forward and backward requests, gradient accumulation, optimizer steps."""
 
@@ -149,7 +113,6 @@ class StageRuntime:
         self.step = step
         self.samples_accumulated = 0
         self.held: dict[SampleKey, int] = {}  # the microbatches accumulated toward the current step
-        self._anonymous = 0  # backwards that came without an id get a local one
         # (step, fingerprint of the parameters at that step), replaced as one: readers on other threads
         # must never pair a new step with the previous step's fingerprint
         self.version: tuple[int, str] = (step, parameter_fingerprint(module))
@@ -159,24 +122,14 @@ class StageRuntime:
         self.max_staleness = max_staleness
         self.stale_gradients = 0
         self.samples_stepped = 0  # over the stage's whole life; travels with its state
-        self.seconds_per_sample: float | None = None
+        self.speed = ThroughputAverage()  # what the peer announces; sizes its batches too
         # > 0: behave as a device of this many samples/s of backward work (compute padded with sleep)
         self.simulated_speed = simulated_speed
         self.faults = faults or FaultPlan()
-        self.max_queue = max_queue
-        self.busy_refusals = 0  # requests refused because the queue was full
         self.busy_seconds = 0.0  # spent running batches of requests: a pipeline's utilization is this over time
         self.nonfinite_steps = 0  # steps whose summed gradient was not finite: skipped by every replica alike
-        self._step_requested: int | None = None
-        # keys of recently applied backward requests: a retried backward whose first attempt was
-        # applied (its reply lost on the way) gets its input gradient again but is not accumulated twice
-        self._applied: OrderedDict[Hashable, None] = OrderedDict()
-        self.max_remembered = 100_000
-        self.duplicates = 0
-        self.abandoned = 0  # requests dropped because their caller had given up before they were applied
-        self._queue: deque[_Task] = deque()
-        self._cond = threading.Condition()
-        self._stopping = False
+        self._step_requested: int | None = None  # guarded by the queue's lock
+        self.requests = RequestQueue(module.stage, max_queue, self._held_elsewhere, self._merge_limit)
         self._thread = threading.Thread(target=self._run, name="stage-runtime", daemon=True)
 
     # --- called from other threads ------------------------------------------------------------
@@ -204,48 +157,18 @@ class StageRuntime:
         then is dropped with CallAbandonedError, so an overloaded peer does not spend its time on
         replies nobody reads while the callers' retries queue up behind them.
         """
-        with self._cond:
-            if self._stopping:
-                raise RuntimeError("the runtime is shutting down")
-            if len(self._queue) >= self.max_queue:
-                self.busy_refusals += 1
-                raise QueueFullError(f"this peer is busy: {len(self._queue)} requests queued, its limit")
-            if backward and key is None:
-                self._anonymous += 1
-                key = ("", self._anonymous)
-            task = _Task(backward, tensors, key, version=version, give_up_at=give_up_at)
-            if backward:
-                if key in self._applied:
-                    task.accumulate = False
-                    self.duplicates += 1
-                    logger.info(f"Stage {self.module.stage}: backward {key} came again; not accumulating it twice")
-                else:
-                    self._applied[key] = None
-                    if len(self._applied) > self.max_remembered:
-                        self._applied.popitem(last=False)
-            self._queue.append(task)
-            self._cond.notify()
-        return task.future
+        return self.requests.put(backward, tensors, key, version, give_up_at)
 
     def run_exclusive(self, fn: Callable[[], Any], front: bool = False) -> Future:
         """Runs `fn` on the runtime thread between batches; the future resolves to its result."""
-        task = _Task(False, [], exclusive=fn)
-        with self._cond:
-            if self._stopping:
-                raise RuntimeError("the runtime is shutting down")
-            if front:
-                self._queue.appendleft(task)
-            else:
-                self._queue.append(task)
-            self._cond.notify()
-        return task.future
+        return self.requests.put_exclusive(fn, front)
 
     def request_step(self, step: int) -> None:
         """Asks for an averaging round and optimizer step at `step`, ahead of queued requests.
 
         Thread-safe; a request for a step the runtime has passed, or one already queued, is ignored.
         """
-        with self._cond:
+        with self.requests.lock:
             if step != self.step or self._step_requested == step:
                 return
             self._step_requested = step
@@ -263,23 +186,43 @@ class StageRuntime:
 
     @property
     def queue_length(self) -> int:
-        return len(self._queue)
+        return len(self.requests)
+
+    @property
+    def duplicates(self) -> int:
+        """Backwards answered without accumulating: retries of applied ones, or held by a stage-mate."""
+        return self.requests.duplicates
+
+    @property
+    def abandoned(self) -> int:
+        """Requests dropped because their caller had given up before they were applied."""
+        return self.requests.abandoned
+
+    @property
+    def busy_refusals(self) -> int:
+        """Requests refused because the queue was full."""
+        return self.requests.busy_refusals
+
+    def count_hung_up(self) -> None:
+        """Counts a call whose caller hung up before its request was complete with the abandoned ones."""
+        self.requests.count_hung_up()
+
+    @property
+    def seconds_per_sample(self) -> float | None:
+        """Seconds per sample of backward work, averaged over batches (None until measured)."""
+        return self.speed.seconds_per_sample
 
     @property
     def throughput(self) -> float:
         """Samples per second of backward work (which includes the recomputed forward)."""
-        return 1.0 / self.seconds_per_sample if self.seconds_per_sample else 0.0
+        return self.speed.samples_per_second
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Finishes queued work (up to `timeout` seconds), then stops the worker."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify()
+        self.requests.stop()
         if self._thread.is_alive():
             self._thread.join(timeout)
-        for task in self._queue:
-            _fail(task.future, RuntimeError("the peer shut down before running this request"))
-        self._queue.clear()
+        self.requests.fail_all(RuntimeError("the peer shut down before running this request"))
 
     def measure_throughput(self, sample: list[torch.Tensor]) -> float:
         """Times one backward on a sample batch to seed the throughput estimate; leaves no gradients."""
@@ -290,97 +233,16 @@ class StageRuntime:
         start = time.perf_counter()
         self._backward(sample)
         self._pad_to_simulated_speed(start, sample[0].shape[0], backward=True)
-        self.seconds_per_sample = (time.perf_counter() - start) / sample[0].shape[0]
+        self.speed.reset((time.perf_counter() - start) / sample[0].shape[0])
         self.module.zero_grad(set_to_none=True)
         return self.throughput
 
     # --- the worker thread -----------------------------------------------------------------------
 
-    def _next_batch(self) -> list[_Task] | None:
-        while True:
-            with self._cond:
-                while not self._queue:
-                    if self._stopping:
-                        return None
-                    self._cond.wait()
-                abandoned = self._take_abandoned()
-                batch = self._take_batch() if self._queue else None
-            for task in abandoned:
-                _fail(
-                    task.future,
-                    CallAbandonedError("the caller's deadline passed before this peer could start the request"),
-                )
-            if batch is not None:
-                return batch
-
-    def _release(self, task: _Task) -> None:
-        """`task` will not be applied: a retry of it must accumulate. Called with the lock held.
-
-        A duplicate of it already queued (the caller retried on this same peer, the only one of its
-        stage) was queued not to accumulate: it now carries the gradient instead of losing it.
-        """
-        if not task.accumulate:
-            return
-        twin = next((t for t in self._queue if t.key == task.key and t.backward and not t.accumulate), None)
-        if twin is not None:
-            twin.accumulate = True
-        else:
-            self._applied.pop(task.key, None)
-
-    def count_hung_up(self) -> None:
-        """Counts a call whose caller hung up before its request was complete with the abandoned ones."""
-        with self._cond:
-            self.abandoned += 1
-
-    def _take_abandoned(self) -> list[_Task]:
-        """Removes queued requests whose caller has given up; called with the lock held."""
-        now = time.monotonic()
-        abandoned = [t for t in self._queue if t.late(now)]
-        for task in abandoned:
-            self._queue.remove(task)
-        for task in abandoned:
-            self._release(task)
-        if abandoned:
-            self.abandoned += len(abandoned)
-            logger.info(
-                f"Stage {self.module.stage}: dropped {len(abandoned)} queued request(s) whose caller had given up "
-                f"({self.abandoned} so far); this peer is overloaded"
-            )
-        return abandoned
-
     def _held_elsewhere(self) -> frozenset[SampleKey]:
         return self.coordinator.held_elsewhere() if self.coordinator is not None else frozenset()
 
-    def _not_summed_twice(self, task: _Task, elsewhere: frozenset[SampleKey]) -> None:
-        """A backward another replica holds (or a recent round summed) runs without accumulating: its
-        retry must only get its input gradient again. Called with the lock held."""
-        if task.backward and task.accumulate and task.key in elsewhere:
-            task.accumulate = False
-            self._applied.pop(task.key, None)  # sent again after all (that replica died), it must accumulate
-            self.duplicates += 1
-            logger.info(
-                f"Stage {self.module.stage}: backward {task.key} is held by a stage-mate or already summed; "
-                "answering it without accumulating it twice"
-            )
-
-    def _take_batch(self) -> list[_Task]:
-        """The next task and the queued ones that merge with it; called with the lock held."""
-        elsewhere = self._held_elsewhere()
-        batch = [self._queue.popleft()]
-        self._not_summed_twice(batch[0], elsewhere)
-        total = batch[0].num_samples
-        limit = self._merge_limit(batch[0])
-        for task in list(self._queue):
-            if total + task.num_samples > limit:
-                break
-            self._not_summed_twice(task, elsewhere)
-            if batch[0].batches_with(task):
-                self._queue.remove(task)
-                batch.append(task)
-                total += task.num_samples
-        return batch
-
-    def _merge_limit(self, head: _Task) -> int:
+    def _merge_limit(self, head: Task) -> int:
         """Samples a batch led by `head` may hold: max_batch_samples, and max_batch_seconds of work once
         the stage's speed is known (a forward costs about a third of a backward)."""
         if self.max_batch_seconds <= 0 or not self.seconds_per_sample:
@@ -389,13 +251,13 @@ class StageRuntime:
         return min(self.max_batch_samples, int(self.max_batch_seconds / per_sample))
 
     def _run(self) -> None:
-        while (batch := self._next_batch()) is not None:
+        while (batch := self.requests.next_batch()) is not None:
             if batch[0].exclusive is not None:
                 try:
-                    _settle(batch[0].future, batch[0].exclusive())
+                    settle(batch[0].future, batch[0].exclusive())
                 except Exception as e:
                     logger.exception(f"Stage {self.module.stage}: an exclusive task failed")
-                    _fail(batch[0].future, e)
+                    fail(batch[0].future, e)
                 continue
             if batch[0].backward:
                 batch = self._drop_too_stale(batch)
@@ -406,29 +268,29 @@ class StageRuntime:
                 results = self._run_batch(batch)
             except Exception as e:
                 logger.exception(f"Stage {self.module.stage} failed to run a batch of {len(batch)} requests")
-                with self._cond:  # nothing was applied: a retry must accumulate
+                with self.requests.lock:  # nothing was applied: a retry must accumulate
                     for task in batch:
-                        self._release(task)
+                        self.requests.release(task)
                 for task in batch:
-                    _fail(task.future, e)
+                    fail(task.future, e)
                 continue
             finally:
                 self.busy_seconds += time.perf_counter() - started
             for task, result in zip(batch, results):
                 if isinstance(result, Exception):
-                    _fail(task.future, result)
+                    fail(task.future, result)
                 elif result is not None:  # None: put back in the queue to run again
-                    _settle(task.future, result)
+                    settle(task.future, result)
 
-    def _drop_too_stale(self, batch: list[_Task]) -> list[_Task]:
+    def _drop_too_stale(self, batch: list[Task]) -> list[Task]:
         """Refuses backwards too far behind; counts the stale ones that will be applied."""
         kept = []
         for task in batch:
             behind = self.step - task.version if task.version is not None else 0
             if behind > self.max_staleness:
-                with self._cond:
-                    self._release(task)
-                _fail(
+                with self.requests.lock:
+                    self.requests.release(task)
+                fail(
                     task.future,
                     StaleGradientError(
                         f"the forward ran at step {task.version}, this peer is at step {self.step}; "
@@ -441,7 +303,7 @@ class StageRuntime:
             kept.append(task)
         return kept
 
-    def _run_batch(self, batch: list[_Task]) -> list[StageResult | Exception | None]:
+    def _run_batch(self, batch: list[Task]) -> list[StageResult | Exception | None]:
         step = self.step
         sizes = [task.num_samples for task in batch]
         merged = [torch.cat(column) if len(batch) > 1 else column[0] for column in zip(*(t.tensors for t in batch))]
@@ -480,9 +342,7 @@ class StageRuntime:
                 if grad is not None:
                     param.grad = grad if param.grad is None else param.grad.add_(grad)
             elapsed = (time.perf_counter() - start) / sum(sizes)
-            self.seconds_per_sample = (
-                elapsed if self.seconds_per_sample is None else (0.9 * self.seconds_per_sample + 0.1 * elapsed)
-            )
+            self.speed.add(elapsed)
             self.samples_accumulated += sum(sizes)
             for task, size in zip(batch, sizes):
                 self.held[task.key] = self.held.get(task.key, 0) + size
@@ -495,19 +355,12 @@ class StageRuntime:
         return [StageResult([] if grad is None else [grad], loss, step) for grad, loss in zip(grads, loss_parts)]
 
     def _requeue_uncommitted(
-        self, batch: list[_Task], now: float, elsewhere: frozenset[SampleKey]
+        self, batch: list[Task], now: float, elsewhere: frozenset[SampleKey]
     ) -> list[Exception | None]:
         """A batch finished after some caller gave up, or holding a microbatch a mate summed meanwhile: its
         gradients are dropped; the late requests are answered as abandoned, the others go back to the front
         of the queue to run again, those the mate holds without accumulating."""
-        late = [task for task in batch if task.late(now)]
-        with self._cond:
-            for task in reversed([t for t in batch if not t.late(now)]):
-                self._not_summed_twice(task, elsewhere)
-                self._queue.appendleft(task)
-            for task in late:
-                self._release(task)
-            self.abandoned += len(late)
+        late = self.requests.put_back(batch, now, elsewhere)
         if late:
             logger.info(
                 f"Stage {self.module.stage}: {len(late)} backward(s) finished after their caller gave up; "
@@ -587,7 +440,7 @@ class StageRuntime:
                 logger.error(f"Stage {self.module.stage}: averaging at step {step} failed ({e!r}); will retry")
                 result = None
             if result is None:
-                with self._cond:
+                with self.requests.lock:
                     self._step_requested = None
                 return
             if result.samples > 0 and result.grad_sum is not None:
@@ -596,7 +449,7 @@ class StageRuntime:
                     numel = param.numel()
                     param.grad = result.grad_sum[offset : offset + numel].view_as(param).to(param.device, param.dtype)
                     offset += numel
-        with self._cond:
+        with self.requests.lock:
             self._step_requested = None
         total = result.samples
         self.held = {}
@@ -640,12 +493,10 @@ class StageRuntime:
             )
         self.module.zero_grad(set_to_none=True)
         self.samples_accumulated = 0
-        with self._cond:  # dropped, not applied: sent again, they must accumulate
-            for key in self.held:
-                self._applied.pop(key, None)
+        self.requests.forget(list(self.held))  # dropped, not applied: sent again, they must accumulate
         self.held = {}
         apply()
-        with self._cond:
+        with self.requests.lock:
             self._step_requested = None
         self.step = step
         self.samples_stepped = samples_stepped
