@@ -61,6 +61,32 @@ def test_a_plot_path_that_cannot_be_written_is_refused_before_training(tmp_path)
         assert len(result.stderr.strip().splitlines()) == 1
 
 
+WITHOUT_MATPLOTLIB = "import sys; sys.modules['matplotlib'] = None; "  # as if it were not installed
+
+
+def test_without_matplotlib_a_plot_is_refused_before_training_naming_the_extra_to_install(tmp_path):
+    code = WITHOUT_MATPLOTLIB + "from swarm.cli import main; sys.exit(main(sys.argv[1:]))"
+    result = subprocess.run(
+        [sys.executable, "-c", code, "train", "--plot", str(tmp_path / "loss.png"), "--steps", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip() == (
+        "swarm train: error: --plot: drawing plots needs matplotlib: pip install 'swarm-trainer[plot]'"
+    )
+    code = WITHOUT_MATPLOTLIB + (
+        "from swarm.ops.plots import PlotError, RunCurves, plot_training\n"
+        "try:\n"
+        f"    plot_training([RunCurves('swarm', [1.0], [1.0], 8)], {str(tmp_path / 'loss.png')!r})\n"
+        "except PlotError as e:\n"
+        "    print(e)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert result.stdout.strip() == "drawing plots needs matplotlib: pip install 'swarm-trainer[plot]'"
+
+
 def wait_for_line(path: Path, text: str, timeout: float = 90) -> None:
     deadline = time.monotonic() + timeout
     while not (path.exists() and text in path.read_text(errors="replace")):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -325,9 +326,12 @@ class DemoConfig(ModelConfig):
 
 
 def check_plot_path(plot: str | None) -> None:
-    """`--plot` must name a .png file that can be written (checked before training, not after it)."""
+    """`--plot` must name a .png file that can be written, and matplotlib must be there to draw it (checked before
+    training, not after it)."""
     if plot is None:
         return
+    if importlib.util.find_spec("matplotlib") is None:  # an optional dependency (swarm.ops.plots)
+        raise ConfigError("--plot: drawing plots needs matplotlib: pip install 'swarm-trainer[plot]'")
     path = Path(plot)
     if path.suffix.lower() != ".png":
         raise ConfigError(f"--plot: {plot} must be a .png file")

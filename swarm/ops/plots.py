@@ -1,7 +1,7 @@
 """Training curves as a PNG: loss and samples/s per step, one line per run.
 
 Drawn with matplotlib's Agg backend (no display needed), for `swarm train --plot`, the demo and
-the benchmarks that print curves.
+the benchmarks that print curves. matplotlib is an optional dependency: `pip install 'swarm-trainer[plot]'`.
 """
 
 from __future__ import annotations
@@ -17,8 +17,12 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 
+# what to do when matplotlib is missing (swarm.config.roles says the same when --plot is given)
+MATPLOTLIB_MISSING = "drawing plots needs matplotlib: pip install 'swarm-trainer[plot]'"
+
+
 class PlotError(RuntimeError):
-    """The plot could not be drawn or written (e.g. an unwritable path)."""
+    """The plot could not be drawn or written (e.g. an unwritable path, or no matplotlib)."""
 
 
 @dataclass
@@ -48,8 +52,14 @@ def curves_from_summary(summary: object, label: str = "swarm") -> RunCurves:
 
 
 def draw_training(runs: Sequence[RunCurves], title: str = "") -> Figure:
-    """A figure of two panels sharing the step axis: loss (top) and samples/s (bottom), one line per run."""
-    import matplotlib
+    """A figure of two panels sharing the step axis: loss (top) and samples/s (bottom), one line per run.
+
+    Raises PlotError if matplotlib is not installed.
+    """
+    try:
+        import matplotlib
+    except ImportError:
+        raise PlotError(MATPLOTLIB_MISSING) from None
 
     matplotlib.use("Agg")  # files only: no display on servers and in CI
     from matplotlib.figure import Figure
@@ -77,7 +87,7 @@ def draw_training(runs: Sequence[RunCurves], title: str = "") -> Figure:
 def plot_training(runs: Sequence[RunCurves], path: str | os.PathLike, title: str = "") -> Path:
     """Draws `runs` (see draw_training) into PNG `path`, making its folder if needed; returns the path.
 
-    Raises PlotError if the file cannot be written.
+    Raises PlotError if the file cannot be written or matplotlib is not installed.
     """
     figure = draw_training(runs, title)
     target = Path(path)
