@@ -17,10 +17,10 @@ from swarm import __version__
 from swarm.net.allowlist import Handler
 from swarm.net.transport import INFO_PROTOCOL, STAGE_PROTOCOL
 from swarm.net.wire import Part
+from swarm.ops.prometheus import DURATION_BUCKETS, CountersFrom, error_name, tensor_bytes_by_codec
 from swarm.peer.mates import StageMates
 from swarm.peer.runtime import RoundResult, StageRuntime
 from swarm.records.stage_records import JOINING, LEAVING, SERVING
-from swarm.trainer.metrics import DURATION_BUCKETS, CountersFrom, error_name, tensor_bytes_by_codec
 
 if TYPE_CHECKING:
     from swarm.peer.server import Peer

@@ -400,8 +400,8 @@ class Peer:
 
     def _start_metrics(self) -> None:
         """--metrics-port: serves the peer's Prometheus metrics (ConfigError if the address cannot be bound)."""
+        from swarm.ops.prometheus import serve_metrics
         from swarm.peer.metrics import PeerMetrics
-        from swarm.trainer.metrics import serve_metrics
 
         self.metrics = PeerMetrics(self)
         serve_metrics(self.metrics.registry, self.config.metrics_host, self.config.metrics_port)

@@ -257,7 +257,8 @@ def test_a_metrics_port_out_of_range_is_refused_before_start():
 def test_without_the_flag_nothing_of_prometheus_is_loaded():
     loaded = (
         "sorted(m for m in sys.modules"
-        " if m.startswith(('prometheus_client', 'swarm.trainer.metrics', 'swarm.peer.metrics')))"
+        " if m.startswith(('prometheus_client', 'swarm.ops.prometheus', 'swarm.trainer.metrics',"
+        " 'swarm.peer.metrics')))"
     )
     code = f"import sys, swarm.cli, swarm.peer.server, swarm.trainer.trainer; print({loaded})"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
