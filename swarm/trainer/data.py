@@ -19,17 +19,13 @@ from pathlib import Path
 import torch
 
 from swarm.models import BYTE_VOCAB_SIZE, EOD_TOKEN
+from swarm.trainer.data_source import HF_PREFIX, CorpusError
 
 logger = logging.getLogger(__name__)
 
-HF_PREFIX = "hf:"  # --data hf:NAME_OR_PATH: a Hugging Face dataset
 HEAD_BYTES = 8192  # how much of a file is read to tell text from binary
 MIN_PRINTABLE = 0.95  # share of printable bytes that makes a head that is not UTF-8 count as text (Latin-1 etc.)
 TOKENIZE_BATCH = 256  # documents per call to a tokenizer
-
-
-class CorpusError(ValueError):
-    """The data cannot be used: nothing there, nothing readable, or not text."""
 
 
 def default_corpus_files() -> list[Path]:

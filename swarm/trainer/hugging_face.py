@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from swarm.trainer.data import HF_PREFIX, CorpusError
+from swarm.trainer.data_source import HF_PREFIX, CorpusError
 
 logger = logging.getLogger(__name__)
 

@@ -47,7 +47,8 @@ from swarm.process.event_loop import run, stop_event_on_signals
 from swarm.process.launch_clock import seconds_since_launch
 from swarm.records.sample_ledger import SampleLedger, fed_record
 from swarm.records.trainer_records import TrainerProgress, direct_addresses, publish_forever, publish_now
-from swarm.trainer.data import Corpus, CorpusError, load_corpus
+from swarm.trainer.data import Corpus, load_corpus
+from swarm.trainer.data_source import CorpusError
 from swarm.trainer.outcome import TrainingError, TrainingSummary
 from swarm.trainer.peer_finder import PeerFinder
 from swarm.trainer.stage_calls import REQUEUE_PAUSE_MAX as REQUEUE_PAUSE_MAX  # scripts/simulate.py models it
