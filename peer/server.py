@@ -29,10 +29,11 @@ from swarm.peer.faults import FaultPlan
 from swarm.peer.handler import StageHandler
 from swarm.peer.mates import StageMates
 from swarm.peer.preemption import notice_source, watch_for_preemption
+from swarm.peer.rebalancing import Rebalancing
 from swarm.peer.runtime import StageRuntime
 from swarm.peer.stage_state import parameter_fingerprint
 from swarm.peer.standby import STANDBY_PROTOCOL, Standby, StandbyKeeper
-from swarm.policy.balance import Move, MoveCost, capacities, choose_stage, loads_from_records, plan_moves, stage_costs
+from swarm.policy.balance import stage_costs
 from swarm.process.event_loop import run, stop_event_on_signals
 from swarm.process.launch_clock import seconds_since_launch
 from swarm.proto import PROTOCOL_VERSION
@@ -44,15 +45,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# seconds a move takes besides the state download: draining the queue, handing over, building, timing a batch
-MOVE_FIXED_SECONDS = 5.0
-
 
 class Peer:
     """A host of one stage at a time: the runtime, the handlers, the announcements and the checkpoints.
 
     It starts on the stage given, or with `--stage auto` on the swarm's bottleneck, and every
-    `--rebalance-period` (randomised) it applies the balance rule (`swarm.policy.balance`): if the rule
+    `--rebalance-period` (randomised) it applies the balance rule (`swarm.peer.rebalancing`): if the rule
     moves it, it leaves its stage as on a graceful leave (handing its gradients to its mates) and
     joins the bottleneck, downloading that stage's state from the peers there.
     """
@@ -89,7 +87,7 @@ class Peer:
         self._moves: asyncio.Queue[int] | None = None  # where `serve` takes the next move from
         self.restored_from_standby = False
         self.moving_to = -1  # while leaving for another stage by the balance rule: that stage
-        self._state_mb: list[float] | None = None  # each stage's state, parameters and optimizer, in MiB
+        self.rebalancing = Rebalancing(self, self._fetch_records, self._announce)
         self.announcer = Announcer(self._store, self._renewal, config.announce_period, name="swarm-announcer")
 
     def _build(self, stage: int, resume: bool, standby: Standby | None = None) -> None:
@@ -310,42 +308,6 @@ class Peer:
                 logger.warning(f"Could not reach the DHT ({e}); retrying in {self.config.announce_period}s")
             await asyncio.sleep(self.config.announce_period)
 
-    async def _choose_stage(self) -> int:
-        """`--stage auto`: the stage of a checkpoint to resume, else the swarm's bottleneck."""
-        config = self.config
-        if config.checkpoint_dir:
-            for stage in range(config.num_stages):
-                if checkpoint_path(config.checkpoint_dir, config.model, stage, config.num_stages).exists():
-                    logger.info(f"Found a checkpoint of stage {stage}; hosting that stage")
-                    return stage
-        # peers started together would all see the same bottleneck: a random pause, then an
-        # announcement right after choosing, lets the later ones see the earlier ones' choices
-        await asyncio.sleep(self.rng.uniform(0, config.announce_period))
-        try:
-            records = await self._fetch_records()
-        except Exception as e:
-            logger.warning(f"Could not read the swarm's stages ({e}); choosing among all of them at random")
-            records = {}
-        loads = loads_from_records(records, self.costs)
-        stage = choose_stage(loads, config.num_stages, self.costs, self.rng)
-        logger.info(
-            f"Chose stage {stage}: stage capacities {[round(c, 1) for c in capacities(loads, config.num_stages)]} "
-            "samples/s"
-        )
-        # until this peer has measured itself, it counts as a typical peer of that stage
-        peers_there = sorted(p.throughput for p in loads if p.stage == stage)
-        typical = peers_there[len(peers_there) // 2] if peers_there else 0.0
-        guess = config.simulated_speed / self.costs[stage] if config.simulated_speed else typical
-        placeholder = StageRecord(
-            self.peer_id, stage, config.model, config.num_stages, JOINING, 0, guess, 0,
-            config.target_batch_size, 0, PROTOCOL_VERSION, movable=self.movable, vocab_size=self.spec.vocab_size,
-        )  # fmt: skip
-        try:
-            await self._announce(placeholder)
-        except Exception as e:
-            logger.warning(f"Could not announce the choice of stage {stage} ({e})")
-        return stage
-
     async def _join(self) -> None:
         """Announced as joining, takes the state of mates that are at this peer's step or ahead."""
         await self._announce()
@@ -433,93 +395,8 @@ class Peer:
         self.mates.serving = False
         await self.mates.stop()
 
-    def _move_cost(self) -> MoveCost:
-        """What a move costs, from the model and flags every peer shares, so that all plan alike."""
-        if self._state_mb is None:
-            # the state a mover downloads: parameters and the two AdamW moments, counted on the meta device
-            with torch.device("meta"):
-                counts = [
-                    sum(p.numel() for p in build_stage(self.spec, s, self.config.num_stages, 0).parameters())
-                    for s in range(self.config.num_stages)
-                ]
-            self._state_mb = [3 * 4 * n / 2**20 for n in counts]
-        config = self.config
-        return MoveCost.of_state(
-            max(self._state_mb), config.move_bandwidth_mbit, MOVE_FIXED_SECONDS, config.rebalance_horizon
-        )
-
-    async def _planned_move(self) -> Move | None:
-        """This peer's move in the balance rule's plan for the swarm as the DHT shows it now, if any."""
-        config = self.config
-        try:
-            records = await self._fetch_records()
-        except Exception as e:
-            logger.warning(f"Could not read the swarm's stages for rebalancing ({e})")
-            return None
-        loads = loads_from_records(records, self.costs)
-        plan = plan_moves(loads, config.num_stages, config.rebalance_margin, self.costs, move_cost=self._move_cost())
-        mine = next((m for m in plan if m.peer_id == self.peer_id), None)
-        return mine if mine is not None and mine.source == self.stage else None
-
-    async def _another_serves(self, stage: int) -> bool:
-        """Whether the DHT shows a peer other than this one serving `stage` (read after announcing LEAVING)."""
-        try:
-            records = await self._fetch_records(only=stage)
-        except Exception as e:
-            logger.warning(f"Could not read stage {stage}'s records before leaving it ({e})")
-            return False
-        return any(r.state == SERVING and r.peer_id != self.peer_id for r in records[stage])
-
-    async def _balance_forever(self, move_to: asyncio.Queue) -> None:
-        """Every randomised period, asks the balance rule whether this peer should move; tells `serve` where.
-
-        Every peer computes the same whole plan, and each checks once a period, so the moves of a plan
-        are taken within one period. A mover announces LEAVING naming its target at once: the others'
-        plans count it there, so the rest of the plan stays the plan, and no second peer is sent for the
-        gap it fills. It announces its target stage itself only once it has built it and serves there.
-        """
-        config = self.config
-        first = self.moves == 0
-        while True:
-            # randomised, so that peers do not all look at the same moment and move in a herd; a peer's
-            # first look comes within one period, so a swarm started skewed is balanced in one
-            periods = self.rng.uniform(0, 1) if first else self.rng.uniform(0.5, 1.5)
-            await asyncio.sleep(config.rebalance_period * periods)
-            first = False
-            if self.state != SERVING:
-                continue
-            mine = await self._planned_move()
-            if mine is not None:
-                # a second look a moment later: a DHT read that missed a stage, or a passing dip in
-                # someone's measured speed, must not send a peer away. Its target may differ: where a
-                # plan sends each mover shifts with small changes of speed; that it moves does not
-                await asyncio.sleep(self.rng.uniform(1, 2) * config.announce_period)
-                mine = await self._planned_move()
-            if mine is None:
-                continue
-            self.state, self.moving_to = LEAVING, mine.target
-            try:
-                await self._announce()
-                # no stage is left without a serving peer in anyone's view, even where two peers read
-                # different views: once its LEAVING is out, the mover looks for another serving peer
-                await asyncio.sleep(config.announce_period)
-                if not await self._another_serves(self.stage):
-                    logger.info(f"Staying on stage {self.stage}: no other peer serves it in the DHT now")
-                    self.state, self.moving_to = SERVING, -1
-                    await self._announce()
-                    continue
-            except BaseException:
-                if self.state == LEAVING and self.moving_to == mine.target:
-                    self.state, self.moving_to = SERVING, -1
-                raise
-            logger.info(
-                f"Moving from stage {mine.source} to the bottleneck stage {mine.target}: the lower of the two "
-                f"goes from {mine.low_before:.1f} to {mine.low_after:.1f} samples/s"
-            )
-            await move_to.put(mine.target)
-            return
-
     async def serve(self) -> None:
+        """Hosts a stage until asked to leave: serves it, moves where the balance rule sends it, then leaves."""
         config = self.config
         if config.metrics_port is not None:
             self._start_metrics()
@@ -530,25 +407,11 @@ class Peer:
         self.loop = asyncio.get_running_loop()
         p2p = await self._open_network()
         if self.stage < 0:
-            self.stage = await self._choose_stage()
+            self.stage = await self.rebalancing.choose_stage()
         self._build(self.stage, resume=True)
         self.startup["stage built"] = seconds_since_launch()
-        await p2p.add_binary_stream_handler(STAGE_PROTOCOL, self._admit(self._handle_stage, STAGE_PROTOCOL))
-        await p2p.add_binary_stream_handler(INFO_PROTOCOL, self._admit(self._handle_info, INFO_PROTOCOL))
-        await serve_reachability(p2p, self._admit)
-        if self.standbys is not None:
-            await p2p.add_binary_stream_handler(
-                STANDBY_PROTOCOL, self._admit(self.standbys.handle_standby, STANDBY_PROTOCOL)
-            )
-        reporting = asyncio.create_task(
-            report_reachability(self.reachability, config, lambda: p2p.get_visible_maddrs(latest=True))
-        )
-        # behind NAT: trainers' calls come over connections this peer opens, not through the relay
-        linking = (
-            asyncio.create_task(keep_direct_links(p2p, self.dht, config.run_id))
-            if self.reachability.reachable is False
-            else None
-        )
+        await self._add_handlers(p2p)
+        background = self._keep_reachable(p2p)
         announcing: asyncio.Task | None = None
         try:
             while True:
@@ -556,48 +419,87 @@ class Peer:
                 since = f"{time.perf_counter() - started:.2f}s after start"
                 if announcing is None:
                     announcing = asyncio.create_task(self._announce_forever())
+                    background.append(announcing)
                     import_compiler_in_background()  # serving already: see swarm.models.optimizer
                     self.startup["joined"] = seconds_since_launch()
                     since = f"{self.startup['joined']:.2f}s after launch ({startup_breakdown(self.startup)})"
-                maddrs = " ".join(str(m) for m in self.dht.get_visible_maddrs())
-                logger.info(
-                    f"Serving stage {self.stage}/{config.num_stages} of {config.model} at step {self.runtime.step}, "
-                    f"{throughput:.1f} samples/s, {since}; peer id {self.peer_id}. Others can join with "
-                    f"--initial-peers {maddrs}"
-                )
-                move_to: asyncio.Queue[int] = asyncio.Queue()
-                self._moves = move_to
-                balancing = asyncio.create_task(self._balance_forever(move_to)) if self.movable else None
-                moving = asyncio.create_task(move_to.get())
-                stopping = asyncio.create_task(stop.wait())
-                await asyncio.wait([moving, stopping], return_when=asyncio.FIRST_COMPLETED)
-                for task in (balancing, moving, stopping):
-                    if task is not None:
-                        task.cancel()
-                if stop.is_set():
+                self._log_serving(throughput, since)
+                target = await self._next_move(stop)
+                if target is None:
                     break
-                self._moves = None
-                target = moving.result()
-                left_at = time.monotonic()
-                source = self.stage
-                await self._leave_stage()
-                self.runtime.shutdown(timeout=config.shutdown_timeout)
-                if config.checkpoint_dir:  # a restart resumes the stage this peer hosts, not one it left
-                    checkpoint_path(config.checkpoint_dir, config.model, source, config.num_stages).unlink(
-                        missing_ok=True
-                    )
-                self._build(target, resume=False, standby=self.standbys.claim(target) if self.standbys else None)
-                self.moves += 1
+                await self._move_to(target)
                 started = time.perf_counter()
-                logger.info(f"Left stage {source} in {time.monotonic() - left_at:.1f}s; joining stage {target}")
         finally:
-            reporting.cancel()
-            if linking is not None:
-                linking.cancel()
-            if announcing is not None:
-                announcing.cancel()
+            for task in background:
+                task.cancel()
             if self.standbys is not None:
                 self.standbys.stop()
+        await self._leave_swarm(p2p, watching)
+
+    async def _add_handlers(self, p2p: P2P) -> None:
+        """Serves the peer's protocols over libp2p, each behind the peer's gate."""
+        await p2p.add_binary_stream_handler(STAGE_PROTOCOL, self._admit(self._handle_stage, STAGE_PROTOCOL))
+        await p2p.add_binary_stream_handler(INFO_PROTOCOL, self._admit(self._handle_info, INFO_PROTOCOL))
+        await serve_reachability(p2p, self._admit)
+        if self.standbys is not None:
+            await p2p.add_binary_stream_handler(
+                STANDBY_PROTOCOL, self._admit(self.standbys.handle_standby, STANDBY_PROTOCOL)
+            )
+
+    def _keep_reachable(self, p2p: P2P) -> list[asyncio.Task]:
+        """Tasks for as long as the peer serves: reporting its reachability and, behind NAT, its direct links."""
+        config = self.config
+        tasks = [
+            asyncio.create_task(
+                report_reachability(self.reachability, config, lambda: p2p.get_visible_maddrs(latest=True))
+            )
+        ]
+        # behind NAT: trainers' calls come over connections this peer opens, not through the relay
+        if self.reachability.reachable is False:
+            tasks.append(asyncio.create_task(keep_direct_links(p2p, self.dht, config.run_id)))
+        return tasks
+
+    def _log_serving(self, throughput: float, since: str) -> None:
+        config = self.config
+        maddrs = " ".join(str(m) for m in self.dht.get_visible_maddrs())
+        logger.info(
+            f"Serving stage {self.stage}/{config.num_stages} of {config.model} at step {self.runtime.step}, "
+            f"{throughput:.1f} samples/s, {since}; peer id {self.peer_id}. Others can join with "
+            f"--initial-peers {maddrs}"
+        )
+
+    async def _next_move(self, stop: asyncio.Event) -> int | None:
+        """Waits for a move (the balance rule's, or one asked with `request_move`): its target stage, or None
+        once the peer is asked to leave."""
+        move_to: asyncio.Queue[int] = asyncio.Queue()
+        self._moves = move_to
+        balancing = asyncio.create_task(self.rebalancing.run(move_to)) if self.movable else None
+        moving = asyncio.create_task(move_to.get())
+        stopping = asyncio.create_task(stop.wait())
+        await asyncio.wait([moving, stopping], return_when=asyncio.FIRST_COMPLETED)
+        for task in (balancing, moving, stopping):
+            if task is not None:
+                task.cancel()
+        if stop.is_set():
+            return None
+        self._moves = None
+        return moving.result()
+
+    async def _move_to(self, target: int) -> None:
+        """Leaves this stage as on a graceful leave, then builds `target` (from a standby copy if it holds one)."""
+        config = self.config
+        left_at = time.monotonic()
+        source = self.stage
+        await self._leave_stage()
+        self.runtime.shutdown(timeout=config.shutdown_timeout)
+        if config.checkpoint_dir:  # a restart resumes the stage this peer hosts, not one it left
+            checkpoint_path(config.checkpoint_dir, config.model, source, config.num_stages).unlink(missing_ok=True)
+        self._build(target, resume=False, standby=self.standbys.claim(target) if self.standbys else None)
+        self.moves += 1
+        logger.info(f"Left stage {source} in {time.monotonic() - left_at:.1f}s; joining stage {target}")
+
+    async def _leave_swarm(self, p2p: P2P, watching: asyncio.Task | None) -> None:
+        """Asked to leave: finishes the requests in flight, hands over as on a move, and closes its protocols."""
         left_at = time.monotonic()
         logger.info("Leaving: no new requests; finishing those in flight")
         if watching is not None:
