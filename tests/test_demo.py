@@ -9,16 +9,25 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
-from conftest import SMALL_CORPUS
+from conftest import SESSION_TAG, SMALL_CORPUS
 
 
 def swarm_processes() -> set[int]:
+    """This test session's swarm processes: other sessions on the machine start swarms of their own meanwhile."""
     # the demo forks its peers and trainer from a forkserver: they show the forkserver's command line
     pattern = "-m swarm |hivemind_cli/p2pd|multiprocessing.forkserver"
     out = subprocess.run(["pgrep", "-f", "--", pattern], capture_output=True, text=True).stdout
-    return {int(pid) for pid in out.split()}
+    return {int(pid) for pid in out.split() if started_by_this_session(int(pid))}
+
+
+def started_by_this_session(pid: int) -> bool:
+    # every process this session starts inherits its tag (see conftest), however deep
+    with contextlib.suppress(OSError):
+        return SESSION_TAG.encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return False
 
 
 def wait_gone(pids: set[int], timeout: float = 30) -> set[int]:

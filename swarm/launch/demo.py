@@ -33,41 +33,12 @@ def run_demo(config: DemoConfig) -> int:
         vocab_size = tokenizer_vocab_size(config.tokenizer)
         if vocab_size is None:
             return 2
-    model_flags = [
-        "--model",
-        config.model,
-        "--num-stages",
-        str(config.num_stages),
-        "--seed",
-        str(config.seed),
-        "--vocab-size",
-        str(vocab_size),
-    ]
+    peer_flags, trainer_flags = role_flags(config, vocab_size, summary_file)
     with LocalSwarm(workdir, preloaded=True) as swarm:
         logger.info(f"Starting a bootstrap node, {config.num_stages} peers and a trainer; logs in {workdir}")
         swarm.start_bootstrap()
         for stage in range(config.num_stages):
-            swarm.start_peer(
-                f"peer{stage}",
-                stage,
-                [*model_flags, "--target-batch-size", str(config.target_batch_size), "--lr", str(config.lr)],
-            )
-        trainer_flags = [
-            *model_flags,
-            "--steps",
-            str(config.steps),
-            "--microbatch-size",
-            str(config.microbatch_size),
-            "--max-in-flight",
-            str(config.max_in_flight),
-            "--summary-file",
-            summary_file,
-        ]
-        if config.data:
-            trainer_flags += ["--data", config.data, "--data-split", config.data_split]
-            trainer_flags += ["--text-column", config.text_column]
-        if config.tokenizer:
-            trainer_flags += ["--tokenizer", config.tokenizer]
+            swarm.start_peer(f"peer{stage}", stage, peer_flags)
         trainer = swarm.start_trainer("trainer", trainer_flags, log=False)
         try:
             returncode = trainer.wait()
@@ -110,6 +81,30 @@ def run_demo(config: DemoConfig) -> int:
         flush=True,
     )
     return returncode
+
+
+def role_flags(config: DemoConfig, vocab_size: int, summary_file: str) -> tuple[list[str], list[str]]:
+    """The flags of the demo's peers and of its trainer: the same model, and each role's own settings."""
+    model_flags = ["--model", config.model, "--num-stages", str(config.num_stages), "--seed", str(config.seed)]
+    model_flags += ["--vocab-size", str(vocab_size)]
+    peer_flags = [*model_flags, "--target-batch-size", str(config.target_batch_size), "--lr", str(config.lr)]
+    trainer_flags = [
+        *model_flags,
+        "--steps",
+        str(config.steps),
+        "--microbatch-size",
+        str(config.microbatch_size),
+        "--max-in-flight",
+        str(config.max_in_flight),
+        "--summary-file",
+        summary_file,
+    ]
+    if config.data:
+        trainer_flags += ["--data", config.data, "--data-split", config.data_split]
+        trainer_flags += ["--text-column", config.text_column]
+    if config.tokenizer:
+        trainer_flags += ["--tokenizer", config.tokenizer]
+    return peer_flags, trainer_flags
 
 
 def tokenizer_vocab_size(tokenizer: str) -> int | None:

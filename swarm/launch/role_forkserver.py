@@ -6,9 +6,10 @@ cores at once. Here multiprocessing's forkserver imports them once, while the bo
 and each role is forked from it with nothing left to import.
 
 A forked role is what a launched one is: a session of its own (stopping it stops its DHT child and
-daemons), its output in its log, the environment it was given, the same exit codes; it runs the
-`swarm` command's main with its arguments. It leaves when its launcher dies (see `swarm.process.lifeline`),
-watching the launcher rather than its parent: the forkserver lives on as long as a role it forked.
+daemons), its output in its log, the environment it was given, the same exit codes; it runs its
+command line as the `swarm` command does (`swarm.launch.commands`, the roles without the demo).
+It leaves when its launcher dies (see `swarm.process.lifeline`), watching the launcher rather than
+its parent: the forkserver lives on as long as a role it forked.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
+from swarm.launch.commands import ROLES, run_command_line
 from swarm.process.lifeline import PARENT_DEATH_SIGNAL_ENV
 
 _PR_SET_NAME = 15
@@ -96,9 +98,7 @@ def _run_role(argv: list[str], log_path: str | None, env: dict[str, str]) -> Non
         sys.stdout.reconfigure(line_buffering=True)  # as PYTHONUNBUFFERED gives a launched role
     sys.argv = ["swarm", *argv]
     _name_process(f"swarm {argv[0]}")
-    from swarm.cli import main
-
-    sys.exit(main(argv))
+    sys.exit(run_command_line(argv, ROLES))
 
 
 def _name_process(name: str) -> None:
