@@ -40,9 +40,16 @@ class Command:
 
 
 def _peer(config: PeerConfig) -> int:
-    from swarm.peer.server import run_peer
+    from swarm.peer.server import Peer
+    from swarm.records.announced_settings import check_against_swarm
 
-    run_peer(config)
+    peer = Peer(config)  # joined the DHT: its records say what the swarm trains with
+    try:
+        check_against_swarm(config, peer.dht, config.run_id)
+    except ConfigError:  # a newcomer whose settings differ from the swarm's serves nothing
+        peer.dht.shutdown()
+        raise
+    peer.run()
     return 0
 
 

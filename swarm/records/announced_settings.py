@@ -1,0 +1,72 @@
+"""The swarm's settings as its serving peers announce them, and a newcomer's check of its own against them.
+
+A stage record carries the settings of its peer that the whole swarm must share (`ANNOUNCED`): the
+model, its cut into stages, the token ids it knows, the samples a stage steps on. A value in a
+record is a claim (the signature proves who makes it, not that it is right), so a newcomer takes a
+value for the swarm's only where more than half of the serving peers announce it, and then refuses
+to start with a setting that differs, naming the setting and the value to use. Where the serving
+peers are split, or none serves yet, there is nothing to check against. The other settings of the
+swarm file (`swarm.config.swarm_file`: seed, optimizer, codecs) are in no record, so not checked.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any
+
+from hivemind import DHT
+
+from swarm.config import ConfigError, ModelConfig
+from swarm.records.stage_records import SERVING, StageRecord, fetch_stage_records
+
+ANNOUNCED = ("model", "num_stages", "vocab_size", "target_batch_size")
+
+
+def swarm_settings(records: Iterable[StageRecord], exclude: str = "") -> tuple[dict[str, Any], int]:
+    """The value of each setting in `ANNOUNCED` that more than half of the serving peers announce (none where
+    they are split), and how many peers serve; the record of peer `exclude` (the newcomer's own, from before a
+    restart) is not counted."""
+    serving = {r.peer_id: r for r in records if r.state == SERVING and r.peer_id != exclude}.values()
+    settings: dict[str, Any] = {}
+    for name in ANNOUNCED:
+        # vocab_size 0: a peer from before records carried it, which says nothing about it
+        values = Counter(getattr(r, name) for r in serving if not (name == "vocab_size" and r.vocab_size == 0))
+        if values:
+            value, count = values.most_common(1)[0]
+            if 2 * count > sum(values.values()):
+                settings[name] = value
+    return settings, len(serving)
+
+
+def differing_settings(config: ModelConfig, records: Iterable[StageRecord], exclude: str = "") -> str | None:
+    """The error a newcomer with `config` stops with, naming each setting where most of the swarm's serving peers
+    announce another value and the value to use; None if nothing differs."""
+    swarm, serving = swarm_settings(records, exclude)
+    mine = {
+        "model": (config.model, config.model),
+        "num_stages": (config.num_stages, config.num_stages),
+        "vocab_size": (config.model_spec().vocab_size, config.vocab_size),  # compared as the model knows it
+    }
+    if hasattr(config, "target_batch_size"):  # a trainer takes the peers' own
+        mine["target_batch_size"] = (config.target_batch_size, config.target_batch_size)
+    differ = [
+        (name, swarm[name], given) for name, (value, given) in mine.items() if name in swarm and swarm[name] != value
+    ]
+    if not differ:
+        return None
+    flags = ", ".join(f"--{name.replace('_', '-')} {value} (you gave {given})" for name, value, given in differ)
+    keys = ", ".join(f"{name}: {value}" for name, value, _ in differ)
+    return (
+        f"this swarm trains with {flags}, as most of its {serving} serving peers announce: "
+        f"set {keys} or use the swarm's file"
+    )
+
+
+def check_against_swarm(config: ModelConfig, dht: DHT, run_id: str) -> None:
+    """Reads the swarm's records through `dht` (joined already) and raises ConfigError if `config` differs from
+    the settings most of its serving peers announce (see `differing_settings`)."""
+    records = fetch_stage_records(dht, run_id, config.num_stages)
+    problem = differing_settings(config, (r for stage in records.values() for r in stage), exclude=str(dht.peer_id))
+    if problem is not None:
+        raise ConfigError(problem)
