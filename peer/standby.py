@@ -31,39 +31,35 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from hivemind.p2p import PeerID
 
-from swarm.compression import get_codec
-from swarm.models import build_stage
-from swarm.net.transport import exchange, get_peer_info
-from swarm.net.wire import (
-    WireError,
-    WireLimits,
-    decode_tensors,
-    encode_tensor,
-    pack_frames,
-    read_frames,
-    wait_for_hang_up,
-    write_frames,
-)
-from swarm.peer.mates import confirmed_holders, confirmed_versions, request_state
-from swarm.peer.stage_state import (
-    StageStateError,
-    check_state_tensors,
-    load_state_tensors,
-    parameter_fingerprint,
-    state_fingerprint,
-)
+from swarm.models import ModelSpec, build_stage
+from swarm.net.transport import exchange
+from swarm.net.wire import WireLimits, decode_tensors, pack_frames
+from swarm.peer.mates import StageMates
+from swarm.peer.runtime import StageRuntime
+from swarm.peer.stage_state import StageStateError, check_state_tensors, load_state_tensors, parameter_fingerprint
 from swarm.peer.state_file import StateFileError, read_tensor_list, write_tensor_list
-from swarm.proto import PROTOCOL_VERSION, Error, ErrorCode, PeerInfo, StateReply, StateRequest
-from swarm.records.sample_ledger import restore_record
+from swarm.peer.state_transfer import (
+    Version,
+    confirmed_holders,
+    confirmed_versions,
+    encode_state,
+    load_into_runtime,
+    parameters_fingerprint,
+    peer_versions,
+    request_state,
+    state_handler,
+)
+from swarm.proto import PROTOCOL_VERSION, Error, ErrorCode, StateReply, StateRequest
+from swarm.records.sample_ledger import SampleLedger, restore_record
 from swarm.records.stage_records import JOINING, LEAVING, SERVING, StageRecord
 
 if TYPE_CHECKING:
-    from swarm.peer.server import Peer
+    from swarm.config import PeerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +71,25 @@ JOIN_RESTORE_TIMEOUT = 90.0  # how long a peer on an empty stage tries for a sta
 JOIN_RETRY_S = 2.0
 WHOLE_SWARM_EVERY = 5  # announce periods between a keeper's reads of every stage; in between, the ones it holds
 SHORT_READ_RETRIES = 3  # reads a peer on an empty stage makes when the swarm has trained but shows no copy of it
+
+
+class StandbyHost(Protocol):
+    """What a standby keeper reads of its peer (`swarm.peer.server.Peer`), and asks of it."""
+
+    config: PeerConfig
+    spec: ModelSpec
+    peer_id: str
+    stage: int
+    state: str
+    mates: StageMates | None  # the stage-mates of the stage hosted now (None before the first is built)
+    runtime: StageRuntime | None
+    ledger: SampleLedger
+
+    def request_move(self, stage: int) -> None:
+        """Asks the peer to move to `stage` (here: to restore it) at its next chance."""
+
+    async def _fetch_records(self, only: int | None = None) -> dict[int, list[StageRecord]]:
+        """The stages' records from the DHT (every stage's, or `only` that one's)."""
 
 
 def standby_targets(stage: int, num_stages: int, count: int) -> list[int]:
@@ -165,7 +180,7 @@ class Standby:
 class StandbyKeeper:
     """A peer's standby copies: refreshes them, watches for lost stages, restores one when it is chosen."""
 
-    def __init__(self, peer: Peer) -> None:
+    def __init__(self, peer: StandbyHost) -> None:
         self.peer = peer
         config = peer.config
         self.count = config.standby_stages
@@ -188,6 +203,10 @@ class StandbyKeeper:
         self.rng = random.Random()
         self._tasks: set[asyncio.Task] = set()
         self._warned_budget: set[int] = set()
+        # `STANDBY_PROTOCOL`: gives a held copy to a peer whose signed record is on that copy's stage
+        self.handle_standby = state_handler(
+            self._answer_standby, failure="Failed to give a standby copy", caller="a standby request"
+        )
 
     # --- what the record says -----------------------------------------------------------------------
 
@@ -296,22 +315,9 @@ class StandbyKeeper:
         state_bytes = 16 * count + 2**20
         return WireLimits(max_message_bytes=state_bytes, max_tensor_bytes=state_bytes)
 
-    async def _versions(self, stage: int, peers: list[str]) -> dict[str, tuple[int, str]]:
+    async def _versions(self, stage: int, peers: list[str]) -> dict[str, Version]:
         """Each of `peers`' (step, fingerprint) as it answers now, for `stage` (the silent ones left out)."""
-        p2p = self.peer.mates.p2p
-        infos = await asyncio.gather(
-            *(get_peer_info(p2p, PeerID.from_base58(p), timeout=INFO_TIMEOUT) for p in peers), return_exceptions=True
-        )
-        model = self.peer.config.model
-        return {
-            peer_id: (int(info.step), info.fingerprint)
-            for peer_id, info in zip(peers, infos)
-            if isinstance(info, PeerInfo)
-            and info.model == model
-            and info.stage == stage
-            and info.state == SERVING
-            and info.fingerprint
-        }
+        return await peer_versions(self.peer.mates.p2p, peers, self.peer.config.model, stage, INFO_TIMEOUT)
 
     async def refresh(self, stage: int, serving: list[str]) -> None:
         """Downloads `stage`'s state from one of its serving peers, taking only a confirmed version."""
@@ -331,8 +337,7 @@ class StandbyKeeper:
             samples_stepped = given.samples_stepped
             template = self.template(stage)
             check_state_tensors(template, tensors, has_optimizer_state)
-            count = sum(1 for _ in template.parameters())
-            fingerprint = await asyncio.get_running_loop().run_in_executor(None, state_fingerprint, tensors[:count])
+            fingerprint = await parameters_fingerprint(template, tensors)
             if (step, fingerprint) not in confirmed_versions(versions):
                 # the source stepped since its mates were asked: ask them again
                 if (step, fingerprint) not in confirmed_versions(await self._versions(stage, serving)):
@@ -500,63 +505,36 @@ class StandbyKeeper:
             raise StageStateError(f"{ErrorCode.Name(reply.error.code)}: {reply.error.message}")
         tensors = await asyncio.get_running_loop().run_in_executor(None, decode_tensors, parts, limits)
         check_state_tensors(runtime.module, tensors, reply.has_optimizer_state)
-        count = sum(1 for _ in runtime.module.parameters())
-        fingerprint = await asyncio.get_running_loop().run_in_executor(None, state_fingerprint, tensors[:count])
+        fingerprint = await parameters_fingerprint(runtime.module, tensors)
         if (reply.step, fingerprint) != version:
             raise StageStateError(f"sent step {reply.step}, fingerprint {fingerprint}; its record says {version}")
-
-        def apply() -> None:
-            load_state_tensors(runtime.module, runtime.optimizer, tensors, reply.has_optimizer_state)
-
-        await asyncio.wrap_future(
-            runtime.run_exclusive(lambda: runtime.load_state(reply.step, apply, reply.samples_stepped), front=True)
-        )
+        await load_into_runtime(runtime, reply.step, tensors, reply.has_optimizer_state, reply.samples_stepped)
         return reply.step, fingerprint
 
-    async def handle_standby(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """`STANDBY_PROTOCOL`: gives a held copy to a peer whose signed record is on that copy's stage."""
-        frames: list = []
-        try:
-            request, _ = await read_frames(reader, StateRequest, WireLimits())
-            requester = str(stream_info.peer_id)
-            copy = self.standbys.get(request.stage)
-            error = None
-            if request.protocol_version != PROTOCOL_VERSION:
-                error = Error(code=ErrorCode.VERSION_MISMATCH, message=f"this peer speaks protocol {PROTOCOL_VERSION}")
-            elif request.model != self.peer.config.model or copy is None:
-                error = Error(code=ErrorCode.WRONG_STAGE, message=f"no standby copy of stage {request.stage} here")
-            else:
-                records = await self.peer._fetch_records(only=copy.stage)
-                on_stage = {r.peer_id for r in records[copy.stage] if r.state in (JOINING, SERVING)}
-                if requester not in on_stage:
-                    error = Error(
-                        code=ErrorCode.FORBIDDEN, message=f"no signed record puts {requester} on stage {copy.stage}"
-                    )
-            if error is not None:
-                frames = [StateReply(protocol_version=PROTOCOL_VERSION, error=error)]
-            else:
-                tensors = await asyncio.get_running_loop().run_in_executor(None, copy.load)
-                parts = await asyncio.get_running_loop().run_in_executor(
-                    None, lambda: [p for t in tensors for p in encode_tensor(t, get_codec("none"))]
+    async def _answer_standby(self, requester: str, request: StateRequest, _parts, reply: StateReply) -> list:
+        copy = self.standbys.get(request.stage)
+        error = None
+        if request.protocol_version != PROTOCOL_VERSION:
+            error = Error(code=ErrorCode.VERSION_MISMATCH, message=f"this peer speaks protocol {PROTOCOL_VERSION}")
+        elif request.model != self.peer.config.model or copy is None:
+            error = Error(code=ErrorCode.WRONG_STAGE, message=f"no standby copy of stage {request.stage} here")
+        else:
+            records = await self.peer._fetch_records(only=copy.stage)
+            on_stage = {r.peer_id for r in records[copy.stage] if r.state in (JOINING, SERVING)}
+            if requester not in on_stage:
+                error = Error(
+                    code=ErrorCode.FORBIDDEN, message=f"no signed record puts {requester} on stage {copy.stage}"
                 )
-                reply = StateReply(
-                    protocol_version=PROTOCOL_VERSION,
-                    step=copy.step,
-                    has_optimizer_state=copy.has_optimizer_state,
-                    samples_stepped=copy.samples_stepped,
-                )
-                frames = pack_frames(reply, parts)
-                logger.info(f"Giving the standby copy of stage {copy.stage} (step {copy.step}) to {requester}")
-        except WireError as e:
-            frames = [StateReply(protocol_version=PROTOCOL_VERSION, error=Error(code=e.code, message=str(e)))]
-        except Exception as e:
-            logger.exception("Failed to give a standby copy")
-            error = Error(code=ErrorCode.INTERNAL, message=f"{type(e).__name__}: {e}")
-            frames = [StateReply(protocol_version=PROTOCOL_VERSION, error=error)]
-        try:
-            await write_frames(writer, frames)
-            await wait_for_hang_up(reader)
-        except Exception as e:
-            logger.debug(f"Could not answer a standby request: {type(e).__name__}: {e}")
-        finally:
-            writer.close()
+        if error is not None:
+            reply.error.CopyFrom(error)
+            return [reply]
+        tensors = await asyncio.get_running_loop().run_in_executor(None, copy.load)
+        parts = await encode_state(tensors)
+        given = StateReply(
+            protocol_version=PROTOCOL_VERSION,
+            step=copy.step,
+            has_optimizer_state=copy.has_optimizer_state,
+            samples_stepped=copy.samples_stepped,
+        )
+        logger.info(f"Giving the standby copy of stage {copy.stage} (step {copy.step}) to {requester}")
+        return pack_frames(given, parts)

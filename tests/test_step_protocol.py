@@ -27,7 +27,7 @@ from swarm.compression import get_codec
 from swarm.net.transport import PROGRESS_PROTOCOL, StageCallError, call_stage, exchange, get_peer_info
 from swarm.net.wire import WireLimits
 from swarm.peer.checkpoint import load_checkpoint
-from swarm.peer.mates import request_state
+from swarm.peer.state_transfer import request_state
 from swarm.proto import FORWARD, PROTOCOL_VERSION, ErrorCode, MateProgress, MateReply, SampleId, StageRequest
 from swarm.records.stage_records import SERVING
 

@@ -1,0 +1,481 @@
+"""The two-phase averaging round of a stage's step: every member sums the same contributions, in one order.
+
+Accounting is by identity: every backward is named (trainer, microbatch), and contributions carry
+which microbatches a peer holds. In the first phase every member sends its gradient sum, the
+microbatches in it and every microbatch it knows a member held (`GradContribution`). In the second,
+every member tells the others which contributions it holds (`RoundCommit`); each then sums only the
+contributions every member holds, in the order of their peer ids, so all step on the same bits.
+What the agreed contributions knew of but do not hold was lost with a dead member: the stage goes
+short and the trainers are asked (in the SHORT reply to their next forward) to send those
+microbatches again. It waits at most `short_wait` seconds, then steps without them and counts them
+as lost, by id. Every decision is taken from the agreed contributions alone, so every member takes
+the same one. A mate that cannot be reached is dropped from the round at once; one that stays
+silent is dropped when `averaging_timeout` runs out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import Counter
+
+import torch
+from hivemind.p2p import PeerID
+
+from swarm.compression import Codec
+from swarm.net.transport import COMMIT_PROTOCOL, GRAD_PROTOCOL, exchange
+from swarm.net.wire import WireLimits, decode_tensors, encode_tensor, pack_frames
+from swarm.peer.contribution_bounds import clip_scales
+from swarm.peer.mate_membership import MateMembership
+from swarm.peer.mate_messages import (
+    Held,
+    as_triples,
+    check_header,
+    check_ids,
+    check_members,
+    ids_from_wire,
+    ids_to_wire,
+)
+from swarm.peer.mate_progress import ProgressExchange
+from swarm.peer.protocol_handler import protocol_handler
+from swarm.peer.runtime import RoundResult, SampleKey
+from swarm.peer.step_machine import ACCUMULATING, AVERAGING, SHORT, Contribution, StepMachine, StepState
+from swarm.proto import PROTOCOL_VERSION, Error, ErrorCode, GradContribution, MateReply, RoundCommit
+
+logger = logging.getLogger(__name__)
+
+SEND_ATTEMPTS = 3
+ABSENT_GRACE = 5.0  # seconds a round waits for a member whose DHT record no longer says it serves
+
+
+def named_in(box: dict[str, Contribution]) -> set[str]:
+    """The senders of the contributions in `box` and every member they name."""
+    named = set(box)
+    for contribution in box.values():
+        named |= contribution.members
+    return named
+
+
+class AveragingRound:
+    """This peer's side of its stage's averaging rounds, and its mates' contributions and commits to them."""
+
+    def __init__(
+        self,
+        machine: StepMachine,
+        membership: MateMembership,
+        progress: ProgressExchange,
+        averaging_timeout: float,
+        short_wait: float,
+        codec: Codec,
+    ) -> None:
+        self.machine = machine
+        self.membership = membership
+        self.progress = progress
+        self.averaging_timeout = averaging_timeout
+        self.short_wait = short_wait
+        self.codec = codec
+        self.rounds = 0
+        self.dropped_members = 0
+        self.samples_lost = 0
+        self.samples_doubled = 0
+        self.clipped_contributions = 0  # mates' gradients scaled down to the group's bound
+        # peers that asked for this peer's state: they will not contribute to the round under way
+        self.departed: set[str] = set()
+        self.handle_contribution = protocol_handler(
+            GradContribution,
+            self._new_reply,
+            self._answer_contribution,
+            machine.limits,
+            failure="Failed to take gradients from {sender}",
+        )
+        self.handle_commit = protocol_handler(RoundCommit, self._new_reply, self._answer_commit)
+
+    def depart(self, peer_id: str) -> None:
+        """`peer_id` asked for this peer's state: the round under way stops waiting for it."""
+        self.departed.add(peer_id)
+        self.machine.changed.set()
+
+    async def round(self, step: int, grad_sum: torch.Tensor | None, held: Held) -> RoundResult | None:
+        """This peer's side of the averaging round at `step`: what the group agreed to step on, or None."""
+        machine = self.machine
+        state = machine.steps[step]
+        state.phase = AVERAGING
+        started = machine.loop.time()
+        try:
+            result = await self._agree(step, state, grad_sum, held)
+            if result is not None:
+                result.seconds = machine.loop.time() - started
+            return result
+        finally:
+            if state.phase == AVERAGING:
+                state.phase = ACCUMULATING
+            machine.wake()
+            machine.loop.call_soon(machine.advance, step)
+
+    async def _agree(self, step: int, state: StepState, grad_sum: torch.Tensor | None, held: Held):
+        machine = self.machine
+        attempt = state.attempt
+        give_up = state.short_deadline is not None and machine.loop.time() >= state.short_deadline
+        state.progress[machine.peer_id] = held
+        box = state.mailbox[attempt]
+        members = {machine.peer_id, *self.membership.mates, *state.progress} | named_in(box)
+        # what the stage already waits for stays expected: a give-up round must count it as lost
+        known = {**state.lost, **state.known()}
+        own = Contribution(sum(held.values()), grad_sum, frozenset(members), held, known, give_up)
+        box[machine.peer_id] = own
+        await machine.faults.hit("before_contribution")
+        await self._gather(step, attempt, box, members, own)
+        await machine.faults.hit("after_contribution")
+        agreed = await self._commit(step, attempt, state, set(box))
+        contributions = [box[p] for p in sorted(agreed)]
+        self.rounds += 1
+        # everything below follows from the agreed contributions alone: every member decides alike
+        expected: Held = {}
+        for contribution in contributions:
+            expected.update(contribution.known)
+        summed: Counter[SampleKey] = Counter()
+        for contribution in contributions:
+            summed.update(contribution.held.keys())
+        lost = {key: n for key, n in expected.items() if key not in summed}
+        if lost and not any(c.give_up for c in contributions):
+            self._go_short(step, state, attempt, agreed, box, lost)
+            return None
+        return self._sum(step, sorted(agreed), contributions, expected, summed, lost)
+
+    def _sum(
+        self,
+        step: int,
+        senders: list[str],
+        contributions: list[Contribution],
+        expected: Held,
+        summed: Counter[SampleKey],
+        lost: Held,
+    ) -> RoundResult:
+        """The agreed contributions summed in the order of their senders, and what they doubled or lost."""
+        stage = self.machine.stage
+        total, grad = 0, None
+        ids: list[tuple[str, int, int]] = []
+        scales = self._clip_scales(step, senders, contributions)
+        for contribution, scale in zip(contributions, scales):
+            total += contribution.samples
+            ids += as_triples(contribution.held)
+            if contribution.grad_sum is not None:
+                part = contribution.grad_sum if scale == 1.0 else contribution.grad_sum * scale
+                grad = part.clone() if grad is None else grad.add_(part)
+        doubled = sum(expected.get(key, 0) * (count - 1) for key, count in summed.items() if count > 1)
+        if doubled:
+            self.samples_doubled += doubled
+            logger.warning(
+                f"Stage {stage} step {step}: {doubled} samples were held by two mates and count twice "
+                f"(microbatches {sorted(mb for (_, mb), c in summed.items() if c > 1)})"
+            )
+        if lost:
+            self.samples_lost += sum(lost.values())
+            logger.warning(
+                f"Stage {stage} step {step}: stepping without {sum(lost.values())} lost samples "
+                f"({len(lost)} microbatches: their holder died and they were not sent again within "
+                f"{self.short_wait:.0f}s)"
+            )
+        if len(contributions) > 1:
+            logger.debug(f"Stage {stage} step {step}: averaged {total} samples over {len(contributions)} peers")
+        return RoundResult(grad, total, ids, as_triples(lost))
+
+    def _clip_scales(self, step: int, senders: list[str], contributions: list[Contribution]) -> list[float]:
+        """Per contribution, the share of its gradient the round takes (see `contribution_bounds`)."""
+        measured = [i for i, c in enumerate(contributions) if c.grad_sum is not None and c.samples > 0]
+        norms = [float(contributions[i].grad_sum.norm()) / contributions[i].samples for i in measured]
+        scales = [1.0] * len(contributions)
+        for i, scale in zip(measured, clip_scales(norms)):
+            scales[i] = scale
+            if scale < 1.0:
+                self.clipped_contributions += 1
+                logger.warning(
+                    f"Stage {self.machine.stage} step {step}: the gradient of {senders[i]} is {1 / scale:.3g} times "
+                    f"the group's bound; scaled down to it ({self.clipped_contributions} clipped so far)"
+                )
+        return scales
+
+    def _go_short(
+        self, step: int, state: StepState, attempt: int, agreed: set[str], box: dict[str, Contribution], lost: Held
+    ) -> None:
+        """The round found samples missing: wait (bounded) for the trainers to send them again."""
+        machine = self.machine
+        state.phase = SHORT
+        state.lost = lost
+        state.attempt = attempt + 1
+        # members outside the agreed set are gone: what they held is exactly what is lost
+        for peer_id in [p for p in state.progress if p not in agreed and p != machine.peer_id]:
+            del state.progress[peer_id]
+        self.progress.note_holdings()
+        # what leaving mates handed over is still good: it goes into the next attempt as it is
+        for peer_id in machine.handed_over & set(box):
+            state.mailbox[attempt + 1][peer_id] = box[peer_id]
+        if state.short_deadline is None:
+            state.short_deadline = machine.loop.time() + self.short_wait
+            machine.loop.call_later(self.short_wait + 0.01, machine.advance, step)
+        logger.warning(
+            f"Stage {machine.stage} step {step}: a mate died holding {sum(lost.values())} samples ({len(lost)} "
+            f"microbatches); waiting up to {state.short_deadline - machine.loop.time():.0f}s for their trainers to "
+            "send them again"
+        )
+
+    def _wait_for(self, missing: set[str], started: float) -> float:
+        """Seconds a round still waits for `missing` members (0: no longer).
+
+        A member that no longer announces itself serving is given `ABSENT_GRACE` seconds, one that does
+        the whole `averaging_timeout`: a peer that has just died can leave a connection that hangs
+        rather than fails, and its expired record says it is gone long before the timeout would.
+        """
+        now = self.machine.loop.time()
+        mates = set(self.membership.mates)
+        limit = self.averaging_timeout if missing & mates else min(ABSENT_GRACE, self.averaging_timeout)
+        remaining = started + limit - now
+        # wake up at least every second: the DHT view may drop the member meanwhile
+        return 0.0 if remaining <= 0 else max(0.01, min(remaining, 1.0))
+
+    # --- first phase: the contributions -------------------------------------------------------------------
+
+    async def _gather(
+        self, step: int, attempt: int, box: dict[str, Contribution], members: set[str], own: Contribution
+    ) -> None:
+        machine = self.machine
+        loop = asyncio.get_running_loop()
+        unreachable: set[str] = set()
+        sent = {machine.peer_id}
+        started = loop.time()
+        while True:
+            for peer_id in members - sent:
+                sent.add(peer_id)
+                machine.spawn(self._send_contribution(peer_id, step, own, members, unreachable, attempt=attempt))
+            machine.changed.clear()
+            members |= named_in(box)
+            missing = members - set(box) - unreachable - self.departed
+            if not missing and not (members - sent):
+                return
+            wait = self._wait_for(missing, started)
+            if wait <= 0:
+                self.dropped_members += len(missing)
+                logger.warning(
+                    f"Stage {machine.stage} step {step}: no gradients from {len(missing)} mate(s) within "
+                    f"{loop.time() - started:.0f}s; averaging without them"
+                )
+                return
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(machine.changed.wait(), wait)
+
+    async def _send_contribution(
+        self,
+        peer_id: str,
+        step: int,
+        own: Contribution,
+        members: set[str],
+        unreachable: set[str],
+        handover: bool = False,
+        attempt: int = 0,
+    ) -> None:
+        machine = self.machine
+        header = GradContribution(
+            protocol_version=PROTOCOL_VERSION,
+            model=machine.model,
+            stage=machine.stage,
+            step=step,
+            samples=own.samples,
+            members=sorted(members),
+            handover=handover,
+            attempt=attempt,
+            held=ids_to_wire(own.held),
+            known=ids_to_wire(own.known),
+            give_up=own.give_up,
+        )
+        loop = asyncio.get_running_loop()
+        parts = []
+        if own.grad_sum is not None:
+            parts = await loop.run_in_executor(None, encode_tensor, own.grad_sum, self.codec)
+        frames = pack_frames(header, parts)
+        for send in range(SEND_ATTEMPTS):
+            try:
+                reply, _ = await asyncio.wait_for(
+                    exchange(machine.p2p, PeerID.from_base58(peer_id), GRAD_PROTOCOL, frames, MateReply, WireLimits()),
+                    self.averaging_timeout,
+                )
+            except Exception as e:
+                if send + 1 < SEND_ATTEMPTS:
+                    await asyncio.sleep(0.2 * (send + 1))
+                    continue
+                logger.warning(f"Stage {machine.stage} step {step}: mate {peer_id} is unreachable ({e}); dropping it")
+                self.membership.mark_unreachable(peer_id)
+                break
+            if reply.error.code == ErrorCode.OK:
+                return
+            if reply.error.code == ErrorCode.OUT_OF_SYNC and reply.step > step:
+                machine.schedule_resync(f"mate {peer_id} is already at step {reply.step}")
+            logger.warning(
+                f"Stage {machine.stage} step {step}: mate {peer_id} refused gradients: {reply.error.message}"
+            )
+            break
+        unreachable.add(peer_id)
+        machine.changed.set()
+
+    def _new_reply(self) -> MateReply:
+        return MateReply(protocol_version=PROTOCOL_VERSION, step=self.machine.runtime.step)
+
+    async def _answer_contribution(self, sender: str, header: GradContribution, parts: list, reply: MateReply) -> list:
+        self.membership.heard_from(sender)
+        reply.error.CopyFrom(await self._accept_contribution(sender, header, parts))
+        return [reply]
+
+    async def _accept_contribution(self, sender: str, header: GradContribution, parts: list) -> Error:
+        machine = self.machine
+        error = check_header(header, machine.model, machine.stage)
+        error = error or check_ids(machine.runtime.max_batch_samples, header.held, header.known)
+        if (error := error or check_members(header.members)) is not None:
+            return error
+        if header.samples != sum(i.samples for i in header.held):
+            # the count is what the round steps on: it must be the microbatches named, not a number sent
+            return Error(code=ErrorCode.BAD_REQUEST, message="samples do not add up to the microbatches held")
+        step = machine.runtime.step
+        # a peer that has just loaded a mate's state takes part in rounds before it serves; while it loads,
+        # the round its source holds at the step it hands over waits for it: refusing would split the group
+        loading = sender == self.membership.state_source and header.step >= step
+        if not (step <= header.step <= step + 1 or loading):
+            if machine.serving and header.step > step:
+                machine.schedule_resync(f"mate {sender} averages step {header.step}, this peer is at {step}")
+            return Error(code=ErrorCode.OUT_OF_SYNC, message=f"this peer is at step {step}, not {header.step}")
+        grad_sum = None
+        if header.samples > 0:
+            tensors = await asyncio.get_running_loop().run_in_executor(None, decode_tensors, parts, machine.limits)
+            size = machine.num_parameters
+            if len(tensors) != 1 or tensors[0].shape != (size,) or tensors[0].dtype != torch.float32:
+                return Error(code=ErrorCode.BAD_REQUEST, message=f"expected one float32[{size}]")
+            if not torch.isfinite(tensors[0]).all():
+                return Error(code=ErrorCode.BAD_REQUEST, message="gradients hold NaN or infinity")
+            grad_sum = tensors[0]
+        state = machine.steps[header.step]
+        if loading:
+            state.attempt = max(state.attempt, header.attempt)  # the source's rounds so far at that step
+        if header.attempt < state.attempt:
+            return Error(code=ErrorCode.OK)  # from a round already found short here: superseded
+        if header.attempt > state.attempt + 1:
+            return Error(code=ErrorCode.OUT_OF_SYNC, message=f"this peer is at round attempt {state.attempt}")
+        if header.attempt == state.attempt + 1 and state.phase != AVERAGING:
+            # the mates retry a round this peer missed (it joined since, or heard of the loss later): join it
+            state.attempt = header.attempt
+        state.mailbox[header.attempt][sender] = Contribution(
+            header.samples,
+            grad_sum,
+            frozenset(header.members),
+            ids_from_wire(header.held),
+            ids_from_wire(header.known),
+            header.give_up,
+        )
+        machine.changed.set()
+        if header.handover:  # a leaving peer's gradients wait for the round the stage would hold anyway
+            machine.handed_over.add(sender)
+        else:
+            machine.advance(header.step)
+        return Error(code=ErrorCode.OK)
+
+    # --- second phase: the commits ------------------------------------------------------------------------
+
+    async def _commit(self, step: int, attempt: int, state: StepState, view: set[str]) -> set[str]:
+        """Second phase: tells the contributors which contributions this peer holds; returns those all hold."""
+        machine = self.machine
+        loop = asyncio.get_running_loop()
+        others = view - {machine.peer_id} - machine.handed_over
+        commits = state.commits[attempt]
+        commits[machine.peer_id] = frozenset(view)
+        gone: set[str] = set()
+        message = RoundCommit(
+            protocol_version=PROTOCOL_VERSION,
+            model=machine.model,
+            stage=machine.stage,
+            step=step,
+            attempt=attempt,
+            contributors=sorted(view),
+        )
+        for peer_id in others:
+            machine.spawn(self._send_commit(peer_id, message, gone))
+        started = loop.time()
+        while True:
+            machine.changed.clear()
+            waiting = others - set(commits) - gone
+            wait = self._wait_for(waiting, started) if waiting else 0.0
+            if wait <= 0:
+                break
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(machine.changed.wait(), wait)
+        agreed = set(view) - (others - set(commits))
+        for peer_id in others & set(commits):
+            agreed &= commits[peer_id] | machine.handed_over
+        if agreed != view:
+            logger.warning(
+                f"Stage {machine.stage} step {step}: the mates agree on {len(agreed)} of the {len(view)} "
+                f"contributions this peer holds; summing those"
+            )
+        return agreed
+
+    async def _send_commit(self, peer_id: str, message: RoundCommit, gone: set[str]) -> None:
+        for attempt in range(SEND_ATTEMPTS):
+            try:
+                exchanging = exchange(
+                    self.machine.p2p, PeerID.from_base58(peer_id), COMMIT_PROTOCOL, [message], MateReply, WireLimits()
+                )
+                reply, _ = await asyncio.wait_for(exchanging, self.averaging_timeout)
+                if reply.error.code == ErrorCode.OK:
+                    return
+                break
+            except Exception:
+                await asyncio.sleep(0.2 * (attempt + 1))
+        else:
+            self.membership.mark_unreachable(peer_id)
+        gone.add(peer_id)
+        self.machine.changed.set()
+
+    async def _answer_commit(self, sender: str, message: RoundCommit, _parts, reply: MateReply) -> list:
+        machine = self.machine
+        self.membership.heard_from(sender)
+        error = check_header(message, machine.model, machine.stage) or check_members(message.contributors)
+        if error is not None:
+            reply.error.CopyFrom(error)
+        elif machine.runtime.step <= message.step <= machine.runtime.step + 1:
+            state = machine.steps[message.step]
+            if not state.attempt <= message.attempt <= state.attempt + 1:  # each attempt kept costs memory
+                reply.error.CopyFrom(
+                    Error(code=ErrorCode.OUT_OF_SYNC, message=f"this peer is at round attempt {state.attempt}")
+                )
+            else:
+                state.commits[message.attempt][sender] = frozenset(message.contributors)
+                machine.changed.set()
+        else:
+            reply.error.CopyFrom(
+                Error(code=ErrorCode.OUT_OF_SYNC, message=f"this peer is at step {machine.runtime.step}")
+            )
+        return [reply]
+
+    # --- a leaving peer --------------------------------------------------------------------------------------
+
+    async def hand_over(self, timeout: float = 10.0) -> None:
+        """Sends this peer's un-averaged gradients to its mates before it leaves, so its samples still count."""
+        machine, membership = self.machine, self.membership
+        if not machine.serving or not membership.mates:
+            return
+        machine.serving = False  # no new rounds and no resyncs from here on
+        runtime = machine.runtime
+        step, grad_sum, held = await asyncio.wrap_future(
+            runtime.run_exclusive(lambda: (runtime.step, runtime.flat_gradient(), dict(runtime.held)))
+        )
+        if not held:
+            return
+        members = {machine.peer_id, *membership.mates}
+        state = machine.steps[step]
+        own = Contribution(sum(held.values()), grad_sum, frozenset(members), held, state.known())
+        unreachable: set[str] = set()
+        sends = [
+            self._send_contribution(p, step, own, members, unreachable, handover=True, attempt=state.attempt)
+            for p in membership.mates
+        ]
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*sends, return_exceptions=True), timeout)
+        taken = len(membership.mates) - len(unreachable)
+        logger.info(f"Handed {own.samples} samples of step {step} to {taken} of {len(membership.mates)} stage-mate(s)")

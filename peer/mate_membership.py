@@ -1,0 +1,197 @@
+"""Who this peer's stage-mates are, from the signed records, and who may speak on the mate protocols.
+
+Membership is what a peer sees in the DHT (mates announced as serving), widened by every peer that
+sent it progress or a contribution for the step and by the member lists those carry. A mate that
+cannot be reached is left out of rounds until it shows a sign of life.
+
+Mates are who the signed records say (`swarm.net.identity`): the mate protocols answer only a peer
+whose libp2p-authenticated peer id has a record on this stage (joining, serving or leaving), and
+refuse anyone else with FORBIDDEN before reading a byte. Peers of other stages whose records name
+them as standby holders of this stage may ask for its state, and nothing else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+
+from swarm.net.allowlist import Handler
+from swarm.net.transport import STATE_PROTOCOL
+from swarm.peer.mate_messages import PROGRESS_TIMEOUT
+from swarm.peer.protocol_handler import send_reply
+from swarm.peer.step_machine import StepMachine
+from swarm.proto import PROTOCOL_VERSION, Error, ErrorCode, MateReply, StateReply
+from swarm.records.stage_records import LEAVING, SERVING, StageRecord
+
+logger = logging.getLogger(__name__)
+
+MEMBER_MEMORY = 60.0  # seconds a peer seen with a record on the stage may still speak as a mate without one
+REFRESH_INTERVAL = 1.0  # an unknown sender makes the peer re-read its stage's records at most this often
+HOLDERS_REFRESH_INTERVAL = 5.0  # an unknown asker for state makes it re-read every stage at most this often
+
+
+class MateMembership:
+    """The stage's members as this peer knows them, and the admission of mate messages."""
+
+    def __init__(self, machine: StepMachine) -> None:
+        self.machine = machine
+        self.mates: dict[str, StageRecord] = {}
+        # every peer seen with a signed record on this stage (joining, serving or leaving), when (loop time)
+        # and in which state it last was: who may speak as a mate. Remembered a while, so that a record
+        # lapsing under load does not shut a live mate out of the round under way.
+        self.stage_peers: dict[str, tuple[float, str]] = {}
+        self.refresh_records: Callable[[], Awaitable[None]] | None = None  # re-reads the stage's records
+        # peers of other stages whose signed records say they hold a standby copy of this stage
+        # (`swarm.peer.standby`): they may download its state, and nothing else; kept up to date by the peer
+        self.standby_holders: set[str] = set()
+        # re-reads every stage's records, for standby holders (None: this peer keeps no standby copies)
+        self.refresh_holders: Callable[[], Awaitable[None]] | None = None
+        self.refused_outsiders = 0  # mate messages from peers no record puts on this stage
+        # mates a round could not reach, and the expiration of the record they had then: such a mate is
+        # left out of rounds until it announces itself again or sends something, so that a dead mate
+        # costs one failed round, not one per step until its record expires
+        self.unreachable: dict[str, float] = {}
+        # peers this peer gave its state to, until they announce themselves serving: they are members
+        # from the step they took, and must hear this peer's progress before its backwards are answered
+        self.newcomers: set[str] = set()
+        self.state_source: str | None = None  # the mate whose state this peer is downloading now
+        self._holders_refresh: asyncio.Task | None = None
+        self._holders_refreshed_at = float("-inf")
+        self._refreshing: asyncio.Task | None = None
+        self._refreshed_at = float("-inf")
+        self._refresh_began = float("-inf")
+
+    def take_records(self, records: list[StageRecord]) -> set[str]:
+        """Takes in the stage's records from the DHT; returns the mates that have just appeared."""
+        machine = self.machine
+        now = machine.loop.time() if machine.loop is not None else 0.0
+        for r in records:
+            if r.peer_id != machine.peer_id and r.model == machine.model and r.num_stages == machine.num_stages:
+                self.stage_peers[r.peer_id] = (now, r.state)
+        for peer_id in [p for p, (seen, _) in self.stage_peers.items() if now - seen > MEMBER_MEMORY]:
+            del self.stage_peers[peer_id]
+        mates = {
+            r.peer_id: r
+            for r in records
+            if r.peer_id != machine.peer_id
+            and r.state == SERVING
+            and r.model == machine.model
+            and r.num_stages == machine.num_stages
+        }
+        for peer_id, expiration in list(self.unreachable.items()):
+            if peer_id in mates and mates[peer_id].expiration <= expiration:
+                del mates[peer_id]  # the record it had when it could not be reached: not a sign of life
+            else:
+                del self.unreachable[peer_id]  # it announced itself since, or its record is gone
+        new = set(mates) - set(self.mates)
+        self.mates = mates
+        self.newcomers -= set(mates)  # they hear progress as mates from now on
+        return new
+
+    def mark_unreachable(self, peer_id: str) -> None:
+        """Leaves a mate that could not be reached out of later rounds until it shows a sign of life."""
+        record = self.mates.pop(peer_id, None)
+        if record is not None:
+            self.unreachable[peer_id] = record.expiration
+        self.newcomers.discard(peer_id)
+
+    def heard_from(self, peer_id: str) -> None:
+        """A mate sent something: it is reachable (it rejoins the rounds with its next record)."""
+        self.unreachable.pop(peer_id, None)
+
+    def is_member(self, peer_id: str) -> bool:
+        """Whether `peer_id` belongs to the stage as this peer knows it now (no read of the records)."""
+        return (
+            peer_id in self.stage_peers
+            or peer_id in self.mates
+            or peer_id in self.newcomers
+            or peer_id == self.state_source
+        )
+
+    def joins_stage(self, requester: str) -> bool:
+        """Whether a peer asking for the stage's state takes part in the stage (not a standby copy only).
+
+        A standby holder takes a copy and stays out of the stage: no round waits for it. So does a peer
+        that left this stage for another (its last record here says LEAVING): it is a holder there, which
+        this peer learns only at its next read of every stage.
+        """
+        left = self.stage_peers.get(requester, (0.0, ""))[1] == LEAVING and requester not in self.mates
+        return not (left or (requester in self.standby_holders and not self.is_member(requester)))
+
+    # --- who may speak as a mate ------------------------------------------------------------------------
+
+    def members_only(self, handler: Handler, protocol: str) -> Handler:
+        """`handler` for peers the signed records put on this stage; anyone else is refused unread."""
+        machine = self.machine
+
+        async def guarded(stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            sender = str(stream_info.peer_id)
+            standby = protocol == STATE_PROTOCOL and sender in self.standby_holders
+            if standby or await self._admits(sender) or (protocol == STATE_PROTOCOL and await self._new_holder(sender)):
+                await handler(stream_info, reader, writer)
+                return
+            self.refused_outsiders += 1
+            if self.refused_outsiders in (1, 10, 100) or self.refused_outsiders % 1000 == 0:
+                logger.warning(
+                    f"Refused {self.refused_outsiders} stage-mate message(s), lately on {protocol} from {sender}: "
+                    f"no signed record puts it on stage {machine.stage}"
+                )
+            error = Error(code=ErrorCode.FORBIDDEN, message=f"no signed record puts {sender} on stage {machine.stage}")
+            if protocol == STATE_PROTOCOL:
+                reply = StateReply(protocol_version=PROTOCOL_VERSION, error=error)
+            else:
+                reply = MateReply(protocol_version=PROTOCOL_VERSION, step=machine.runtime.step, error=error)
+            await send_reply(reader, writer, [reply], "a stage-mate")
+
+        return guarded
+
+    async def _admits(self, peer_id: str) -> bool:
+        """Whether `peer_id` has a record on this stage. An unknown one makes the peer re-read the records
+        (a newcomer asks for state right after announcing itself): one read at a time, at most every
+        `REFRESH_INTERVAL`, shared by every handler waiting, and one that began after the caller arrived."""
+        if self.is_member(peer_id):
+            return True
+        if self.refresh_records is None:
+            return False
+        loop = self.machine.loop
+        arrived = loop.time()
+        for _ in range(2):
+            if self._refreshing is None or self._refreshing.done():
+                delay = max(0.0, self._refreshed_at + REFRESH_INTERVAL - loop.time())
+                self._refreshing = asyncio.ensure_future(self._refresh_once(delay))
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(self._refreshing), PROGRESS_TIMEOUT + REFRESH_INTERVAL)
+            if self.is_member(peer_id):
+                return True
+            if self._refresh_began >= arrived:
+                break  # a read that began after the caller arrived did not find it: no record
+        return False
+
+    async def _new_holder(self, peer_id: str) -> bool:
+        """Whether `peer_id` holds a standby copy of this stage that the last read of every stage did not show (a
+        new holder asks for state right after announcing itself): one such read at a time, and at most every
+        `HOLDERS_REFRESH_INTERVAL`, so that strangers asking for state cannot make the peer read the DHT at will."""
+        if self.refresh_holders is None:
+            return False
+        loop = self.machine.loop
+        if self._holders_refresh is None or self._holders_refresh.done():
+            if loop.time() < self._holders_refreshed_at + HOLDERS_REFRESH_INTERVAL:
+                return False
+            self._holders_refreshed_at = loop.time()
+            self._holders_refresh = asyncio.ensure_future(self.refresh_holders())
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(asyncio.shield(self._holders_refresh), PROGRESS_TIMEOUT + REFRESH_INTERVAL)
+        return peer_id in self.standby_holders
+
+    async def _refresh_once(self, delay: float) -> None:
+        loop = self.machine.loop
+        await asyncio.sleep(delay)
+        self._refresh_began = loop.time()
+        try:
+            await self.refresh_records()
+        except Exception as e:
+            logger.debug(f"Could not re-read stage {self.machine.stage}'s records: {e}")
+        finally:
+            self._refreshed_at = loop.time()

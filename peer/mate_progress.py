@@ -1,0 +1,183 @@
+"""Progress messages between stage-mates: which microbatches each holds toward the step, and its fingerprint.
+
+A peer tells every member what it holds whenever that changes, and its parameter fingerprint after
+every step. From what the mates hold it knows when the stage has its batch, and which backwards
+that reach it as retries were applied elsewhere already (`held_elsewhere`). A replica whose
+parameters differ from most of its mates' at the same step takes their state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter, deque
+
+from hivemind.p2p import PeerID
+
+from swarm.net.transport import PROGRESS_PROTOCOL, exchange
+from swarm.net.wire import WireLimits
+from swarm.peer.mate_membership import MateMembership
+from swarm.peer.mate_messages import PROGRESS_TIMEOUT, Held, check_header, check_ids, ids_from_wire, ids_to_wire
+from swarm.peer.protocol_handler import protocol_handler
+from swarm.peer.runtime import SampleKey
+from swarm.peer.step_machine import ACCUMULATING, StepMachine
+from swarm.proto import PROTOCOL_VERSION, MateProgress, MateReply
+
+logger = logging.getLogger(__name__)
+
+# rounds whose summed microbatch ids a peer remembers: a backward retried on it after another replica's
+# step summed it (its reply was lost) is then not summed again; a backward is refused past max_staleness
+RECENT_ROUNDS = 8
+
+
+class ProgressExchange:
+    """This peer's progress messages to its mates, theirs to it, and what it concludes from them."""
+
+    def __init__(self, machine: StepMachine, membership: MateMembership) -> None:
+        self.machine = machine
+        self.membership = membership
+        self.fingerprints: dict[str, tuple[int, str]] = {}  # per mate: its latest (step, fingerprint)
+        self.divergences = 0
+        self._sends: dict[asyncio.Task, str] = {}  # progress on its way, and the mate it goes to
+        self._silent: set[str] = set()  # mates the last progress did not reach: not waited for
+        self._recently_summed: deque[frozenset[SampleKey]] = deque(maxlen=RECENT_ROUNDS)
+        self.summed_union: frozenset[SampleKey] = frozenset()  # of _recently_summed, rebuilt once a step
+        # read on the runtime thread, replaced whole on the event loop (see held_elsewhere)
+        self._elsewhere: frozenset[SampleKey] = frozenset()
+        self.handle = protocol_handler(MateProgress, self._new_reply, self._answer)
+
+    def on_local_progress(self, step: int, held: Held) -> None:
+        """This peer's holdings toward `step` changed: every member hears of them."""
+        machine = self.machine
+        if step != machine.runtime.step:
+            return
+        state = machine.steps[step]
+        state.progress[machine.peer_id] = held
+        # every member hears, also one that took a mate's state and is not in the DHT yet
+        members = set(self.membership.mates) | set(state.progress) | self.membership.newcomers
+        for peer_id in members - {machine.peer_id}:
+            task = machine.spawn(self.send(peer_id, step, held))
+            self._sends[task] = peer_id
+            task.add_done_callback(lambda t: self._sends.pop(t, None))
+        machine.advance(step)
+
+    def tell(self, peers, step: int) -> None:
+        """Sends this peer's progress at `step` to each of `peers`, in the background."""
+        held = self.machine.own(step)
+        for peer_id in peers:
+            self.machine.spawn(self.send(peer_id, step, held))
+
+    async def delivered(self) -> None:
+        """Waits (at most `PROGRESS_TIMEOUT`) until the mates have heard of every sample accumulated so far.
+
+        A backward is answered only after this: once a trainer holds the reply, the mates know which
+        microbatches this peer holds, so should it die before the round they know exactly what was
+        lost and ask for it again, instead of waiting for a batch that never fills. Mates the last
+        progress did not reach are not waited for, so a dead mate does not slow every backward down.
+        """
+        pending = [task for task, mate in self._sends.items() if mate not in self._silent]
+        if pending:
+            await asyncio.wait(pending, timeout=PROGRESS_TIMEOUT)
+
+    async def send(self, peer_id: str, step: int, held: Held) -> None:
+        """Tells `peer_id` what this peer holds toward `step`, with its fingerprint at that step."""
+        machine = self.machine
+        await machine.faults.hit("progress")
+        message = MateProgress(
+            protocol_version=PROTOCOL_VERSION,
+            model=machine.model,
+            stage=machine.stage,
+            step=step,
+            samples=sum(held.values()),
+            held=ids_to_wire(held),
+            fingerprint=machine.runtime.fingerprint_at(step),
+        )
+        try:
+            await asyncio.wait_for(
+                exchange(
+                    machine.p2p, PeerID.from_base58(peer_id), PROGRESS_PROTOCOL, [message], MateReply, WireLimits()
+                ),
+                PROGRESS_TIMEOUT,
+            )
+            if peer_id in self._silent:
+                self._silent.discard(peer_id)
+                self.note_holdings()
+        except Exception as e:  # the round itself tolerates a silent mate
+            if peer_id not in self._silent:
+                self._silent.add(peer_id)
+                self.note_holdings()
+            self.membership.newcomers.discard(peer_id)  # one that never came up; a live one speaks for itself
+            logger.debug(f"Could not send progress to {peer_id}: {type(e).__name__}: {e}")
+
+    def _new_reply(self) -> MateReply:
+        return MateReply(protocol_version=PROTOCOL_VERSION, step=self.machine.runtime.step)
+
+    async def _answer(self, sender: str, message: MateProgress, _parts, reply: MateReply) -> list:
+        machine = self.machine
+        self.membership.heard_from(sender)
+        error = check_header(message, machine.model, machine.stage)
+        if (error := error or check_ids(machine.runtime.max_batch_samples, message.held)) is not None:
+            reply.error.CopyFrom(error)
+        elif message.step >= machine.runtime.step:  # older progress no longer matters
+            # within a step a peer's holdings only grow, and progress messages may arrive out of order:
+            # an older, shorter one must not make this peer forget microbatches the sender holds
+            machine.steps[message.step].progress.setdefault(sender, {}).update(ids_from_wire(message.held))
+            self.note_holdings()
+            if message.fingerprint:
+                self.fingerprints[sender] = (message.step, message.fingerprint)
+                self.compare_fingerprints()
+            machine.advance(message.step)
+        return [reply]
+
+    def compare_fingerprints(self) -> None:
+        """A replica whose parameters differ from most of its mates' at the same step takes their state."""
+        machine = self.machine
+        step, mine = machine.runtime.version
+        if not machine.serving or machine.resyncing or machine.steps[step].phase != ACCUMULATING:
+            return
+        table = {p: fp for p, (s, fp) in self.fingerprints.items() if s == step and p in self.membership.mates}
+        if not table:
+            return
+        table[machine.peer_id] = mine
+        counts = Counter(table.values())
+        # the most common fingerprint; on a tie, the one the smallest peer id holds
+        majority = min(counts, key=lambda fp: (-counts[fp], min(p for p, f in table.items() if f == fp)))
+        if majority == mine:
+            return
+        holders = sorted(p for p, fp in table.items() if fp == majority)
+        self.divergences += 1
+        logger.warning(
+            f"Stage {machine.stage} step {step}: this replica's parameters ({mine}) differ from "
+            f"{counts[majority]} of {len(table)} replicas' ({majority}); taking the state of {holders[0]}"
+        )
+        machine.schedule_resync("its parameters differ from its mates'", source=holders[0], minimum_step=step)
+
+    # --- what the mates hold ------------------------------------------------------------------------------
+
+    def remember_summed(self, keys: frozenset[SampleKey]) -> None:
+        """Adds one round's summed microbatches to the last RECENT_ROUNDS', and their union."""
+        self._recently_summed.append(keys)
+        self.summed_union = frozenset().union(*self._recently_summed)
+
+    def held_elsewhere(self) -> frozenset[SampleKey]:
+        """Microbatches another replica holds toward the current step, or a recent step summed (any thread).
+
+        A backward for one of them reached this peer as a retry: its first attempt was applied, but the
+        reply never reached the trainer (lost, or late past the trainer's deadline). The runtime answers it
+        without summing its gradient again. Should that replica die before the round, its holdings are
+        lost by id and their trainers send them again, so skipping costs time at worst, never a sample.
+        """
+        return self._elsewhere
+
+    def note_holdings(self) -> None:
+        """Rebuilds `held_elsewhere` after what the mates hold, who is silent, or the step changed."""
+        machine = self.machine
+        state = machine.steps.get(machine.runtime.step)
+        held: set[SampleKey] = set()
+        if state is not None:
+            for member, keys in state.progress.items():
+                # a mate that progress no longer reaches is likely dead: a retry of its microbatches is summed
+                # here, so the round need not wait for them (were it alive after all, the round counts them twice)
+                if member != machine.peer_id and member not in self._silent:
+                    held.update(keys)
+        self._elsewhere = self.summed_union.union(held)

@@ -1,0 +1,211 @@
+"""The hand-over of a stage's state between its mates: giving it to a newcomer, and taking a mate's.
+
+A newcomer (or a replica that fell behind or diverged) takes the state of a mate; the giver makes
+it a member from the step it takes, and tells it who holds what toward the next step, so that a
+death before the round costs exactly the samples the dead held. A peer takes a mate's state only at
+a step and fingerprint that another mate confirms, where two or more serve, so one lying mate cannot
+take a stage over. Standby holders of this stage (`swarm.peer.standby`) take a copy over the same
+protocol and stay out of the stage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+from swarm.net.wire import pack_frames
+from swarm.peer.averaging_round import AveragingRound
+from swarm.peer.mate_membership import MateMembership
+from swarm.peer.mate_messages import PROGRESS_TIMEOUT, check_header, ids_to_wire
+from swarm.peer.mate_progress import ProgressExchange
+from swarm.peer.stage_state import StageStateError, check_state_tensors, state_fingerprint, state_tensors
+from swarm.peer.state_transfer import (
+    Version,
+    confirmed_holders,
+    confirmed_versions,
+    encode_state,
+    load_into_runtime,
+    parameters_fingerprint,
+    peer_versions,
+    request_state,
+    state_handler,
+)
+from swarm.peer.step_machine import AVERAGING, StepMachine
+from swarm.proto import PROTOCOL_VERSION, Error, ErrorCode, HeldSamples, SampleId, StateReply, StateRequest
+
+logger = logging.getLogger(__name__)
+
+CONFIRM_ATTEMPTS = 4  # looks at the mates' (step, fingerprint) before a newcomer gives up on a confirmed state
+
+
+class StateHandOver:
+    """Gives this peer's stage state to newcomers and standby holders, and takes a mate's when it must."""
+
+    def __init__(
+        self, machine: StepMachine, membership: MateMembership, progress: ProgressExchange, averaging: AveragingRound
+    ) -> None:
+        self.machine = machine
+        self.membership = membership
+        self.progress = progress
+        self.averaging = averaging
+        self.unconfirmed_states = 0  # mates' states not taken: no other mate confirmed their step and fingerprint
+        self.standby_bytes_given = 0  # bytes of state sent to standby holders
+        self.handle = state_handler(self._answer, failure="Failed to send the stage's state", caller="a stage-mate")
+        machine.take_state = self.sync_from_mates
+
+    # --- giving --------------------------------------------------------------------------------------------
+
+    async def _answer(self, requester: str, request: StateRequest, _parts, reply: StateReply) -> list:
+        machine, membership = self.machine, self.membership
+        if (error := check_header(request, machine.model, machine.stage)) is not None:
+            reply.error.CopyFrom(error)
+            return [reply]
+        if not machine.serving:
+            reply.error.CopyFrom(
+                Error(code=ErrorCode.UNAVAILABLE, message="this peer is joining and has no state to give")
+            )
+            return [reply]
+        runtime = machine.runtime
+        member = membership.joins_stage(requester)
+        # it will not contribute to a round under way here: stop waiting for it
+        if member and machine.phase() == AVERAGING:
+            self.averaging.depart(requester)
+        # a snapshot on the runtime thread sees the state between steps, never mid-step
+        snapshot = runtime.run_exclusive(
+            lambda: (runtime.step, runtime.samples_stepped, *state_tensors(runtime.module, runtime.optimizer))
+        )
+        step, samples_stepped, tensors, has_optimizer_state = await asyncio.wrap_future(snapshot)
+        if member:
+            # the newcomer is a member from the step it takes: rounds from then on include it
+            machine.steps[step].progress.setdefault(requester, {})
+            if requester not in membership.mates:
+                membership.newcomers.add(requester)
+            self.averaging.departed.discard(requester)
+            # it learns the progress of this peer's mates from here until it shows in the DHT
+            self.progress.tell([requester], step)
+            logger.info(  # a standby copy goes every few steps: not worth a line each time
+                f"Giving stage {machine.stage} state of step {step} (fingerprint {state_fingerprint(tensors)}) "
+                f"to {requester}"
+            )
+        else:
+            self.standby_bytes_given += sum(t.numel() * t.element_size() for t in tensors)
+        parts = await encode_state(tensors)
+        state = machine.steps[step]
+        given = StateReply(
+            protocol_version=PROTOCOL_VERSION,
+            step=step,
+            has_optimizer_state=has_optimizer_state,
+            samples_stepped=samples_stepped,
+            attempt=state.attempt,
+            held=[
+                HeldSamples(peer=p, ids=ids_to_wire(held))
+                for p, held in state.progress.items()
+                if member and p != requester and held
+            ],
+            recently_summed=[SampleId(trainer=t, microbatch=mb) for t, mb in self.progress.summed_union],
+        )
+        return pack_frames(given, parts)
+
+    # --- taking --------------------------------------------------------------------------------------------
+
+    async def download_state(
+        self,
+        peer_id: str,
+        minimum_step: int = 0,
+        timeout: float = 120.0,
+        check: Callable[[int, str], Awaitable[bool]] | None = None,
+    ) -> int:
+        """Downloads a mate's state and loads it on the runtime thread; returns the step it is at.
+
+        Raises StageStateError if the mate refuses, sends a state that does not fit, is at a step
+        before `minimum_step`, or (with `check`) sends a (step, parameter fingerprint) that `check`
+        does not confirm.
+        """
+        machine, membership = self.machine, self.membership
+        membership.state_source = peer_id
+        try:
+            given = await request_state(machine.p2p, peer_id, machine.model, machine.stage, machine.limits, timeout)
+            step, tensors, has_optimizer_state = given.step, given.tensors, given.has_optimizer_state
+            if step < minimum_step:
+                raise StageStateError(f"the mate is at step {step}, not past {minimum_step}")
+            runtime = machine.runtime
+            check_state_tensors(runtime.module, tensors, has_optimizer_state)
+            if check is not None:
+                fingerprint = await parameters_fingerprint(runtime.module, tensors)
+                if not await check(step, fingerprint):
+                    self.unconfirmed_states += 1
+                    raise StageStateError(
+                        f"no other mate confirms its state (step {step}, fingerprint {fingerprint}); not taken"
+                    )
+            await load_into_runtime(runtime, step, tensors, has_optimizer_state, given.samples_stepped)
+        finally:
+            membership.state_source = None
+        logger.info(f"Loaded stage {machine.stage} state of step {step} (fingerprint {state_fingerprint(tensors)})")
+        # the giver's view of who holds what toward the next step: should one of them die before the
+        # round, this peer knows exactly which samples were lost and asks for them again
+        # rounds at this step that the giver found short: the next one is the one this peer joins (its own
+        # first round at attempt 0 would wait for mates that moved past it, for the whole averaging timeout)
+        state = machine.steps[step]
+        state.attempt = max(state.attempt, given.attempt)
+        for mate, ids in given.held.items():
+            if mate != machine.peer_id:
+                state.progress.setdefault(mate, {}).update(ids)
+        # the state already sums what the giver's last rounds summed: a trainer may still send one of them
+        # here (its reply was lost, or this peer had asked for it as lost before it took this state)
+        if given.recently_summed:
+            self.progress.remember_summed(given.recently_summed)
+        self.progress.note_holdings()
+        # tell every member this peer is one now, so that each sends it its progress before answering
+        # backwards: otherwise this peer could not tell that the stage has its batch and should wait
+        members = ({peer_id, *given.held, *membership.mates}) - {machine.peer_id}
+        sends = [self.progress.send(mate, step, {}) for mate in members]
+        await asyncio.gather(*sends, return_exceptions=True)
+        return step
+
+    async def sync_from_mates(self, minimum_step: int = 0, source: str | None = None) -> str | None:
+        """Takes the state of `source`, else of the most advanced mate whose step and fingerprint another
+        mate confirms, at `minimum_step` or later; returns the peer id it came from, or None.
+
+        `source` comes from the fingerprints the mates sent in progress (the majority's holder); without
+        it, every serving mate is asked its (step, fingerprint), and where two or more answer, only a
+        version two of them hold is taken: a mate announcing a step nobody else has cannot take the
+        stage over.
+        """
+        if source is not None:
+            candidates = [source]
+            check = None
+        else:
+            candidates = []
+            for look in range(CONFIRM_ATTEMPTS):
+                versions = await self._mate_versions()
+                candidates = confirmed_holders(versions, minimum_step)
+                if candidates or not versions:
+                    break
+                # mates straddling a step boundary: look again once they have all stepped
+                await asyncio.sleep(0.5 * (look + 1))
+            if not candidates:
+                return None
+
+            async def check(step: int, fingerprint: str) -> bool:
+                if (step, fingerprint) in confirmed_versions(versions):
+                    return True
+                # the giver stepped since the mates were asked: ask them again
+                return (step, fingerprint) in confirmed_versions(await self._mate_versions())
+
+        stage = self.machine.stage
+        for peer_id in candidates:
+            try:
+                step = await self.download_state(peer_id, minimum_step, check=check)
+            except Exception as e:
+                logger.warning(f"Could not take stage {stage} state from {peer_id}: {e}")
+                continue
+            logger.info(f"Took stage {stage} state at step {step} from mate {peer_id}")
+            return peer_id
+        return None
+
+    async def _mate_versions(self) -> dict[str, Version]:
+        """Each serving mate's (step, parameter fingerprint), as it answers now (the silent ones left out)."""
+        machine = self.machine
+        mates = list(self.membership.mates)
+        return await peer_versions(machine.p2p, mates, machine.model, machine.stage, PROGRESS_TIMEOUT)

@@ -1,0 +1,134 @@
+"""The two ends of a stage's state protocol, shared by stage-mates and standby holders.
+
+The giver answers a `StateRequest` with a `StateReply` and the state's tensors, uncompressed
+(`state_handler`, `encode_state`). The taker asks (`request_state`), checks the tensors against its
+own stage, and loads them on the runtime thread between steps (`load_into_runtime`). A taker trusts
+a (step, fingerprint) only where two of the stage's peers hold it (`confirmed_versions`), so one
+lying peer cannot take a stage over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+from hivemind.p2p import P2P, PeerID
+
+from swarm.compression import get_codec
+from swarm.net.allowlist import Handler
+from swarm.net.transport import STATE_PROTOCOL, exchange, get_peer_info
+from swarm.net.wire import Part, WireLimits, decode_tensors, encode_tensor
+from swarm.peer.mate_messages import MAX_IDS, Held, ids_from_wire
+from swarm.peer.protocol_handler import Answer, protocol_handler
+from swarm.peer.runtime import SampleKey, StageRuntime
+from swarm.peer.stage_state import StageStateError, load_state_tensors, state_fingerprint
+from swarm.proto import PROTOCOL_VERSION, ErrorCode, PeerInfo, StateReply, StateRequest
+from swarm.records.stage_records import SERVING
+
+Version = tuple[int, str]  # (step, parameter fingerprint) of a stage's state
+
+
+@dataclass
+class MateState:
+    """A stage's state as a peer gave it (`request_state`)."""
+
+    step: int
+    tensors: list[torch.Tensor]
+    has_optimizer_state: bool
+    samples_stepped: int
+    held: dict[str, Held]  # the microbatches each other member is known to hold toward the next step
+    attempt: int  # rounds at `step` the giver has found short so far
+    recently_summed: frozenset[SampleKey]  # what the giver's last rounds summed: the state includes them
+
+
+# --- the giver ---------------------------------------------------------------------------------------------
+
+
+def state_handler(answer: Answer, failure: str, caller: str) -> Handler:
+    """The stream handler of a request for a stage's state; `answer` gives the frames (see `protocol_handler`)."""
+    return protocol_handler(
+        StateRequest, lambda: StateReply(protocol_version=PROTOCOL_VERSION), answer, WireLimits(), failure, caller
+    )
+
+
+async def encode_state(tensors: list[torch.Tensor]) -> list[Part]:
+    """The state's tensors as wire parts, uncompressed, encoded off the event loop."""
+    return await asyncio.get_running_loop().run_in_executor(
+        None, lambda: [p for t in tensors for p in encode_tensor(t, get_codec("none"))]
+    )
+
+
+# --- the taker ---------------------------------------------------------------------------------------------
+
+
+async def request_state(
+    p2p: P2P, peer_id: str, model: str, stage: int, limits: WireLimits, timeout: float = 120.0
+) -> MateState:
+    """Asks a peer for its stage's state, or StageStateError."""
+    request = StateRequest(protocol_version=PROTOCOL_VERSION, model=model, stage=stage)
+    reply, parts = await asyncio.wait_for(
+        exchange(p2p, PeerID.from_base58(peer_id), STATE_PROTOCOL, [request], StateReply, limits), timeout
+    )
+    if reply.error.code != ErrorCode.OK:
+        raise StageStateError(f"{ErrorCode.Name(reply.error.code)}: {reply.error.message}")
+    if len(reply.recently_summed) > MAX_IDS:
+        raise StageStateError(f"the state names {len(reply.recently_summed)} summed microbatches, over {MAX_IDS}")
+    tensors = await asyncio.get_running_loop().run_in_executor(None, decode_tensors, parts, limits)
+    return MateState(
+        step=reply.step,
+        tensors=tensors,
+        has_optimizer_state=reply.has_optimizer_state,
+        samples_stepped=reply.samples_stepped,
+        held={entry.peer: ids_from_wire(entry.ids) for entry in reply.held},
+        attempt=reply.attempt,
+        recently_summed=frozenset((i.trainer, int(i.microbatch)) for i in reply.recently_summed),
+    )
+
+
+async def parameters_fingerprint(module: torch.nn.Module, tensors: list[torch.Tensor]) -> str:
+    """The fingerprint of the parameters among a state's `tensors` (checked against `module` already)."""
+    count = sum(1 for _ in module.parameters())
+    return await asyncio.get_running_loop().run_in_executor(None, state_fingerprint, tensors[:count])
+
+
+async def load_into_runtime(
+    runtime: StageRuntime, step: int, tensors: list[torch.Tensor], has_optimizer_state: bool, samples_stepped: int
+) -> None:
+    """Loads a checked state into the runtime's stage and optimizer, on its thread, before any queued work."""
+
+    def apply() -> None:
+        load_state_tensors(runtime.module, runtime.optimizer, tensors, has_optimizer_state)
+
+    await asyncio.wrap_future(
+        runtime.run_exclusive(lambda: runtime.load_state(step, apply, samples_stepped), front=True)
+    )
+
+
+async def peer_versions(p2p: P2P, peers: list[str], model: str, stage: int, timeout: float) -> dict[str, Version]:
+    """Each of `peers`' (step, fingerprint) for `stage`, as it answers now (the silent ones left out)."""
+    infos = await asyncio.gather(
+        *(get_peer_info(p2p, PeerID.from_base58(p), timeout=timeout) for p in peers), return_exceptions=True
+    )
+    return {
+        peer_id: (int(info.step), info.fingerprint)
+        for peer_id, info in zip(peers, infos)
+        if isinstance(info, PeerInfo)
+        and info.model == model
+        and info.stage == stage
+        and info.state == SERVING
+        and info.fingerprint
+    }
+
+
+def confirmed_versions(versions: dict[str, Version]) -> set[Version]:
+    """The (step, fingerprint) pairs that at least two mates hold (or the one mate's, if only one answered)."""
+    counts = Counter(versions.values())
+    return {version for version, n in counts.items() if n >= min(2, len(versions))}
+
+
+def confirmed_holders(versions: dict[str, Version], minimum_step: int = 0) -> list[str]:
+    """Mates holding a confirmed version at `minimum_step` or later: the most advanced version first."""
+    good = sorted((v for v in confirmed_versions(versions) if v[0] >= minimum_step), reverse=True)
+    return [peer_id for version in good for peer_id, held in sorted(versions.items()) if held == version]

@@ -1,0 +1,189 @@
+"""The step machine of one stage as this peer sees it, and what every part of the stage-mates shares.
+
+Each step of the stage is one state machine, run on the peer's event loop (`StepState`, advanced
+only by `StepMachine.advance`):
+
+    accumulating --(the group holds the target batch, or a mate starts a round)--> averaging
+    averaging --(every member agrees on the same contributions, nothing missing)--> stepped
+    averaging --(a member died holding samples)--> short --(they are sent again, or --short-wait)--> averaging
+
+Besides stepping, a replica may take its mates' state instead (it fell behind, or its parameters
+differ from theirs): `schedule_resync` does that in the background, once at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import defaultdict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import torch
+from hivemind.p2p import P2P
+
+from swarm.net.wire import WireLimits
+from swarm.peer.faults import FaultPlan
+from swarm.peer.mate_messages import Held
+from swarm.peer.runtime import StageRuntime
+from swarm.records.stage_records import StageRecord
+
+logger = logging.getLogger(__name__)
+
+ACCUMULATING, AVERAGING, SHORT = "accumulating", "averaging", "short"
+
+
+@dataclass
+class Contribution:
+    """One member's part of an averaging round."""
+
+    samples: int
+    grad_sum: torch.Tensor | None
+    members: frozenset[str]
+    held: Held = field(default_factory=dict)  # the microbatches summed into grad_sum
+    known: Held = field(default_factory=dict)  # every microbatch the member knew someone held at the step
+    give_up: bool = False  # the member has waited long enough for lost samples
+
+
+@dataclass
+class StepState:
+    """The state machine of one step of the stage, as this peer sees it."""
+
+    phase: str = ACCUMULATING
+    attempt: int = 0  # rounds at this step that came up short so far
+    progress: dict[str, Held] = field(default_factory=dict)  # what each member holds toward the step
+    mailbox: dict[int, dict[str, Contribution]] = field(default_factory=lambda: defaultdict(dict))  # by attempt
+    commits: dict[int, dict[str, frozenset[str]]] = field(default_factory=lambda: defaultdict(dict))  # by attempt
+    lost: Held = field(default_factory=dict)  # while short: what the stage waits for
+    short_deadline: float | None = None  # loop time: then the stage steps without what is still lost
+
+    def known(self) -> Held:
+        """Every microbatch a member is known to hold at this step."""
+        merged: Held = {}
+        for held in self.progress.values():
+            merged.update(held)
+        return merged
+
+
+class StepMachine:
+    """The stage's steps as this peer sees them, and what the stage-mates' parts share: who this peer is,
+    its runtime, the event loop and P2P (from `start`), and their background tasks."""
+
+    def __init__(self, runtime: StageRuntime, peer_id: str, model: str, faults: FaultPlan) -> None:
+        self.runtime = runtime
+        self.peer_id = peer_id
+        self.model = model
+        self.stage = runtime.module.stage
+        self.num_stages = runtime.module.num_stages
+        self.faults = faults
+        self.num_parameters = sum(p.numel() for p in runtime.module.parameters())
+        state_bytes = 16 * self.num_parameters + 2**20
+        self.limits = WireLimits(max_message_bytes=state_bytes, max_tensor_bytes=state_bytes)
+        self.steps: dict[int, StepState] = defaultdict(StepState)
+        self.serving = False  # set by the peer once it has the stage's state
+        self.p2p: P2P | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.changed: asyncio.Event | None = None  # set when a round under way may have news
+        self.handed_over: set[str] = set()  # mates that left after handing over their gradients
+        self.on_phase: Callable[[], None] | None = None  # wakes requests waiting on the step machine
+        # takes a mate's state at a minimum step (from a given mate, or one confirmed): set by the state hand-over
+        self.take_state: Callable[[int, str | None], Awaitable[str | None]] | None = None
+        self.resyncs = 0
+        self.resyncing = False
+        self.behind_checks = 0
+        self._tasks: set[asyncio.Task] = set()
+
+    def start(self, p2p: P2P) -> None:
+        """Binds the machine to the peer's P2P and the running event loop."""
+        self.p2p = p2p
+        self.loop = asyncio.get_running_loop()
+        self.changed = asyncio.Event()
+
+    def spawn(self, coroutine) -> asyncio.Task:
+        """Runs `coroutine` in the background until it ends or `cancel_tasks`."""
+        task = asyncio.ensure_future(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def cancel_tasks(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+
+    def wake(self) -> None:
+        """Tells requests waiting on the step machine that it moved."""
+        if self.on_phase is not None:
+            self.on_phase()
+
+    def own(self, step: int) -> Held:
+        """The microbatches this peer holds toward `step`."""
+        return dict(self.steps[step].progress.get(self.peer_id, {})) if step in self.steps else {}
+
+    def phase(self) -> str:
+        """The phase of the stage's current step."""
+        return self.steps[self.runtime.step].phase
+
+    def lost(self) -> Held:
+        """While the current step is short: the microbatches it waits for."""
+        state = self.steps[self.runtime.step]
+        if state.phase != SHORT:
+            return {}
+        known = state.known()  # those sent again already are not asked for twice
+        return {key: n for key, n in state.lost.items() if key not in known}
+
+    def is_full(self) -> bool:
+        """Whether the current step has reached its target batch (or its round has begun): it will step."""
+        state = self.steps[self.runtime.step]
+        if state.phase != ACCUMULATING:
+            return True
+        return sum(state.known().values()) >= self.runtime.target_batch_size or self.started_by_mate(state)
+
+    def started_by_mate(self, state: StepState) -> bool:
+        box = state.mailbox.get(state.attempt, {})
+        return any(p != self.peer_id and p not in self.handed_over for p in box)
+
+    def advance(self, step: int) -> None:
+        """The one place that decides whether the stage's current step starts (or retries) its round."""
+        if step != self.runtime.step or not self.serving:
+            return
+        state = self.steps[step]
+        if state.phase == AVERAGING:
+            return
+        if state.phase == SHORT:
+            known = state.known()
+            back = all(key in known for key in state.lost)
+            expired = self.loop.time() >= state.short_deadline
+            if back or expired or self.started_by_mate(state):
+                self.runtime.request_step(step)
+            return
+        if self.is_full():
+            self.runtime.request_step(step)
+
+    def check_behind(self, mates: dict[str, StageRecord]) -> None:
+        """Takes the mates' state if their records say this peer fell behind them."""
+        step = self.runtime.step
+        # one mate's record alone is no proof: where two or more serve, another must be as far ahead
+        steps = sorted((r.step for r in mates.values()), reverse=True)
+        ahead = (steps[1] if len(steps) >= 2 else steps[0] if steps else step) - step
+        self.behind_checks = self.behind_checks + 1 if ahead >= 1 else 0
+        # one step ahead for a moment is normal (a mate finishing a round first); longer is not
+        if ahead >= 2 or self.behind_checks >= 2:
+            self.schedule_resync(f"mates announce step {step + ahead}, this peer is at {step}")
+
+    def schedule_resync(self, reason: str, source: str | None = None, minimum_step: int | None = None) -> None:
+        """Downloads a mate's state in the background, once at a time."""
+        if self.resyncing or not self.serving:
+            return
+        self.resyncing = True
+        logger.warning(f"Stage {self.stage} takes its mates' state: {reason}")
+        wanted = self.runtime.step + 1 if minimum_step is None else minimum_step
+
+        async def resync() -> None:
+            try:
+                if await self.take_state(wanted, source) is not None:
+                    self.resyncs += 1
+            finally:
+                self.resyncing = False
+                self.behind_checks = 0
+
+        self.spawn(resync())
