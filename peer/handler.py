@@ -11,14 +11,15 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-from swarm.compression import CodecError, get_codec
+from swarm.compression import Codec, CodecError, get_codec
 from swarm.models import GPTStage
 from swarm.models.stage_io import StageInputError, check_stage_inputs
 from swarm.net.wire import (
+    Part,
     StreamEnded,
     WireError,
     WireLimits,
@@ -26,12 +27,12 @@ from swarm.net.wire import (
     encode_tensor,
     pack_frames,
     read_frames,
-    wait_for_hang_up,
-    write_frames,
 )
 from swarm.peer.faults import DropReply, FaultPlan
-from swarm.peer.mates import StageMates, ids_to_wire
-from swarm.peer.runtime import StageRuntime, StaleGradientError
+from swarm.peer.mate_messages import ids_to_wire
+from swarm.peer.mates import StageMates
+from swarm.peer.protocol_handler import send_reply
+from swarm.peer.runtime import StageResult, StageRuntime, StaleGradientError
 from swarm.proto import (
     BACKWARD,
     FORWARD,
@@ -45,10 +46,23 @@ from swarm.proto import (
 )
 from swarm.records.stage_records import SERVING
 
-if TYPE_CHECKING:
-    from swarm.peer.metrics import PeerMetrics
-
 logger = logging.getLogger(__name__)
+
+
+class StageCallMetrics(Protocol):
+    """What the handler tells the peer's metrics (`swarm.peer.metrics.PeerMetrics`) of the calls it serves."""
+
+    def stage_request(self, parts: list[Part]) -> None:
+        """A stage call's tensors were read."""
+
+    def stage_served(self, backward: bool, samples: int, seconds: float, parts: list[Part]) -> None:
+        """A stage call was answered with these tensor `parts`."""
+
+    def stage_error(self, code: int) -> None:
+        """A stage call was answered with the error `code`."""
+
+    def info_error(self, code: int) -> None:
+        """An info request was answered with the error `code`."""
 
 
 def error_reply(code: int, message: str) -> StageReply:
@@ -69,7 +83,7 @@ class StageHandler:
         mates: StageMates,
         step_wait: float = 40.0,
         faults: FaultPlan | None = None,
-        metrics: PeerMetrics | None = None,
+        metrics: StageCallMetrics | None = None,
     ) -> None:
         self.runtime = runtime
         self.stage: GPTStage = runtime.module
@@ -131,14 +145,8 @@ class StageHandler:
         except Exception as e:
             logger.exception("Failed to serve a stage call")
             frames = [self._error(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")]
-        try:
-            await write_frames(writer, frames)
-            await wait_for_hang_up(reader)
-        except Exception as e:  # the caller went away; nothing left to tell it
-            logger.warning(f"Could not send a reply to {stream_info.peer_id}: {type(e).__name__}: {e}")
-        finally:
-            with contextlib.suppress(Exception):
-                writer.close()
+        # a caller gone away before the reply is worth a warning: it had work under way
+        await send_reply(reader, writer, frames, str(stream_info.peer_id), logging.WARNING)
 
     async def _serve(self, reader: asyncio.StreamReader, caller: str) -> list[StageReply]:
         request, parts = await read_frames(reader, StageRequest, self.limits)
@@ -147,27 +155,8 @@ class StageHandler:
             self.metrics.stage_request(parts)
         # the caller's clock started earlier (the request was on the wire): this errs on computing
         give_up_at = time.monotonic() + request.deadline_s if request.deadline_s > 0 else None
-        if request.protocol_version != PROTOCOL_VERSION:
-            return [
-                self._error(
-                    ErrorCode.VERSION_MISMATCH,
-                    f"caller speaks protocol {request.protocol_version}, this peer speaks {PROTOCOL_VERSION}; "
-                    "upgrade swarm on the older side",
-                )
-            ]
-        if request.model != self.model_name or request.stage != self.stage.stage:
-            return [
-                self._error(
-                    ErrorCode.WRONG_STAGE,
-                    f"this peer hosts stage {self.stage.stage} of {self.model_name}, "
-                    f"not stage {request.stage} of {request.model or '(no model)'}",
-                )
-            ]
-        if request.kind not in (FORWARD, BACKWARD):
-            return [self._error(ErrorCode.BAD_REQUEST, f"unknown call kind {request.kind}")]
-        if self.state() != SERVING:
-            return [self._error(ErrorCode.UNAVAILABLE, f"this peer is {self.state()}, not serving")]
-
+        if (refusal := self._refusal(request)) is not None:
+            return [refusal]
         loop = asyncio.get_running_loop()
         backward = request.kind == BACKWARD
         tensors = await loop.run_in_executor(None, decode_tensors, parts, self.limits)
@@ -183,16 +172,7 @@ class StageHandler:
         # the caller expects the stage at request.step: its previous step must be applied first
         reached = await self._wait_for_step(request.step)
         if reached is None:
-            short_step = self.runtime.step
-            lost = self.mates.lost()
-            reply = self._error(
-                ErrorCode.SHORT,
-                f"step {short_step} lost {sum(lost.values())} samples ({len(lost)} microbatches) with a mate; "
-                "their trainers should send them again",
-            )
-            reply.short_step = short_step
-            reply.lost.extend(ids_to_wire(lost))
-            return [reply]
+            return [self._short_reply()]
         if not reached:
             return [
                 self._error(
@@ -215,7 +195,45 @@ class StageHandler:
             # the mates hear of these samples before the caller does (see StageMates.progress_delivered)
             await self.mates.progress_delivered()
             await self.faults.hit("after_backward")
+        return await self._answer(result, backward, tensors[0].shape[0], codec, started)
 
+    def _refusal(self, request: StageRequest) -> StageReply | None:
+        """The error reply for a call this peer does not serve (another protocol, stage or kind; not serving)."""
+        if request.protocol_version != PROTOCOL_VERSION:
+            return self._error(
+                ErrorCode.VERSION_MISMATCH,
+                f"caller speaks protocol {request.protocol_version}, this peer speaks {PROTOCOL_VERSION}; "
+                "upgrade swarm on the older side",
+            )
+        if request.model != self.model_name or request.stage != self.stage.stage:
+            return self._error(
+                ErrorCode.WRONG_STAGE,
+                f"this peer hosts stage {self.stage.stage} of {self.model_name}, "
+                f"not stage {request.stage} of {request.model or '(no model)'}",
+            )
+        if request.kind not in (FORWARD, BACKWARD):
+            return self._error(ErrorCode.BAD_REQUEST, f"unknown call kind {request.kind}")
+        if self.state() != SERVING:
+            return self._error(ErrorCode.UNAVAILABLE, f"this peer is {self.state()}, not serving")
+        return None
+
+    def _short_reply(self) -> StageReply:
+        """SHORT: the step lost samples with a mate, named so that their trainers send them again."""
+        short_step = self.runtime.step
+        lost = self.mates.lost()
+        reply = self._error(
+            ErrorCode.SHORT,
+            f"step {short_step} lost {sum(lost.values())} samples ({len(lost)} microbatches) with a mate; "
+            "their trainers should send them again",
+        )
+        reply.short_step = short_step
+        reply.lost.extend(ids_to_wire(lost))
+        return reply
+
+    async def _answer(
+        self, result: StageResult, backward: bool, samples: int, codec: Codec, started: float
+    ) -> list[StageReply]:
+        """The reply to a served call: its outputs (or input gradients) in `codec`, never non-finite ones."""
         if any(not bool(torch.isfinite(t).all()) for t in result.tensors):
             # its parameters went bad: never pass NaN on as an answer (the caller goes elsewhere)
             return [self._error(ErrorCode.INTERNAL, "this peer computed non-finite values; its state is broken")]
@@ -224,10 +242,10 @@ class StageHandler:
             result.tensors = [torch.full_like(t, float("nan")) for t in result.tensors]
 
         await self.faults.hit("reply", act=poison)
-        reply = StageReply(protocol_version=PROTOCOL_VERSION, step=result.step, num_samples=tensors[0].shape[0])
+        reply = StageReply(protocol_version=PROTOCOL_VERSION, step=result.step, num_samples=samples)
         if result.losses is not None:
             reply.loss = float(result.losses.mean())
-        out_parts = await loop.run_in_executor(
+        out_parts = await asyncio.get_running_loop().run_in_executor(
             None, lambda: [p for t in result.tensors for p in encode_tensor(t, codec)]
         )
         self.requests_served += 1
@@ -257,14 +275,7 @@ class StageHandler:
             info = PeerInfo(protocol_version=PROTOCOL_VERSION, error=Error(code=ErrorCode.INTERNAL, message=str(e)))
         if info.error.code != ErrorCode.OK and self.metrics is not None:
             self.metrics.info_error(info.error.code)
-        try:
-            await write_frames(writer, [info])
-            await wait_for_hang_up(reader)
-        except Exception as e:
-            logger.debug(f"Could not send peer info: {e}")
-        finally:
-            with contextlib.suppress(Exception):
-                writer.close()
+        await send_reply(reader, writer, [info], "an info request")
 
     def info(self) -> PeerInfo:
         step, fingerprint = self.runtime.version  # changed together: a step is never paired with another's hash
