@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from swarm import __version__
-from swarm.net.allowlist import Handler
+from swarm.net.allowlist import Handler, StreamGate
 from swarm.net.transport import INFO_PROTOCOL, STAGE_PROTOCOL
 from swarm.net.wire import Part
 from swarm.ops.prometheus import DURATION_BUCKETS, CountersFrom, error_name, tensor_bytes_by_codec
@@ -23,7 +23,7 @@ from swarm.peer.runtime import RoundResult, StageRuntime
 from swarm.records.stage_records import JOINING, LEAVING, SERVING
 
 if TYPE_CHECKING:
-    from swarm.peer.server import Peer
+    from swarm.config import PeerConfig
 
 # (metric name without _total, help, where the stage keeps the tally): reset when the peer changes stage
 STAGE_TALLIES: list[tuple[str, str, Callable[[StageRuntime, StageMates], int]]] = [
@@ -56,16 +56,26 @@ class Hosting:
         return self.earlier.get(name, 0) + read(self.runtime, self.mates)
 
 
+class MeteredPeer(Protocol):
+    """What the metrics read of their peer (`swarm.peer.server.Peer`), at scrape time."""
+
+    config: PeerConfig
+    peer_id: str
+    stage: int  # -1 while it chooses one
+    state: str
+    gate: StreamGate  # the streams open and refused, per caller
+    moves: int
+
+
 class PeerMetrics:
     """The metrics of one peer process, in a registry of its own; `registry` is what the endpoint serves."""
 
-    def __init__(self, peer: Peer) -> None:
+    def __init__(self, peer: MeteredPeer) -> None:
         config = peer.config
         self.peer = peer
         self.hosting: Hosting | None = None  # until the peer has built its stage
         self.registry = CollectorRegistry()
-        registry = self.registry
-        Info("swarm_peer", "what this peer serves", registry=registry).info(
+        Info("swarm_peer", "what this peer serves", registry=self.registry).info(
             {
                 "peer_id": peer.peer_id,
                 "model": config.model,
@@ -74,6 +84,12 @@ class PeerMetrics:
                 "version": __version__,
             }
         )
+        self._add_gauges()
+        self._add_counters()
+
+    def _add_gauges(self) -> None:
+        """The gauges, each read at scrape time: of the peer, or of the stage it hosts then."""
+        peer, registry = self.peer, self.registry
 
         def gauge(name: str, documentation: str, read: Callable[[Hosting], float]) -> None:
             # read at scrape time, from the stage hosted then
@@ -109,6 +125,9 @@ class PeerMetrics:
             lambda: sum(peer.gate.open.values())
         )
 
+    def _add_counters(self) -> None:
+        """The counters and histograms: of calls, errors, samples, bytes and rounds, and the stages' tallies."""
+        peer, registry = self.peer, self.registry
         self.calls = Counter(
             "swarm_peer_calls", "streams admitted, per protocol served", ["protocol"], registry=registry
         )
