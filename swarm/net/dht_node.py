@@ -178,6 +178,12 @@ def start_dht(config: NetworkConfig, reachable: bool | None = None) -> DHT:
                 f"none of --initial-peers answered ({' '.join(config.initial_peers)}): check the addresses, "
                 "and that those peers are up and reachable from here"
             ) from None
+        if "local time must be within" in str(e):  # hivemind's check of the bootstrap node's clock
+            raise JoinError(
+                f"this machine's clock differs from the swarm's by more than 3 s ({e}): DHT records carry "
+                "wall-clock expiry times, so clocks must agree; synchronize it (e.g. enable NTP: "
+                "`timedatectl set-ntp true`) and start again"
+            ) from None
         raise JoinError(
             f"could not start this process's DHT node on {' '.join(config.host_maddrs)} "
             f"({type(e).__name__}: {e}); check --host-maddrs and --identity-path"
