@@ -91,42 +91,11 @@ def build_snapshot(
     served = [stage for stage in range(num_stages) if any(r.state == SERVING for r in records.get(stage, []))]
     # the stage holding the pipeline back; none while nothing has been measured yet
     bottleneck = min(range(num_stages), key=lambda s: (caps[s], s)) if num_stages and max(caps) > 0 else None
-    stages = []
-    for stage in range(num_stages):
-        found = records.get(stage, [])
-        stages.append(
-            {
-                "stage": stage,
-                "peers": len(found),
-                "serving": sum(r.state == SERVING for r in found),
-                "joining": sum(r.state == JOINING for r in found),
-                "step": max((r.step for r in found), default=None),
-                "queue": sum(r.queue_length for r in found),
-                "stale_gradients": sum(r.stale_gradients for r in found),
-                "capacity": caps[stage],
-                "cost": costs[stage],
-                # balanced, every stage could carry the best pipeline throughput these peers allow
-                "load": caps[stage] / ideal if ideal > 0 else None,
-                "bottleneck": stage == bottleneck,
-            }
-        )
-    peers = [
-        {
-            "peer_id": r.peer_id,
-            "stage": stage,
-            "state": r.state,
-            "model": r.model,
-            "step": r.step,
-            "throughput": r.throughput,
-            "queue": r.queue_length,
-            "stale_gradients": r.stale_gradients,
-            "movable": r.movable,
-            "expires_in": r.expiration - now,
-            "banned_by": banned_by.get(r.peer_id, 0),
-        }
-        for stage in sorted(records)
-        for r in sorted(records[stage], key=lambda r: r.peer_id)
+    stages = [
+        _stage_row(stage, records.get(stage, []), caps[stage], costs[stage], ideal, stage == bottleneck)
+        for stage in range(num_stages)
     ]
+    peers = _peer_rows(records, banned_by, now)
     history.add(trainers)
     return {
         "run_id": run_id,
@@ -143,20 +112,66 @@ def build_snapshot(
             "bottleneck": bottleneck,
             "moves": [{"peer_id": m.peer_id, "source": m.source, "target": m.target} for m in moves],
         },
-        "trainers": [
-            {
-                "peer_id": t.peer_id,
-                "model": t.model,
-                "step": t.step,
-                "samples": t.samples,
-                "loss": t.loss,
-                "samples_per_second": t.samples_per_second,
-                "bans_issued": t.bans_issued,
-                "banned": list(t.banned),
-                "expires_in": t.expiration - now,
-            }
-            for t in sorted(trainers, key=lambda t: t.peer_id)
-        ],
+        "trainers": _trainer_rows(trainers, now),
         "bans_issued": sum(t.bans_issued for t in trainers),
         "history": history.series(),
     }
+
+
+def _stage_row(
+    stage: int, found: list[StageRecord], capacity: float, cost: float, ideal: float, bottleneck: bool
+) -> dict:
+    """One stage's line: its peers by state, step, queue, capacity, cost and load against the ideal."""
+    return {
+        "stage": stage,
+        "peers": len(found),
+        "serving": sum(r.state == SERVING for r in found),
+        "joining": sum(r.state == JOINING for r in found),
+        "step": max((r.step for r in found), default=None),
+        "queue": sum(r.queue_length for r in found),
+        "stale_gradients": sum(r.stale_gradients for r in found),
+        "capacity": capacity,
+        "cost": cost,
+        # balanced, every stage could carry the best pipeline throughput these peers allow
+        "load": capacity / ideal if ideal > 0 else None,
+        "bottleneck": bottleneck,
+    }
+
+
+def _peer_rows(records: dict[int, list[StageRecord]], banned_by: Counter[str], now: float) -> list[dict]:
+    """Every peer's line, by stage and peer id; `banned_by` counts the trainers that ban each peer."""
+    return [
+        {
+            "peer_id": r.peer_id,
+            "stage": stage,
+            "state": r.state,
+            "model": r.model,
+            "step": r.step,
+            "throughput": r.throughput,
+            "queue": r.queue_length,
+            "stale_gradients": r.stale_gradients,
+            "movable": r.movable,
+            "expires_in": r.expiration - now,
+            "banned_by": banned_by.get(r.peer_id, 0),
+        }
+        for stage in sorted(records)
+        for r in sorted(records[stage], key=lambda r: r.peer_id)
+    ]
+
+
+def _trainer_rows(trainers: list[TrainerRecord], now: float) -> list[dict]:
+    """Every trainer's line, by peer id."""
+    return [
+        {
+            "peer_id": t.peer_id,
+            "model": t.model,
+            "step": t.step,
+            "samples": t.samples,
+            "loss": t.loss,
+            "samples_per_second": t.samples_per_second,
+            "bans_issued": t.bans_issued,
+            "banned": list(t.banned),
+            "expires_in": t.expiration - now,
+        }
+        for t in sorted(trainers, key=lambda t: t.peer_id)
+    ]

@@ -416,11 +416,6 @@ def ideal_assignment(
     (thousands of peers); the result is then the best found, within the gap to the upper bound.
     """
     cost = _costs(costs, num_stages)
-    order = sorted(range(len(speeds)), key=lambda i: -speeds[i])
-    sorted_speeds = [speeds[i] for i in order]
-    suffix = [0.0] * (len(order) + 1)
-    for k in range(len(order) - 1, -1, -1):
-        suffix[k] = suffix[k + 1] + sorted_speeds[k]
     best_stages = greedy_assignment(speeds, num_stages, cost)
     best = assignment_throughput(speeds, best_stages, num_stages, cost)
     bound = upper_bound_throughput(speeds, num_stages, cost)
@@ -430,20 +425,53 @@ def ideal_assignment(
         return best, best_stages, True
     if len(speeds) > max_exact_peers:
         return best, best_stages, False
-    groups = [[s for s in range(num_stages) if cost[s] == c] for c in sorted(set(cost))]
-    nodes = 0
+    search = _CoverSearch(speeds, num_stages, cost, node_limit)
+    proven = True
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, len(speeds) + 200))  # the search recurses once per peer
+    try:
+        while True:
+            stages = search.cover(best * (1 + 1e-9) + 1e-12)
+            if stages is None:
+                break
+            value = assignment_throughput(speeds, stages, num_stages, cost)
+            if value <= best:
+                break
+            best, best_stages = value, stages
+    except TimeoutError:
+        proven = False
+    finally:
+        sys.setrecursionlimit(limit)
+    return best, best_stages, proven
 
-    def cover(target: float) -> list[int] | None:
-        """Stages for the sorted peers giving every stage at least `target`, or None if impossible."""
-        nonlocal nodes
+
+class _CoverSearch:
+    """The branch and bound of `ideal_assignment`: peers placed fastest first so that every stage gets at
+    least a target capacity. Its nodes count over every search it makes; past `node_limit`, TimeoutError."""
+
+    def __init__(self, speeds: Sequence[float], num_stages: int, cost: list[float], node_limit: int) -> None:
+        self.num_stages = num_stages
+        self.cost = cost
+        self.node_limit = node_limit
+        self.order = sorted(range(len(speeds)), key=lambda i: -speeds[i])
+        self.sorted_speeds = [speeds[i] for i in self.order]
+        self.suffix = [0.0] * (len(self.order) + 1)  # the speed of the peers from k on
+        for k in range(len(self.order) - 1, -1, -1):
+            self.suffix[k] = self.suffix[k + 1] + self.sorted_speeds[k]
+        self.groups = [[s for s in range(num_stages) if cost[s] == c] for c in sorted(set(cost))]
+        self.nodes = 0
+
+    def cover(self, target: float) -> list[int] | None:
+        """Stages for the peers (in their given order) giving every stage at least `target`, or None if impossible."""
+        num_stages, cost, node_limit, groups = self.num_stages, self.cost, self.node_limit, self.groups
+        order, sorted_speeds, suffix = self.order, self.sorted_speeds, self.suffix
         need = [target * c for c in cost]
         chosen = [0] * len(order)
         failed: set[tuple] = set()
 
         def place(k: int) -> bool:
-            nonlocal nodes
-            nodes += 1
-            if nodes > node_limit:
+            self.nodes += 1
+            if self.nodes > node_limit:
                 raise TimeoutError
             open_needs = [n for n in need if n > 1e-12]
             if not open_needs:
@@ -471,25 +499,9 @@ def ideal_assignment(
             failed.add(key)
             return False
 
-        return list(chosen) if place(0) else None
-
-    proven = True
-    limit = sys.getrecursionlimit()
-    sys.setrecursionlimit(max(limit, len(speeds) + 200))  # the search recurses once per peer
-    try:
-        while True:
-            found = cover(best * (1 + 1e-9) + 1e-12)
-            if found is None:
-                break
-            stages = [0] * len(speeds)
-            for k, i in enumerate(order):
-                stages[i] = found[k]
-            value = assignment_throughput(speeds, stages, num_stages, cost)
-            if value <= best:
-                break
-            best, best_stages = value, stages
-    except TimeoutError:
-        proven = False
-    finally:
-        sys.setrecursionlimit(limit)
-    return best, best_stages, proven
+        if not place(0):
+            return None
+        stages = [0] * len(order)
+        for k, i in enumerate(order):
+            stages[i] = chosen[k]
+        return stages

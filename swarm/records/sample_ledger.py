@@ -19,6 +19,7 @@ import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 SampleId = tuple[str, int]  # (trainer id, microbatch id)
@@ -202,96 +203,142 @@ def account(fed_lines: Iterable[dict[str, Any]], step_lines: Iterable[dict[str, 
     Totals hold restores, steps_rolled_back, samples_rolled_back and samples_lost_with_stage only when
     the ledger has a restore line.
     """
-    fed_sizes: dict[SampleKey, int] = {}
-    fed_times: dict[SampleKey, float] = {}
-    for line in fed_lines:
-        if line.get("kind") == "fed":
-            key = (str(line["trainer"]), int(line["mb"]))
-            fed_sizes[key] = int(line["samples"])
-            if line.get("time") is not None:
-                fed_times[key] = float(line["time"])
-    samples_fed = sum(fed_sizes.values())
-
-    steps_seen: list[dict[str, Any]] = []
-    restores: dict[int, list[dict[str, Any]]] = defaultdict(list)
-    for line in step_lines:
-        if line.get("kind") == "step":
-            steps_seen.append(line)
-        elif line.get("kind") == "restore":
-            restores[int(line["stage"])].append(line)
-    restore_times = {stage: sorted(float(r["time"]) for r in group) for stage, group in restores.items()}
-
-    # kept history: (stage, step) -> peer -> line; abandoned ones: (stage, epoch, step) -> peer -> line
-    replicas: dict[tuple[int, int], dict[str, dict[str, Any]]] = defaultdict(dict)
-    abandoned: dict[tuple[int, int, int], dict[str, dict[str, Any]]] = defaultdict(dict)
-    for line in steps_seen:
-        stage, step, peer = int(line["stage"]), int(line["step"]), str(line["peer"])
-        if _abandoned(line, restores.get(stage, [])):
-            abandoned[stage, _epoch(line, restore_times[stage]), step][peer] = line
-        else:
-            replicas[stage, step][peer] = line  # the peer's last line wins
-
-    stages: dict[int, dict[str, Any]] = {}
-    for stage in sorted({stage for stage, _ in replicas} | {stage for stage, _, _ in abandoned} | set(restores)):
-        summed: Counter[SampleKey] = Counter()
-        sizes = dict(fed_sizes)  # a size from the trainer's line; an orphan's from the step line
-        declared: set[SampleKey] = set()
-        undone: set[SampleKey] = set()  # ids the abandoned histories summed
-        steps, divergent = [], set()
-        histories = [((step,), by_peer, True) for (s, step), by_peer in replicas.items() if s == stage]
-        histories += [((epoch, step), by_peer, False) for (s, epoch, step), by_peer in abandoned.items() if s == stage]
-        for where, by_peer, kept in sorted(histories, key=lambda h: (not h[2], h[0])):
-            lines = list(by_peer.values())
-            if len({line["fingerprint"] for line in lines}) > 1:
-                divergent.add(where[-1])
-            chosen = _chosen_line(lines)
-            if kept:
-                steps.append(where[-1])
-            for entry in chosen["ids"]:
-                (summed if kept else undone).update([_key(entry)])
-                sizes.setdefault(_key(entry), int(entry[2]))
-            for entry in chosen["lost"]:
-                declared.add(_key(entry))
-                sizes.setdefault(_key(entry), int(entry[2]))
-        lost = set(fed_sizes) - set(summed)
-        rolled_back = lost & undone
-        windows = []
-        for restored_at in restore_times.get(stage, []):
-            before = [float(line["time"]) for line in steps_seen if _written_before(line, stage, restored_at)]
-            windows.append((max(before, default=float("-inf")), restored_at))
-        with_stage = {
-            key
-            for key in lost - rolled_back
-            if key in fed_times and any(start < fed_times[key] < end for start, end in windows)
-        }
-        doubled = {key: count - 1 for key, count in summed.items() if count > 1}
-        orphans = {key: count for key, count in summed.items() if key not in fed_sizes}
-        stages[stage] = {
-            "samples_fed": samples_fed,
-            "samples_stepped": _samples(summed, sizes),
-            "steps": len(steps),
-            "samples_lost": sum(sizes[key] for key in lost),
-            "lost_ids": _ids(lost),
-            "samples_declared_lost": sum(sizes[key] for key in declared),
-            "samples_silently_lost": sum(sizes[key] for key in lost - declared - rolled_back - with_stage),
-            "samples_doubled": _samples(doubled, sizes),
-            "doubled_ids": _ids(doubled),
-            "samples_orphaned": _samples(orphans, sizes),
-            "orphan_ids": _ids(orphans),
-            "divergent_steps": sorted(divergent),
-            "restores": len(restores.get(stage, [])),
-            "steps_rolled_back": sum(1 for s, _, _ in abandoned if s == stage),
-            "samples_rolled_back": sum(sizes[key] for key in rolled_back),
-            "rolled_back_ids": _ids(rolled_back),
-            "samples_lost_with_stage": sum(sizes[key] for key in with_stage),
-            "lost_with_stage_ids": _ids(with_stage),
-        }
+    ledger = _ReadLedger.of(fed_lines, step_lines)
+    stages = {stage: _stage_counts(ledger, stage) for stage in ledger.stages()}
     summed_names = ["samples_lost", "samples_silently_lost", "samples_doubled", "samples_orphaned"]
-    if restores:
+    if ledger.restores:
         summed_names += ["restores", "steps_rolled_back", "samples_rolled_back", "samples_lost_with_stage"]
     totals = {
-        "samples_fed": samples_fed,
+        "samples_fed": ledger.samples_fed,
         **{name: sum(counts[name] for counts in stages.values()) for name in summed_names},
         "divergent_steps": sum(len(counts["divergent_steps"]) for counts in stages.values()),
     }
     return {"stages": stages, "totals": totals}
+
+
+@dataclass
+class _ReadLedger:
+    """The ledger's lines as `account` reads them: fed ids, step lines by history, restores by stage."""
+
+    fed_sizes: dict[SampleKey, int]
+    fed_times: dict[SampleKey, float]  # of the fed lines that have a time
+    steps_seen: list[dict[str, Any]]
+    restores: dict[int, list[dict[str, Any]]]
+    restore_times: dict[int, list[float]]  # per stage, sorted
+    # kept history: (stage, step) -> peer -> line; abandoned ones: (stage, epoch, step) -> peer -> line
+    replicas: dict[tuple[int, int], dict[str, dict[str, Any]]]
+    abandoned: dict[tuple[int, int, int], dict[str, dict[str, Any]]]
+
+    @classmethod
+    def of(cls, fed_lines: Iterable[dict[str, Any]], step_lines: Iterable[dict[str, Any]]) -> _ReadLedger:
+        fed_sizes: dict[SampleKey, int] = {}
+        fed_times: dict[SampleKey, float] = {}
+        for line in fed_lines:
+            if line.get("kind") == "fed":
+                key = (str(line["trainer"]), int(line["mb"]))
+                fed_sizes[key] = int(line["samples"])
+                if line.get("time") is not None:
+                    fed_times[key] = float(line["time"])
+        steps_seen: list[dict[str, Any]] = []
+        restores: dict[int, list[dict[str, Any]]] = defaultdict(list)
+        for line in step_lines:
+            if line.get("kind") == "step":
+                steps_seen.append(line)
+            elif line.get("kind") == "restore":
+                restores[int(line["stage"])].append(line)
+        restore_times = {stage: sorted(float(r["time"]) for r in group) for stage, group in restores.items()}
+        replicas: dict[tuple[int, int], dict[str, dict[str, Any]]] = defaultdict(dict)
+        abandoned: dict[tuple[int, int, int], dict[str, dict[str, Any]]] = defaultdict(dict)
+        for line in steps_seen:
+            stage, step, peer = int(line["stage"]), int(line["step"]), str(line["peer"])
+            if _abandoned(line, restores.get(stage, [])):
+                abandoned[stage, _epoch(line, restore_times[stage]), step][peer] = line
+            else:
+                replicas[stage, step][peer] = line  # the peer's last line wins
+        return cls(fed_sizes, fed_times, steps_seen, restores, restore_times, replicas, abandoned)
+
+    @property
+    def samples_fed(self) -> int:
+        return sum(self.fed_sizes.values())
+
+    def stages(self) -> list[int]:
+        """Every stage that wrote a step or restore line, in order."""
+        return sorted(
+            {stage for stage, _ in self.replicas} | {stage for stage, _, _ in self.abandoned} | set(self.restores)
+        )
+
+
+@dataclass
+class _StageTally:
+    """What one stage's chosen lines hold, over its kept history and its abandoned ones."""
+
+    summed: Counter[SampleKey] = field(default_factory=Counter)
+    sizes: dict[SampleKey, int] = field(default_factory=dict)  # from the trainer's line; an orphan's from the step
+    declared: set[SampleKey] = field(default_factory=set)
+    undone: set[SampleKey] = field(default_factory=set)  # ids the abandoned histories summed
+    steps: list[int] = field(default_factory=list)
+    divergent: set[int] = field(default_factory=set)
+
+
+def _tally(ledger: _ReadLedger, stage: int) -> _StageTally:
+    """Reads the chosen line of every step of `stage`, kept history first, and the divergence among replicas."""
+    tally = _StageTally(sizes=dict(ledger.fed_sizes))
+    histories = [((step,), by_peer, True) for (s, step), by_peer in ledger.replicas.items() if s == stage]
+    histories += [
+        ((epoch, step), by_peer, False) for (s, epoch, step), by_peer in ledger.abandoned.items() if s == stage
+    ]
+    for where, by_peer, kept in sorted(histories, key=lambda h: (not h[2], h[0])):
+        lines = list(by_peer.values())
+        if len({line["fingerprint"] for line in lines}) > 1:
+            tally.divergent.add(where[-1])
+        chosen = _chosen_line(lines)
+        if kept:
+            tally.steps.append(where[-1])
+        for entry in chosen["ids"]:
+            (tally.summed if kept else tally.undone).update([_key(entry)])
+            tally.sizes.setdefault(_key(entry), int(entry[2]))
+        for entry in chosen["lost"]:
+            tally.declared.add(_key(entry))
+            tally.sizes.setdefault(_key(entry), int(entry[2]))
+    return tally
+
+
+def _lost_with_stage(ledger: _ReadLedger, stage: int, lost: set[SampleKey]) -> set[SampleKey]:
+    """Of `lost`, the ids fed between the last step line `stage` wrote before a restore and that restore."""
+    windows = []
+    for restored_at in ledger.restore_times.get(stage, []):
+        before = [float(line["time"]) for line in ledger.steps_seen if _written_before(line, stage, restored_at)]
+        windows.append((max(before, default=float("-inf")), restored_at))
+    fed_times = ledger.fed_times
+    return {key for key in lost if key in fed_times and any(start < fed_times[key] < end for start, end in windows)}
+
+
+def _stage_counts(ledger: _ReadLedger, stage: int) -> dict[str, Any]:
+    """The counts `account` returns for one stage."""
+    tally = _tally(ledger, stage)
+    summed, sizes, declared = tally.summed, tally.sizes, tally.declared
+    lost = set(ledger.fed_sizes) - set(summed)
+    rolled_back = lost & tally.undone
+    with_stage = _lost_with_stage(ledger, stage, lost - rolled_back)
+    doubled = {key: count - 1 for key, count in summed.items() if count > 1}
+    orphans = {key: count for key, count in summed.items() if key not in ledger.fed_sizes}
+    return {
+        "samples_fed": ledger.samples_fed,
+        "samples_stepped": _samples(summed, sizes),
+        "steps": len(tally.steps),
+        "samples_lost": sum(sizes[key] for key in lost),
+        "lost_ids": _ids(lost),
+        "samples_declared_lost": sum(sizes[key] for key in declared),
+        "samples_silently_lost": sum(sizes[key] for key in lost - declared - rolled_back - with_stage),
+        "samples_doubled": _samples(doubled, sizes),
+        "doubled_ids": _ids(doubled),
+        "samples_orphaned": _samples(orphans, sizes),
+        "orphan_ids": _ids(orphans),
+        "divergent_steps": sorted(tally.divergent),
+        "restores": len(ledger.restores.get(stage, [])),
+        "steps_rolled_back": sum(1 for s, _, _ in ledger.abandoned if s == stage),
+        "samples_rolled_back": sum(sizes[key] for key in rolled_back),
+        "rolled_back_ids": _ids(rolled_back),
+        "samples_lost_with_stage": sum(sizes[key] for key in with_stage),
+        "lost_with_stage_ids": _ids(with_stage),
+    }
