@@ -60,7 +60,8 @@ def trainer_flags(args: argparse.Namespace, codec: str, bandwidth: float | None)
     return flags
 
 
-def main() -> None:
+def parse_runs() -> tuple[argparse.Namespace, dict[str, list[str]]]:
+    """The command line, and the codecs of its --runs per model, in order."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--runs",
@@ -101,9 +102,14 @@ def main() -> None:
         if not sep or not model or not codec:
             parser.error(f"--runs {run}: give MODEL:CODEC, e.g. gpt-tiny:8bit")
         runs_by_model.setdefault(model, []).append(codec)
-    baseline_model = next(iter(runs_by_model))
+    return args, runs_by_model
 
-    workdir = Path(tempfile.mkdtemp(prefix="bench-wan-"))
+
+def run_swarms(
+    args: argparse.Namespace, runs_by_model: dict[str, list[str]], workdir: Path
+) -> tuple[dict[str, dict], dict[str, float | None]]:
+    """One local swarm per model, a trainer per codec and bandwidth (and one with no link); returns each run's
+    summary and bandwidth, by run name. Exits with the logs' folder if a trainer fails."""
     summaries: dict[str, dict] = {}
     links: dict[str, float | None] = {}  # run -> its bandwidth
     for model, codecs in runs_by_model.items():
@@ -127,10 +133,19 @@ def main() -> None:
                     sys.exit(f"the {name} trainer failed; logs in {workdir}")
                 summaries[name] = json.loads(summary_file.read_text())
                 links[name] = bandwidth
+    return summaries, links
 
-    def bytes_per_sample(summary: dict) -> float:
-        return (summary["bytes_sent"] + summary["bytes_received"]) / max(1, summary["samples"])
 
+def bytes_per_sample(summary: dict) -> float:
+    """Bytes on the wire, both ways, per sample trained."""
+    return (summary["bytes_sent"] + summary["bytes_received"]) / max(1, summary["samples"])
+
+
+def figures(
+    args: argparse.Namespace, summaries: dict[str, dict], links: dict[str, float | None], baseline_model: str
+) -> dict[str, dict[str, float]]:
+    """Per run: samples/s (over the run and its last step) and wire KB per sample scaled as the module says,
+    and the speed-up and byte ratio against the baseline model's `none` run at the same bandwidth."""
     samples_per_s, speedup, fewer_bytes, kb_per_sample, last_step = {}, {}, {}, {}, {}
     for name, summary in summaries.items():
         samples_per_s[name] = round(summary["samples_per_second"] * args.time_scale, 1)
@@ -142,6 +157,20 @@ def main() -> None:
         if baseline is not None and links[name] is not None:
             speedup[name] = round(summary["samples_per_second"] / baseline["samples_per_second"], 2)
             fewer_bytes[name] = round(bytes_per_sample(baseline) / bytes_per_sample(summary), 2)
+    return {
+        "samples_per_s": samples_per_s,
+        "speedup_vs_none": speedup,
+        "samples_per_s_last_step": last_step,
+        "times_fewer_bytes_than_none": fewer_bytes,
+        "wire_kb_per_sample": kb_per_sample,
+    }
+
+
+def main() -> None:
+    args, runs_by_model = parse_runs()
+    baseline_model = next(iter(runs_by_model))
+    workdir = Path(tempfile.mkdtemp(prefix="bench-wan-"))
+    summaries, links = run_swarms(args, runs_by_model, workdir)
     print(
         json.dumps(
             {
@@ -156,11 +185,7 @@ def main() -> None:
                 "max_in_flight": args.max_in_flight,
                 "overlap_steps": args.overlap_steps,
                 "in_flight_from_links": args.in_flight_from_links,
-                "samples_per_s": samples_per_s,
-                "speedup_vs_none": speedup,
-                "samples_per_s_last_step": last_step,
-                "times_fewer_bytes_than_none": fewer_bytes,
-                "wire_kb_per_sample": kb_per_sample,
+                **figures(args, summaries, links, baseline_model),
                 "retries": {name: summary["retries"] for name, summary in summaries.items()},
                 # per run: the window at the end of each step, and the smallest round trip it measured
                 "in_flight_window_per_step": (

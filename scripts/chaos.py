@@ -482,109 +482,14 @@ def one_run(args: argparse.Namespace, index: int, workdir: Path, report: dict[st
         dht = TetheredDHT(initial_peers=swarm.initial_peers, start=True)  # ends with this process
         try:
             churn = Churn(swarm, dht, sig, rng, ledger_dir, spare_last_peer=args.spare_last_peer == "yes")
-            trace = live_peer_targets(args.trace, args.trace_minutes, args.max_peers, min_peers=3) if args.trace else []
-            if args.trace:
-                # the swarm at its mean size over the replay; what the trace does at its first instant
-                # (nodes coming up) is that starting swarm, not churn
-                mean = mean_live_peers(trace, args.trace_minutes * 60)
-                report["trace_mean_live_peers"] = round(mean, 2)
-                while trace and trace[0][0] <= 0:
-                    trace.pop(0)
-                for i in range(max(NUM_STAGES, round(mean))):
-                    churn.start(i % NUM_STAGES)
-            else:
-                for stage in range(NUM_STAGES):
-                    for _ in range(args.peers_per_stage):
-                        churn.start(stage)
-            churn.wait_serving(300)
-            layout = churn.layout()
-            report["baseline_layout"] = layout
-
-            def trainers(phase: str, steps: int, meanwhile: Callable[[float], None] | None = None) -> list[TrainerRun]:
-                # one trainer reads the default corpus, as chaos runs always did; several get a shard each
-                return run_trainers(
-                    swarm,
-                    phase,
-                    args.trainers,
-                    steps,
-                    workdir,
-                    ledger_dir,
-                    args.phase_timeout,
-                    meanwhile,
-                    sharded=args.trainers > 1,
-                )
-
-            before = trainers("before", args.baseline_steps)
+            phases = RunPhases(args, swarm, churn, rng, workdir, ledger_dir, report)
+            layout = phases.start_peers()
+            before = phases.trainers("before", args.baseline_steps)
             before_rate, _ = concurrent_rate(before)
             report["baseline_before_samples_per_s"] = round(before_rate, 2)
-            duration = args.trace_minutes * 60 if args.trace else args.duration
-            per_step = before[0].summary["samples"] / max(1, before[0].summary["steps"])
-            # the steps each trainer would train in `duration` at the baseline; churn goes on until they are done
-            steps = max(1, int(before_rate / args.trainers * duration / per_step))
-            report["steps_requested"] = steps * args.trainers
-            next_kill = rng.expovariate(1 / args.kill_every)
-
-            def churn_step(now: float) -> None:
-                nonlocal next_kill
-                churn.watch_lost()
-                if args.trace:  # once the trace is all replayed, the swarm stays as it is
-                    while trace and trace[0][0] <= now:
-                        _, wanted = trace.pop(0)
-                        while len(churn.stage_of) < wanted:
-                            churn.start(churn.least_served_stage())
-                        for name in churn.rng.sample(sorted(churn.stage_of), len(churn.stage_of)):
-                            if len(churn.stage_of) <= wanted:
-                                break
-                            churn.kill(name)
-                elif now >= next_kill:
-                    churn.kill_random()
-                    next_kill = now + rng.expovariate(1 / args.kill_every)
-
-            churn_started = time.time()
-            try:
-                churned = trainers("churn", steps, churn_step)
-            finally:
-                restores = churn.restores()
-                report.update(
-                    kills=churn.kills,
-                    kills_skipped_last_peer=churn.skipped,
-                    spare_last_peer=churn.spare_last_peer,
-                    stages_lost=len(churn.losses) + len(churn.lost),
-                    stages_served_again=len(churn.losses),
-                    stages_restored_from_standby=len(restores),
-                    steps_lost_per_restore=[loss["steps_lost"] for loss in churn.losses],
-                    seconds_to_serving_again=[loss["seconds_to_serving"] for loss in churn.losses],
-                    restores=restores,
-                    peers_started=churn.starts,
-                    trace_targets_not_replayed=len(trace) if args.trace else None,
-                    churn_events=[e for e in churn.events if e[0] >= churn_started],
-                )
-            # with a trace, only its window is churn: after it the trainers finish with the swarm left as it is
-            window_end = churned[0].launched + duration if args.trace else None
-            churn_rate, overlap = concurrent_rate(churned, until=window_end)
-            longest = stall(churned)
-            report.update(
-                steps=sum(run.summary["steps"] for run in churned),
-                churn_seconds=round(
-                    max(r.start + r.summary["seconds"] for r in churned) - min(r.start for r in churned), 1
-                ),
-                churn_samples_per_s=round(churn_rate, 2),
-                churn_window_s=round(window_end - max(r.start for r in churned), 1) if window_end else None,
-                trainers_overlap=round(overlap, 3),
-                samples_per_s_per_10s=samples_over_time(churned),
-                longest_stall_s=round(longest, 2),
-                stall_over_30s=longest > STALL_BOUND,
-                loss_first_last=[
-                    [round(r.summary["first_loss"], 3), round(r.summary["last_loss"], 3)] for r in churned
-                ],
-                **{
-                    name: sum(run.summary.get(name, 0) for run in churned)
-                    for name in ("retries", "bans", "backwards_moved", "samples_resent", "requeued")
-                },
-            )
-
+            churned, churn_rate = phases.under_churn(before_rate, before[0].summary)
             churn.restore(layout, 300)  # the same peers per stage as the first baseline had
-            after = trainers("after", args.baseline_steps)
+            after = phases.trainers("after", args.baseline_steps)
             after_rate, _ = concurrent_rate(after)
             baseline = (before_rate + after_rate) / 2
             report.update(
@@ -601,6 +506,136 @@ def one_run(args: argparse.Namespace, index: int, workdir: Path, report: dict[st
     # every process has stopped: the ledger files are complete
     if ledger_dir:
         report["ledger"] = ledger_report(ledger_dir)
+
+
+class RunPhases:
+    """The steps of one run on its started swarm: the starting peers, the trainers of each phase, the churn."""
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        swarm: LocalSwarm,
+        churn: Churn,
+        rng: random.Random,
+        workdir: Path,
+        ledger_dir: Path | None,
+        report: dict[str, Any],
+    ) -> None:
+        self.args, self.swarm, self.churn, self.rng = args, swarm, churn, rng
+        self.workdir, self.ledger_dir, self.report = workdir, ledger_dir, report
+        self.trace: list[tuple[float, int]] = []  # with --trace: (seconds, live peers wanted) still to replay
+        self.next_kill = 0.0  # without: seconds into the churn of the next kill
+
+    def start_peers(self) -> list[int]:
+        """Starts the swarm's peers and waits until they serve; returns the layout (reported as the baseline's)."""
+        args, churn = self.args, self.churn
+        if args.trace:
+            self.trace = live_peer_targets(args.trace, args.trace_minutes, args.max_peers, min_peers=3)
+            # the swarm at its mean size over the replay; what the trace does at its first instant
+            # (nodes coming up) is that starting swarm, not churn
+            mean = mean_live_peers(self.trace, args.trace_minutes * 60)
+            self.report["trace_mean_live_peers"] = round(mean, 2)
+            while self.trace and self.trace[0][0] <= 0:
+                self.trace.pop(0)
+            for i in range(max(NUM_STAGES, round(mean))):
+                churn.start(i % NUM_STAGES)
+        else:
+            for stage in range(NUM_STAGES):
+                for _ in range(args.peers_per_stage):
+                    churn.start(stage)
+        churn.wait_serving(300)
+        layout = churn.layout()
+        self.report["baseline_layout"] = layout
+        return layout
+
+    def trainers(self, phase: str, steps: int, meanwhile: Callable[[float], None] | None = None) -> list[TrainerRun]:
+        """Runs the phase's trainers to the end: one reads the default corpus, as chaos runs always did; several
+        get a shard each."""
+        args = self.args
+        return run_trainers(
+            self.swarm,
+            phase,
+            args.trainers,
+            steps,
+            self.workdir,
+            self.ledger_dir,
+            args.phase_timeout,
+            meanwhile,
+            sharded=args.trainers > 1,
+        )
+
+    def under_churn(self, before_rate: float, before_summary: dict[str, Any]) -> tuple[list[TrainerRun], float]:
+        """Trains through the churn the steps the baseline would train in its duration; returns the trainers
+        and their samples/s under churn (over the trace's window only, with a trace)."""
+        args, churn, report = self.args, self.churn, self.report
+        duration = args.trace_minutes * 60 if args.trace else args.duration
+        per_step = before_summary["samples"] / max(1, before_summary["steps"])
+        # the steps each trainer would train in `duration` at the baseline; churn goes on until they are done
+        steps = max(1, int(before_rate / args.trainers * duration / per_step))
+        report["steps_requested"] = steps * args.trainers
+        self.next_kill = self.rng.expovariate(1 / args.kill_every)
+        churn_started = time.time()
+        try:
+            churned = self.trainers("churn", steps, self._churn_step)
+        finally:
+            restores = churn.restores()
+            report.update(
+                kills=churn.kills,
+                kills_skipped_last_peer=churn.skipped,
+                spare_last_peer=churn.spare_last_peer,
+                stages_lost=len(churn.losses) + len(churn.lost),
+                stages_served_again=len(churn.losses),
+                stages_restored_from_standby=len(restores),
+                steps_lost_per_restore=[loss["steps_lost"] for loss in churn.losses],
+                seconds_to_serving_again=[loss["seconds_to_serving"] for loss in churn.losses],
+                restores=restores,
+                peers_started=churn.starts,
+                trace_targets_not_replayed=len(self.trace) if args.trace else None,
+                churn_events=[e for e in churn.events if e[0] >= churn_started],
+            )
+        # with a trace, only its window is churn: after it the trainers finish with the swarm left as it is
+        window_end = churned[0].launched + duration if args.trace else None
+        return churned, self._report_churned(churned, window_end)
+
+    def _churn_step(self, now: float) -> None:
+        """What the churn does `now` seconds in: the trace's next targets, or the next random kill."""
+        churn, trace = self.churn, self.trace
+        churn.watch_lost()
+        if self.args.trace:  # once the trace is all replayed, the swarm stays as it is
+            while trace and trace[0][0] <= now:
+                _, wanted = trace.pop(0)
+                while len(churn.stage_of) < wanted:
+                    churn.start(churn.least_served_stage())
+                for name in churn.rng.sample(sorted(churn.stage_of), len(churn.stage_of)):
+                    if len(churn.stage_of) <= wanted:
+                        break
+                    churn.kill(name)
+        elif now >= self.next_kill:
+            churn.kill_random()
+            self.next_kill = now + self.rng.expovariate(1 / self.args.kill_every)
+
+    def _report_churned(self, churned: list[TrainerRun], window_end: float | None) -> float:
+        """Reports how the trainers fared under churn; returns their samples/s together (before `window_end`)."""
+        churn_rate, overlap = concurrent_rate(churned, until=window_end)
+        longest = stall(churned)
+        self.report.update(
+            steps=sum(run.summary["steps"] for run in churned),
+            churn_seconds=round(
+                max(r.start + r.summary["seconds"] for r in churned) - min(r.start for r in churned), 1
+            ),
+            churn_samples_per_s=round(churn_rate, 2),
+            churn_window_s=round(window_end - max(r.start for r in churned), 1) if window_end else None,
+            trainers_overlap=round(overlap, 3),
+            samples_per_s_per_10s=samples_over_time(churned),
+            longest_stall_s=round(longest, 2),
+            stall_over_30s=longest > STALL_BOUND,
+            loss_first_last=[[round(r.summary["first_loss"], 3), round(r.summary["last_loss"], 3)] for r in churned],
+            **{
+                name: sum(run.summary.get(name, 0) for run in churned)
+                for name in ("retries", "bans", "backwards_moved", "samples_resent", "requeued")
+            },
+        )
+        return churn_rate
 
 
 def totals(runs: list[dict[str, Any]]) -> dict[str, Any]:
