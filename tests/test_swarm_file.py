@@ -120,3 +120,18 @@ def test_a_peer_whose_settings_differ_is_told_the_setting_and_the_value(swarm_fr
         "peers announce: set target_batch_size: 16 or use the swarm's file"
     ) in log, log[-3000:]
     assert "Traceback" not in log and "Serving stage" not in log
+
+
+@pytest.mark.timeout(300)
+def test_a_trainer_whose_settings_differ_is_told_the_setting_and_the_value(swarm_from_file):
+    swarm, swarm_file = swarm_from_file
+    trainer = swarm.spawn(
+        "wrong-trainer", "train", ["--config", str(swarm_file), "--num-stages", "3", "--steps", "1", "--no-progress"]
+    )
+    assert trainer.wait(120) == 2
+    log = swarm.log_path("wrong-trainer").read_text()
+    assert (
+        "swarm train: error: this swarm trains with --num-stages 2 (you gave 3), as most of its 2 serving peers "
+        "announce: set num_stages: 2 or use the swarm's file"
+    ) in log, log[-3000:]
+    assert "Traceback" not in log

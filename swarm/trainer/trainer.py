@@ -37,7 +37,7 @@ from tqdm import tqdm
 
 from swarm.compression import CODECS
 from swarm.compression.link_choice import CodecChooser, activation_like, profile_codecs
-from swarm.config import TrainerConfig
+from swarm.config import ConfigError, TrainerConfig
 from swarm.net.dht_node import connect_to_daemon, start_dht
 from swarm.net.direct_plane import DirectPlane
 from swarm.net.link_shaper import LinkShape, LinkShaper
@@ -45,6 +45,7 @@ from swarm.policy.in_flight import InFlightGate, InFlightWindow
 from swarm.policy.router import Router
 from swarm.process.event_loop import run, stop_event_on_signals
 from swarm.process.launch_clock import seconds_since_launch
+from swarm.records.announced_settings import check_against_swarm
 from swarm.records.sample_ledger import SampleLedger, fed_record
 from swarm.records.trainer_records import TrainerProgress, direct_addresses, publish_forever, publish_now
 from swarm.trainer.data import Corpus, load_corpus
@@ -79,8 +80,10 @@ class Trainer:
         # the DHT forks: create it before the corpus or anything else starts threads
         self.dht = start_dht(config)
         try:
+            # a model, cut or vocabulary other than the swarm's would only find no peer: say what to use instead
+            check_against_swarm(config, self.dht, config.run_id)
             self.corpus = self._load_corpus()
-        except TrainingError:
+        except (TrainingError, ConfigError):
             self.dht.shutdown()
             raise
         self.p2p: DirectPlane | None = None
