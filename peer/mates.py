@@ -56,12 +56,11 @@ from swarm.peer.mate_messages import Held
 from swarm.peer.mate_progress import ProgressExchange
 from swarm.peer.runtime import RoundResult, SampleKey, StageRuntime
 from swarm.peer.state_handover import StateHandOver
-from swarm.peer.state_transfer import request_state
 from swarm.peer.step_machine import StepMachine
 from swarm.records.sample_ledger import SampleLedger, step_record
 from swarm.records.stage_records import StageRecord
 
-__all__ = ["StageMates", "request_state"]
+__all__ = ["StageMates"]
 
 MATE_PROTOCOLS = (PROGRESS_PROTOCOL, GRAD_PROTOCOL, COMMIT_PROTOCOL, STATE_PROTOCOL)
 

@@ -25,8 +25,8 @@ from swarm.models import build_stage, get_model_spec
 from swarm.models.optimizer import OptimizerSettings, build_optimizer
 from swarm.net.wire import WireLimits
 from swarm.peer.checkpoint import CheckpointError, load_checkpoint, restore, save_checkpoint
-from swarm.peer.mates import request_state
 from swarm.peer.stage_state import load_state_tensors
+from swarm.peer.state_transfer import request_state
 from swarm.records.stage_records import SERVING
 
 
