@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import sys
@@ -175,8 +176,10 @@ def trainer_flags(
     ]
 
 
+@functools.cache
 def reference_run(steps: int, microbatch_size: int = MICRO, model: str = "gpt-tiny"):
-    """The same training in one process (see swarm.trainer.reference)."""
+    """The same training in one process (see swarm.trainer.reference). Deterministic, so each is run once per
+    test process and shared: callers only read it."""
     from swarm.models import get_model_spec
     from swarm.models.optimizer import OptimizerSettings
     from swarm.trainer.data import ByteCorpus
