@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import os
@@ -22,6 +23,19 @@ SMALL_CORPUS = str(Path(__import__("argparse").__file__))
 # re-parented to init, but its environment still says which test session started it.
 SESSION_TAG = f"PYTEST_SWARM_SESSION={uuid.uuid4().hex}"
 os.environ["PYTEST_SWARM_SESSION"] = SESSION_TAG.split("=", 1)[1]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files whose tests declare the longest time limits run first (a file's order within stays): with the
+    suite split by file over two workers (pyproject's addopts), both then finish together, instead of one
+    waiting out a long swarm test at the end."""
+    cost: collections.Counter = collections.Counter()
+    for item in items:
+        marker = item.get_closest_marker("timeout")
+        if marker is not None and marker.args:
+            cost[item.path] += float(marker.args[0])
+    first_seen = {path: index for index, path in enumerate(dict.fromkeys(item.path for item in items))}
+    items.sort(key=lambda item: (-cost[item.path], first_seen[item.path]))
 
 
 def _tagged_processes() -> dict[int, str]:

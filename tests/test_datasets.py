@@ -161,8 +161,8 @@ def test_swarm_trains_on_a_hugging_face_dataset_with_a_tokenizer(local_swarm, tm
         "train", *model, "--vocab-size", str(vocab + 10), *data_flags, "--steps", "1", "--no-progress",
         "--initial-peers", *local_swarm.initial_peers,
     )  # fmt: skip
-    assert result.returncode == 1, result.stderr
-    assert f"whose model knows {vocab} token ids" in result.stderr and "--vocab-size" in result.stderr, result.stderr
+    assert result.returncode == 2, result.stderr
+    assert f"--vocab-size {vocab} (you gave {vocab + 10})" in result.stderr, result.stderr
 
 
 def test_missing_hf_extra_is_one_clear_line(tmp_path):
