@@ -99,11 +99,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from harness.spot_trace import read_trace
 from simulation.engine import Simulation
 from simulation.scenario import SimConfig
 from simulation.study import run_scenario, run_study
-
-from harness.spot_trace import read_trace
 
 # what the tests and studies use from here, beside the command line
 __all__ = ["SimConfig", "Simulation", "run_scenario", "run_study", "build_parser", "config_from_args", "main"]

@@ -12,8 +12,14 @@ import uuid
 from pathlib import Path
 
 import pytest
+import torch
 
 from swarm.launch.local_swarm import LocalSwarm
+
+# Each test process computes on one thread, as every peer process does: the suite's two workers and the
+# swarms they start share two cores, where more threads only spin against each other (a one-process
+# reference run took minutes instead of seconds on a loaded machine).
+torch.set_num_threads(1)
 
 # A small, fixed corpus present on every machine: the Python source of argparse.
 SMALL_CORPUS = str(Path(__import__("argparse").__file__))
