@@ -28,7 +28,7 @@ from swarm.policy.balance import (
 from swarm.policy.rebalance_timing import LOOK, RebalanceTiming, Wait
 from swarm.policy.router import FORWARD_SHARE_OF_BACKWARD, Router
 from swarm.records.stage_records import SERVING, StageRecord
-from swarm.trainer.trainer import REQUEUE_PAUSE_MAX
+from swarm.trainer.stage_calls import REQUEUE_PAUSE_MAX
 
 EXACT_IDEAL_MAX_PEERS = 200
 # the exact search gives up after this many nodes; past it the best assignment found is used

@@ -52,7 +52,6 @@ from swarm.trainer.data import Corpus, load_corpus
 from swarm.trainer.data_source import CorpusError
 from swarm.trainer.outcome import TrainingError, TrainingSummary
 from swarm.trainer.peer_finder import PeerFinder
-from swarm.trainer.stage_calls import REQUEUE_PAUSE_MAX as REQUEUE_PAUSE_MAX  # the simulator models it
 from swarm.trainer.stage_calls import StageCaller
 
 if TYPE_CHECKING:
