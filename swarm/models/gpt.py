@@ -122,6 +122,17 @@ class GPTStage(nn.Module):
         self, x: torch.Tensor, targets: torch.Tensor | None = None, tokens: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Runs the stage; see the class docstring for what `x`, `targets`, `tokens` and the result are."""
+        hidden, context = self.enter(x, tokens)
+        for block in self.blocks:
+            hidden = block(hidden, context)
+        return self.leave(hidden, targets, context)
+
+    # A stage in three parts (`enter`, each of `blocks` called as block(hidden, context), `leave`), so that a
+    # runtime may run the blocks one group at a time (spilling a stage larger than its device's memory).
+
+    def enter(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The stage's input made into the residual stream the blocks take, and the context they share
+        (with a subspace, the fixed part of the stream; otherwise None)."""
         fixed = None
         if self.spec.subspace:
             ids = x if self.is_first else tokens
@@ -133,8 +144,11 @@ class GPTStage(nn.Module):
             x = self.tok_emb(x) + self.pos_emb(positions)
         elif self.up is not None:
             x = self.up(x)
-        for block in self.blocks:
-            x = block(x, fixed)
+        return x, fixed
+
+    def leave(self, x: torch.Tensor, targets: torch.Tensor | None, fixed: torch.Tensor | None) -> torch.Tensor:
+        """What the stage returns from the blocks' output: the boundary tensor, or on the last stage the
+        whole stream (no targets) or each sample's loss."""
         if not self.is_last:
             return x if self.down is None else self.down(x)
         x = _whole_stream(x, fixed)
