@@ -54,6 +54,17 @@ def tensor_to_bytes(tensor: torch.Tensor) -> bytes:
     return flat.view(torch.uint8).numpy().tobytes()
 
 
+def tensor_bytes_view(tensor: torch.Tensor) -> memoryview:
+    """The raw bytes of a CPU tensor as a view of its own memory (no copy; a device tensor is copied to
+    the host once). The view keeps the memory alive; the tensor must not change until it is sent."""
+    flat = tensor.detach().reshape(-1).cpu()
+    if flat.numel() and flat.stride(0) != 1:
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
 def tensor_from_bytes(
     buffer: bytes | bytearray | memoryview, shape: tuple[int, ...], dtype: torch.dtype
 ) -> torch.Tensor:
@@ -96,8 +107,9 @@ class NoCompression(Codec):
 
     name = "none"
 
-    def encode(self, tensor: torch.Tensor) -> bytes:
-        return tensor_to_bytes(tensor)
+    def encode(self, tensor: torch.Tensor) -> memoryview:
+        # no copy: the bytes go from the tensor's memory to the socket (or shared memory) once
+        return tensor_bytes_view(tensor)
 
     def decode(self, buffer: bytes, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return tensor_from_bytes(buffer, shape, dtype)

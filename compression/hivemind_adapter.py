@@ -114,7 +114,7 @@ class HivemindCodecAdapter(CompressionBase):
         codec = self.codec if applies else _RAW
         return runtime_pb2.Tensor(
             compression=self.compression_type if applies else runtime_pb2.CompressionType.NONE,
-            buffer=codec.encode(tensor),
+            buffer=bytes(codec.encode(tensor)),
             size=tuple(tensor.shape),
             dtype=dtype_name(tensor.dtype),
             requires_grad=requires_grad,
