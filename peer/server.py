@@ -14,7 +14,8 @@ from hivemind.p2p import P2P
 
 from swarm.compression import get_codec
 from swarm.config import ConfigError, PeerConfig
-from swarm.models import build_stage
+from swarm.models import initial_stage
+from swarm.models.hf_checkpoint import CheckpointError
 from swarm.models.optimizer import OptimizerSettings, build_optimizer, import_compiler_in_background
 from swarm.net.allowlist import StreamGate
 from swarm.net.dht_node import connect_to_daemon, start_dht
@@ -95,7 +96,10 @@ class Peer:
         restoring a standby copy, if asked)."""
         config = self.config
         self.stage = stage
-        module = build_stage(self.spec, stage, config.num_stages, config.seed)
+        try:  # from --hf-checkpoint's weights if given, else fresh from the seed
+            module = initial_stage(self.spec, stage, config.num_stages, config.seed, config.hf_checkpoint)
+        except CheckpointError as e:
+            raise ConfigError(f"--hf-checkpoint: {e}") from None
         settings = OptimizerSettings(config.lr, config.weight_decay, config.beta1, config.beta2)
         optimizer = build_optimizer(module, settings)
         step, samples_stepped = 0, 0

@@ -105,7 +105,17 @@ class ModelConfig:
     """Which model the swarm trains and how it is cut into stages."""
 
     model: str = option(
-        "gpt-tiny", "model preset (gpt-tiny, gpt-tiny-bottleneck, gpt-small, gpt-medium, gpt-large, gpt-xl)"
+        "gpt-tiny",
+        "model preset (gpt-tiny, gpt-tiny-bottleneck, gpt-small, gpt-medium, gpt-large, gpt-xl; Llama-style: "
+        "llama-tiny, llama-small, llama-1.1b, llama-3.2-1b); see also --hf-checkpoint",
+    )
+    hf_checkpoint: str | None = option(
+        None,
+        "fine-tune a published model: a local folder with a Hugging Face Llama checkpoint (config.json, and "
+        "model.safetensors or shards named by model.safetensors.index.json); the model is then the checkpoint's "
+        "(its shape and vocabulary; --model becomes hf:FOLDER_NAME), peers start their stage from its weights, and "
+        "a trainer, which reads only config.json, needs --tokenizer (usually the same folder). Every peer and "
+        "trainer of the swarm gives it",
     )
     num_stages: int = option(3, "number of pipeline stages the model is cut into")
     seed: int = option(0, "seed of the initial parameters and of the data order")
@@ -116,22 +126,44 @@ class ModelConfig:
     )
 
     def model_spec(self):
-        """The model's spec: the preset, with --vocab-size if given."""
+        """The model's spec: the checkpoint's with --hf-checkpoint, else the preset with --vocab-size if given."""
         from swarm.models import get_model_spec
 
+        if self.hf_checkpoint:
+            from swarm.models.hf_checkpoint import read_spec
+
+            return read_spec(self.hf_checkpoint)
         return get_model_spec(self.model, **({"vocab_size": self.vocab_size} if self.vocab_size else {}))
 
     def check(self) -> None:
         from swarm.models import get_model_spec
 
         try:
-            spec = get_model_spec(self.model)
+            spec = self._checkpoint_spec() if self.hf_checkpoint else get_model_spec(self.model)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         if not 1 <= self.num_stages <= spec.n_layer:
             raise ConfigError(f"--num-stages must be within 1..{spec.n_layer} for {spec.name}, got {self.num_stages}")
         if self.vocab_size != 0 and not 2 <= self.vocab_size <= MAX_VOCAB_SIZE:
             raise ConfigError(f"--vocab-size must be 0 (bytes) or within 2..{MAX_VOCAB_SIZE}, got {self.vocab_size}")
+
+    def _checkpoint_spec(self):
+        """The spec of --hf-checkpoint, whose name becomes --model; ConfigError if the folder or a setting is wrong."""
+        from swarm.models.hf_checkpoint import CheckpointError, read_spec
+
+        try:
+            spec = read_spec(self.hf_checkpoint)
+        except CheckpointError as e:
+            raise ConfigError(f"--hf-checkpoint: {e}") from None
+        self.model = spec.name  # the name peers and trainers announce and look for
+        if self.vocab_size not in (0, spec.vocab_size):
+            raise ConfigError(f"--vocab-size {self.vocab_size}: the checkpoint's model knows {spec.vocab_size} ids")
+        if getattr(self, "tokenizer", "") is None:  # a trainer or the demo, on bytes
+            raise ConfigError(
+                "--hf-checkpoint trains the checkpoint's model on its own token ids, not on bytes: give --tokenizer "
+                f"(usually the checkpoint's folder, {self.hf_checkpoint}, which holds its tokenizer.json)"
+            )
+        return spec
 
 
 @dataclass

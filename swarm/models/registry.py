@@ -9,9 +9,16 @@ BYTE_VOCAB_SIZE = 257
 EOD_TOKEN = 256
 
 
+FAMILIES = ("gpt", "llama")
+
+
 @dataclass(frozen=True)
 class ModelSpec:
-    """A GPT-style causal language model, described fully enough for every peer to build its stage.
+    """A causal language model, described fully enough for every peer to build its stage.
+
+    `family` picks the architecture: "gpt" (swarm.models.gpt: learned positions, LayerNorm, GELU MLP) or
+    "llama" (swarm.models.llama: rotary positions, RMSNorm, SwiGLU MLP of `ffn_hidden`, grouped-query
+    attention with `n_kv_head` key/value heads, no biases). The fields after `subspace` are Llama's only.
 
     `bottleneck` > 0 makes the model compression-aware, as evaluated in the SWARM parallelism paper:
     every stage but the last ends with a learned projection d_model -> bottleneck, every stage but the
@@ -34,8 +41,22 @@ class ModelSpec:
     mlp_ratio: int = 4
     bottleneck: int = 0
     subspace: int = 0
+    family: str = "gpt"
+    n_kv_head: int = 0  # key/value heads of grouped-query attention; 0: as many as n_head
+    ffn_hidden: int = 0  # width of the SwiGLU MLP
+    rope_theta: float = 10000.0  # base wavelength of the rotary position embedding
+    # Llama 3's stretch of the rotary wavelengths: (factor, low_freq_factor, high_freq_factor,
+    # original_max_position_embeddings); None: plain rotary embedding
+    rope_scaling: tuple[float, float, float, int] | None = None
+    norm_eps: float = 1e-5  # RMSNorm's epsilon
 
     def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"{self.name}: family must be one of {', '.join(FAMILIES)}, got {self.family!r}")
+        if self.family == "llama":
+            self._check_llama()
+        elif self.n_kv_head or self.ffn_hidden or self.rope_scaling:
+            raise ValueError(f"{self.name}: n_kv_head, ffn_hidden and rope_scaling are settings of the llama family")
         if self.d_model % self.n_head:
             raise ValueError(f"{self.name}: d_model {self.d_model} is not divisible by n_head {self.n_head}")
         if self.bottleneck < 0:
@@ -44,6 +65,20 @@ class ModelSpec:
             raise ValueError(f"{self.name}: subspace must be 0 (off) or 1..{self.d_model - 1}, got {self.subspace}")
         if self.subspace and self.bottleneck:
             raise ValueError(f"{self.name}: a bottleneck and a subspace do not combine; choose one")
+
+    def _check_llama(self) -> None:
+        if self.bottleneck or self.subspace:
+            raise ValueError(f"{self.name}: a llama model takes no bottleneck or subspace")
+        if self.ffn_hidden < 1:
+            raise ValueError(f"{self.name}: a llama model needs ffn_hidden (the MLP's width), got {self.ffn_hidden}")
+        if self.n_kv_head < 0 or self.n_head % self.kv_heads:
+            raise ValueError(f"{self.name}: n_head {self.n_head} is not a multiple of n_kv_head {self.n_kv_head}")
+        if self.d_model % self.n_head or (self.d_model // self.n_head) % 2:
+            raise ValueError(f"{self.name}: the rotary embedding needs an even head width, d_model / n_head")
+        if self.rope_theta <= 0 or self.norm_eps <= 0:
+            raise ValueError(f"{self.name}: rope_theta and norm_eps must be positive")
+        if self.rope_scaling is not None and len(self.rope_scaling) != 4:
+            raise ValueError(f"{self.name}: rope_scaling is (factor, low_freq_factor, high_freq_factor, original_len)")
 
     @property
     def boundary_width(self) -> int:
@@ -57,6 +92,11 @@ class ModelSpec:
         return self.subspace > 0
 
     @property
+    def kv_heads(self) -> int:
+        """Key/value heads of the attention: n_kv_head, or n_head where that is 0."""
+        return self.n_kv_head or self.n_head
+
+    @property
     def learned_width(self) -> int:
         """How many coordinates of the residual stream the blocks and the learned embeddings write."""
         return self.subspace or self.d_model
@@ -67,6 +107,12 @@ class ModelSpec:
         The count depends on `num_stages` only with a bottleneck: each of the num_stages - 1
         boundaries holds one down and one up projection.
         """
+        if self.family == "llama":
+            d, kv_width = self.d_model, self.kv_heads * (self.d_model // self.n_head)
+            # q and o, then k and v, then the SwiGLU's three matrices, then the two norms
+            per_block = 2 * d * d + 2 * d * kv_width + 3 * d * self.ffn_hidden + 2 * d
+            # the embedding, the final norm and the head (its own matrix even where a checkpoint ties it)
+            return self.vocab_size * d + self.n_layer * per_block + d + d * self.vocab_size
         d, w, m = self.d_model, self.learned_width, self.mlp_ratio
         # qkv, then the two projections that write the residual stream (w wide), then norms
         per_block = (3 + m) * d * d + (1 + m) * d * w + (7 + m) * d + 2 * w
@@ -75,6 +121,10 @@ class ModelSpec:
         b = self.bottleneck
         per_boundary = (d * b + b) + (b * d + d) if b else 0
         return embeddings + self.n_layer * per_block + head + (num_stages - 1) * per_boundary
+
+
+def _llama(n_kv_head: int, ffn_hidden: int, vocab_size: int = BYTE_VOCAB_SIZE) -> dict:
+    return {"family": "llama", "n_kv_head": n_kv_head, "ffn_hidden": ffn_hidden, "vocab_size": vocab_size}
 
 
 MODELS: dict[str, ModelSpec] = {
@@ -93,6 +143,22 @@ MODELS: dict[str, ModelSpec] = {
         ModelSpec("gpt-medium", seq_len=1024, d_model=1024, n_layer=24, n_head=16),
         ModelSpec("gpt-large", seq_len=1024, d_model=1536, n_layer=24, n_head=16),
         ModelSpec("gpt-xl", seq_len=1024, d_model=2048, n_layer=24, n_head=16),
+        # Llama-style: CPU demo and tests, on bytes like gpt-tiny
+        ModelSpec("llama-tiny", seq_len=64, d_model=128, n_layer=6, n_head=4, **_llama(2, 344)),
+        # GPU presets: gpt-small's size, then the shapes of TinyLlama-1.1B and Llama-3.2-1B (trained from scratch;
+        # to fine-tune the published weights, start from their folder with --hf-checkpoint)
+        ModelSpec("llama-small", seq_len=512, d_model=768, n_layer=12, n_head=12, **_llama(4, 2048)),
+        ModelSpec("llama-1.1b", seq_len=2048, d_model=2048, n_layer=22, n_head=32, **_llama(4, 5632, 32000)),
+        ModelSpec(
+            "llama-3.2-1b",
+            seq_len=2048,
+            d_model=2048,
+            n_layer=16,
+            n_head=32,
+            **_llama(8, 8192, 128256),
+            rope_theta=500000.0,
+            rope_scaling=(32.0, 1.0, 4.0, 8192),
+        ),
     )
 }
 
@@ -102,5 +168,7 @@ def get_model_spec(name: str, **overrides: int) -> ModelSpec:
     try:
         spec = MODELS[name]
     except KeyError:
+        if name.startswith("hf:"):
+            raise ValueError(f"model {name!r} is a checkpoint's: give its folder with --hf-checkpoint") from None
         raise ValueError(f"unknown model {name!r}; known models: {', '.join(MODELS)}") from None
     return replace(spec, **overrides) if overrides else spec

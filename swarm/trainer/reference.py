@@ -1,8 +1,8 @@
 """The same training in one process: the yardstick for the swarm's fidelity and speed.
 
-It builds every stage from the same spec and seed as the peers, draws the same batches, cuts
-them into the same microbatches and applies the same accumulation rule, so a swarm without
-compression must end with the same parameters, up to floating-point reordering.
+It builds every stage from the same spec and seed as the peers (or from the same --hf-checkpoint),
+draws the same batches, cuts them into the same microbatches and applies the same accumulation
+rule, so a swarm without compression must end with the same parameters, up to floating-point reordering.
 """
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ from dataclasses import dataclass
 
 import torch
 
-from swarm.models import GPTStage, ModelSpec, build_stage
+from swarm.models import ModelSpec, Stage, initial_stage
 from swarm.models.optimizer import OptimizerSettings, apply_accumulated_step, build_optimizer
 from swarm.trainer.data import ByteCorpus
 
 
 @dataclass
 class ReferenceRun:
-    stages: list[GPTStage]
+    stages: list[Stage]
     losses: list[float]
     seconds: float
     samples: int
@@ -34,9 +34,10 @@ def train_reference(
     microbatch_size: int,
     settings: OptimizerSettings,
     seed: int = 0,
+    hf_checkpoint: str | None = None,
 ) -> ReferenceRun:
     """Trains the stages in order, in this process, with the swarm's batches and step rule."""
-    stages = [build_stage(spec, k, num_stages, seed) for k in range(num_stages)]
+    stages = [initial_stage(spec, k, num_stages, seed, hf_checkpoint) for k in range(num_stages)]
     optimizers = [build_optimizer(stage, settings) for stage in stages]
     losses = []
     start = time.perf_counter()
