@@ -52,18 +52,22 @@ class SampleId(_message.Message):
     def __init__(self, trainer: _Optional[str] = ..., microbatch: _Optional[int] = ..., samples: _Optional[int] = ...) -> None: ...
 
 class Tensor(_message.Message):
-    __slots__ = ("buffer", "shape", "dtype", "codec", "num_parts")
+    __slots__ = ("buffer", "shape", "dtype", "codec", "num_parts", "shared_offset", "shared_length")
     BUFFER_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
     NUM_PARTS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SHARED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     buffer: bytes
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: str
     codec: str
     num_parts: int
-    def __init__(self, buffer: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., codec: _Optional[str] = ..., num_parts: _Optional[int] = ...) -> None: ...
+    shared_offset: int
+    shared_length: int
+    def __init__(self, buffer: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., codec: _Optional[str] = ..., num_parts: _Optional[int] = ..., shared_offset: _Optional[int] = ..., shared_length: _Optional[int] = ...) -> None: ...
 
 class Error(_message.Message):
     __slots__ = ("code", "message")
@@ -311,23 +315,27 @@ class StateReply(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., step: _Optional[int] = ..., has_optimizer_state: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., more: _Optional[bool] = ..., samples_stepped: _Optional[int] = ..., progress: _Optional[_Mapping[str, int]] = ..., held: _Optional[_Iterable[_Union[HeldSamples, _Mapping]]] = ..., attempt: _Optional[int] = ..., recently_summed: _Optional[_Iterable[_Union[SampleId, _Mapping]]] = ...) -> None: ...
 
 class DirectHello(_message.Message):
-    __slots__ = ("protocol_version", "protocol", "nonce", "public_key", "ephemeral_key", "session")
+    __slots__ = ("protocol_version", "protocol", "nonce", "public_key", "ephemeral_key", "session", "shared_memory", "shared_token")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
     PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     EPHEMERAL_KEY_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    SHARED_TOKEN_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     protocol: str
     nonce: bytes
     public_key: bytes
     ephemeral_key: bytes
     session: bytes
-    def __init__(self, protocol_version: _Optional[int] = ..., protocol: _Optional[str] = ..., nonce: _Optional[bytes] = ..., public_key: _Optional[bytes] = ..., ephemeral_key: _Optional[bytes] = ..., session: _Optional[bytes] = ...) -> None: ...
+    shared_memory: str
+    shared_token: bytes
+    def __init__(self, protocol_version: _Optional[int] = ..., protocol: _Optional[str] = ..., nonce: _Optional[bytes] = ..., public_key: _Optional[bytes] = ..., ephemeral_key: _Optional[bytes] = ..., session: _Optional[bytes] = ..., shared_memory: _Optional[str] = ..., shared_token: _Optional[bytes] = ...) -> None: ...
 
 class DirectChallenge(_message.Message):
-    __slots__ = ("protocol_version", "error", "nonce", "public_key", "ephemeral_key", "session", "proof")
+    __slots__ = ("protocol_version", "error", "nonce", "public_key", "ephemeral_key", "session", "proof", "shared_memory", "shared_token")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
@@ -335,6 +343,8 @@ class DirectChallenge(_message.Message):
     EPHEMERAL_KEY_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     PROOF_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    SHARED_TOKEN_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     error: Error
     nonce: bytes
@@ -342,10 +352,14 @@ class DirectChallenge(_message.Message):
     ephemeral_key: bytes
     session: bytes
     proof: bytes
-    def __init__(self, protocol_version: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., nonce: _Optional[bytes] = ..., public_key: _Optional[bytes] = ..., ephemeral_key: _Optional[bytes] = ..., session: _Optional[bytes] = ..., proof: _Optional[bytes] = ...) -> None: ...
+    shared_memory: str
+    shared_token: bytes
+    def __init__(self, protocol_version: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., nonce: _Optional[bytes] = ..., public_key: _Optional[bytes] = ..., ephemeral_key: _Optional[bytes] = ..., session: _Optional[bytes] = ..., proof: _Optional[bytes] = ..., shared_memory: _Optional[str] = ..., shared_token: _Optional[bytes] = ...) -> None: ...
 
 class DirectProof(_message.Message):
-    __slots__ = ("proof",)
+    __slots__ = ("proof", "shared_memory")
     PROOF_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     proof: bytes
-    def __init__(self, proof: _Optional[bytes] = ...) -> None: ...
+    shared_memory: bool
+    def __init__(self, proof: _Optional[bytes] = ..., shared_memory: _Optional[bool] = ...) -> None: ...

@@ -36,6 +36,7 @@ from cryptography.hazmat.primitives.asymmetric import padding, rsa, x25519
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from swarm.net.identity import Identity, peer_id_of_public_key
+from swarm.net.shared_memory import SharedMemoryLink
 from swarm.net.wire import WireError, WireLimits, read_frames, write_frames
 from swarm.proto import PROTOCOL_VERSION, DirectChallenge, DirectHello, DirectProof, Error, ErrorCode
 
@@ -99,6 +100,15 @@ def _transcript(role: bytes, hello: DirectHello, challenge: DirectChallenge) -> 
     digest = hashlib.sha256(b"swarm-direct/" + role)
     for field in fields:
         digest.update(len(field).to_bytes(4, "big") + field)
+    # the shared-memory offers, where made, are covered too (none made: the transcript of earlier versions)
+    for field in (
+        hello.shared_memory.encode(),
+        hello.shared_token,
+        challenge.shared_memory.encode(),
+        challenge.shared_token,
+    ):
+        if field:
+            digest.update(len(field).to_bytes(4, "big") + field)
     return digest.digest()
 
 
@@ -150,12 +160,16 @@ async def prove_to_server(
     reader: asyncio.StreamReader,
     writer: asyncio.StreamWriter,
     session: Session | None,
+    shared: SharedMemoryLink | None = None,
 ) -> Session | None:
     """The caller's side, on a fresh connection. Returns the session to resume with next time (a new one
     after a full handshake, `session` after a resumed one). Raises HandshakeError if the server is not
     `server_peer_id` or breaks the rules; returns None, with the connection useless, if the server has
-    forgotten `session` (then start over on a new connection with no session)."""
+    forgotten `session` (then start over on a new connection with no session). With `shared`, offers the
+    server shared memory and fills `shared` with what the two agreed on."""
     hello = DirectHello(protocol_version=PROTOCOL_VERSION, protocol=protocol, nonce=os.urandom(NONCE_BYTES))
+    if shared is not None:
+        hello.shared_memory, hello.shared_token = shared.offer()
     ephemeral = None
     if session is not None:
         hello.session = session.session_id
@@ -171,10 +185,15 @@ async def prove_to_server(
     if len(challenge.nonce) != NONCE_BYTES:
         raise HandshakeError("bad nonce")
     server_says = _transcript(b"server", hello, challenge)
+    proof = DirectProof()
+    if shared is not None:
+        shared.writes = bool(challenge.shared_memory)  # the server could read this side's arena
+        proof.shared_memory = shared.accept(challenge.shared_memory, challenge.shared_token)
     if session is not None:
         if not hmac.compare_digest(challenge.proof, _mac(session.key, server_says)):
             raise HandshakeError(f"the server cannot prove it is {server_peer_id} (bad session proof)")
-        await write_frames(writer, [DirectProof(proof=_mac(session.key, _transcript(b"caller", hello, challenge)))])
+        proof.proof = _mac(session.key, _transcript(b"caller", hello, challenge))
+        await write_frames(writer, [proof])
         return session
     key = _load_public_key(challenge.public_key)
     if peer_id_of_public_key(key) != server_peer_id:
@@ -184,7 +203,8 @@ async def prove_to_server(
     if len(challenge.session) != SESSION_ID_BYTES:
         raise HandshakeError("bad session id")
     caller_says = _transcript(b"caller", hello, challenge)
-    await write_frames(writer, [DirectProof(proof=_sign(identity, caller_says))])
+    proof.proof = _sign(identity, caller_says)
+    await write_frames(writer, [proof])
     session_key = _session_key(ephemeral, challenge.ephemeral_key, caller_says)
     return Session(challenge.session, session_key, server_peer_id, time.monotonic())
 
@@ -213,10 +233,15 @@ class SessionStore:
 
 
 async def prove_to_caller(
-    identity: Identity, sessions: SessionStore, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    identity: Identity,
+    sessions: SessionStore,
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    shared: SharedMemoryLink | None = None,
 ) -> tuple[str, str]:
     """The server's side, on an accepted connection: returns (the caller's proven peer id, the protocol it
-    calls). Raises HandshakeError if the caller cannot prove its key or breaks the rules."""
+    calls). Raises HandshakeError if the caller cannot prove its key or breaks the rules. With `shared`,
+    takes up a caller's offer of shared memory where the caller runs on this host, and fills `shared`."""
     hello = await _read(reader, DirectHello)
     if hello.protocol_version != PROTOCOL_VERSION:
         await _refuse(writer, ErrorCode.VERSION_MISMATCH, f"this peer speaks protocol version {PROTOCOL_VERSION}")
@@ -225,6 +250,8 @@ async def prove_to_caller(
         await _refuse(writer, ErrorCode.BAD_REQUEST, "malformed hello")
         raise HandshakeError("malformed hello")
     challenge = DirectChallenge(protocol_version=PROTOCOL_VERSION, nonce=os.urandom(NONCE_BYTES))
+    if shared is not None and shared.accept(hello.shared_memory, hello.shared_token):
+        challenge.shared_memory, challenge.shared_token = shared.offer()
     if hello.session:
         session = sessions.get(hello.session)
         if session is None:
@@ -235,6 +262,7 @@ async def prove_to_caller(
         proof = await _read(reader, DirectProof)
         if not hmac.compare_digest(proof.proof, _mac(session.key, _transcript(b"caller", hello, challenge))):
             raise HandshakeError(f"a caller resuming {session.peer_id}'s session cannot prove it (bad proof)")
+        _agreed(shared, proof)
         return session.peer_id, hello.protocol
     try:
         caller_key = _load_public_key(hello.public_key)
@@ -253,7 +281,14 @@ async def prove_to_caller(
         raise HandshakeError(f"a caller claiming to be {caller} cannot prove it (bad signature)")
     session_key = _session_key(ephemeral, hello.ephemeral_key, caller_says)
     sessions.add(Session(challenge.session, session_key, caller, time.monotonic()))
+    _agreed(shared, proof)
     return caller, hello.protocol
+
+
+def _agreed(shared: SharedMemoryLink | None, proof: DirectProof) -> None:
+    """The server sends through its arena only where the caller said it could read it."""
+    if shared is not None:
+        shared.writes = shared.own is not None and proof.shared_memory
 
 
 async def _refuse(writer: asyncio.StreamWriter, code: int, message: str) -> None:

@@ -30,6 +30,7 @@ from hivemind.p2p import P2P, PeerID
 from swarm.net.direct_handshake import HandshakeError, Session, SessionStore, prove_to_caller, prove_to_server
 from swarm.net.direct_stream import DirectStream, open_direct_stream, start_direct_server
 from swarm.net.identity import Identity
+from swarm.net.shared_memory import ArenaPool, SharedMemoryLink, remove_stale_arenas, shared_memory_available
 
 logger = logging.getLogger(__name__)
 
@@ -75,12 +76,16 @@ def _tune(stream: DirectStream) -> None:
 class DirectServer:
     """Accepts direct calls: a handshake proves the caller's peer id, then the protocol's handler runs."""
 
-    def __init__(self, identity: Identity, max_handshakes: int = MAX_HANDSHAKES) -> None:
+    def __init__(
+        self, identity: Identity, max_handshakes: int = MAX_HANDSHAKES, arenas: ArenaPool | None = None
+    ) -> None:
         self.identity = identity
+        self.arenas = arenas  # None: no shared memory with callers on this host
         self.max_handshakes = max_handshakes
         self.handlers: dict[str, Handler] = {}
         self.sessions = SessionStore()
         self.accepted = 0  # calls whose caller proved its key
+        self.shared_calls = 0  # of those, calls whose tensors pass through shared memory
         self.refused: Counter[str] = Counter()  # connections closed unserved, per reason
         self._handshaking = 0
         self._server: asyncio.base_events.Server | None = None
@@ -119,13 +124,18 @@ class DirectServer:
             return
         _tune(stream)
         self._handshaking += 1
+        shared = SharedMemoryLink(self.arenas) if self.arenas is not None else None
         try:
-            caller, protocol = await prove_to_caller(self.identity, self.sessions, reader, writer)
+            caller, protocol = await prove_to_caller(self.identity, self.sessions, reader, writer, shared)
         except (HandshakeError, ConnectionError, OSError) as e:
+            if shared is not None:
+                shared.close()
             self._refuse("handshake", f"from {address}: {e}")
             return
         finally:
             self._handshaking -= 1
+        if _use_shared_memory(stream, shared):
+            self.shared_calls += 1
         handler = self.handlers.get(protocol)
         if handler is None:  # as libp2p does with a protocol nobody registered: the stream is closed
             self._refuse("protocol", f"{protocol!r} from {caller}: not served here")
@@ -148,12 +158,18 @@ class DirectPlane:
     address answered with the right peer id, else over libp2p.
     """
 
-    def __init__(self, p2p: P2P, identity: Identity, dial: bool = True) -> None:
+    def __init__(self, p2p: P2P, identity: Identity, dial: bool = True, shared_memory: bool = True) -> None:
+        """`dial`: call peers directly where they announce an address; `shared_memory`: pass tensors through
+        /dev/shm to and from processes on this host."""
         self.p2p = p2p
         self.identity = identity
         self.dial = dial  # False: every call goes over libp2p (`--no-direct`)
+        # callers and servers on one host pass tensors through /dev/shm (`--no-shared-memory`: never)
+        self.arenas = ArenaPool() if shared_memory and shared_memory_available() else None
+        if self.arenas is not None:
+            remove_stale_arenas()
         # holds every protocol registered on this process; it listens only once `serve` starts it
-        self.server = DirectServer(identity)
+        self.server = DirectServer(identity, arenas=self.arenas)
         self.address = ""  # what this process announces, once serving
         self.addresses: dict[str, tuple[str, int]] = {}  # peer id -> its announced direct address
         self.calls: Counter[str] = Counter()  # calls opened per path: direct, libp2p; and direct tries that failed
@@ -183,6 +199,8 @@ class DirectPlane:
     async def shutdown(self) -> None:
         await self.server.close()
         await self.p2p.shutdown()
+        if self.arenas is not None:
+            self.arenas.close()
 
     def learn(self, records: Iterable) -> None:
         """Takes note of the direct addresses in peers' records (anything with `peer_id` and `direct`)."""
@@ -229,18 +247,39 @@ class DirectPlane:
     async def _open(self, peer_id: PeerID, peer: str, address: tuple[str, int], protocol: str):
         for _ in range(2):  # a second, full handshake if the peer has forgotten the session
             stream = await open_direct_stream(*address)
+            shared = SharedMemoryLink(self.arenas) if self.arenas is not None else None
             try:
                 _tune(stream)
-                session = await prove_to_server(self.identity, peer, protocol, stream, stream, self._sessions.get(peer))
+                session = await prove_to_server(
+                    self.identity, peer, protocol, stream, stream, self._sessions.get(peer), shared
+                )
             except BaseException:
+                if shared is not None:
+                    shared.close()
                 stream.close()
                 raise
             if session is not None:
                 self._sessions[peer] = session
+                if _use_shared_memory(stream, shared):
+                    self.calls["shared_memory"] += 1
                 return DirectStreamInfo(peer_id, protocol, format_direct_address(*address)), stream, stream
+            if shared is not None:
+                shared.close()
             self._sessions.pop(peer, None)
             stream.close()
         raise HandshakeError("the peer forgot the session twice")
+
+
+def _use_shared_memory(stream: DirectStream, shared: SharedMemoryLink | None) -> bool:
+    """Hands the stream what its handshake agreed on for shared memory; whether there was anything (if not,
+    the link is closed)."""
+    if shared is None:
+        return False
+    if not shared.active or stream.is_closing():
+        shared.close()
+        return False
+    stream.shared = shared
+    return True
 
 
 def listen_host(host_maddrs: Iterable[str]) -> str:

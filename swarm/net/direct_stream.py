@@ -40,6 +40,8 @@ class DirectStream(asyncio.BufferedProtocol):
         self._paused_reading = False
         self._writable: asyncio.Future | None = None  # a drain waiting for the transport to take more
         self._closed: asyncio.Future | None = None
+        # what the handshake agreed on for shared memory (`swarm.net.shared_memory.SharedMemoryLink`), if any
+        self.shared: Any = None
 
     # --- protocol ---------------------------------------------------------------------------------
 
@@ -74,6 +76,9 @@ class DirectStream(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._eof = True
+        if self.shared is not None:  # the call is over: its arena may serve the next one
+            self.shared.close()
+            self.shared = None
         if exc is not None and self._error is None:
             self._error = exc
         self._wake()

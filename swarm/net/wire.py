@@ -27,6 +27,7 @@ import torch
 from google.protobuf.message import DecodeError, Message
 
 from swarm.compression import PACKED_INTEGERS, Codec, CodecError, dtype_from_name, dtype_name, get_codec
+from swarm.net.shared_memory import SHARED_MIN_BYTES, SharedMemoryError
 from swarm.proto import ErrorCode, Tensor
 
 CHUNK_BYTES = 512 * 1024
@@ -69,6 +70,12 @@ class WireLimits:
     max_fields: int = 2**17  # protobuf fields in a message, tensor parts' own included
     max_parts: int = 2**14  # tensor parts in a message (a 256 MiB tensor is 512)
     frame_timeout: float = 60.0
+    # where the byte limits come from and what to change, for a refusal (`swarm.net.request_limits`)
+    source: str = ""
+
+    def refusal(self, what: str) -> str:
+        """The message of a TOO_LARGE refusal of `what`, saying where the limit comes from when known."""
+        return f"{what}; {self.source}" if self.source else what
 
 
 class Part(NamedTuple):
@@ -160,14 +167,21 @@ def decode_tensors(parts: Sequence[Part], limits: WireLimits) -> list[torch.Tens
         if nbytes > limits.max_tensor_bytes:
             raise WireError(
                 ErrorCode.TOO_LARGE,
-                f"tensor {len(tensors)} of shape {list(shape)} needs {nbytes / 2**20:.1f} MiB, "
-                f"over this peer's limit of {limits.max_tensor_bytes / 2**20:.1f} MiB",
+                limits.refusal(
+                    f"tensor {len(tensors)} of shape {list(shape)} needs {nbytes / 2**20:.1f} MiB, "
+                    f"over this peer's limit of {limits.max_tensor_bytes / 2**20:.1f} MiB"
+                ),
             )
         continuation = parts[index + 1 : index + num_parts]
         if any(p.head.shape or p.head.dtype or p.head.codec or p.head.num_parts for p in continuation):
             raise WireError(ErrorCode.BAD_REQUEST, f"tensor {len(tensors)} has a malformed continuation part")
-        # a bytearray: the one copy of the payload, which the codec may then wrap without copying again
-        buffer = bytearray().join(part.buffer for part in parts[index : index + num_parts])
+        # a bytearray: the one copy of the payload, which the codec may then wrap without copying again (a
+        # tensor read whole from shared memory is one already)
+        own = parts[index].buffer
+        if num_parts == 1 and type(own) is bytearray:
+            buffer = own
+        else:
+            buffer = bytearray().join(part.buffer for part in parts[index : index + num_parts])
         try:
             tensors.append(codec.decode(buffer, shape, dtype))
         except CodecError as e:
@@ -192,8 +206,13 @@ def pack_frames(header: Message, parts: Sequence[Part]) -> list[Frame]:
 
 
 async def write_frames(writer: asyncio.StreamWriter, frames: Sequence[Frame | Message]) -> None:
-    """Writes frames (a plain message is a frame without parts), waiting for the transport to drain after each."""
+    """Writes frames (a plain message is a frame without parts), waiting for the transport to drain after each.
+
+    On a connection that agreed on shared memory, large parts go through the sender's arena instead."""
+    shared = getattr(writer, "shared", None)
     for frame in frames:
+        if shared is not None and shared.writes and isinstance(frame, Frame) and frame.parts:
+            frame = _through_arena(frame, shared.own)
         chunks = frame.chunks() if isinstance(frame, Frame) else [frame.SerializeToString()]
         size = sum(len(chunk) for chunk in chunks)
         if len(chunks[0]) < JOIN_BELOW_BYTES:  # the length goes out with the frame's start in one write
@@ -227,7 +246,7 @@ async def read_frames(reader: asyncio.StreamReader, message_type: type[M], limit
             if total > limits.max_message_bytes:
                 raise WireError(
                     ErrorCode.TOO_LARGE,
-                    f"message exceeds this peer's limit of {limits.max_message_bytes / 2**20:.1f} MiB",
+                    limits.refusal(f"message exceeds this peer's limit of {limits.max_message_bytes / 2**20:.1f} MiB"),
                 )
             data = await asyncio.wait_for(reader.readexactly(size), limits.frame_timeout)
         except asyncio.IncompleteReadError:
@@ -240,10 +259,79 @@ async def read_frames(reader: asyncio.StreamReader, message_type: type[M], limit
         fields_left -= fields
         parts.extend(frame_parts)
         if len(parts) > limits.max_parts:
-            raise WireError(ErrorCode.TOO_LARGE, f"message of more than this peer's limit of {limits.max_parts} parts")
+            refusal = limits.refusal(f"message of more than this peer's limit of {limits.max_parts} parts")
+            raise WireError(ErrorCode.TOO_LARGE, refusal)
         if not frame.more:
             break
+    if any(part.head.shared_length for part in parts):
+        parts = _read_from_arena(parts, getattr(reader, "shared", None), limits, total)
     return header, parts
+
+
+def _through_arena(frame: Frame, arena) -> Frame:
+    """`frame` with its large parts written to `arena` (`swarm.net.shared_memory.Arena`) and named by where
+    they lie; the parts of one tensor land back to back, so the reader takes them in one read."""
+    parts = []
+    for part in frame.parts:
+        if len(part.buffer) < SHARED_MIN_BYTES:
+            parts.append(part)
+            continue
+        head = Tensor()
+        head.CopyFrom(part.head)
+        head.shared_offset, head.shared_length = arena.put([part.buffer])
+        parts.append(Part(head, b""))
+    return Frame(frame.message, parts)
+
+
+def _read_from_arena(parts: list[Part], shared, limits: WireLimits, total: int) -> list[Part]:
+    """The parts with their bytes read from the sender's arena (`SharedMemoryLink.reader`). The bytes count
+    against the message limit before any is read; a run of a tensor's parts that lie back to back is read as
+    one part, into one buffer that decoding then wraps without another copy."""
+    reader = shared.reader if shared is not None else None
+    if reader is None:
+        raise WireError(ErrorCode.BAD_REQUEST, "a part in shared memory on a connection that did not agree to it")
+    total += sum(part.head.shared_length for part in parts)
+    if total > limits.max_message_bytes:
+        message = f"message exceeds this peer's limit of {limits.max_message_bytes / 2**20:.1f} MiB"
+        raise WireError(ErrorCode.TOO_LARGE, limits.refusal(message))
+    out, index = [], 0
+    while index < len(parts):
+        head = parts[index].head
+        run = parts[index : index + max(1, head.num_parts)]
+        try:
+            if len(run) > 1 and _back_to_back(run):
+                merged = Tensor()
+                merged.CopyFrom(head)
+                merged.num_parts, merged.shared_offset, merged.shared_length = 1, 0, 0
+                length = sum(part.head.shared_length for part in run)
+                out.append(Part(merged, reader.read(head.shared_offset, length)))
+                index += len(run)
+                continue
+            part = parts[index]
+            if part.head.shared_length:
+                if len(part.buffer):
+                    raise WireError(ErrorCode.BAD_REQUEST, "a part both in its frame and in shared memory")
+                plain = Tensor()
+                plain.CopyFrom(part.head)
+                plain.shared_offset, plain.shared_length = 0, 0
+                part = Part(plain, reader.read(part.head.shared_offset, part.head.shared_length))
+        except SharedMemoryError as e:
+            raise WireError(ErrorCode.BAD_REQUEST, f"shared memory: {e}") from None
+        out.append(part)
+        index += 1
+    return out
+
+
+def _back_to_back(run: list[Part]) -> bool:
+    """Whether a tensor's parts all lie in shared memory, each right after the one before, with well-formed
+    continuation heads (anything else is read part by part and judged by `decode_tensors`)."""
+    for before, after in zip(run, run[1:]):
+        h = after.head
+        if h.shape or h.dtype or h.codec or h.num_parts or len(after.buffer) or not h.shared_length:
+            return False
+        if h.shared_offset != before.head.shared_offset + before.head.shared_length:
+            return False
+    return bool(run[0].head.shared_length) and not len(run[0].buffer)
 
 
 def parse_frame(data: bytes | bytearray, message_type: type[M], max_fields: int) -> tuple[M, list[Part], int]:
