@@ -21,8 +21,8 @@ from swarm.net.allowlist import StreamGate
 from swarm.net.dht_node import connect_to_daemon, start_dht
 from swarm.net.direct_plane import DirectPlane, announce_host, listen_host
 from swarm.net.reachability import REACH_PROTOCOL, check_before_start, report_reachability, serve_reachability
+from swarm.net.request_limits import StageLimits, stage_limits
 from swarm.net.transport import INFO_PROTOCOL, STAGE_PROTOCOL
-from swarm.net.wire import WireLimits
 from swarm.peer.announcer import Announcer
 from swarm.peer.checkpoint import checkpoint_path, load_checkpoint, restore, save_checkpoint
 from swarm.peer.direct_links import keep_direct_links
@@ -80,6 +80,7 @@ class Peer:
         self.runtime: StageRuntime | None = None
         self.mates: StageMates | None = None
         self.handler: StageHandler | None = None
+        self.limits: StageLimits | None = None  # what the stage's calls may carry; announced in the record
         self.loop: asyncio.AbstractEventLoop | None = None
         self.metrics: PeerMetrics | None = None  # with --metrics-port
         self.net: DirectPlane | None = None  # libp2p and the direct data plane, once serving
@@ -139,12 +140,12 @@ class Peer:
             faults=self.faults,
             ledger=self.ledger,
         )
-        max_bytes = int(config.max_request_mb * 2**20)
+        self.limits = stage_limits(module, config.max_call_samples, int(config.max_request_mb * 2**20))
         self.handler = StageHandler(
             self.runtime,
             config.model,
-            WireLimits(max_message_bytes=max_bytes, max_tensor_bytes=max_bytes),
-            config.max_batch_samples,
+            self.limits.wire,
+            self.limits.max_call_samples,
             state=lambda: self.state,
             mates=self.mates,
             step_wait=config.averaging_timeout + 10,
@@ -216,6 +217,7 @@ class Peer:
             standbys=self.standbys.announced() if self.standbys is not None else (),
             moving_to=self.moving_to if self.state == LEAVING else -1,
             direct=self.net.address if self.net is not None else "",
+            max_microbatch=self.limits.max_microbatch,
         )
 
     def _renewal(self) -> StageRecord | None:

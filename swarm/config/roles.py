@@ -45,7 +45,17 @@ class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig):
         "merge queued requests only up to this many seconds of estimated work, so the next stage gets a "
         "steady flow rather than bursts (0: merge up to --max-batch-samples)",
     )
-    max_request_mb: float = option(256.0, "largest request the peer accepts, in MiB")
+    max_microbatch: int = option(
+        0,
+        "most samples one call may carry (a trainer's microbatch); announced, so that trainers split larger "
+        "microbatches into parts of at most this, and the request size the peer accepts follows from it and the "
+        "stage's boundary size (0: --max-batch-samples)",
+    )
+    max_request_mb: float = option(
+        0.0,
+        "largest request the peer accepts, in MiB, in place of what follows from --max-microbatch and the stage's "
+        "boundary size (0: that); the microbatch announced is then the largest whose backward fits",
+    )
     max_queue: int = option(
         1024, "requests a peer keeps queued at most; past that it answers busy (UNAVAILABLE) at once"
     )
@@ -134,6 +144,11 @@ class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig):
         """The stage given with --stage, or None for auto."""
         return None if self.stage == "auto" else int(self.stage)
 
+    @property
+    def max_call_samples(self) -> int:
+        """The most samples one call may carry: --max-microbatch, or --max-batch-samples where it is 0."""
+        return self.max_microbatch or self.max_batch_samples
+
     def check(self) -> None:
         NetworkConfig.check(self)
         if self.client_mode:
@@ -178,6 +193,11 @@ class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig):
         for name in ("target_batch_size", "max_batch_samples", "num_threads", "max_queue", "max_streams_per_caller"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+        if not 0 <= self.max_microbatch <= self.max_batch_samples or self.max_request_mb < 0:
+            raise ConfigError(
+                "--max-microbatch must be 0 (--max-batch-samples) or at most --max-batch-samples (the most the peer "
+                f"runs at once, {self.max_batch_samples}), and --max-request-mb 0 (from the model) or positive"
+            )
         if self.lr <= 0:
             raise ConfigError("--lr must be positive")
         if self.averaging_timeout <= 0:
