@@ -32,6 +32,7 @@ from swarm.peer.request_queue import (
     fail,
     settle,
 )
+from swarm.peer.stage_spilling import SpilledStage
 from swarm.peer.stage_state import parameter_fingerprint
 from swarm.policy.throughput_average import ThroughputAverage
 
@@ -101,8 +102,12 @@ class StageRuntime:
         simulated_speed: float = 0.0,
         faults: FaultPlan | None = None,
         max_queue: int = 1024,
+        offload: bool = False,
+        offload_group: int = 0,
     ) -> None:
-        self.module = module.to(device)
+        # offload: the blocks stay in host memory and visit the device a group at a time (peer/stage_spilling.py)
+        self.spilling = SpilledStage(module, device, offload_group) if offload else None
+        self.module = module if offload else module.to(device)
         self.optimizer = optimizer
         self.target_batch_size = target_batch_size
         self.device = torch.device(device)
@@ -384,7 +389,9 @@ class StageRuntime:
 
     def _stage_forward(self, inputs: list[torch.Tensor], targets: torch.Tensor | None = None) -> torch.Tensor:
         """The stage's module on a call's inputs: its input, then the token ids where it takes them."""
-        return self.module(inputs[0], targets, tokens=inputs[1] if self.module.takes_tokens else None)
+        return (self.spilling or self.module)(
+            inputs[0], targets, tokens=inputs[1] if self.module.takes_tokens else None
+        )
 
     def _backward(
         self, tensors: list[torch.Tensor], accumulate: bool = True
@@ -472,7 +479,10 @@ class StageRuntime:
                     f"Stage {self.module.stage} steps on {total} samples, target is {self.target_batch_size}: "
                     "microbatches crossed the step boundary"
                 )
-            apply_accumulated_step(self.module, self.optimizer, total)
+            if self.spilling is not None:
+                self.spilling.step(self.optimizer, total)
+            else:
+                apply_accumulated_step(self.module, self.optimizer, total)
             self.samples_stepped += total
         fingerprint = parameter_fingerprint(self.module)
         self.step += 1

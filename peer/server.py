@@ -121,13 +121,16 @@ class Peer:
             config.target_batch_size,
             device=config.device,
             max_batch_samples=config.max_batch_samples,
-            max_batch_seconds=config.max_batch_seconds,
+            # offloaded, a batch pays one pass of loads however large: merge all that is queued
+            max_batch_seconds=0.0 if config.offload else config.max_batch_seconds,
             step=step,
             on_step=self._on_step,
             max_staleness=config.max_staleness,
             simulated_speed=simulated,
             faults=self.faults,
             max_queue=config.max_queue,
+            offload=config.offload,
+            offload_group=config.offload_group,
         )
         self.runtime.samples_stepped = samples_stepped
         self.mates = StageMates(

@@ -33,6 +33,16 @@ class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig):
         "auto", "the stage to host, 0-based, or auto: the stage where this peer raises the swarm's throughput most"
     )
     device: str = option("cpu", "torch device for the stage, e.g. cpu or cuda:0")
+    offload: bool = option(
+        False,
+        "keep the stage's blocks (their parameters, gradients and optimizer state) in host memory and stream them "
+        "to the device a group at a time, so a stage larger than the device's memory trains; exact, at the cost of "
+        "the copies, paid once per batch: a batch merges all that is queued, up to --max-batch-samples (not limited by "
+        "--max-batch-seconds)",
+    )
+    offload_group: int = option(
+        0, "with --offload: blocks per group streamed to the device (0: a group takes a quarter of its free memory)"
+    )
     num_threads: int = option(1, "torch CPU threads (keep low when several peers share a machine)")
     target_batch_size: int = option(32, "samples per optimizer step, summed over all microbatches")
     lr: float = option(1e-3, "AdamW learning rate")
@@ -188,6 +198,8 @@ class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig):
             raise ConfigError("--rebalance-horizon and --move-bandwidth-mbit must be positive")
         if self.max_batch_seconds < 0:
             raise ConfigError("--max-batch-seconds must be 0 (no limit) or positive")
+        if self.offload_group < 0:
+            raise ConfigError("--offload-group must be 0 (sized from the device's memory) or positive")
         if self.simulated_speed < 0:
             raise ConfigError("--simulated-speed must be 0 (real speed) or positive")
         for name in ("target_batch_size", "max_batch_samples", "num_threads", "max_queue", "max_streams_per_caller"):
