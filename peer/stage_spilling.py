@@ -396,4 +396,3 @@ def _moment_keys(optimizer: torch.optim.Optimizer, param: nn.Parameter) -> list[
         for key, value in state.items()
         if key != "step" and isinstance(value, torch.Tensor) and value.shape == param.shape
     ]
-
