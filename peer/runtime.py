@@ -21,6 +21,7 @@ import torch
 
 from swarm.models import GPTStage
 from swarm.models.optimizer import apply_accumulated_step
+from swarm.models.precision import autocast
 from swarm.peer.faults import FaultPlan
 from swarm.peer.request_queue import (
     CallAbandonedError,
@@ -32,7 +33,6 @@ from swarm.peer.request_queue import (
     fail,
     settle,
 )
-from swarm.peer.stage_spilling import SpilledStage
 from swarm.peer.stage_state import parameter_fingerprint
 from swarm.policy.throughput_average import ThroughputAverage
 
@@ -102,12 +102,12 @@ class StageRuntime:
         simulated_speed: float = 0.0,
         faults: FaultPlan | None = None,
         max_queue: int = 1024,
-        offload: bool = False,
-        offload_group: int = 0,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
-        # offload: the blocks stay in host memory and visit the device a group at a time (peer/stage_spilling.py)
-        self.spilling = SpilledStage(module, device, offload_group) if offload else None
-        self.module = module if offload else module.to(device)
+        self.module = module.to(device)
+        # the compute dtype (`swarm.models.precision`): forwards run under its autocast and the boundary tensors
+        # they return, and the input gradients, are in it; parameters, their gradients and the optimizer stay float32
+        self.dtype = dtype
         self.optimizer = optimizer
         self.target_batch_size = target_batch_size
         self.device = torch.device(device)
@@ -231,6 +231,7 @@ class StageRuntime:
 
     def measure_throughput(self, sample: list[torch.Tensor]) -> float:
         """Times one backward on a sample batch to seed the throughput estimate; leaves no gradients."""
+        sample = [t.to(self.dtype) if t.is_floating_point() else t for t in sample]  # as a request carries them
         # untimed first: a process's first backward also initializes torch's kernels (0.3 s against 0.02 s for
         # gpt-tiny here), and a first record 15 times too slow misleads the balance plans of every peer
         self._backward(sample)
@@ -388,10 +389,16 @@ class StageRuntime:
             time.sleep(remaining)
 
     def _stage_forward(self, inputs: list[torch.Tensor], targets: torch.Tensor | None = None) -> torch.Tensor:
-        """The stage's module on a call's inputs: its input, then the token ids where it takes them."""
-        return (self.spilling or self.module)(
-            inputs[0], targets, tokens=inputs[1] if self.module.takes_tokens else None
-        )
+        """The stage's module on a call's inputs: its input, then the token ids where it takes them.
+
+        It runs under autocast in the compute dtype. A hidden input is taken up to float32 (the stream a
+        one-process model carries between its layers) and the output cast to the compute dtype, as it goes
+        on the wire; losses stay float32. In float32 every cast is the tensor itself: nothing changes.
+        """
+        hidden = inputs[0].float() if inputs[0].is_floating_point() else inputs[0]
+        with autocast(self.device, self.dtype):
+            output = self.module(hidden, targets, tokens=inputs[1] if self.module.takes_tokens else None)
+        return output.float() if targets is not None else output.to(self.dtype)
 
     def _backward(
         self, tensors: list[torch.Tensor], accumulate: bool = True
@@ -479,10 +486,7 @@ class StageRuntime:
                     f"Stage {self.module.stage} steps on {total} samples, target is {self.target_batch_size}: "
                     "microbatches crossed the step boundary"
                 )
-            if self.spilling is not None:
-                self.spilling.step(self.optimizer, total)
-            else:
-                apply_accumulated_step(self.module, self.optimizer, total)
+            apply_accumulated_step(self.module, self.optimizer, total)
             self.samples_stepped += total
         fingerprint = parameter_fingerprint(self.module)
         self.step += 1

@@ -113,9 +113,9 @@ class ModelConfig:
         None,
         "fine-tune a published model: a local folder with a Hugging Face Llama checkpoint (config.json, and "
         "model.safetensors or shards named by model.safetensors.index.json); the model is then the checkpoint's "
-        "(its shape and vocabulary; named hf:FOLDER_NAME unless --model gives another hf:NAME), peers start "
-        "their stage from its weights, and a trainer, which reads only config.json, needs --tokenizer (usually "
-        "the same folder). Every peer and trainer of the swarm gives it",
+        "(its shape and vocabulary; --model becomes hf:FOLDER_NAME), peers start their stage from its weights, and "
+        "a trainer, which reads only config.json, needs --tokenizer (usually the same folder). Every peer and "
+        "trainer of the swarm gives it",
     )
     num_stages: int = option(3, "number of pipeline stages the model is cut into")
     seed: int = option(0, "seed of the initial parameters and of the data order")
@@ -123,6 +123,12 @@ class ModelConfig:
         0,
         "token ids the model knows: 0 for the byte-level default (257: 256 bytes and an end-of-document token); "
         "with a trainer's --tokenizer, the size it names; every peer and trainer of a swarm must agree",
+    )
+    dtype: str = option(
+        "auto",
+        "compute dtype: bf16 or fp32, or auto (bf16 on a CUDA device that supports it, fp32 on a CPU; a trainer "
+        "takes the swarm's); parameters and optimizer state stay float32, hidden states and their gradients "
+        "travel in it; every peer and trainer of a swarm must agree (fp16 is refused: it needs loss scaling)",
     )
 
     def model_spec(self):
@@ -132,7 +138,7 @@ class ModelConfig:
         if self.hf_checkpoint:
             from swarm.models.hf_checkpoint import read_spec
 
-            return read_spec(self.hf_checkpoint, self.model if self.model.startswith("hf:") else None)
+            return read_spec(self.hf_checkpoint)
         return get_model_spec(self.model, **({"vocab_size": self.vocab_size} if self.vocab_size else {}))
 
     def check(self) -> None:
@@ -146,17 +152,22 @@ class ModelConfig:
             raise ConfigError(f"--num-stages must be within 1..{spec.n_layer} for {spec.name}, got {self.num_stages}")
         if self.vocab_size != 0 and not 2 <= self.vocab_size <= MAX_VOCAB_SIZE:
             raise ConfigError(f"--vocab-size must be 0 (bytes) or within 2..{MAX_VOCAB_SIZE}, got {self.vocab_size}")
+        from swarm.models.precision import DTYPE_CHOICES, FP16_REFUSAL
+
+        if self.dtype not in DTYPE_CHOICES:
+            raise ConfigError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
+        if self.dtype == "fp16":
+            raise ConfigError(FP16_REFUSAL)
 
     def _checkpoint_spec(self):
-        """The spec of --hf-checkpoint; ConfigError if the folder or a setting is wrong. The model's name, which
-        peers and trainers announce and look for, is --model if that is hf:NAME, else hf:FOLDER_NAME."""
-        from swarm.models.hf_checkpoint import CheckpointError
+        """The spec of --hf-checkpoint, whose name becomes --model; ConfigError if the folder or a setting is wrong."""
+        from swarm.models.hf_checkpoint import CheckpointError, read_spec
 
         try:
-            spec = self.model_spec()
+            spec = read_spec(self.hf_checkpoint)
         except CheckpointError as e:
             raise ConfigError(f"--hf-checkpoint: {e}") from None
-        self.model = spec.name
+        self.model = spec.name  # the name peers and trainers announce and look for
         if self.vocab_size not in (0, spec.vocab_size):
             raise ConfigError(f"--vocab-size {self.vocab_size}: the checkpoint's model knows {spec.vocab_size} ids")
         if getattr(self, "tokenizer", "") is None:  # a trainer or the demo, on bytes

@@ -20,6 +20,7 @@ SWARM_SETTINGS: dict[str, str] = {
     "seed": "the initial parameters (and the trainers' default data order)",
     "vocab_size": "the token ids every stage's embedding and head know",
     "tokenizer": "how trainers turn text into those ids",
+    "dtype": "what stages compute in and boundary tensors travel in",
     "target_batch_size": "the samples a stage steps on",
     "lr": "the optimizer: replicas of a stage step alike only with the same settings",
     "weight_decay": "the optimizer",

@@ -4,6 +4,9 @@ A peer runs `check_stage_inputs` on every request, so a wrong tensor count, shap
 or value comes back to the caller as a clear error instead of failing inside the model; a trainer
 runs `check_stage_outputs` on every reply, so a peer that answers garbage is that peer's fault.
 
+Boundary tensors are in the swarm's compute dtype (`--dtype`, `swarm.models.precision`): float32, or
+bfloat16 in a swarm that computes in it. One in another dtype is refused, naming the setting.
+
 Boundary values (hidden states and their gradients) must be finite and at most `MAX_ABS_VALUE` in
 magnitude. A working model's boundary activations are layer-normed sums of a few dozen terms and its
 gradients are far smaller; a value beyond the bound is a broken or hostile sender, and one batch of
@@ -17,6 +20,7 @@ import math
 import torch
 
 from swarm.models.gpt import GPTStage
+from swarm.models.precision import flag_value
 
 MAX_ABS_VALUE = 1e4  # largest magnitude accepted in a boundary tensor (see the module's docstring)
 
@@ -30,7 +34,18 @@ class StageOutputError(ValueError):
 
 
 def _describe(tensor: torch.Tensor) -> str:
-    return f"{str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}"
+    return f"{_name(tensor.dtype)}{list(tensor.shape)}"
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtype_hint(tensor: torch.Tensor, dtype: torch.dtype) -> str:
+    """Why a boundary tensor of the right shape but another float dtype is refused: the swarm's --dtype."""
+    if tensor.dtype == dtype or not tensor.is_floating_point():
+        return ""
+    return f": this stage computes in --dtype {flag_value(dtype)}, and every peer and trainer of a swarm must agree"
 
 
 def expected_inputs(stage: GPTStage, backward: bool) -> list[str]:
@@ -43,8 +58,11 @@ def expected_inputs(stage: GPTStage, backward: bool) -> list[str]:
     return names
 
 
-def check_stage_inputs(stage: GPTStage, backward: bool, tensors: list[torch.Tensor], max_batch: int) -> int:
-    """Validates a call's tensors against `stage`; returns the batch size or raises StageInputError."""
+def check_stage_inputs(
+    stage: GPTStage, backward: bool, tensors: list[torch.Tensor], max_batch: int, dtype: torch.dtype = torch.float32
+) -> int:
+    """Validates a call's tensors against `stage`, whose boundary tensors are in `dtype`; returns the batch size
+    or raises StageInputError."""
     spec = stage.spec
     names = expected_inputs(stage, backward)
     if len(tensors) != len(names):
@@ -69,8 +87,11 @@ def check_stage_inputs(stage: GPTStage, backward: bool, tensors: list[torch.Tens
             if tensor.numel() and (int(tensor.min()) < 0 or int(tensor.max()) >= spec.vocab_size):
                 raise StageInputError(f"{name} hold ids outside 0..{spec.vocab_size - 1}")
         else:
-            if tensor.dtype != torch.float32 or tuple(tensor.shape) != hidden_shape:
-                raise StageInputError(f"{name} must be float32{list(hidden_shape)}, got {_describe(tensor)}")
+            if tensor.dtype != dtype or tuple(tensor.shape) != hidden_shape:
+                raise StageInputError(
+                    f"{name} must be {_name(dtype)}{list(hidden_shape)}, got {_describe(tensor)}"
+                    + _dtype_hint(tensor, dtype)
+                )
             if problem := value_problem(tensor):
                 raise StageInputError(f"{name} {problem}")
     return batch
@@ -90,10 +111,18 @@ def value_problem(tensor: torch.Tensor, max_abs: float = MAX_ABS_VALUE) -> str |
 
 
 def check_stage_outputs(
-    stage: int, num_stages: int, boundary_width: int, backward: bool, inputs: list[torch.Tensor], outputs: list
+    stage: int,
+    num_stages: int,
+    boundary_width: int,
+    backward: bool,
+    inputs: list[torch.Tensor],
+    outputs: list,
+    dtype: torch.dtype | None = torch.float32,
 ) -> None:
     """Checks a reply's tensors against the call that asked for them; raises StageOutputError.
 
+    Boundary tensors must be in `dtype`; None takes float32 or bfloat16, for a caller that follows
+    whatever the swarm computes in (the peer that takes the tensor next checks it against its own).
     A forward of a stage before the last returns hidden states [batch, seq, width]; a backward returns
     the gradient of its hidden input (same shape), or nothing at the first stage, whose inputs are tokens.
     """
@@ -106,9 +135,9 @@ def check_stage_outputs(
         raise StageOutputError(f"{kind} of stage {stage} answered {len(outputs)} tensors, expected {wanted}")
     for tensor in outputs:
         shape = (batch, seq, boundary_width)
-        if tensor.dtype != torch.float32 or tuple(tensor.shape) != shape:
-            raise StageOutputError(
-                f"{kind} of stage {stage} answered {_describe(tensor)}, expected float32{list(shape)}"
-            )
+        allowed = (torch.float32, torch.bfloat16) if dtype is None else (dtype,)
+        if tensor.dtype not in allowed or tuple(tensor.shape) != shape:
+            expected = " or ".join(f"{_name(d)}{list(shape)}" for d in allowed)
+            raise StageOutputError(f"{kind} of stage {stage} answered {_describe(tensor)}, expected {expected}")
         if problem := value_problem(tensor):
             raise StageOutputError(f"{kind} of stage {stage} answered values that {problem}")

@@ -1,7 +1,8 @@
 """The swarm's settings as its serving peers announce them, and a newcomer's check of its own against them.
 
 A stage record carries the settings of its peer that the whole swarm must share (`ANNOUNCED`): the
-model, its cut into stages, the token ids it knows, the samples a stage steps on. A value in a
+model, its cut into stages, the token ids it knows, the samples a stage steps on, the dtype it computes
+in (`--dtype`, as it resolves on the peer's device: a trainer's auto takes the swarm's). A value in a
 record is a claim (the signature proves who makes it, not that it is right), so a newcomer takes a
 value for the swarm's only where more than half of the serving peers announce it, and then refuses
 to start with a setting that differs, naming the setting and the value to use. Where the serving
@@ -18,9 +19,12 @@ from typing import Any
 from hivemind import DHT
 
 from swarm.config import ConfigError, ModelConfig
+from swarm.models.precision import resolve_dtype
 from swarm.records.stage_records import SERVING, StageRecord, fetch_stage_records
 
-ANNOUNCED = ("model", "num_stages", "vocab_size", "target_batch_size")
+ANNOUNCED = ("model", "num_stages", "vocab_size", "target_batch_size", "dtype")
+# the value of a record from before a setting was announced, which says nothing about it
+UNANNOUNCED = {"vocab_size": 0, "dtype": ""}
 
 
 def swarm_settings(records: Iterable[StageRecord], exclude: str = "") -> tuple[dict[str, Any], int]:
@@ -30,8 +34,7 @@ def swarm_settings(records: Iterable[StageRecord], exclude: str = "") -> tuple[d
     serving = {r.peer_id: r for r in records if r.state == SERVING and r.peer_id != exclude}.values()
     settings: dict[str, Any] = {}
     for name in ANNOUNCED:
-        # vocab_size 0: a peer from before records carried it, which says nothing about it
-        values = Counter(getattr(r, name) for r in serving if not (name == "vocab_size" and r.vocab_size == 0))
+        values = Counter(getattr(r, name) for r in serving if getattr(r, name) != UNANNOUNCED.get(name))
         if values:
             value, count = values.most_common(1)[0]
             if 2 * count > sum(values.values()):
@@ -50,6 +53,10 @@ def differing_settings(config: ModelConfig, records: Iterable[StageRecord], excl
     }
     if hasattr(config, "target_batch_size"):  # a trainer takes the peers' own
         mine["target_batch_size"] = (config.target_batch_size, config.target_batch_size)
+    if hasattr(config, "device"):  # a peer: what its --dtype means on its device
+        mine["dtype"] = (resolve_dtype(config.dtype, config.device), config.dtype)
+    elif config.dtype != "auto":  # a trainer's auto takes the swarm's
+        mine["dtype"] = (config.dtype, config.dtype)
     differ = [
         (name, swarm[name], given) for name, (value, given) in mine.items() if name in swarm and swarm[name] != value
     ]
@@ -63,10 +70,11 @@ def differing_settings(config: ModelConfig, records: Iterable[StageRecord], excl
     )
 
 
-def check_against_swarm(config: ModelConfig, dht: DHT, run_id: str) -> None:
+def check_against_swarm(config: ModelConfig, dht: DHT, run_id: str) -> dict[str, Any]:
     """Reads the swarm's records through `dht` (joined already) and raises ConfigError if `config` differs from
-    the settings most of its serving peers announce (see `differing_settings`)."""
-    records = fetch_stage_records(dht, run_id, config.num_stages)
-    problem = differing_settings(config, (r for stage in records.values() for r in stage), exclude=str(dht.peer_id))
+    the settings most of its serving peers announce (see `differing_settings`); returns those settings."""
+    records = [r for stage in fetch_stage_records(dht, run_id, config.num_stages).values() for r in stage]
+    problem = differing_settings(config, records, exclude=str(dht.peer_id))
     if problem is not None:
         raise ConfigError(problem)
+    return swarm_settings(records, exclude=str(dht.peer_id))[0]

@@ -45,10 +45,10 @@ RANGES: dict[str, tuple[float, float]] = {
     "protocol_version": (0, 2**31),
     "vocab_size": (0, 2**31),  # 0: a peer from before the field existed (byte-level)
     "moving_to": (-1, 1023),  # -1: not moving
-    "max_microbatch": (0, 2**31),  # 0: a peer from before the field existed (announces no limit)
 }
 PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{20,128}")  # base58, as libp2p writes peer ids
 MAX_MODEL_NAME = 128
+ANNOUNCED_DTYPES = ("", "fp32", "bf16")  # a record's dtype: none (from before the field), or a compute dtype
 MAX_STANDBYS = 64  # standby copies one record may list: far above any sensible --standby-stages
 FINGERPRINT = re.compile(r"[0-9a-f]{16}|")  # `swarm.peer.stage_state.state_fingerprint`, or none yet
 dropped_records: Counter[str] = Counter()  # records skipped by this process, per reason
@@ -83,9 +83,9 @@ class StageRecord:
     moving_to: int = -1
     # "HOST:PORT" of the peer's direct data plane (`swarm.net.direct_plane`), or "" if it serves none
     direct: str = ""
-    # the most samples one call may carry (`--max-microbatch`, within `--max-request-mb`): a trainer splits
-    # larger microbatches into parts of at most this (`swarm.net.request_limits`); 0: not announced
-    max_microbatch: int = 0
+    # what the stage computes in and its boundary tensors travel in (`--dtype` as it resolved on the peer's
+    # device: fp32 or bf16); peers and trainers of one swarm must agree. "": a peer from before the field
+    dtype: str = ""
 
     def standby_of(self, stage: int) -> tuple[int, str] | None:
         """(step, fingerprint) of this peer's standby copy of `stage`, step -1 while it fetches one; None if none."""
@@ -136,6 +136,8 @@ class StageRecord:
             return "moving_to"
         if not isinstance(self.direct, str) or (self.direct and parse_direct_address(self.direct) is None):
             return "direct"
+        if self.dtype not in ANNOUNCED_DTYPES:
+            return "dtype"
         if not isinstance(self.standbys, tuple) or len(self.standbys) > MAX_STANDBYS:
             return "standbys"
         for entry in self.standbys:

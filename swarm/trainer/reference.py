@@ -3,6 +3,10 @@
 It builds every stage from the same spec and seed as the peers (or from the same --hf-checkpoint),
 draws the same batches, cuts them into the same microbatches and applies the same accumulation
 rule, so a swarm without compression must end with the same parameters, up to floating-point reordering.
+
+In a compute dtype other than float32 (`swarm.models.precision`) it computes as the peers do: each
+stage under autocast, its output cast to the dtype at the boundary (as it crosses the wire) and taken
+up to float32 by the next stage; parameters and optimizer state stay float32.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import torch
 
 from swarm.models import ModelSpec, Stage, initial_stage
 from swarm.models.optimizer import OptimizerSettings, apply_accumulated_step, build_optimizer
+from swarm.models.precision import autocast
 from swarm.trainer.data import ByteCorpus
 
 
@@ -35,26 +40,36 @@ def train_reference(
     settings: OptimizerSettings,
     seed: int = 0,
     hf_checkpoint: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
 ) -> ReferenceRun:
-    """Trains the stages in order, in this process, with the swarm's batches and step rule."""
-    stages = [initial_stage(spec, k, num_stages, seed, hf_checkpoint) for k in range(num_stages)]
+    """Trains the stages in order, in this process, with the swarm's batches and step rule, computing in `dtype`
+    on `device`."""
+    where = torch.device(device)
+    stages = [initial_stage(spec, k, num_stages, seed, hf_checkpoint).to(where) for k in range(num_stages)]
     optimizers = [build_optimizer(stage, settings) for stage in stages]
     losses = []
     start = time.perf_counter()
     for step in range(steps):
         batch = corpus.batch(step, target_batch_size, spec.seq_len, seed)
         total = 0.0
-        for tokens in batch.split(microbatch_size):
+        for tokens in batch.to(where).split(microbatch_size):
             inputs = hidden = tokens[:, :-1]
-            for stage in stages[:-1]:
-                hidden = stage(hidden, tokens=inputs)
-            sample_losses = stages[-1](hidden, tokens[:, 1:], tokens=inputs)
+            with autocast(where, dtype):
+                for stage in stages[:-1]:
+                    hidden = stage(_taken(hidden), tokens=inputs).to(dtype)
+                sample_losses = stages[-1](_taken(hidden), tokens[:, 1:], tokens=inputs).float()
             sample_losses.sum().backward()
             total += float(sample_losses.detach().sum())
         for stage, optimizer in zip(stages, optimizers):
             apply_accumulated_step(stage, optimizer, target_batch_size)
         losses.append(total / target_batch_size)
     return ReferenceRun(stages, losses, time.perf_counter() - start, steps * target_batch_size)
+
+
+def _taken(hidden: torch.Tensor) -> torch.Tensor:
+    """A stage's input as a peer takes it: token ids as they are, a boundary tensor up to float32."""
+    return hidden.float() if hidden.is_floating_point() else hidden
 
 
 def max_parameter_difference(a: torch.nn.Module, b: dict[str, torch.Tensor]) -> float:

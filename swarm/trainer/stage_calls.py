@@ -93,6 +93,9 @@ class StageCaller:
         self._last_success: dict[int, float] = {}  # per stage, when a call to it last succeeded (monotonic)
         self._resend_buffer = ResendBuffer(int(config.resend_buffer_mb * 2**20))
         self._resending: set[tuple[int, int]] = set()  # (stage, microbatch) being sent again
+        # the dtype of the boundary tensors replies carry (`swarm.models.precision.expected_dtype`); None: float32
+        # or bfloat16, whichever the peers compute in (the next stage's peer checks them against its own)
+        self.dtype: torch.dtype | None = torch.float32
 
     async def call(
         self,
@@ -262,7 +265,7 @@ class StageCaller:
         peer's failure: raised as a retriable error, so the call goes elsewhere and the peer is banned."""
         try:
             width = self.spec.boundary_width
-            check_stage_outputs(stage, self.config.num_stages, width, backward, inputs, outputs)
+            check_stage_outputs(stage, self.config.num_stages, width, backward, inputs, outputs, self.dtype)
             if backward and stage == self.config.num_stages - 1 and not math.isfinite(reply.loss):
                 raise StageOutputError(f"backward of stage {stage} answered a loss of {reply.loss}")
         except StageOutputError as e:
