@@ -18,6 +18,7 @@ import torch
 from swarm.compression import Codec, CodecError, get_codec
 from swarm.models import GPTStage
 from swarm.models.stage_io import StageInputError, check_stage_inputs
+from swarm.net.request_limits import call_too_large
 from swarm.net.wire import (
     Part,
     StreamEnded,
@@ -160,6 +161,8 @@ class StageHandler:
         loop = asyncio.get_running_loop()
         backward = request.kind == BACKWARD
         tensors = await loop.run_in_executor(None, decode_tensors, parts, self.limits)
+        if tensors and tensors[0].ndim and (samples := tensors[0].shape[0]) > self.max_batch_samples:
+            return [self._error(ErrorCode.TOO_LARGE, call_too_large(samples, self.max_batch_samples))]
         try:
             check_stage_inputs(self.stage, backward, tensors, self.max_batch_samples, self.runtime.dtype)
         except StageInputError as e:

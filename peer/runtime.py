@@ -33,6 +33,7 @@ from swarm.peer.request_queue import (
     fail,
     settle,
 )
+from swarm.peer.stage_spilling import SpilledStage
 from swarm.peer.stage_state import parameter_fingerprint
 from swarm.policy.throughput_average import ThroughputAverage
 
@@ -103,8 +104,12 @@ class StageRuntime:
         faults: FaultPlan | None = None,
         max_queue: int = 1024,
         dtype: torch.dtype = torch.float32,
+        offload: bool = False,
+        offload_group: int = 0,
     ) -> None:
-        self.module = module.to(device)
+        # offload: the blocks stay in host memory and visit the device a group at a time (peer/stage_spilling.py)
+        self.spilling = SpilledStage(module, device, offload_group) if offload else None
+        self.module = module if offload else module.to(device)
         # the compute dtype (`swarm.models.precision`): forwards run under its autocast and the boundary tensors
         # they return, and the input gradients, are in it; parameters, their gradients and the optimizer stay float32
         self.dtype = dtype
@@ -397,7 +402,9 @@ class StageRuntime:
         """
         hidden = inputs[0].float() if inputs[0].is_floating_point() else inputs[0]
         with autocast(self.device, self.dtype):
-            output = self.module(hidden, targets, tokens=inputs[1] if self.module.takes_tokens else None)
+            output = (self.spilling or self.module)(
+                hidden, targets, tokens=inputs[1] if self.module.takes_tokens else None
+            )
         return output.float() if targets is not None else output.to(self.dtype)
 
     def _backward(
@@ -486,7 +493,10 @@ class StageRuntime:
                     f"Stage {self.module.stage} steps on {total} samples, target is {self.target_batch_size}: "
                     "microbatches crossed the step boundary"
                 )
-            apply_accumulated_step(self.module, self.optimizer, total)
+            if self.spilling is not None:
+                self.spilling.step(self.optimizer, total)
+            else:
+                apply_accumulated_step(self.module, self.optimizer, total)
             self.samples_stepped += total
         fingerprint = parameter_fingerprint(self.module)
         self.step += 1

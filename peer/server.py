@@ -22,8 +22,8 @@ from swarm.net.allowlist import StreamGate
 from swarm.net.dht_node import connect_to_daemon, start_dht
 from swarm.net.direct_plane import DirectPlane, announce_host, listen_host
 from swarm.net.reachability import REACH_PROTOCOL, check_before_start, report_reachability, serve_reachability
+from swarm.net.request_limits import StageLimits, stage_limits
 from swarm.net.transport import INFO_PROTOCOL, STAGE_PROTOCOL
-from swarm.net.wire import WireLimits
 from swarm.peer.announcer import Announcer
 from swarm.peer.checkpoint import checkpoint_path, load_checkpoint, restore, save_checkpoint
 from swarm.peer.direct_links import keep_direct_links
@@ -81,6 +81,7 @@ class Peer:
         self.runtime: StageRuntime | None = None
         self.mates: StageMates | None = None
         self.handler: StageHandler | None = None
+        self.limits: StageLimits | None = None  # what the stage's calls may carry; announced in the record
         self.loop: asyncio.AbstractEventLoop | None = None
         self.metrics: PeerMetrics | None = None  # with --metrics-port
         self.net: DirectPlane | None = None  # libp2p and the direct data plane, once serving
@@ -121,7 +122,8 @@ class Peer:
             config.target_batch_size,
             device=config.device,
             max_batch_samples=config.max_batch_samples,
-            max_batch_seconds=config.max_batch_seconds,
+            # offloaded, a batch pays one pass of loads however large: merge all that is queued
+            max_batch_seconds=0.0 if config.offload else config.max_batch_seconds,
             step=step,
             on_step=self._on_step,
             max_staleness=config.max_staleness,
@@ -129,6 +131,8 @@ class Peer:
             faults=self.faults,
             max_queue=config.max_queue,
             dtype=compute_dtype(config.dtype, config.device),
+            offload=config.offload,
+            offload_group=config.offload_group,
         )
         self.runtime.samples_stepped = samples_stepped
         self.mates = StageMates(
@@ -141,12 +145,12 @@ class Peer:
             faults=self.faults,
             ledger=self.ledger,
         )
-        max_bytes = int(config.max_request_mb * 2**20)
+        self.limits = stage_limits(module, config.max_call_samples, int(config.max_request_mb * 2**20))
         self.handler = StageHandler(
             self.runtime,
             config.model,
-            WireLimits(max_message_bytes=max_bytes, max_tensor_bytes=max_bytes),
-            config.max_batch_samples,
+            self.limits.wire,
+            self.limits.max_call_samples,
             state=lambda: self.state,
             mates=self.mates,
             step_wait=config.averaging_timeout + 10,
@@ -219,6 +223,7 @@ class Peer:
             moving_to=self.moving_to if self.state == LEAVING else -1,
             direct=self.net.address if self.net is not None else "",
             dtype=flag_value(self.runtime.dtype),
+            max_microbatch=self.limits.max_microbatch,
         )
 
     def _renewal(self) -> StageRecord | None:

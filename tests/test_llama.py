@@ -249,6 +249,9 @@ def test_settings_take_the_checkpoints_model(tmp_path):
     assert peer.model == "hf:tiny-llama" and peer.model_spec() == read_spec(folder)
     stage = initial_stage(peer.model_spec(), 1, 2, 0, peer.hf_checkpoint)
     assert torch.equal(stage.lm_head.weight, load_file(folder / "model.safetensors")["lm_head.weight"])
+    named = load_config(PeerConfig, {"hf_checkpoint": str(folder), "model": "hf:our-run", "num_stages": 2})
+    assert named.model == named.model_spec().name == "hf:our-run"  # where folders' names differ between machines
+    initial_stage(named.model_spec(), 0, 2, 0, named.hf_checkpoint)
     with pytest.raises(ConfigError, match="checkpoint's model knows 300 ids"):
         load_config(PeerConfig, {"hf_checkpoint": str(folder), "vocab_size": 257})
     with pytest.raises(ConfigError, match="--num-stages must be within 1..3"):

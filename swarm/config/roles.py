@@ -33,6 +33,16 @@ class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig):
         "auto", "the stage to host, 0-based, or auto: the stage where this peer raises the swarm's throughput most"
     )
     device: str = option("cpu", "torch device for the stage, e.g. cpu or cuda:0")
+    offload: bool = option(
+        False,
+        "keep the stage's blocks (their parameters, gradients and optimizer state) in host memory and stream them "
+        "to the device a group at a time, so a stage larger than the device's memory trains; exact, at the cost of "
+        "the copies, paid once per batch: a batch merges all that is queued, up to --max-batch-samples (not limited by "
+        "--max-batch-seconds)",
+    )
+    offload_group: int = option(
+        0, "with --offload: blocks per group streamed to the device (0: a group takes a quarter of its free memory)"
+    )
     num_threads: int = option(1, "torch CPU threads (keep low when several peers share a machine)")
     target_batch_size: int = option(32, "samples per optimizer step, summed over all microbatches")
     lr: float = option(1e-3, "AdamW learning rate")
@@ -45,7 +55,17 @@ class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig):
         "merge queued requests only up to this many seconds of estimated work, so the next stage gets a "
         "steady flow rather than bursts (0: merge up to --max-batch-samples)",
     )
-    max_request_mb: float = option(256.0, "largest request the peer accepts, in MiB")
+    max_microbatch: int = option(
+        0,
+        "most samples one call may carry (a trainer's microbatch); announced, so that trainers split larger "
+        "microbatches into parts of at most this, and the request size the peer accepts follows from it and the "
+        "stage's boundary size (0: --max-batch-samples)",
+    )
+    max_request_mb: float = option(
+        0.0,
+        "largest request the peer accepts, in MiB, in place of what follows from --max-microbatch and the stage's "
+        "boundary size (0: that); the microbatch announced is then the largest whose backward fits",
+    )
     max_queue: int = option(
         1024, "requests a peer keeps queued at most; past that it answers busy (UNAVAILABLE) at once"
     )
@@ -134,6 +154,11 @@ class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig):
         """The stage given with --stage, or None for auto."""
         return None if self.stage == "auto" else int(self.stage)
 
+    @property
+    def max_call_samples(self) -> int:
+        """The most samples one call may carry: --max-microbatch, or --max-batch-samples where it is 0."""
+        return self.max_microbatch or self.max_batch_samples
+
     def check(self) -> None:
         NetworkConfig.check(self)
         if self.client_mode:
@@ -173,11 +198,18 @@ class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig):
             raise ConfigError("--rebalance-horizon and --move-bandwidth-mbit must be positive")
         if self.max_batch_seconds < 0:
             raise ConfigError("--max-batch-seconds must be 0 (no limit) or positive")
+        if self.offload_group < 0:
+            raise ConfigError("--offload-group must be 0 (sized from the device's memory) or positive")
         if self.simulated_speed < 0:
             raise ConfigError("--simulated-speed must be 0 (real speed) or positive")
         for name in ("target_batch_size", "max_batch_samples", "num_threads", "max_queue", "max_streams_per_caller"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+        if not 0 <= self.max_microbatch <= self.max_batch_samples or self.max_request_mb < 0:
+            raise ConfigError(
+                "--max-microbatch must be 0 (--max-batch-samples) or at most --max-batch-samples (the most the peer "
+                f"runs at once, {self.max_batch_samples}), and --max-request-mb 0 (from the model) or positive"
+            )
         if self.lr <= 0:
             raise ConfigError("--lr must be positive")
         if self.averaging_timeout <= 0:

@@ -113,9 +113,9 @@ class ModelConfig:
         None,
         "fine-tune a published model: a local folder with a Hugging Face Llama checkpoint (config.json, and "
         "model.safetensors or shards named by model.safetensors.index.json); the model is then the checkpoint's "
-        "(its shape and vocabulary; --model becomes hf:FOLDER_NAME), peers start their stage from its weights, and "
-        "a trainer, which reads only config.json, needs --tokenizer (usually the same folder). Every peer and "
-        "trainer of the swarm gives it",
+        "(its shape and vocabulary; named hf:FOLDER_NAME unless --model gives another hf:NAME), peers start "
+        "their stage from its weights, and a trainer, which reads only config.json, needs --tokenizer (usually "
+        "the same folder). Every peer and trainer of the swarm gives it",
     )
     num_stages: int = option(3, "number of pipeline stages the model is cut into")
     seed: int = option(0, "seed of the initial parameters and of the data order")
@@ -138,7 +138,7 @@ class ModelConfig:
         if self.hf_checkpoint:
             from swarm.models.hf_checkpoint import read_spec
 
-            return read_spec(self.hf_checkpoint)
+            return read_spec(self.hf_checkpoint, self.model if self.model.startswith("hf:") else None)
         return get_model_spec(self.model, **({"vocab_size": self.vocab_size} if self.vocab_size else {}))
 
     def check(self) -> None:
@@ -160,14 +160,15 @@ class ModelConfig:
             raise ConfigError(FP16_REFUSAL)
 
     def _checkpoint_spec(self):
-        """The spec of --hf-checkpoint, whose name becomes --model; ConfigError if the folder or a setting is wrong."""
-        from swarm.models.hf_checkpoint import CheckpointError, read_spec
+        """The spec of --hf-checkpoint; ConfigError if the folder or a setting is wrong. The model's name, which
+        peers and trainers announce and look for, is --model if that is hf:NAME, else hf:FOLDER_NAME."""
+        from swarm.models.hf_checkpoint import CheckpointError
 
         try:
-            spec = read_spec(self.hf_checkpoint)
+            spec = self.model_spec()
         except CheckpointError as e:
             raise ConfigError(f"--hf-checkpoint: {e}") from None
-        self.model = spec.name  # the name peers and trainers announce and look for
+        self.model = spec.name
         if self.vocab_size not in (0, spec.vocab_size):
             raise ConfigError(f"--vocab-size {self.vocab_size}: the checkpoint's model knows {spec.vocab_size} ids")
         if getattr(self, "tokenizer", "") is None:  # a trainer or the demo, on bytes

@@ -35,7 +35,7 @@ class CheckpointError(ValueError):
 
 
 def model_name(folder: str | Path) -> str:
-    """The name under which a swarm trains the checkpoint's model: hf:FOLDER_NAME."""
+    """The name under which a swarm trains the checkpoint's model unless told another: hf:FOLDER_NAME."""
     return (MODEL_PREFIX + Path(folder).resolve().name)[:MAX_NAME]
 
 
@@ -74,8 +74,9 @@ def _rope(config: dict[str, Any], path: Path) -> tuple[float, tuple[float, float
     return theta, (float(factor), float(low), float(high), int(original))
 
 
-def spec_from_config(config: dict[str, Any], folder: str | Path) -> ModelSpec:
-    """The ModelSpec of a Llama checkpoint's config.json (already read from `folder`)."""
+def spec_from_config(config: dict[str, Any], folder: str | Path, name: str | None = None) -> ModelSpec:
+    """The ModelSpec of a Llama checkpoint's config.json (already read from `folder`), called `name` (default:
+    model_name(folder))."""
     path = Path(folder) / CONFIG_FILE
     if config.get("model_type") != "llama":
         raise CheckpointError(
@@ -101,7 +102,7 @@ def spec_from_config(config: dict[str, Any], folder: str | Path) -> ModelSpec:
     theta, scaling = _rope(config, path)
     try:
         return ModelSpec(
-            model_name(folder),
+            name or model_name(folder),
             seq_len=min(int(config.get("max_position_embeddings", MAX_SEQ_LEN)), MAX_SEQ_LEN),
             d_model=d_model,
             n_head=n_head,
@@ -115,9 +116,10 @@ def spec_from_config(config: dict[str, Any], folder: str | Path) -> ModelSpec:
         raise CheckpointError(f"{path} describes no model this swarm can build: {e}") from None
 
 
-def read_spec(folder: str | Path) -> ModelSpec:
-    """The ModelSpec of the Llama checkpoint in `folder` (only its config.json is read)."""
-    return spec_from_config(read_config(folder), folder)
+def read_spec(folder: str | Path, name: str | None = None) -> ModelSpec:
+    """The ModelSpec of the Llama checkpoint in `folder` (only its config.json is read), called `name` (default:
+    model_name(folder))."""
+    return spec_from_config(read_config(folder), folder, name)
 
 
 def weight_files(folder: str | Path) -> dict[str, Path]:
@@ -172,10 +174,10 @@ def stage_tensor_names(spec: ModelSpec, stage: int, num_stages: int, tied: bool)
 def load_stage(folder: str | Path, stage: int, num_stages: int, spec: ModelSpec | None = None) -> LlamaStage:
     """Stage `stage` of `num_stages` of the checkpoint in `folder`, with its weights (and no others) read in.
 
-    `spec`, if given (a peer's, from its settings), must be the checkpoint's own.
+    `spec`, if given (a peer's, from its settings), must be the checkpoint's own, whatever its name.
     """
     config = read_config(folder)
-    own = spec_from_config(config, folder)
+    own = spec_from_config(config, folder, spec.name if spec is not None else None)
     if spec is not None and spec != own:
         raise CheckpointError(f"{Path(folder) / CONFIG_FILE} describes {own}, not the model {spec}")
     module = LlamaStage(own, stage, num_stages)

@@ -14,8 +14,10 @@ from hivemind.p2p import P2P, PeerID
 from swarm.compression import Codec
 from swarm.net.link_shaper import LinkShaper
 from swarm.net.wire import (
+    Part,
     WireError,
     WireLimits,
+    codes_inline,
     decode_tensors,
     encode_tensor,
     pack_frames,
@@ -114,8 +116,13 @@ async def call_stage(
     request.protocol_version = PROTOCOL_VERSION
     request.deadline_s = timeout * COMMIT_SHARE
     loop = asyncio.get_running_loop()
-    # encoding and decoding are CPU work: keep them off the event loop
-    parts = await loop.run_in_executor(None, lambda: [p for t in tensors for p in encode_tensor(t, codec)])
+
+    # encoding and decoding are CPU work: off the event loop, unless it costs less than getting there
+    def encode() -> list[Part]:
+        return [p for t in tensors for p in encode_tensor(t, codec)]
+
+    raw_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    parts = encode() if codes_inline([codec.name], raw_bytes) else await loop.run_in_executor(None, encode)
     frames = pack_frames(request, parts)
     stats = stats if stats is not None else CallStats()
     stats.bytes_sent = sum(frame.nbytes for frame in frames)
@@ -132,7 +139,11 @@ async def call_stage(
         stats.network_seconds = max(0.0, time.perf_counter() - started - reply.server_seconds)
         if reply.error.code != ErrorCode.OK:
             raise StageCallError(reply.error.code, reply.error.message, str(peer_id), reply)
-        outputs = await loop.run_in_executor(None, decode_tensors, reply_parts, limits)
+        received = sum(len(part.buffer) for part in reply_parts)
+        if codes_inline([part.head.codec for part in reply_parts], received):
+            outputs = decode_tensors(reply_parts, limits)
+        else:
+            outputs = await loop.run_in_executor(None, decode_tensors, reply_parts, limits)
     except StageCallError:
         raise
     except WireError as e:

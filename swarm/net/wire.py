@@ -147,6 +147,18 @@ def encode_tensor(tensor: torch.Tensor, codec: Codec) -> list[Part]:
     return parts
 
 
+INLINE_CODING_BYTES = 8 * 2**20  # raw tensors up to this size are coded on the event loop (see `codes_inline`)
+
+
+def codes_inline(codec_names: Sequence[str], nbytes: int) -> bool:
+    """Whether tensors are cheap enough to encode or decode on the event loop rather than in a worker thread.
+
+    Raw tensors (codec none) cost no copy to encode and at most one to decode, less than handing them to a
+    worker thread and back: each hand-off waits for a thread to be scheduled, which on a busy machine takes
+    longer than the copy. Lossy codecs compute over every value, and belong off the loop."""
+    return nbytes <= INLINE_CODING_BYTES and all(name in ("", "none") for name in codec_names)
+
+
 def decode_tensors(parts: Sequence[Part], limits: WireLimits) -> list[torch.Tensor]:
     """Reassembles and decodes the tensors in `parts`; raises WireError on anything malformed."""
     tensors, index = [], 0

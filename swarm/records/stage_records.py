@@ -45,6 +45,7 @@ RANGES: dict[str, tuple[float, float]] = {
     "protocol_version": (0, 2**31),
     "vocab_size": (0, 2**31),  # 0: a peer from before the field existed (byte-level)
     "moving_to": (-1, 1023),  # -1: not moving
+    "max_microbatch": (0, 2**31),  # 0: a peer from before the field existed (announces no limit)
 }
 PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{20,128}")  # base58, as libp2p writes peer ids
 MAX_MODEL_NAME = 128
@@ -86,6 +87,9 @@ class StageRecord:
     # what the stage computes in and its boundary tensors travel in (`--dtype` as it resolved on the peer's
     # device: fp32 or bf16); peers and trainers of one swarm must agree. "": a peer from before the field
     dtype: str = ""
+    # the most samples one call may carry (`--max-microbatch`, within `--max-request-mb`): a trainer splits
+    # larger microbatches into parts of at most this (`swarm.net.request_limits`); 0: not announced
+    max_microbatch: int = 0
 
     def standby_of(self, stage: int) -> tuple[int, str] | None:
         """(step, fingerprint) of this peer's standby copy of `stage`, step -1 while it fetches one; None if none."""

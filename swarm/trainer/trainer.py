@@ -42,6 +42,7 @@ from swarm.models.precision import expected_dtype
 from swarm.net.dht_node import connect_to_daemon, start_dht
 from swarm.net.direct_plane import DirectPlane
 from swarm.net.link_shaper import LinkShape, LinkShaper
+from swarm.net.wire import WireLimits
 from swarm.policy.in_flight import InFlightGate, InFlightWindow
 from swarm.policy.router import Router
 from swarm.process.event_loop import run, stop_event_on_signals
@@ -51,6 +52,7 @@ from swarm.records.sample_ledger import SampleLedger, fed_record
 from swarm.records.trainer_records import TrainerProgress, direct_addresses, publish_forever, publish_now
 from swarm.trainer.data import Corpus, load_corpus
 from swarm.trainer.data_source import CorpusError
+from swarm.trainer.microbatch_split import SplitPlan, plan_split
 from swarm.trainer.outcome import TrainingError, TrainingSummary
 from swarm.trainer.peer_finder import PeerFinder
 from swarm.trainer.stage_calls import StageCaller
@@ -93,6 +95,8 @@ class Trainer:
         # random start: a restarted trainer with the same identity must not reuse microbatch ids
         self._microbatch_ids = random.getrandbits(62)
         self.in_flight_window: InFlightWindow | None = None  # with --in-flight-from-links
+        # microbatches go whole, or in parts no peer refuses (`swarm.trainer.microbatch_split`)
+        self.split = SplitPlan(config.microbatch_size, config.microbatch_size)
         # per stage, the step to ask a forward for: the one after the step its latest backwards reached
         self._want: dict[int, int] = {}
         self.peers = PeerFinder(self.dht, config, self.spec.vocab_size, self.router)
@@ -154,6 +158,7 @@ class Trainer:
         gate = gate or self._in_flight_gate()
         microbatches = batch.split(self.config.microbatch_size)
         waiting = len(microbatches)
+        part_size = self._split_plan().part_size
 
         async def limited(tokens: torch.Tensor) -> tuple[float, int]:
             nonlocal waiting
@@ -161,9 +166,11 @@ class Trainer:
                 waiting -= 1
                 if not waiting and admitted is not None:
                     admitted.set()
-                loss = await self.run_microbatch(tokens)
+                # a microbatch larger than some peer accepts goes as parts, each a microbatch of its own
+                parts = tokens.split(part_size)
+                losses = await asyncio.gather(*(self.run_microbatch(part) for part in parts))
                 gate.completed(len(tokens), sent)
-                return loss, len(tokens)
+                return sum(loss * len(part) for loss, part in zip(losses, parts)) / len(tokens), len(tokens)
 
         results = await asyncio.gather(*(limited(mb) for mb in microbatches))
         # the next step's forwards ask each stage for the step after the one these backwards reached: a
@@ -171,6 +178,18 @@ class Trainer:
         for stage, reached in self.calls.reached.items():
             self._want[stage] = max(self._want.get(stage, 0), reached + 1)
         return sum(loss * n for loss, n in results) / sum(n for _, n in results)
+
+    def _split_plan(self) -> SplitPlan:
+        """How this step's microbatches go, from what the peers of every stage now announce (and what this
+        trainer reads in a reply); said when it changes, with what to change to send them whole."""
+        records = {stage: list(recs.values()) for stage, recs in self.router.records.items()}
+        width, seq_len = self.spec.boundary_width, self.spec.seq_len
+        # replies are read within the default limits (`swarm.trainer.stage_calls`): one boundary tensor each
+        plan = plan_split(self.config.microbatch_size, records, width, seq_len, WireLimits().max_message_bytes)
+        if plan.part_size != self.split.part_size:
+            (logger.warning if plan.part_size < self.config.microbatch_size else logger.info)(plan.notice())
+        self.split = plan
+        return plan
 
     def _probe(self, stage: int) -> list[torch.Tensor]:
         """The inputs of a one-token forward to `stage`: all it asks of the stage is to be at a step."""
@@ -299,6 +318,7 @@ class Trainer:
                 f"after launch; training {config.steps} steps of {target_batch_size} samples from step {self.step}"
             )
             summary.first_step = self.step
+            self._split_plan()  # before the first call: a microbatch larger than some peer accepts is said now
             start = time.perf_counter()
             self.progress.begin()
             bar = tqdm(total=config.steps, desc="training", unit="step", disable=not config.progress, mininterval=1.0)
