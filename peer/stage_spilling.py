@@ -48,17 +48,28 @@ def block_bytes(block: nn.Module) -> int:
 
 
 def default_group_size(module: nn.Module, device: torch.device, memory: int | None = None) -> int:
-    """Blocks per group so that one group's weights take 1/GROUP_SHARE of `memory` bytes (default: the device's
-    free memory; on a CPU, where spilling saves nothing, the whole stage is one group)."""
+    """Blocks per group so that one group's weights take 1/GROUP_SHARE of `memory` bytes (default: what the
+    device has free, within a per-process memory fraction if one is set; on a CPU, where spilling saves
+    nothing, the whole stage is one group)."""
     blocks = list(module.blocks)
     if not blocks:
         return 1
     if memory is None:
         if device.type != "cuda":
             return len(blocks)
-        memory = torch.cuda.mem_get_info(device)[0]
+        memory = device_memory_free(device)
     largest = max(block_bytes(block) for block in blocks)
     return max(1, min(len(blocks), memory // GROUP_SHARE // max(largest, 1)))
+
+
+def device_memory_free(device: torch.device) -> int:
+    """Bytes this process may still allocate on a CUDA device: its free memory, and under a cap set with
+    torch.cuda.set_per_process_memory_fraction what the cap leaves."""
+    free, total = torch.cuda.mem_get_info(device)
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # newer torch only
+    if fraction is not None:
+        free = min(free, int(fraction(device) * total) - torch.cuda.memory_allocated(device))
+    return max(free, 0)
 
 
 class _Loading:
@@ -340,7 +351,11 @@ def _needs_grad(value: Any) -> bool:
 def _autocast_state(device: torch.device) -> dict[str, Any]:
     """The autocast in force for `device`'s kind, to recompute a group under it."""
     kind = device.type
-    return {"enabled": torch.is_autocast_enabled(kind), "dtype": torch.get_autocast_dtype(kind)}
+    if hasattr(torch, "get_autocast_dtype"):
+        return {"enabled": torch.is_autocast_enabled(kind), "dtype": torch.get_autocast_dtype(kind)}
+    if kind == "cuda":  # torch before 2.4
+        return {"enabled": torch.is_autocast_enabled(), "dtype": torch.get_autocast_gpu_dtype()}
+    return {"enabled": torch.is_autocast_cpu_enabled(), "dtype": torch.get_autocast_cpu_dtype()}
 
 
 def _place(module: nn.Module, device: torch.device) -> None:

@@ -221,3 +221,16 @@ def test_a_swarm_with_an_offloaded_peer_matches_one_process(local_swarm, tmp_pat
         checkpoint = load_checkpoint(checkpoints, "gpt-tiny", stage, STAGES)
         assert checkpoint is not None and checkpoint.step == steps
         assert_matches_reference(module, checkpoint.parameters, f"stage {stage}")
+
+
+def test_the_bench_harness_trains_alike_in_memory_and_offloaded():
+    from harness.stage_training_speed import stage_training_speed
+
+    spec = nine_layers("gpt-tiny")
+    runs = [
+        stage_training_speed(spec, "cpu", offload, offload_group=2, microbatch=2, steps=2, seq_len=SEQ)
+        for offload in (False, True)
+    ]
+    assert runs[0]["fingerprint"] == runs[1]["fingerprint"] and runs[0]["losses"] == runs[1]["losses"]
+    assert runs[1]["groups"] == [2, 2, 2, 2, 1] and runs[0]["groups"] is None
+    assert all(run["samples_per_second"] > 0 and len(run["losses"]) == 2 for run in runs)
