@@ -130,9 +130,9 @@ class Peer:
             simulated_speed=simulated,
             faults=self.faults,
             max_queue=config.max_queue,
-            dtype=compute_dtype(config.dtype, config.device),
             offload=config.offload,
             offload_group=config.offload_group,
+            dtype=compute_dtype(config.dtype, config.device),
         )
         self.runtime.samples_stepped = samples_stepped
         self.mates = StageMates(
@@ -222,8 +222,8 @@ class Peer:
             standbys=self.standbys.announced() if self.standbys is not None else (),
             moving_to=self.moving_to if self.state == LEAVING else -1,
             direct=self.net.address if self.net is not None else "",
-            dtype=flag_value(self.runtime.dtype),
             max_microbatch=self.limits.max_microbatch,
+            dtype=flag_value(self.runtime.dtype),
         )
 
     def _renewal(self) -> StageRecord | None:
@@ -262,7 +262,9 @@ class Peer:
     async def _open_network(self) -> DirectPlane:
         """The peer's P2P, and its direct data plane unless --direct-port -1 (announced unless unreachable)."""
         config = self.config
-        self.net = DirectPlane(await connect_to_daemon(self.dht), self.dht.identity, dial=config.direct)
+        self.net = DirectPlane(
+            await connect_to_daemon(self.dht), self.dht.identity, dial=config.direct, shared_memory=config.shared_memory
+        )
         if config.direct_port < 0:
             return self.net
         host = listen_host(config.host_maddrs)

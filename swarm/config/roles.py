@@ -32,7 +32,11 @@ class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig):
     stage: str = option(
         "auto", "the stage to host, 0-based, or auto: the stage where this peer raises the swarm's throughput most"
     )
-    device: str = option("cpu", "torch device for the stage, e.g. cpu or cuda:0")
+    device: str = option(
+        "cpu",
+        "torch device for the stage, e.g. cpu or cuda:0; all: one peer per visible CUDA device (or a list, "
+        "cuda:0,cuda:2), each a process of its own with its own ports, checkpoint folder and identity file",
+    )
     offload: bool = option(
         False,
         "keep the stage's blocks (their parameters, gradients and optimizer state) in host memory and stream them "

@@ -64,6 +64,12 @@ class NetworkConfig:
         "is not encrypted), falling back to libp2p where that fails; --no-direct keeps every call on libp2p",
     )
 
+    shared_memory: bool = option(
+        True,
+        "pass tensors through shared memory (/dev/shm) to and from processes on this host that agree to it, "
+        "instead of through TCP; --no-shared-memory keeps them on the socket",
+    )
+
     def check(self) -> None:
         from hivemind.utils.multiaddr import Multiaddr
 

@@ -302,7 +302,9 @@ class Trainer:
         if config.metrics_port is not None:
             self._start_metrics()
         stop = stop_event_on_signals()
-        self.p2p = DirectPlane(await connect_to_daemon(self.dht), self.dht.identity, dial=config.direct)
+        self.p2p = DirectPlane(
+            await connect_to_daemon(self.dht), self.dht.identity, dial=config.direct, shared_memory=config.shared_memory
+        )
         self.peers.p2p = self.calls.p2p = self.p2p
         self.progress.addresses = await direct_addresses(self.p2p)
         refreshing = asyncio.create_task(self.peers.refresh_forever())
