@@ -100,6 +100,23 @@ def test_spilled_stage_computes_what_the_stage_in_memory_does(model, stage, grou
             assert_same(memory.optimizer.state[p][key], spilled.optimizer.state[q][key], key)
 
 
+@pytest.mark.parametrize("model", ["gpt-tiny-subspace", "llama-tiny"])
+def test_spilling_is_exact_under_bfloat16_autocast_too(model):
+    # the groups recomputed in the backward run under the autocast their forward ran under
+    spec = nine_layers(model)
+    for stage in range(STAGES):
+        memory, spilled = runtime_pair(spec, stage, group=1, dtype=torch.bfloat16)
+        for seed in range(2):
+            tensors = [t.to(torch.bfloat16) if t.is_floating_point() else t for t in request(spec, stage, seed)]
+            split = memory.module.num_inputs
+            with torch.inference_mode():
+                assert_same(memory._stage_forward(tensors[:split]), spilled._stage_forward(tensors[:split]), "output")
+            ours, theirs = memory._backward(tensors), spilled._backward(tensors)
+            assert_same(ours[0], theirs[0], "input gradient")
+            assert_same(ours[1], theirs[1], "losses")
+            assert_same_parameters(memory, spilled)
+
+
 @pytest.mark.parametrize("model", ["gpt-tiny", "gpt-tiny-subspace"])
 def test_an_offloaded_runtime_trains_like_one_in_memory(model):
     spec = nine_layers(model)
