@@ -83,6 +83,10 @@ def main() -> None:
     parser.add_argument("--target-batch-size", type=int, default=64, help="GPU runs: samples per step")
     parser.add_argument("--microbatch-size", type=int, default=8, help="GPU runs: samples per microbatch")
     parser.add_argument("--max-in-flight", type=int, default=16, help="GPU runs: microbatches in flight")
+    parser.add_argument(
+        "--device", default="cuda", help="GPU runs: device (cpu runs them on a small --model: a smoke test of the bench)"
+    )
+    parser.add_argument("--spill-model", default="gpt-large", help="GPU runs: model whose one stage is spilled")
     parser.add_argument("--baseline-ref", default="8ce2d8a", help="older commit whose call path is measured too")
     parser.add_argument("--rounds", type=int, default=3, help="overhead: interleaved rounds per variant")
     parser.add_argument("--calls", type=int, default=30, help="overhead: timed calls of each kind per round")
@@ -90,7 +94,7 @@ def main() -> None:
     args = parser.parse_args()
 
     result: dict = {"bench": "gpu", "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() or args.device == "cpu":
         from harness.gpu_runs import gpu_runs
 
         result.update(gpu_runs(args))

@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from swarm.config import DemoConfig
+from swarm.config import DemoConfig, PeerConfig
 from swarm.launch import commands
 
 
@@ -16,9 +16,21 @@ def _demo(config: DemoConfig) -> int:
     return run_demo(config)
 
 
+def _peers(config: PeerConfig) -> int:
+    """`swarm peer`, where `--device all` (or a list of devices) starts one peer process per device."""
+    if config.device != "all" and "," not in config.device:
+        return commands.ROLES["peer"].run(config)
+    import torch
+
+    from swarm.launch.device_peers import device_list, run_device_peers
+
+    return run_device_peers(config, device_list(config.device, torch.cuda.device_count()))
+
+
 COMMANDS: dict[str, commands.Command] = {
     "demo": commands.Command(DemoConfig, _demo, "train the tiny model on a local swarm of processes (the quick start)"),
     **commands.ROLES,
+    "peer": commands.Command(PeerConfig, _peers, commands.ROLES["peer"].help),
 }
 
 

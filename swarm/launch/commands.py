@@ -40,12 +40,6 @@ class Command:
 
 
 def _peer(config: PeerConfig) -> int:
-    if config.device == "all" or "," in config.device:  # one peer per device, each a process of its own
-        import torch
-
-        from swarm.launch.device_peers import device_list, run_device_peers
-
-        return run_device_peers(config, device_list(config.device, torch.cuda.device_count()))
     from swarm.peer.server import Peer
     from swarm.records.announced_settings import check_against_swarm
 
