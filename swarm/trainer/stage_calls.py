@@ -27,6 +27,7 @@ from swarm.models.registry import ModelSpec
 from swarm.models.stage_io import StageOutputError, check_stage_outputs
 from swarm.net.direct_plane import DirectPlane
 from swarm.net.link_shaper import LinkShaper
+from swarm.net.request_limits import reply_limits
 from swarm.net.transport import CallStats, StageCallError, call_stage
 from swarm.policy.router import Router
 from swarm.proto import BACKWARD, FORWARD, ErrorCode, StageReply, StageRequest
@@ -189,6 +190,8 @@ class StageCaller:
             tensors,
             get_codec(codec),
             self.router.deadline(record, backward, tensors[0].shape[0]),
+            # a reply holds one boundary tensor of the call's samples: read within what that needs
+            limits=reply_limits(self.spec.boundary_width, self.spec.seq_len, tensors[0].shape[0]),
             stats=stats,
             shaper=self.shaper,
         )

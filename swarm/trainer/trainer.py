@@ -42,7 +42,6 @@ from swarm.models.precision import expected_dtype
 from swarm.net.dht_node import connect_to_daemon, start_dht
 from swarm.net.direct_plane import DirectPlane
 from swarm.net.link_shaper import LinkShape, LinkShaper
-from swarm.net.wire import WireLimits
 from swarm.policy.in_flight import InFlightGate, InFlightWindow
 from swarm.policy.router import Router
 from swarm.process.event_loop import run, stop_event_on_signals
@@ -184,8 +183,8 @@ class Trainer:
         trainer reads in a reply); said when it changes, with what to change to send them whole."""
         records = {stage: list(recs.values()) for stage, recs in self.router.records.items()}
         width, seq_len = self.spec.boundary_width, self.spec.seq_len
-        # replies are read within the default limits (`swarm.trainer.stage_calls`): one boundary tensor each
-        plan = plan_split(self.config.microbatch_size, records, width, seq_len, WireLimits().max_message_bytes)
+        # replies are read within limits sized to each call (`swarm.trainer.stage_calls`): no cap from them
+        plan = plan_split(self.config.microbatch_size, records, width, seq_len, 0)
         if plan.part_size != self.split.part_size:
             (logger.warning if plan.part_size < self.config.microbatch_size else logger.info)(plan.notice())
         self.split = plan
