@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import Counter
 
@@ -118,3 +119,13 @@ def test_newcomers_are_routed_while_finish_times_are_negative():
         router.update({0: [record("c", 5.0)]}, now=0.0)
         chosen = [router.choose(0).peer_id for _ in range(20)]
         assert "c" in chosen
+
+
+def test_a_peer_announcing_a_smaller_microbatch_than_a_call_is_passed_over_while_others_take_it():
+    router = Router(rng=random.Random(0))
+    small = dataclasses.replace(record("small", 100.0), max_microbatch=4)
+    router.update({0: [small, record("big", 10.0)]}, now=0.0)
+    assert {router.choose(0, samples=8).peer_id for _ in range(20)} == {"big"}
+    assert "small" in {router.choose(0, samples=4).peer_id for _ in range(20)}
+    router.update({0: [dataclasses.replace(record("big", 10.0, state=LEAVING), expiration=101.0)]}, now=1.0)
+    assert router.choose(0, samples=8).peer_id == "small"  # the only one left: tried, it answers what it can

@@ -99,11 +99,14 @@ class Router:
     ) -> StageRecord | None:
         """The live peer of `stage` with the earliest virtual finish time for this call; None if none is live.
 
-        Peers in `exclude` (tried already for this call) are passed over while others remain.
+        Peers in `exclude` (tried already for this call) are passed over while others remain, and so are peers
+        that announce a largest microbatch below `samples` (a newcomer with a smaller limit than the step was
+        split for) while others take it.
         """
         excluded = set(exclude)
         live = self.live_peers(stage)
-        candidates = [r for r in live if r.peer_id not in excluded] or live
+        fitting = [r for r in live if not 0 < r.max_microbatch < samples] or live
+        candidates = [r for r in fitting if r.peer_id not in excluded] or fitting
         if not candidates:
             return None
         finish = self.finish.setdefault(stage, {})
