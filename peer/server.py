@@ -14,7 +14,7 @@ from hivemind.p2p import P2P
 
 from swarm.compression import get_codec
 from swarm.config import ConfigError, PeerConfig
-from swarm.models import initial_stage
+from swarm.models import compile_blocks, initial_stage
 from swarm.models.hf_checkpoint import CheckpointError
 from swarm.models.optimizer import OptimizerSettings, build_optimizer, import_compiler_in_background
 from swarm.models.precision import compute_dtype, flag_value
@@ -102,6 +102,8 @@ class Peer:
             module = initial_stage(self.spec, stage, config.num_stages, config.seed, config.hf_checkpoint)
         except CheckpointError as e:
             raise ConfigError(f"--hf-checkpoint: {e}") from None
+        if config.compile:
+            compile_blocks(module)
         settings = OptimizerSettings(config.lr, config.weight_decay, config.beta1, config.beta2)
         optimizer = build_optimizer(module, settings)
         step, samples_stepped = 0, 0

@@ -1,7 +1,8 @@
 """Speed on one GPU, and the per-call overhead any machine can measure; prints one JSON object.
 
 On a CUDA device (at most about 5 minutes):
-- `reference`: one process training the model's stages in each dtype: samples/s, TFLOP/s and MFU (model
+- `reference`: one process training the model's stages in each dtype, and in bf16 with the blocks compiled
+  (`--compile`): samples/s, TFLOP/s and MFU (model
   FLOPs utilization: 6 x parameters + attention, per token, over the chip's dense peak in that dtype);
 - `swarm`: a local swarm of `--num-stages` peers sharing the one GPU, in bf16, against the bf16 reference
   (ratio) and the GPU's busy fraction (nvidia-smi, sampled every 0.5 s while the trainer trains);
@@ -84,7 +85,9 @@ def main() -> None:
     parser.add_argument("--microbatch-size", type=int, default=8, help="GPU runs: samples per microbatch")
     parser.add_argument("--max-in-flight", type=int, default=16, help="GPU runs: microbatches in flight")
     parser.add_argument(
-        "--device", default="cuda", help="GPU runs: device (cpu runs them on a small --model: a smoke test of the bench)"
+        "--device",
+        default="cuda",
+        help="GPU runs: device (cpu runs them on a small --model: a smoke test of the bench)",
     )
     parser.add_argument("--spill-model", default="gpt-large", help="GPU runs: model whose one stage is spilled")
     parser.add_argument("--baseline-ref", default="8ce2d8a", help="older commit whose call path is measured too")

@@ -46,7 +46,10 @@ def reference_speed(args: argparse.Namespace) -> dict:
     """Samples/s, TFLOP/s and MFU of one process training all stages on the GPU, in each dtype."""
     spec = get_model_spec(args.model)
     out = {}
-    for name, dtype in DTYPES.items():
+    for name, dtype, compiled in [
+        *((name, dtype, False) for name, dtype in DTYPES.items()),
+        ("bf16", DTYPES["bf16"], True),
+    ]:
         run = train_reference(
             spec,
             args.num_stages,
@@ -57,11 +60,12 @@ def reference_speed(args: argparse.Namespace) -> dict:
             OptimizerSettings(),
             dtype=dtype,
             device=args.device,
+            compile=compiled,
         )
         rate = run.samples / run.seconds
         flops = rate * spec.seq_len * flops_per_token(spec, args.num_stages)
         peak = _peak(name, args.device)
-        out[name] = {
+        out[f"{name}_compiled" if compiled else name] = {
             "samples_per_s": round(rate, 2),
             "tflops": round(flops / 1e12, 1),
             "mfu": round(flops / peak, 3) if peak else None,
@@ -107,7 +111,15 @@ def swarm_speed(args: argparse.Namespace, reference_rate: float | None) -> dict:
     try:
         with LocalSwarm(workdir) as swarm:
             swarm.start_bootstrap()
-            peer = [*model, "--device", args.device, "--dtype", "bf16", "--target-batch-size", str(args.target_batch_size)]
+            peer = [
+                *model,
+                "--device",
+                args.device,
+                "--dtype",
+                "bf16",
+                "--target-batch-size",
+                str(args.target_batch_size),
+            ]
             for stage in range(args.num_stages):
                 swarm.start_peer(f"peer{stage}", stage, peer)
             trainer_flags = [*model, "--steps", str(args.steps), "--microbatch-size", str(args.microbatch_size)]

@@ -47,6 +47,11 @@ class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig):
     offload_group: int = option(
         0, "with --offload: blocks per group streamed to the device (0: a group takes a quarter of its free memory)"
     )
+    compile: bool = option(
+        False,
+        "compile the stage's blocks with torch.compile (the first calls take longer while it compiles; measure with "
+        "scripts/bench_gpu.py before relying on it); not with --offload",
+    )
     num_threads: int = option(1, "torch CPU threads (keep low when several peers share a machine)")
     target_batch_size: int = option(32, "samples per optimizer step, summed over all microbatches")
     lr: float = option(1e-3, "AdamW learning rate")
@@ -204,6 +209,8 @@ class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig):
             raise ConfigError("--max-batch-seconds must be 0 (no limit) or positive")
         if self.offload_group < 0:
             raise ConfigError("--offload-group must be 0 (sized from the device's memory) or positive")
+        if self.compile and self.offload:
+            raise ConfigError("--compile and --offload do not combine: an offloaded block moves between devices")
         if self.simulated_speed < 0:
             raise ConfigError("--simulated-speed must be 0 (real speed) or positive")
         for name in ("target_batch_size", "max_batch_samples", "num_threads", "max_queue", "max_streams_per_caller"):

@@ -27,3 +27,13 @@ def initial_stage(spec: ModelSpec, stage: int, num_stages: int, seed: int, hf_ch
     if hf_checkpoint is None:
         return build_stage(spec, stage, num_stages, seed)
     return load_stage(hf_checkpoint, stage, num_stages, spec)
+
+
+def compile_blocks(module: Stage) -> Stage:
+    """Compiles each of the stage's blocks with torch.compile (in place; returns the module).
+
+    Blocks, not the whole stage: they are where the time goes, every block of a stage has one shape (one
+    compiled graph serves them all), and the stage's ends stay plain Python (its checks, the loss)."""
+    for block in module.blocks:
+        block.compile()
+    return module

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from swarm.models import ModelSpec, Stage, initial_stage
+from swarm.models import ModelSpec, Stage, compile_blocks, initial_stage
 from swarm.models.optimizer import OptimizerSettings, apply_accumulated_step, build_optimizer
 from swarm.models.precision import autocast
 from swarm.trainer.data import ByteCorpus
@@ -42,11 +42,14 @@ def train_reference(
     hf_checkpoint: str | None = None,
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
+    compile: bool = False,
 ) -> ReferenceRun:
     """Trains the stages in order, in this process, with the swarm's batches and step rule, computing in `dtype`
-    on `device`."""
+    on `device` (with `compile`, the blocks compiled as a peer's --compile does)."""
     where = torch.device(device)
     stages = [initial_stage(spec, k, num_stages, seed, hf_checkpoint).to(where) for k in range(num_stages)]
+    if compile:
+        stages = [compile_blocks(stage) for stage in stages]
     optimizers = [build_optimizer(stage, settings) for stage in stages]
     losses = []
     start = time.perf_counter()
