@@ -124,6 +124,19 @@ class DeviceCopier:
             tensor.record_stream(self.store_stream)
         return host
 
+    def event(self) -> torch.cuda.Event | None:
+        """An event recorded on the compute stream now (None on a CPU)."""
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def synchronize(self, event: torch.cuda.Event | None) -> None:
+        """Waits on the host until the device has passed `event` (nothing for None)."""
+        if event is not None:
+            event.synchronize()
+
     def finish_stores(self) -> None:
         """Waits until every stored tensor has reached the host."""
         if self.cuda:
@@ -131,21 +144,42 @@ class DeviceCopier:
 
 
 class _Prefetch:
-    """Loads lists of host tensors in a given order, each one while the one before it is in use."""
+    """Loads lists of host tensors in order, each one while the one before it is in use (double buffering).
+
+    The caller takes a list, enqueues its work on it, drops it and calls `prefetch`: the next list starts
+    loading once the work on the list before is done on the device, so at most two lists are there at once
+    however far the host runs ahead of the device."""
 
     def __init__(self, copier: DeviceCopier, lists: list[list[torch.Tensor]]) -> None:
         self.copier, self.lists = copier, lists
-        self.position = 0
-        self.pending = copier.load(lists[0]) if lists else None
+        self.next = 0
+        self.done: torch.cuda.Event | None = None  # recorded after the work on the list taken before
+        self.pending = self._load_next()
+
+    def _load_next(self) -> _Loading | None:
+        if self.next >= len(self.lists):
+            return None
+        self.next += 1
+        return self.copier.load(self.lists[self.next - 1])
 
     def take(self) -> list[torch.Tensor]:
-        """The next list on the device; starts loading the one after it. Drop the previous list first:
-        it must leave the device before a third one arrives."""
-        tensors = self.pending.wait()
-        self.position += 1
-        more = self.position < len(self.lists)
-        self.pending = self.copier.load(self.lists[self.position]) if more else None
-        return tensors
+        """The next list, on the device as far as the compute stream is concerned."""
+        loading, self.pending = self.pending or self._load_next(), None
+        return loading.wait()
+
+    def mark(self) -> None:
+        """Notes that the work the next load must not overlap in memory (on the list last taken, or on any
+        weights held before the first) is enqueued."""
+        self.done = self.copier.event()
+
+    def prefetch(self) -> None:
+        """Call once the work on the list last taken is enqueued and the list dropped: waits until the work on
+        the list before it is done, then starts loading the next one, which overlaps the work just enqueued."""
+        previous = self.done
+        self.mark()
+        self.copier.synchronize(previous)
+        if self.pending is None:
+            self.pending = self._load_next()
 
 
 @dataclass
@@ -205,6 +239,7 @@ class SpilledStage:
         if ctx is None:
             for index in range(len(self.groups)):
                 hidden = self._run_group(index, loads.take(), hidden, context)
+                loads.prefetch()
             return hidden
         ctx.saved, ctx.context = [], context
         ctx.autocast = _autocast_state(self.device)
@@ -217,6 +252,7 @@ class SpilledStage:
                 hidden = output.detach()
                 if index < len(self.groups) - 1:
                     del weights, output
+                loads.prefetch()
         ctx.kept = _Run(leaf, output, weights)
         return hidden
 
@@ -230,6 +266,7 @@ class SpilledStage:
         grads: list[list[torch.Tensor | None]] = [[] for _ in self.groups]
         grad, grads[last] = self._group_grads(last, ctx.kept, grad)
         ctx.kept = None  # its weights leave the device before a third group arrives
+        loads.mark()
         for index in reversed(range(last)):
             leaf = ctx.saved[index].detach().requires_grad_(True)
             ctx.saved[index] = None
@@ -238,6 +275,7 @@ class SpilledStage:
                 output = self._run_group(index, weights, leaf, ctx.context, with_grad=True)
             grad, grads[index] = self._group_grads(index, _Run(leaf, output, weights), grad)
             del weights, output, leaf
+            loads.prefetch()
         self.copier.finish_stores()
         return grad, [g for group in grads for g in group]
 
@@ -288,6 +326,7 @@ class SpilledStage:
         loads = _Prefetch(self.copier, lists)
         for unit, unit_keys, host in zip(units, keys, lists):
             self._step_unit(optimizer, unit, unit_keys, host, loads.take(), num_samples)
+            loads.prefetch()
         self.copier.finish_stores()
 
     def _step_unit(

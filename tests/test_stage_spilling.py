@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import json
+import weakref
 from dataclasses import replace
 
 import pytest
@@ -19,7 +20,7 @@ from swarm.models import build_stage, get_model_spec
 from swarm.models.optimizer import OptimizerSettings, apply_accumulated_step, build_optimizer
 from swarm.peer.checkpoint import load_checkpoint, restore, save_checkpoint
 from swarm.peer.runtime import StageRuntime
-from swarm.peer.stage_spilling import block_bytes, default_group_size
+from swarm.peer.stage_spilling import DeviceCopier, block_bytes, default_group_size
 from swarm.peer.stage_state import load_state_tensors, state_tensors
 
 MODELS = ["gpt-tiny", "gpt-tiny-bottleneck", "gpt-tiny-subspace", "llama-tiny"]
@@ -164,6 +165,49 @@ def test_state_and_checkpoints_of_an_offloaded_stage(tmp_path):
         runtime.samples_accumulated = 2 * BATCH
         runtime._average_and_step(runtime.step)
     assert memory.fingerprint == joined.fingerprint == resumed.fingerprint
+
+
+class DeviceModel(DeviceCopier):
+    """A CPU copier that models a GPU's memory: a loaded list holds device memory until it is dropped and the
+    host has waited for an event recorded after that (the device may still be working on it before)."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.device("cpu"))
+        self.loaded: list[weakref.ref] = []  # the first tensor of each list loaded, in load order
+        self.done: set[int] = set()  # lists the device is known to be done with
+        self.most = 0  # the most lists ever held on the device at once
+
+    def load(self, tensors: list[torch.Tensor]):
+        loading = super().load(tensors)
+        self.loaded.append(weakref.ref(loading.tensors[0]))
+        self.most = max(self.most, len(self.loaded) - len(self.done))
+        return loading
+
+    def event(self) -> frozenset[int]:
+        # all the work on a list dropped by now is enqueued: the device is done with it once past this event
+        return frozenset(index for index, ref in enumerate(self.loaded) if ref() is None)
+
+    def synchronize(self, event: frozenset[int] | None) -> None:
+        self.done |= event or set()
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_at_most_two_groups_are_loaded_at_once(stage):
+    # the next group loads while one is in use (two at once), never a third: what bounds the device memory,
+    # however far the host runs ahead of the device
+    spec = nine_layers("gpt-tiny")
+    spilled = make_runtime(spec, stage, True, group=1)
+    for phase in ("forward", "backward", "step"):
+        spilled.spilling.copier = copier = DeviceModel()
+        tensors = request(spec, stage, seed=1)
+        if phase == "forward":
+            with torch.inference_mode():
+                spilled._stage_forward(tensors[: spilled.module.num_inputs])
+        elif phase == "backward":
+            spilled._backward(tensors)
+        else:
+            spilled.spilling.step(spilled.optimizer, BATCH)
+        assert copier.most == 2, (phase, copier.most)
 
 
 def test_default_groups_fill_a_quarter_of_the_memory():
