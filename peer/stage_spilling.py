@@ -97,6 +97,7 @@ class DeviceCopier:
         self.cuda = device.type == "cuda"
         self.load_stream = torch.cuda.Stream(device) if self.cuda else None
         self.store_stream = torch.cuda.Stream(device) if self.cuda else None
+        self._stores: torch.cuda.Event | None = None  # recorded on the store stream by `settle_stores`
 
     def load(self, tensors: list[torch.Tensor]) -> _Loading:
         """Starts copying host tensors to the device; the result's `wait` hands them over."""
@@ -136,6 +137,15 @@ class DeviceCopier:
         """Waits on the host until the device has passed `event` (nothing for None)."""
         if event is not None:
             event.synchronize()
+
+    def settle_stores(self) -> None:
+        """Waits until the stores issued before the previous call are done: called once a group, it keeps at
+        most two groups' stores (and the device memory they hold) in flight, however slow the way back."""
+        if not self.cuda:
+            return
+        self.synchronize(self._stores)
+        self._stores = torch.cuda.Event()
+        self._stores.record(self.store_stream)
 
     def finish_stores(self) -> None:
         """Waits until every stored tensor has reached the host."""
@@ -288,7 +298,9 @@ class SpilledStage:
             if p
         ]
         input_grad, *param_grads = torch.autograd.grad(run.output, [run.input, *params], grad, allow_unused=True)
-        return input_grad, [None if g is None else self.copier.store(g) for g in param_grads]
+        stored = [None if g is None else self.copier.store(g) for g in param_grads]
+        self.copier.settle_stores()
+        return input_grad, stored
 
     def _run_group(
         self,
@@ -326,6 +338,7 @@ class SpilledStage:
         loads = _Prefetch(self.copier, lists)
         for unit, unit_keys, host in zip(units, keys, lists):
             self._step_unit(optimizer, unit, unit_keys, host, loads.take(), num_samples)
+            self.copier.settle_stores()
             loads.prefetch()
         self.copier.finish_stores()
 
