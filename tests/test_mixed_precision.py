@@ -13,7 +13,8 @@ from conftest import LR, MICRO, SMALL_CORPUS, TARGET, model_flags, run_p2p_clien
 from hivemind.p2p import PeerID
 
 from swarm.compression import get_codec
-from swarm.config import ConfigError, PeerConfig, TrainerConfig, load_config
+from swarm.config import ConfigError, DemoConfig, PeerConfig, TrainerConfig, load_config
+from swarm.launch.demo import role_flags
 from swarm.launch.local_swarm import LocalSwarm
 from swarm.models import build_stage, get_model_spec
 from swarm.models.optimizer import OptimizerSettings, build_optimizer
@@ -33,9 +34,10 @@ BATCH, SEQ = 4, 16
 PEER_IDS = [f"12D3KooW{'ABCDEFGHJK'[i]}" + "x" * 30 for i in range(4)]
 
 
-def make_runtime(stage: int, dtype: torch.dtype, target: int = 8) -> StageRuntime:
+def make_runtime(stage: int, dtype: torch.dtype, target: int = 8, device: str = "cpu") -> StageRuntime:
     module = build_stage(SPEC, stage, 3, seed=1)
-    runtime = StageRuntime(module, build_optimizer(module, OptimizerSettings()), target_batch_size=target, dtype=dtype)
+    optimizer = build_optimizer(module, OptimizerSettings())
+    runtime = StageRuntime(module, optimizer, target_batch_size=target, device=device, dtype=dtype)
     runtime.start()
     return runtime
 
@@ -51,8 +53,12 @@ def tokens(seed: int) -> torch.Tensor:
 # --- the runtime --------------------------------------------------------------------------------------------
 
 
-def test_a_bf16_runtime_sends_bf16_boundaries_and_keeps_float32_parameters_gradients_and_optimizer():
-    middle, last = make_runtime(1, torch.bfloat16), make_runtime(2, torch.bfloat16)
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_a_bf16_runtime_sends_bf16_boundaries_and_keeps_float32_parameters_gradients_and_optimizer(device):
+    middle, last = make_runtime(1, torch.bfloat16, device=device), make_runtime(2, torch.bfloat16, device=device)
     try:
         out = middle.submit(False, [hidden(0, torch.bfloat16)]).result(30).tensors[0]
         assert out.dtype == torch.bfloat16 and out.shape == (BATCH, SEQ, SPEC.d_model)
@@ -150,9 +156,27 @@ def test_auto_is_float32_on_a_cpu_and_fp16_is_refused_naming_bf16():
     assert expected_dtype("fp32", "bf16") == torch.float32
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@CUDA
 def test_auto_is_bf16_on_a_cuda_device_that_has_it():
-    assert resolve_dtype("auto", "cuda:0") == ("bf16" if torch.cuda.is_bf16_supported() else "fp32")
+    native = torch.cuda.get_device_capability(0) >= (8, 0)
+    assert resolve_dtype("auto", "cuda:0") == ("bf16" if native else "fp32")
+
+
+def test_the_demo_gives_every_role_its_dtype():
+    peer_flags, trainer_flags = role_flags(DemoConfig(dtype="bf16"), 257, "summary.json")
+    for flags in (peer_flags, trainer_flags):
+        assert flags[flags.index("--dtype") + 1] == "bf16"
+
+
+@CUDA
+def test_the_reference_trains_in_bf16_on_a_cuda_device():
+    corpus = ByteCorpus(SMALL_CORPUS)
+    runs = [
+        train_reference(SPEC, 3, corpus, 3, 8, 4, OptimizerSettings(lr=LR), seed=7, dtype=dtype, device="cuda")
+        for dtype in (torch.float32, torch.bfloat16)
+    ]
+    assert all(p.dtype == torch.float32 for stage in runs[1].stages for p in stage.parameters())
+    torch.testing.assert_close(torch.tensor(runs[1].losses), torch.tensor(runs[0].losses), rtol=0.02, atol=0.0)
 
 
 def record(peer: int, dtype: str) -> StageRecord:

@@ -28,14 +28,21 @@ FP16_REFUSAL = (
 
 
 def resolve_dtype(name: str, device: str | torch.device = "cpu") -> str:
-    """The explicit --dtype that `name` means on `device`: auto is bf16 on a CUDA device that supports it,
-    fp32 anywhere else (a CPU's bfloat16 autocast runs, but slower than its float32)."""
+    """The explicit --dtype that `name` means on `device`: auto is bf16 on a CUDA device that computes it in
+    hardware, fp32 anywhere else (a CPU's bfloat16 autocast runs, but is no faster than its float32)."""
     if name != "auto":
         return name
     device = torch.device(device)
-    if device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+    if device.type == "cuda" and torch.cuda.is_available() and _native_bf16(device):
         return "bf16"
     return "fp32"
+
+
+def _native_bf16(device: torch.device) -> bool:
+    """Whether a CUDA device computes bfloat16 in hardware (compute capability 8.0, Ampere, or later): older
+    ones (a T4, a V100) only emulate it, slower than their float16 and no faster than float32."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_capability(index) >= (8, 0)
 
 
 def compute_dtype(name: str, device: str | torch.device = "cpu") -> torch.dtype:
