@@ -50,18 +50,23 @@ def reference_speed(args: argparse.Namespace) -> dict:
         *((name, dtype, False) for name, dtype in DTYPES.items()),
         ("bf16", DTYPES["bf16"], True),
     ]:
-        run = train_reference(
-            spec,
-            args.num_stages,
-            ByteCorpus(),
-            args.steps,
-            args.target_batch_size,
-            args.microbatch_size,
-            OptimizerSettings(),
-            dtype=dtype,
-            device=args.device,
-            compile=compiled,
-        )
+
+        def train(steps: int, dtype: torch.dtype = dtype, compiled: bool = compiled):
+            return train_reference(
+                spec,
+                args.num_stages,
+                ByteCorpus(),
+                steps,
+                args.target_batch_size,
+                args.microbatch_size,
+                OptimizerSettings(),
+                dtype=dtype,
+                device=args.device,
+                compile=compiled,
+            )
+
+        train(1)  # untimed: kernels, libraries and the compiler warm up
+        run = train(args.steps)
         rate = run.samples / run.seconds
         flops = rate * spec.seq_len * flops_per_token(spec, args.num_stages)
         peak = _peak(name, args.device)
@@ -144,16 +149,25 @@ def swarm_speed(args: argparse.Namespace, reference_rate: float | None) -> dict:
 
 
 def spilling(args: argparse.Namespace) -> dict:
-    """One stage in memory, then offloaded under a cap of a quarter of its parameters' bytes: speed, exactness."""
+    """One stage in memory, then offloaded under a cap of a quarter of its parameters' bytes: speed, exactness.
+
+    Samples of 256 tokens, so that the activations of a merged batch fit under the cap beside two groups; the
+    math attention kernel, whose backward is deterministic (fused ones need not be), so that the fingerprints
+    of the two runs can be compared bit for bit."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     from harness.stage_training_speed import stage_training_speed
 
     spec = get_model_spec(args.spill_model)
-    options = {"device": args.device, "microbatch": args.microbatch_size, "microbatches": 4, "steps": 3}
-    in_memory = stage_training_speed(spec, **options)
-    cap = in_memory["stage_bytes"] // 4 if args.device.startswith("cuda") else None
-    spilled = stage_training_speed(spec, offload=True, memory_cap_bytes=cap, **options)
+    cuda = args.device.startswith("cuda")
+    options = {"device": args.device, "microbatch": 4, "microbatches": 4, "steps": 3, "seq_len": min(256, spec.seq_len)}
+    with sdpa_kernel(SDPBackend.MATH):
+        in_memory = stage_training_speed(spec, **options)
+        cap = in_memory["stage_bytes"] // 4 if cuda else None
+        spilled = stage_training_speed(spec, offload=True, memory_cap_bytes=cap, **options)
     return {
         "model": spec.name,
+        "seq_len": options["seq_len"],
         "stage_mb": round(in_memory["stage_bytes"] / 2**20, 1),
         "memory_cap_mb": round(cap / 2**20, 1) if cap else None,
         "peak_memory_mb": round((spilled["peak_memory_bytes"] or 0) / 2**20, 1),
