@@ -21,10 +21,12 @@ from swarm.models import GPTStage
 from swarm.models.stage_io import StageInputError, check_stage_inputs
 from swarm.net.request_limits import call_too_large
 from swarm.net.wire import (
+    INLINE_CODING_BYTES,
     Part,
     StreamEnded,
     WireError,
     WireLimits,
+    codes_inline,
     decode_tensors,
     encode_tensor,
     pack_frames,
@@ -247,27 +249,58 @@ class StageHandler:
         self, result: StageResult, backward: bool, samples: int, codec: Codec, started: float
     ) -> list[StageReply]:
         """The reply to a served call: its outputs (or input gradients) in `codec`, never non-finite ones."""
-        loop = asyncio.get_running_loop()
-        # checked off the event loop, with the encoding: a pass over every output is not free
-        if not await loop.run_in_executor(None, lambda: all(map(_finite, result.tensors))):
+        tensors, losses, finite = await self._landed(result, codec)
+        if not finite:
             # its parameters went bad: never pass NaN on as an answer (the caller goes elsewhere)
             return [self._error(ErrorCode.INTERNAL, "this peer computed non-finite values; its state is broken")]
 
         async def poison() -> None:  # a peer gone bad past its own checks: its callers must catch it
-            result.tensors = [torch.full_like(t, float("nan")) for t in result.tensors]
+            nonlocal tensors
+            tensors = [torch.full_like(t, float("nan")) for t in tensors]
 
         await self.faults.hit("reply", act=poison)
         reply = StageReply(protocol_version=PROTOCOL_VERSION, step=result.step, num_samples=samples)
-        if result.losses is not None:
-            reply.loss = float(result.losses.mean())
-        out_parts = await loop.run_in_executor(
-            None, lambda: [p for t in result.tensors for p in encode_tensor(t, codec)]
-        )
+        if losses is not None:
+            reply.loss = float(losses.mean())
+
+        def encode() -> list[Part]:
+            return [p for t in tensors for p in encode_tensor(t, codec)]
+
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        inline = codes_inline([codec.name], nbytes) and not any(t.is_cuda for t in tensors)
+        out_parts = encode() if inline else await asyncio.get_running_loop().run_in_executor(None, encode)
         self.requests_served += 1
         reply.server_seconds = time.perf_counter() - started
         if self.metrics is not None:
             self.metrics.stage_served(backward, reply.num_samples, reply.server_seconds, out_parts)
         return pack_frames(reply, out_parts)
+
+    async def _landed(
+        self, result: StageResult, codec: Codec
+    ) -> tuple[list[torch.Tensor], torch.Tensor | None, bool]:
+        """A result's tensors and losses where the reply is made of them, and whether every value is finite.
+
+        On a GPU they are copied to the host off the event loop while the runtime runs the next batch, or, in a
+        lossy codec, left on the device (once ready) to be encoded there, so fewer bytes cross to the host. On a
+        CPU they are there already; small ones are checked on the loop, where a hand-off would cost more."""
+        copies = self.runtime.copies
+        on_device = any(t.is_cuda for t in result.tensors) or (result.losses is not None and result.losses.is_cuda)
+
+        def land() -> tuple[list[torch.Tensor], torch.Tensor | None, bool]:
+            tensors, losses = result.tensors, result.losses
+            if on_device and codec.lossy:
+                copies.wait(result.ready)
+                losses = None if losses is None else losses.cpu()
+            elif on_device:
+                extra = [] if losses is None else [losses]
+                moved = copies.to_host([*tensors, *extra], result.ready)
+                tensors, losses = moved[: len(tensors)], (moved[-1] if extra else None)
+            return tensors, losses, all(map(_finite, tensors))
+
+        nbytes = sum(t.numel() * t.element_size() for t in result.tensors)
+        if not on_device and nbytes <= INLINE_CODING_BYTES:
+            return land()
+        return await asyncio.get_running_loop().run_in_executor(None, land)
 
     def _error(self, code: int, message: str) -> StageReply:
         self.requests_refused += 1

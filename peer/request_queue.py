@@ -42,6 +42,9 @@ class StageResult:
     tensors: list[torch.Tensor]
     losses: torch.Tensor | None
     step: int
+    # on a GPU the tensors may still be on the device, being computed: this CUDA event marks when they exist
+    # (see `swarm.peer.device_copies`); None where they are ready
+    ready: Any = None
 
 
 @dataclass(eq=False)  # compared by identity: queue removals must not compare tensors

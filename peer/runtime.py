@@ -22,6 +22,7 @@ import torch
 from swarm.models import GPTStage
 from swarm.models.optimizer import apply_accumulated_step
 from swarm.models.precision import autocast
+from swarm.peer.device_copies import DeviceCopies
 from swarm.peer.faults import FaultPlan
 from swarm.peer.request_queue import (
     CallAbandonedError,
@@ -110,6 +111,7 @@ class StageRuntime:
         # offload: the blocks stay in host memory and visit the device a group at a time (peer/stage_spilling.py)
         self.spilling = SpilledStage(module, device, offload_group) if offload else None
         self.module = module if offload else module.to(device)
+        self.copies = DeviceCopies(device)  # host <-> device off the critical path (inert on a CPU)
         # the compute dtype (`swarm.models.precision`): forwards run under its autocast and the boundary tensors
         # they return, and the input gradients, are in it; parameters, their gradients and the optimizer stay float32
         self.dtype = dtype
@@ -318,13 +320,15 @@ class StageRuntime:
         step = self.step
         sizes = [task.num_samples for task in batch]
         merged = [torch.cat(column) if len(batch) > 1 else column[0] for column in zip(*(t.tensors for t in batch))]
-        merged = [tensor.to(self.device, non_blocking=True) for tensor in merged]
+        merged = self.copies.to_device(merged)
         start = time.perf_counter()
         if not batch[0].backward:
             with torch.inference_mode():
                 outputs = self._stage_forward(merged)
             self._pad_to_simulated_speed(start, sum(sizes), backward=False)
-            return [StageResult([out.cpu()], None, step) for out in outputs.split(sizes)]
+            # left on the device: the handler's worker copies them to the host while this thread runs the next batch
+            ready = self.copies.ready_event()
+            return [StageResult([out], None, step, ready) for out in outputs.split(sizes)]
 
         if not batch[0].accumulate:
             input_grad, losses = self._backward(merged, accumulate=False)
@@ -361,9 +365,10 @@ class StageRuntime:
                 self.coordinator.local_progress(self.step, dict(self.held))
             elif self.samples_accumulated >= self.target_batch_size:
                 self._average_and_step(self.step)
-        grads = input_grad.cpu().split(sizes) if input_grad is not None else [None] * len(batch)
-        loss_parts = losses.cpu().split(sizes) if losses is not None else [None] * len(batch)
-        return [StageResult([] if grad is None else [grad], loss, step) for grad, loss in zip(grads, loss_parts)]
+        grads = input_grad.split(sizes) if input_grad is not None else [None] * len(batch)
+        loss_parts = losses.split(sizes) if losses is not None else [None] * len(batch)
+        ready = self.copies.ready_event()
+        return [StageResult([] if grad is None else [grad], loss, step, ready) for grad, loss in zip(grads, loss_parts)]
 
     def _requeue_uncommitted(
         self, batch: list[Task], now: float, elsewhere: frozenset[SampleKey]
