@@ -101,8 +101,10 @@ def value_problem(tensor: torch.Tensor, max_abs: float = MAX_ABS_VALUE) -> str |
     """What is wrong with a boundary tensor's values (non-finite, or beyond `max_abs`), or None."""
     if not tensor.numel():
         return None
-    # one pass over the tensor (it is on every call's path): the maximum is NaN or infinite if any value is
-    largest = float(tensor.detach().abs().max())
+    # one pass over the tensor, allocating nothing its size (it is on every call's path): the extremes are NaN
+    # or infinite if any value is
+    low, high = torch.aminmax(tensor.detach())
+    largest = max(-float(low), float(high)) if math.isfinite(float(low)) else float(low)
     if not math.isfinite(largest):
         return "contain NaN or infinite values"
     if largest > max_abs:
