@@ -34,6 +34,7 @@ from harness.baseline_tree import environment_for, export_tree  # noqa: E402
 
 def _probe(env: dict[str, str] | None, extra: list[str], args: argparse.Namespace) -> dict:
     command = [sys.executable, "-m", "harness.call_overhead", "--calls", str(args.calls), *extra]
+    command += ["--microbatch-size", str(args.overhead_microbatch)]
     done = subprocess.run(command, cwd=SCRIPTS, env=env, capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         raise SystemExit(f"the overhead probe failed:\n{done.stderr[-3000:]}")
@@ -92,7 +93,13 @@ def main() -> None:
     parser.add_argument("--spill-model", default="gpt-large", help="GPU runs: model whose one stage is spilled")
     parser.add_argument("--baseline-ref", default="8ce2d8a", help="older commit whose call path is measured too")
     parser.add_argument("--rounds", type=int, default=3, help="overhead: interleaved rounds per variant")
-    parser.add_argument("--calls", type=int, default=30, help="overhead: timed calls of each kind per round")
+    parser.add_argument("--calls", type=int, default=10, help="overhead: timed calls of each kind per round")
+    parser.add_argument(
+        "--overhead-microbatch",
+        type=int,
+        default=384,
+        help="overhead: samples per call of gpt-tiny (384: a 12.6 MB boundary tensor, a gpt-small microbatch of 8's)",
+    )
     parser.add_argument("--skip-overhead", action="store_true", help="only the GPU runs")
     args = parser.parse_args()
 

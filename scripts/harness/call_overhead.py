@@ -108,9 +108,13 @@ def main() -> None:
     args = _options()
     torch.set_num_threads(1)
     from swarm.launch.local_swarm import LocalSwarm
+    from swarm.process.allocator import keep_large_buffers
+
+    keep_large_buffers()  # as a trainer does: the buffers of one call serve the next without fresh pages
 
     peer_flags = ["--model", args.model, "--num-stages", str(args.num_stages), "--num-threads", "1"]
     peer_flags += ["--target-batch-size", str(10**6)]  # never steps: every call meets the same parameters
+    peer_flags += ["--max-batch-samples", str(max(256, args.microbatch_size))]
     if args.no_shared_memory:
         peer_flags.append("--no-shared-memory")
     with LocalSwarm(tempfile.mkdtemp(prefix="call-overhead-")) as swarm:

@@ -222,9 +222,9 @@ async def write_frames(writer: asyncio.StreamWriter, frames: Sequence[Frame | Me
 
     On a connection that agreed on shared memory, large parts go through the sender's arena instead."""
     shared = getattr(writer, "shared", None)
+    if shared is not None and shared.writes and all(isinstance(f, Frame) for f in frames) and _has_parts(frames):
+        frames = _through_arena(frames, shared.own)
     for frame in frames:
-        if shared is not None and shared.writes and isinstance(frame, Frame) and frame.parts:
-            frame = _through_arena(frame, shared.own)
         chunks = frame.chunks() if isinstance(frame, Frame) else [frame.SerializeToString()]
         size = sum(len(chunk) for chunk in chunks)
         if len(chunks[0]) < JOIN_BELOW_BYTES:  # the length goes out with the frame's start in one write
@@ -280,19 +280,31 @@ async def read_frames(reader: asyncio.StreamReader, message_type: type[M], limit
     return header, parts
 
 
-def _through_arena(frame: Frame, arena) -> Frame:
-    """`frame` with its large parts written to `arena` (`swarm.net.shared_memory.Arena`) and named by where
-    they lie; the parts of one tensor land back to back, so the reader takes them in one read."""
-    parts = []
-    for part in frame.parts:
-        if len(part.buffer) < SHARED_MIN_BYTES:
-            parts.append(part)
+def _has_parts(frames: Sequence[Frame | Message]) -> bool:
+    return any(isinstance(frame, Frame) and frame.parts for frame in frames)
+
+
+def _through_arena(frames: Sequence[Frame], arena) -> list[Frame]:
+    """The message of `frames` with each large tensor written whole to `arena` (`swarm.net.shared_memory.Arena`)
+    and named by where it lies, as one part: the message then fits in a frame or two of small fields, and
+    the reader takes each tensor in one read."""
+    parts = [part for frame in frames for part in frame.parts]
+    out, index = [], 0
+    while index < len(parts):
+        run = parts[index : index + max(1, parts[index].head.num_parts)]
+        index += len(run)
+        if sum(len(part.buffer) for part in run) < SHARED_MIN_BYTES:
+            out += run
             continue
         head = Tensor()
-        head.CopyFrom(part.head)
-        head.shared_offset, head.shared_length = arena.put([part.buffer])
-        parts.append(Part(head, b""))
-    return Frame(frame.message, parts)
+        head.CopyFrom(run[0].head)
+        head.num_parts = 1
+        head.shared_offset, head.shared_length = arena.put([part.buffer for part in run])
+        out.append(Part(head, b""))
+    header = type(frames[0].message)()
+    header.CopyFrom(frames[0].message)
+    header.more = False
+    return pack_frames(header, out)
 
 
 def _read_from_arena(parts: list[Part], shared, limits: WireLimits, total: int) -> list[Part]:
