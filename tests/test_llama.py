@@ -317,3 +317,12 @@ def test_swarm_fine_tunes_a_checkpoint_as_one_process_does(local_swarm, tmp_path
         checkpoint = load_checkpoint(checkpoints, "hf:tiny-llama", stage, 2)
         assert checkpoint is not None and checkpoint.step == steps
         assert_matches_reference(module, checkpoint.parameters, f"stage {stage}")
+
+
+def test_the_demo_gives_every_role_the_checkpoint_not_a_vocabulary():
+    from swarm.config import DemoConfig
+    from swarm.launch.demo import role_flags
+
+    peer_flags, trainer_flags = role_flags(DemoConfig(hf_checkpoint="ckpt/llama"), 257, "summary.json")
+    for flags in (peer_flags, trainer_flags):
+        assert flags[flags.index("--hf-checkpoint") + 1] == "ckpt/llama" and "--vocab-size" not in flags

@@ -16,6 +16,7 @@ SWARM_SETTINGS: dict[str, str] = {
     "run_id": "the run's name: processes of other runs are ignored",
     "initial_peers": "where a newcomer joins (any live member will do, so these may differ, but must be members)",
     "model": "the model preset every stage is cut from",
+    "hf_checkpoint": "the published checkpoint every stage starts from (a folder of the same name on every machine)",
     "num_stages": "how the model is cut into stages",
     "seed": "the initial parameters (and the trainers' default data order)",
     "vocab_size": "the token ids every stage's embedding and head know",

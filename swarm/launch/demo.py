@@ -86,7 +86,11 @@ def run_demo(config: DemoConfig) -> int:
 def role_flags(config: DemoConfig, vocab_size: int, summary_file: str) -> tuple[list[str], list[str]]:
     """The flags of the demo's peers and of its trainer: the same model, and each role's own settings."""
     model_flags = ["--model", config.model, "--num-stages", str(config.num_stages), "--seed", str(config.seed)]
-    model_flags += ["--vocab-size", str(vocab_size), "--dtype", config.dtype]
+    model_flags += ["--dtype", config.dtype]
+    if config.hf_checkpoint:  # the checkpoint says the vocabulary
+        model_flags += ["--hf-checkpoint", config.hf_checkpoint]
+    else:
+        model_flags += ["--vocab-size", str(vocab_size)]
     peer_flags = [*model_flags, "--target-batch-size", str(config.target_batch_size), "--lr", str(config.lr)]
     trainer_flags = [
         *model_flags,
