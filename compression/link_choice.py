@@ -40,9 +40,12 @@ def activation_like(shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
 
 
 def profile_codecs(codecs: Iterable[Codec], sample: torch.Tensor, repeats: int = 3) -> list[CodecProfile]:
-    """Measures each codec on `sample` (float32): wire size, coding time (best of `repeats`) and error."""
-    sample = sample.float().contiguous()
+    """Measures each codec on `sample`, in the dtype boundary tensors travel in (float32, or bfloat16 in a
+    swarm that computes in it, where sending it raw costs half): wire size and coding time per float32 byte
+    of the sample (best of `repeats`), and error against the sample as it is."""
+    sample = sample.contiguous()
     raw_bytes = sample.numel() * 4
+    reference = sample.float()
     profiles = []
     for codec in codecs:
         best = math.inf
@@ -51,7 +54,7 @@ def profile_codecs(codecs: Iterable[Codec], sample: torch.Tensor, repeats: int =
             payload = codec.encode(sample)
             decoded = codec.decode(payload, tuple(sample.shape), sample.dtype)
             best = min(best, time.perf_counter() - start)
-        error = float((decoded - sample).norm() / sample.norm().clamp_min(1e-30))
+        error = float((decoded.float() - reference).norm() / reference.norm().clamp_min(1e-30))
         profiles.append(CodecProfile(codec.name, len(payload) / raw_bytes, best / raw_bytes, error))
     return profiles
 

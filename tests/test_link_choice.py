@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from swarm.compression import CODECS
 from swarm.compression.link_choice import (
@@ -78,3 +79,11 @@ def test_shaper_queues_messages_on_one_link_and_adds_latency():
     assert shaper.delay("a", "down", 100_000, now=0.0) == pytest.approx(0.15)
     assert shaper.delay("b", "up", 100_000, now=0.0) == pytest.approx(0.15)
     assert LinkShaper(LinkShape()).delay("a", "up", 10**9, now=0.0) == 0.0
+
+
+def test_in_a_bf16_swarm_sending_raw_costs_half_and_is_exact():
+    sample = activation_like((8, 64, 128)).to(torch.bfloat16)
+    profiles = {p.name: p for p in profile_codecs(CODECS.values(), sample, repeats=1)}
+    assert profiles["none"].wire_ratio == 0.5 and profiles["none"].relative_error == 0.0
+    assert profiles["bf16"].relative_error == 0.0  # already bf16: nothing to round
+    assert profiles["8bit"].wire_ratio < 0.5

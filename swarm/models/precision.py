@@ -21,6 +21,7 @@ import torch
 DTYPE_CHOICES = ("auto", "bf16", "fp16", "fp32")
 #: the compute dtype each explicit value stands for
 COMPUTE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+BOUNDARY_DTYPES = (torch.float32, torch.bfloat16)  # what boundary tensors may travel in (fp16 is refused)
 FP16_REFUSAL = (
     "--dtype fp16 needs loss scaling for its gradients, which the swarm does not do (they underflow float16 "
     "between stages): use --dtype bf16, as fast on GPUs that have it and with float32's range, or fp32"

@@ -36,9 +36,9 @@ import torch
 from tqdm import tqdm
 
 from swarm.compression import CODECS
-from swarm.compression.link_choice import CodecChooser, activation_like, profile_codecs
+from swarm.compression.link_choice import CodecChooser, CodecProfile, activation_like, profile_codecs
 from swarm.config import ConfigError, TrainerConfig
-from swarm.models.precision import expected_dtype
+from swarm.models.precision import BOUNDARY_DTYPES, expected_dtype
 from swarm.net.dht_node import connect_to_daemon, start_dht
 from swarm.net.direct_plane import DirectPlane
 from swarm.net.link_shaper import LinkShape, LinkShaper
@@ -68,11 +68,12 @@ class Trainer:
     def __init__(self, config: TrainerConfig) -> None:
         self.config = config
         self.spec = config.model_spec()
-        chooser: CodecChooser | None = None
+        # the codecs are measured now, before the DHT forks (torch's threads must not exist yet), in each dtype
+        # boundaries may travel in: which one this swarm uses is known once its records are read
+        profiles: dict[torch.dtype, list[CodecProfile]] = {}
         if config.compression == "auto":
-            width = self.spec.boundary_width
-            sample = activation_like((config.microbatch_size, self.spec.seq_len, width))
-            chooser = CodecChooser(profile_codecs(CODECS.values(), sample), config.max_codec_error)
+            sample = activation_like((config.microbatch_size, self.spec.seq_len, self.spec.boundary_width))
+            profiles = {dtype: profile_codecs(CODECS.values(), sample.to(dtype)) for dtype in BOUNDARY_DTYPES}
         shaper = None
         if config.emulate_bandwidth_mbit or config.emulate_latency_ms:
             shaper = LinkShaper(LinkShape(config.emulate_bandwidth_mbit, config.emulate_latency_ms))
@@ -99,10 +100,14 @@ class Trainer:
         # per stage, the step to ask a forward for: the one after the step its latest backwards reached
         self._want: dict[int, int] = {}
         self.peers = PeerFinder(self.dht, config, self.spec.vocab_size, self.router)
+        boundary_dtype = expected_dtype(config.dtype, swarm.get("dtype"))
+        chooser = None
+        if profiles:
+            chooser = CodecChooser(profiles.get(boundary_dtype, profiles[torch.float32]), config.max_codec_error)
         self.calls = StageCaller(
             config, self.spec, self.trainer_id, self.router, self.peers, self.summary, chooser, shaper
         )
-        self.calls.dtype = expected_dtype(config.dtype, swarm.get("dtype"))
+        self.calls.dtype = boundary_dtype
         self.metrics: TrainerMetrics | None = None  # with --metrics-port
         self.progress = TrainerProgress(self.trainer_id, config.model, config.num_stages)  # for `swarm monitor`
 
