@@ -232,6 +232,7 @@ def test_a_bf16_swarm_trains(bf16_swarm):
     summary = json.loads(summary_file.read_text())
     losses = summary["losses"]
     assert summary["steps"] == STEPS and losses[-1] < losses[0] - 0.3, losses
+    assert summary["dtype"] == "bf16"  # what the trainer took from the swarm, on record
     # as the one-process reference computes in bfloat16 (not exactly: rounding in bfloat16 follows the batches)
     reference = train_reference(
         SPEC, 3, ByteCorpus(SMALL_CORPUS), STEPS, TARGET, MICRO, OptimizerSettings(lr=LR), seed=7, dtype=torch.bfloat16

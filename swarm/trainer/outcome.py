@@ -13,6 +13,7 @@ class TrainingError(RuntimeError):
 class TrainingSummary:
     """What a training run did, as printed at the end and written to --summary-file."""
 
+    dtype: str = ""  # what boundary tensors travelled in (--dtype as the swarm resolved it; "" if peers said none)
     steps: int = 0
     first_step: int = 0
     samples: int = 0

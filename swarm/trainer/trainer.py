@@ -38,7 +38,7 @@ from tqdm import tqdm
 from swarm.compression import CODECS
 from swarm.compression.link_choice import CodecChooser, CodecProfile, activation_like, profile_codecs
 from swarm.config import ConfigError, TrainerConfig
-from swarm.models.precision import BOUNDARY_DTYPES, expected_dtype
+from swarm.models.precision import BOUNDARY_DTYPES, expected_dtype, flag_value
 from swarm.net.dht_node import connect_to_daemon, start_dht
 from swarm.net.direct_plane import DirectPlane
 from swarm.net.link_shaper import LinkShape, LinkShaper
@@ -108,6 +108,7 @@ class Trainer:
             config, self.spec, self.trainer_id, self.router, self.peers, self.summary, chooser, shaper
         )
         self.calls.dtype = boundary_dtype
+        self.summary.dtype = flag_value(boundary_dtype) if boundary_dtype is not None else ""
         self.metrics: TrainerMetrics | None = None  # with --metrics-port
         self.progress = TrainerProgress(self.trainer_id, config.model, config.num_stages)  # for `swarm monitor`
 
