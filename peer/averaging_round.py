@@ -186,7 +186,7 @@ class AveragingRound:
         measured = [i for i, c in enumerate(contributions) if c.grad_sum is not None and c.samples > 0]
         norms = [float(contributions[i].grad_sum.norm()) / contributions[i].samples for i in measured]
         scales = [1.0] * len(contributions)
-        for i, scale in zip(measured, clip_scales(norms)):
+        for i, scale in zip(measured, clip_scales(norms, [contributions[i].samples for i in measured])):
             scales[i] = scale
             if scale < 1.0:
                 self.clipped_contributions += 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from swarm.peer.contribution_bounds import CLIP_FACTOR, clip_scales
 
@@ -24,3 +25,16 @@ def test_an_outlier_is_scaled_down_to_the_bound_of_the_lower_median():
 
 def test_an_all_zero_contribution_sets_no_bound():
     assert clip_scales([0.0, 3.0]) == [1.0, 1.0]
+
+
+def test_honest_contributions_of_few_and_many_samples_are_not_clipped():
+    # noisy per-sample gradients (no common direction): the norm of a sum of n grows like sqrt(n)
+    generator = torch.Generator().manual_seed(0)
+    counts = [5, 45, 20, 1]
+    sums = [torch.randn(n, 10_000, generator=generator).sum(dim=0) for n in counts]
+    norms = [float(s.norm()) / n for s, n in zip(sums, counts)]
+    assert max(norms) / min(norms) > CLIP_FACTOR  # per sample alone, the one-sample mate would look hostile
+    assert clip_scales(norms, counts) == [1.0] * len(counts)
+    # a hostile one is still scaled down, few samples or many
+    hostile = clip_scales([*norms, 1e6], [*counts, 1])
+    assert hostile[:-1] == [1.0] * len(counts) and hostile[-1] < 1e-3
