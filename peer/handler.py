@@ -18,7 +18,7 @@ import torch
 
 from swarm.compression import Codec, CodecError, get_codec
 from swarm.models import GPTStage
-from swarm.models.stage_io import StageInputError, check_stage_inputs
+from swarm.models.stage_io import StageInputError, check_stage_inputs, value_problem
 from swarm.net.request_limits import call_too_large
 from swarm.net.wire import (
     INLINE_CODING_BYTES,
@@ -67,15 +67,6 @@ class StageCallMetrics(Protocol):
 
     def info_error(self, code: int) -> None:
         """An info request was answered with the error `code`."""
-
-
-def _finite(tensor: torch.Tensor) -> bool:
-    """Whether every value is finite, in one pass that allocates nothing tensor-sized (the extremes are
-    NaN or infinite if any value is; torch.isfinite(...).all() takes several times as long)."""
-    if not tensor.numel():
-        return True
-    low, high = torch.aminmax(tensor.detach())
-    return math.isfinite(float(low)) and math.isfinite(float(high))
 
 
 def error_reply(code: int, message: str) -> StageReply:
@@ -304,7 +295,7 @@ class StageHandler:
                 extra = [] if losses is None else [losses]
                 moved = copies.to_host([*tensors, *extra], result.ready)
                 tensors, losses = moved[: len(tensors)], (moved[-1] if extra else None)
-            return tensors, losses, all(map(_finite, tensors))
+            return tensors, losses, not any(value_problem(t, math.inf) for t in tensors)
 
         nbytes = sum(t.numel() * t.element_size() for t in result.tensors)
         if not on_device and nbytes <= INLINE_CODING_BYTES:

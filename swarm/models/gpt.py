@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from swarm.models.pipeline_stage import PipelineStage
 from swarm.models.registry import ModelSpec
 
 
@@ -74,7 +75,7 @@ def partition_layers(n_layer: int, num_stages: int) -> list[range]:
     return bounds
 
 
-class GPTStage(nn.Module):
+class GPTStage(PipelineStage):
     """One pipeline stage of the GPT model.
 
     Inputs: token ids [batch, seq] on stage 0, hidden states [batch, seq, spec.boundary_width]
@@ -84,11 +85,7 @@ class GPTStage(nn.Module):
     """
 
     def __init__(self, spec: ModelSpec, stage: int, num_stages: int) -> None:
-        super().__init__()
-        if not 0 <= stage < num_stages:
-            raise ValueError(f"stage {stage} is out of range for {num_stages} stages")
-        self.spec, self.stage, self.num_stages = spec, stage, num_stages
-        self.is_first, self.is_last = stage == 0, stage == num_stages - 1
+        super().__init__(spec, stage, num_stages)
         self.takes_tokens = spec.later_stages_take_tokens and not self.is_first  # besides the hidden states
         if self.is_first:
             self.tok_emb = nn.Embedding(spec.vocab_size, spec.learned_width)
@@ -112,23 +109,6 @@ class GPTStage(nn.Module):
                 self.up = nn.Linear(spec.bottleneck, spec.d_model)
             if not self.is_last:
                 self.down = nn.Linear(spec.d_model, spec.bottleneck)
-
-    @property
-    def num_inputs(self) -> int:
-        """How many tensors a forward call carries: the stage's input, and the token ids if it takes them."""
-        return 2 if self.takes_tokens else 1
-
-    def forward(
-        self, x: torch.Tensor, targets: torch.Tensor | None = None, tokens: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """Runs the stage; see the class docstring for what `x`, `targets`, `tokens` and the result are."""
-        hidden, context = self.enter(x, tokens)
-        for block in self.blocks:
-            hidden = block(hidden, context)
-        return self.leave(hidden, targets, context)
-
-    # A stage in three parts (`enter`, each of `blocks` called as block(hidden, context), `leave`), so that a
-    # runtime may run the blocks one group at a time (spilling a stage larger than its device's memory).
 
     def enter(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The stage's input made into the residual stream the blocks take, and the context they share

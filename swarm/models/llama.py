@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from swarm.models.gpt import partition_layers
+from swarm.models.pipeline_stage import PipelineStage
 from swarm.models.registry import ModelSpec
 
 Rotary = tuple[torch.Tensor, torch.Tensor]  # cos and sin, [seq, head_dim] each: the context every block takes
@@ -117,7 +118,7 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class LlamaStage(nn.Module):
+class LlamaStage(PipelineStage):
     """One pipeline stage of a Llama-style model, in the shape of GPTStage.
 
     Inputs: token ids [batch, seq] on stage 0, hidden states [batch, seq, d_model] elsewhere. Output: hidden
@@ -126,17 +127,12 @@ class LlamaStage(nn.Module):
     turns them into the next token's logits).
     """
 
-    takes_tokens = False  # positions come from the rotary embedding: hidden states carry all a stage needs
-    num_inputs = 1
+    # takes_tokens stays False: positions come from the rotary embedding, hidden states carry all a stage needs
 
     def __init__(self, spec: ModelSpec, stage: int, num_stages: int) -> None:
-        super().__init__()
         if spec.family != "llama":
             raise ValueError(f"{spec.name} is a {spec.family} model, not a llama one")
-        if not 0 <= stage < num_stages:
-            raise ValueError(f"stage {stage} is out of range for {num_stages} stages")
-        self.spec, self.stage, self.num_stages = spec, stage, num_stages
-        self.is_first, self.is_last = stage == 0, stage == num_stages - 1
+        super().__init__(spec, stage, num_stages)
         if self.is_first:
             self.embed_tokens = nn.Embedding(spec.vocab_size, spec.d_model)
         # not in the state dict: it follows from the spec, like GPTStage's fixed embeddings
@@ -145,15 +141,6 @@ class LlamaStage(nn.Module):
         if self.is_last:
             self.norm = RMSNorm(spec.d_model, spec.norm_eps)
             self.lm_head = nn.Linear(spec.d_model, spec.vocab_size, bias=False)
-
-    def forward(
-        self, x: torch.Tensor, targets: torch.Tensor | None = None, tokens: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """Runs the stage; see the class docstring for what `x`, `targets` and the result are (`tokens`: unused)."""
-        hidden, context = self.enter(x, tokens)
-        for block in self.blocks:
-            hidden = block(hidden, context)
-        return self.leave(hidden, targets, context)
 
     def enter(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, Rotary]:
         """The stage's input as the residual stream, and the rotary cos and sin [seq, head_dim] its blocks share."""

@@ -308,9 +308,9 @@ def _through_arena(frames: Sequence[Frame], arena) -> list[Frame]:
 
 
 def _read_from_arena(parts: list[Part], shared, limits: WireLimits, total: int) -> list[Part]:
-    """The parts with their bytes read from the sender's arena (`SharedMemoryLink.reader`). The bytes count
-    against the message limit before any is read; a run of a tensor's parts that lie back to back is read as
-    one part, into one buffer that decoding then wraps without another copy."""
+    """The parts with their bytes read from the sender's arena (`SharedMemoryLink.reader`), each into a buffer
+    of its own that decoding then wraps without another copy (a sender writes each tensor whole, as one part).
+    The bytes count against the message limit before any is read."""
     reader = shared.reader if shared is not None else None
     if reader is None:
         raise WireError(ErrorCode.BAD_REQUEST, "a part in shared memory on a connection that did not agree to it")
@@ -318,44 +318,20 @@ def _read_from_arena(parts: list[Part], shared, limits: WireLimits, total: int) 
     if total > limits.max_message_bytes:
         message = f"message exceeds this peer's limit of {limits.max_message_bytes / 2**20:.1f} MiB"
         raise WireError(ErrorCode.TOO_LARGE, limits.refusal(message))
-    out, index = [], 0
-    while index < len(parts):
-        head = parts[index].head
-        run = parts[index : index + max(1, head.num_parts)]
-        try:
-            if len(run) > 1 and _back_to_back(run):
-                merged = Tensor()
-                merged.CopyFrom(head)
-                merged.num_parts, merged.shared_offset, merged.shared_length = 1, 0, 0
-                length = sum(part.head.shared_length for part in run)
-                out.append(Part(merged, reader.read(head.shared_offset, length)))
-                index += len(run)
-                continue
-            part = parts[index]
-            if part.head.shared_length:
-                if len(part.buffer):
-                    raise WireError(ErrorCode.BAD_REQUEST, "a part both in its frame and in shared memory")
-                plain = Tensor()
-                plain.CopyFrom(part.head)
-                plain.shared_offset, plain.shared_length = 0, 0
-                part = Part(plain, reader.read(part.head.shared_offset, part.head.shared_length))
-        except SharedMemoryError as e:
-            raise WireError(ErrorCode.BAD_REQUEST, f"shared memory: {e}") from None
+    out = []
+    for part in parts:
+        if part.head.shared_length:
+            if len(part.buffer):
+                raise WireError(ErrorCode.BAD_REQUEST, "a part both in its frame and in shared memory")
+            head = Tensor()
+            head.CopyFrom(part.head)
+            head.shared_offset, head.shared_length = 0, 0
+            try:
+                part = Part(head, reader.read(part.head.shared_offset, part.head.shared_length))
+            except SharedMemoryError as e:
+                raise WireError(ErrorCode.BAD_REQUEST, f"shared memory: {e}") from None
         out.append(part)
-        index += 1
     return out
-
-
-def _back_to_back(run: list[Part]) -> bool:
-    """Whether a tensor's parts all lie in shared memory, each right after the one before, with well-formed
-    continuation heads (anything else is read part by part and judged by `decode_tensors`)."""
-    for before, after in zip(run, run[1:]):
-        h = after.head
-        if h.shape or h.dtype or h.codec or h.num_parts or len(after.buffer) or not h.shared_length:
-            return False
-        if h.shared_offset != before.head.shared_offset + before.head.shared_length:
-            return False
-    return bool(run[0].head.shared_length) and not len(run[0].buffer)
 
 
 def parse_frame(data: bytes | bytearray, message_type: type[M], max_fields: int) -> tuple[M, list[Part], int]:
