@@ -1,16 +1,17 @@
-"""The two-phase averaging round of a stage's step: every member sums the same contributions, in one order.
+"""The averaging round of a stage's step: every member steps on the same sum of the same contributions.
 
 Accounting is by identity: every backward is named (trainer, microbatch), and contributions carry
-which microbatches a peer holds. In the first phase every member sends its gradient sum, the
-microbatches in it and every microbatch it knows a member held (`GradContribution`). In the second,
-every member tells the others which contributions it holds (`RoundCommit`); each then sums only the
-contributions every member holds, in the order of their peer ids, so all step on the same bits.
-What the agreed contributions knew of but do not hold was lost with a dead member: the stage goes
-short and the trainers are asked (in the SHORT reply to their next forward) to send those
-microbatches again. It waits at most `short_wait` seconds, then steps without them and counts them
-as lost, by id. Every decision is taken from the agreed contributions alone, so every member takes
-the same one. A mate that cannot be reached is dropped from the round at once; one that stays
-silent is dropped when `averaging_timeout` runs out.
+which microbatches a peer holds. First every member offers its contribution: its sample count, the
+microbatches in it, every microbatch it knows a member held, and its gradient's norm
+(`GradContribution`, no gradient). Then every member tells the others which offers it holds
+(`RoundCommit`); the contributions all hold are the round's. What the agreed contributions knew of
+but do not hold was lost with a dead member: the stage goes short and the trainers are asked (in the
+SHORT reply to their next forward) to send those microbatches again. It waits at most `short_wait`
+seconds, then steps without them and counts them as lost, by id. Every decision is taken from the
+agreed contributions alone, so every member takes the same one. Only then do gradients travel, in
+slices (`slice_exchange`: reduce-scatter, then all-gather), summed in the order of the contributors'
+peer ids, so all step on the same bits. A mate that cannot be reached is dropped from the round at
+once; one that stays silent is dropped when `averaging_timeout` runs out.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections import Counter
 
 import torch
@@ -26,7 +28,6 @@ from hivemind.p2p import PeerID
 from swarm.compression import Codec
 from swarm.net.transport import COMMIT_PROTOCOL, GRAD_PROTOCOL, exchange
 from swarm.net.wire import WireLimits, decode_tensors, encode_tensor, pack_frames
-from swarm.peer.contribution_bounds import clip_scales
 from swarm.peer.mate_membership import MateMembership
 from swarm.peer.mate_messages import (
     Held,
@@ -40,6 +41,7 @@ from swarm.peer.mate_messages import (
 from swarm.peer.mate_progress import ProgressExchange
 from swarm.peer.protocol_handler import protocol_handler
 from swarm.peer.runtime import RoundResult, SampleKey
+from swarm.peer.slice_exchange import SliceExchange, SlicesFailed
 from swarm.peer.step_machine import ACCUMULATING, AVERAGING, SHORT, Contribution, StepMachine, StepState
 from swarm.proto import PROTOCOL_VERSION, Error, ErrorCode, GradContribution, MateReply, RoundCommit
 
@@ -79,7 +81,7 @@ class AveragingRound:
         self.dropped_members = 0
         self.samples_lost = 0
         self.samples_doubled = 0
-        self.clipped_contributions = 0  # mates' gradients scaled down to the group's bound
+        self.failed_rounds = 0  # rounds whose slices could not all be summed: retried without the dead
         # peers that asked for this peer's state: they will not contribute to the round under way
         self.departed: set[str] = set()
         self.handle_contribution = protocol_handler(
@@ -90,6 +92,12 @@ class AveragingRound:
             failure="Failed to take gradients from {sender}",
         )
         self.handle_commit = protocol_handler(RoundCommit, self._new_reply, self._answer_commit)
+        self.slices = SliceExchange(machine, membership, codec, averaging_timeout, self._wait_for)
+
+    @property
+    def clipped_contributions(self) -> int:
+        """Mates' gradient slices scaled down to the group's bound."""
+        return self.slices.clipped_slices
 
     def depart(self, peer_id: str) -> None:
         """`peer_id` asked for this peer's state: the round under way stops waiting for it."""
@@ -122,7 +130,10 @@ class AveragingRound:
         members = {machine.peer_id, *self.membership.mates, *state.progress} | named_in(box)
         # what the stage already waits for stays expected: a give-up round must count it as lost
         known = {**state.lost, **state.known()}
-        own = Contribution(sum(held.values()), grad_sum, frozenset(members), held, known, give_up)
+        norm = 0.0
+        if grad_sum is not None:
+            norm = await asyncio.get_running_loop().run_in_executor(None, lambda: float(grad_sum.norm()))
+        own = Contribution(sum(held.values()), grad_sum, frozenset(members), held, known, give_up, norm)
         box[machine.peer_id] = own
         await machine.faults.hit("before_contribution")
         await self._gather(step, attempt, box, members, own)
@@ -141,28 +152,28 @@ class AveragingRound:
         if lost and not any(c.give_up for c in contributions):
             self._go_short(step, state, attempt, agreed, box, lost)
             return None
-        return self._sum(step, sorted(agreed), contributions, expected, summed, lost)
+        try:
+            grad = await self.slices.run(step, attempt, state, sorted(agreed), box)
+        except SlicesFailed as e:
+            self._retry(step, state, attempt, box, e)
+            return None
+        return self._account(step, contributions, grad, expected, summed, lost)
 
-    def _sum(
+    def _account(
         self,
         step: int,
-        senders: list[str],
         contributions: list[Contribution],
+        grad: torch.Tensor | None,
         expected: Held,
         summed: Counter[SampleKey],
         lost: Held,
     ) -> RoundResult:
-        """The agreed contributions summed in the order of their senders, and what they doubled or lost."""
+        """The round's result: its summed gradient, its samples by id, and what it doubled or lost."""
         stage = self.machine.stage
-        total, grad = 0, None
+        total = sum(c.samples for c in contributions)
         ids: list[tuple[str, int, int]] = []
-        scales = self._clip_scales(step, senders, contributions)
-        for contribution, scale in zip(contributions, scales):
-            total += contribution.samples
+        for contribution in contributions:
             ids += as_triples(contribution.held)
-            if contribution.grad_sum is not None:
-                part = contribution.grad_sum if scale == 1.0 else contribution.grad_sum * scale
-                grad = part.clone() if grad is None else grad.add_(part)
         doubled = sum(expected.get(key, 0) * (count - 1) for key, count in summed.items() if count > 1)
         if doubled:
             self.samples_doubled += doubled
@@ -181,20 +192,19 @@ class AveragingRound:
             logger.debug(f"Stage {stage} step {step}: averaged {total} samples over {len(contributions)} peers")
         return RoundResult(grad, total, ids, as_triples(lost))
 
-    def _clip_scales(self, step: int, senders: list[str], contributions: list[Contribution]) -> list[float]:
-        """Per contribution, the share of its gradient the round takes (see `contribution_bounds`)."""
-        measured = [i for i, c in enumerate(contributions) if c.grad_sum is not None and c.samples > 0]
-        norms = [float(contributions[i].grad_sum.norm()) / contributions[i].samples for i in measured]
-        scales = [1.0] * len(contributions)
-        for i, scale in zip(measured, clip_scales(norms, [contributions[i].samples for i in measured])):
-            scales[i] = scale
-            if scale < 1.0:
-                self.clipped_contributions += 1
-                logger.warning(
-                    f"Stage {self.machine.stage} step {step}: the gradient of {senders[i]} is {1 / scale:.3g} times "
-                    f"the group's bound; scaled down to it ({self.clipped_contributions} clipped so far)"
-                )
-        return scales
+    def _retry(
+        self, step: int, state: StepState, attempt: int, box: dict[str, Contribution], failure: SlicesFailed
+    ) -> None:
+        """The round's slices could not all be summed: no member steps on it, and the stage tries again without
+        the mates that failed it (what they held is then found lost, and asked for again)."""
+        self.failed_rounds += 1
+        state.attempt = max(state.attempt, attempt + 1)
+        for peer_id in self.machine.handed_over & set(box):
+            state.mailbox[attempt + 1][peer_id] = box[peer_id]
+        logger.warning(
+            f"Stage {self.machine.stage} step {step}: the round failed ({failure}); retrying it without "
+            f"{sorted(failure.peers) or 'the mates that gave it up'}"
+        )
 
     def _go_short(
         self, step: int, state: StepState, attempt: int, agreed: set[str], box: dict[str, Contribution], lost: Held
@@ -287,10 +297,11 @@ class AveragingRound:
             held=ids_to_wire(own.held),
             known=ids_to_wire(own.known),
             give_up=own.give_up,
+            norm=own.norm,
         )
         loop = asyncio.get_running_loop()
         parts = []
-        if own.grad_sum is not None:
+        if handover and own.grad_sum is not None:  # a leaving peer sends its whole gradient: it owns no slice
             parts = await loop.run_in_executor(None, encode_tensor, own.grad_sum, self.codec)
         frames = pack_frames(header, parts)
         for send in range(SEND_ATTEMPTS):
@@ -342,8 +353,12 @@ class AveragingRound:
             if machine.serving and header.step > step:
                 machine.schedule_resync(f"mate {sender} averages step {header.step}, this peer is at {step}")
             return Error(code=ErrorCode.OUT_OF_SYNC, message=f"this peer is at step {step}, not {header.step}")
+        if not math.isfinite(header.norm) or header.norm < 0:
+            return Error(code=ErrorCode.BAD_REQUEST, message="a gradient norm that is no norm")
+        if parts and not header.handover:
+            return Error(code=ErrorCode.BAD_REQUEST, message="gradients travel in slices, after the commits")
         grad_sum = None
-        if header.samples > 0:
+        if header.handover and header.samples > 0:
             tensors = await asyncio.get_running_loop().run_in_executor(None, decode_tensors, parts, machine.limits)
             size = machine.num_parameters
             if len(tensors) != 1 or tensors[0].shape != (size,) or tensors[0].dtype != torch.float32:
@@ -368,6 +383,8 @@ class AveragingRound:
             ids_from_wire(header.held),
             ids_from_wire(header.known),
             header.give_up,
+            header.norm,
+            header.handover,
         )
         machine.changed.set()
         if header.handover:  # a leaving peer's gradients wait for the round the stage would hold anyway
@@ -469,7 +486,8 @@ class AveragingRound:
             return
         members = {machine.peer_id, *membership.mates}
         state = machine.steps[step]
-        own = Contribution(sum(held.values()), grad_sum, frozenset(members), held, state.known())
+        norm = float(grad_sum.norm()) if grad_sum is not None else 0.0
+        own = Contribution(sum(held.values()), grad_sum, frozenset(members), held, state.known(), norm=norm)
         unreachable: set[str] = set()
         sends = [
             self._send_contribution(p, step, own, members, unreachable, handover=True, attempt=state.attempt)

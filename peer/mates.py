@@ -8,10 +8,11 @@ Each step of the stage is one state machine, run on the peer's event loop (`step
 
 Accounting is by identity: every backward is named (trainer, microbatch), and progress,
 contributions and state hand-overs carry which microbatches a peer holds. A round has two phases
-(`averaging_round`): every member sends its gradient sum and the microbatches in it, then tells the
-others which contributions it holds; each sums only the contributions every member holds, in the
-order of their peer ids, so all step on the same bits. What a dead member held is asked for again
-by id; after `short_wait` seconds the stage steps without it and counts it as lost, by id.
+(`averaging_round`): every member offers the microbatches it holds, then tells the others which
+offers it holds; the contributions all hold are summed in slices (`slice_exchange`: each member
+sums one slice of every gradient and sends that sum to all), in the order of their peer ids, so all
+step on the same bits and no member sends more than about two gradients whatever the stage's size.
+What a dead member held is asked for again by id; after `short_wait` seconds the stage steps without it and counts it as lost, by id.
 
 After a step, mates compare fingerprints of their parameters (carried by progress messages,
 `mate_progress`); a replica that differs from the majority takes its mates' state and says so
@@ -23,7 +24,8 @@ whose signed record is on this stage, and refuse anyone else with FORBIDDEN befo
 - `step_machine`: the phases of each step, and what the parts share (runtime, event loop, P2P);
 - `mate_membership`: who the mates are, from the signed records, and who may speak as one;
 - `mate_progress`: progress messages, fingerprints, and what the mates hold;
-- `averaging_round`: the two-phase round, and a leaving peer's hand-over of its gradients;
+- `averaging_round`: the round's offers and commits, and a leaving peer's hand-over of its gradients;
+- `slice_exchange`, `round_slices`: the round's gradients, reduce-scattered then all-gathered;
 - `state_handover`: giving the stage's state to a newcomer, and taking a mate's;
 - `state_transfer`: the state protocol's two ends, shared with standby holders (`standby`);
 - `protocol_handler`: read, answer, reply and hang up, once for every mate protocol;
@@ -34,7 +36,7 @@ This is our own protocol rather than hivemind's Optimizer, for reasons measured 
 form by matchmaking, so an epoch took 1.0 to 1.5 s against 0.15 to 0.3 s of compute, and shorter
 matchmaking times failed to form groups; a failed round stepped on zeroed gradients; and replicas
 never held bit-identical parameters, because each applies the all-reduce as a difference to its
-own values. Here a round costs two exchanges and replicas stay bit-identical.
+own values. Here replicas stay bit-identical.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from hivemind.p2p import P2P
 
 from swarm.compression import Codec, get_codec
 from swarm.net.allowlist import Handler
-from swarm.net.transport import COMMIT_PROTOCOL, GRAD_PROTOCOL, PROGRESS_PROTOCOL, STATE_PROTOCOL
+from swarm.net.transport import COMMIT_PROTOCOL, GRAD_PROTOCOL, PROGRESS_PROTOCOL, SLICE_PROTOCOL, STATE_PROTOCOL
 from swarm.peer.averaging_round import AveragingRound
 from swarm.peer.faults import FaultPlan
 from swarm.peer.mate_membership import MateMembership
@@ -62,7 +64,7 @@ from swarm.records.stage_records import StageRecord
 
 __all__ = ["StageMates"]
 
-MATE_PROTOCOLS = (PROGRESS_PROTOCOL, GRAD_PROTOCOL, COMMIT_PROTOCOL, STATE_PROTOCOL)
+MATE_PROTOCOLS = (PROGRESS_PROTOCOL, GRAD_PROTOCOL, COMMIT_PROTOCOL, STATE_PROTOCOL, SLICE_PROTOCOL)
 
 
 class StageMates:
@@ -104,6 +106,7 @@ class StageMates:
             self.averaging.handle_contribution,
             self.averaging.handle_commit,
             self.handover.handle,
+            self.averaging.slices.handle,
         )
         for protocol, handler in zip(MATE_PROTOCOLS, handlers):
             guarded = self.membership.members_only(handler, protocol)
@@ -300,6 +303,15 @@ class StageMates:
     @property
     def clipped_contributions(self) -> int:
         return self.averaging.clipped_contributions
+
+    @property
+    def failed_rounds(self) -> int:
+        return self.averaging.failed_rounds
+
+    @property
+    def round_bytes(self) -> tuple[int, int]:
+        """Gradient bytes this peer sent and received in averaging rounds."""
+        return self.averaging.slices.bytes_sent, self.averaging.slices.bytes_received
 
     @property
     def divergences(self) -> int:

@@ -25,6 +25,7 @@ from hivemind.p2p import P2P
 from swarm.net.wire import WireLimits
 from swarm.peer.faults import FaultPlan
 from swarm.peer.mate_messages import Held
+from swarm.peer.round_slices import SliceInbox
 from swarm.peer.runtime import StageRuntime
 from swarm.records.stage_records import StageRecord
 
@@ -43,6 +44,8 @@ class Contribution:
     held: Held = field(default_factory=dict)  # the microbatches summed into grad_sum
     known: Held = field(default_factory=dict)  # every microbatch the member knew someone held at the step
     give_up: bool = False  # the member has waited long enough for lost samples
+    norm: float = 0.0  # the L2 norm of grad_sum, as its sender states it (see `round_slices.owner_scales`)
+    handover: bool = False  # from a leaving peer: it sent its whole gradient and owns no slice
 
 
 @dataclass
@@ -54,6 +57,7 @@ class StepState:
     progress: dict[str, Held] = field(default_factory=dict)  # what each member holds toward the step
     mailbox: dict[int, dict[str, Contribution]] = field(default_factory=lambda: defaultdict(dict))  # by attempt
     commits: dict[int, dict[str, frozenset[str]]] = field(default_factory=lambda: defaultdict(dict))  # by attempt
+    inbox: dict[int, SliceInbox] = field(default_factory=lambda: defaultdict(SliceInbox))  # slices, by attempt
     lost: Held = field(default_factory=dict)  # while short: what the stage waits for
     short_deadline: float | None = None  # loop time: then the stage steps without what is still lost
 

@@ -21,7 +21,9 @@ from swarm.proto.swarm_pb2 import (
     PeerInfo,
     PeerInfoRequest,
     RoundCommit,
+    RoundSlice,
     SampleId,
+    SliceKind,
     StageReply,
     StageRequest,
     StateReply,
@@ -30,7 +32,7 @@ from swarm.proto.swarm_pb2 import (
 )
 
 # Bump on any change to the messages or their meaning that an older peer would misread.
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 __all__ = [
     "BACKWARD",
@@ -49,7 +51,9 @@ __all__ = [
     "PeerInfo",
     "PeerInfoRequest",
     "RoundCommit",
+    "RoundSlice",
     "SampleId",
+    "SliceKind",
     "StageReply",
     "StageRequest",
     "StateReply",

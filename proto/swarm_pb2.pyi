@@ -26,6 +26,14 @@ class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     OUT_OF_SYNC: _ClassVar[ErrorCode]
     SHORT: _ClassVar[ErrorCode]
     FORBIDDEN: _ClassVar[ErrorCode]
+
+class SliceKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SLICE_KIND_UNSPECIFIED: _ClassVar[SliceKind]
+    PART: _ClassVar[SliceKind]
+    REDUCED: _ClassVar[SliceKind]
+    FAILED: _ClassVar[SliceKind]
+    FETCH: _ClassVar[SliceKind]
 CALL_KIND_UNSPECIFIED: CallKind
 FORWARD: CallKind
 BACKWARD: CallKind
@@ -40,6 +48,11 @@ STALE: ErrorCode
 OUT_OF_SYNC: ErrorCode
 SHORT: ErrorCode
 FORBIDDEN: ErrorCode
+SLICE_KIND_UNSPECIFIED: SliceKind
+PART: SliceKind
+REDUCED: SliceKind
+FAILED: SliceKind
+FETCH: SliceKind
 
 class SampleId(_message.Message):
     __slots__ = ("trainer", "microbatch", "samples")
@@ -208,7 +221,7 @@ class MateProgress(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., samples: _Optional[int] = ..., held: _Optional[_Iterable[_Union[SampleId, _Mapping]]] = ..., fingerprint: _Optional[str] = ...) -> None: ...
 
 class GradContribution(_message.Message):
-    __slots__ = ("protocol_version", "model", "stage", "step", "samples", "members", "tensors", "more", "handover", "attempt", "held", "known", "give_up")
+    __slots__ = ("protocol_version", "model", "stage", "step", "samples", "members", "tensors", "more", "handover", "attempt", "held", "known", "give_up", "norm")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -222,6 +235,7 @@ class GradContribution(_message.Message):
     HELD_FIELD_NUMBER: _ClassVar[int]
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     GIVE_UP_FIELD_NUMBER: _ClassVar[int]
+    NORM_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     model: str
     stage: int
@@ -235,7 +249,8 @@ class GradContribution(_message.Message):
     held: _containers.RepeatedCompositeFieldContainer[SampleId]
     known: _containers.RepeatedCompositeFieldContainer[SampleId]
     give_up: bool
-    def __init__(self, protocol_version: _Optional[int] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., samples: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., more: _Optional[bool] = ..., handover: _Optional[bool] = ..., attempt: _Optional[int] = ..., held: _Optional[_Iterable[_Union[SampleId, _Mapping]]] = ..., known: _Optional[_Iterable[_Union[SampleId, _Mapping]]] = ..., give_up: _Optional[bool] = ...) -> None: ...
+    norm: float
+    def __init__(self, protocol_version: _Optional[int] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., samples: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., more: _Optional[bool] = ..., handover: _Optional[bool] = ..., attempt: _Optional[int] = ..., held: _Optional[_Iterable[_Union[SampleId, _Mapping]]] = ..., known: _Optional[_Iterable[_Union[SampleId, _Mapping]]] = ..., give_up: _Optional[bool] = ..., norm: _Optional[float] = ...) -> None: ...
 
 class RoundCommit(_message.Message):
     __slots__ = ("protocol_version", "model", "stage", "step", "attempt", "contributors")
@@ -262,14 +277,18 @@ class HeldSamples(_message.Message):
     def __init__(self, peer: _Optional[str] = ..., ids: _Optional[_Iterable[_Union[SampleId, _Mapping]]] = ...) -> None: ...
 
 class MateReply(_message.Message):
-    __slots__ = ("protocol_version", "error", "step")
+    __slots__ = ("protocol_version", "error", "step", "tensors", "more")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     error: Error
     step: int
-    def __init__(self, protocol_version: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., step: _Optional[int] = ...) -> None: ...
+    tensors: _containers.RepeatedCompositeFieldContainer[Tensor]
+    more: bool
+    def __init__(self, protocol_version: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., step: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., more: _Optional[bool] = ...) -> None: ...
 
 class StateRequest(_message.Message):
     __slots__ = ("protocol_version", "model", "stage")
@@ -315,7 +334,7 @@ class StateReply(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., step: _Optional[int] = ..., has_optimizer_state: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., more: _Optional[bool] = ..., samples_stepped: _Optional[int] = ..., progress: _Optional[_Mapping[str, int]] = ..., held: _Optional[_Iterable[_Union[HeldSamples, _Mapping]]] = ..., attempt: _Optional[int] = ..., recently_summed: _Optional[_Iterable[_Union[SampleId, _Mapping]]] = ...) -> None: ...
 
 class DirectHello(_message.Message):
-    __slots__ = ("protocol_version", "protocol", "nonce", "public_key", "ephemeral_key", "session", "shared_memory", "shared_token")
+    __slots__ = ("protocol_version", "protocol", "nonce", "public_key", "ephemeral_key", "session", "shared_memory", "shared_token", "cipher")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
@@ -324,6 +343,7 @@ class DirectHello(_message.Message):
     SESSION_FIELD_NUMBER: _ClassVar[int]
     SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     SHARED_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    CIPHER_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     protocol: str
     nonce: bytes
@@ -332,10 +352,11 @@ class DirectHello(_message.Message):
     session: bytes
     shared_memory: str
     shared_token: bytes
-    def __init__(self, protocol_version: _Optional[int] = ..., protocol: _Optional[str] = ..., nonce: _Optional[bytes] = ..., public_key: _Optional[bytes] = ..., ephemeral_key: _Optional[bytes] = ..., session: _Optional[bytes] = ..., shared_memory: _Optional[str] = ..., shared_token: _Optional[bytes] = ...) -> None: ...
+    cipher: str
+    def __init__(self, protocol_version: _Optional[int] = ..., protocol: _Optional[str] = ..., nonce: _Optional[bytes] = ..., public_key: _Optional[bytes] = ..., ephemeral_key: _Optional[bytes] = ..., session: _Optional[bytes] = ..., shared_memory: _Optional[str] = ..., shared_token: _Optional[bytes] = ..., cipher: _Optional[str] = ...) -> None: ...
 
 class DirectChallenge(_message.Message):
-    __slots__ = ("protocol_version", "error", "nonce", "public_key", "ephemeral_key", "session", "proof", "shared_memory", "shared_token")
+    __slots__ = ("protocol_version", "error", "nonce", "public_key", "ephemeral_key", "session", "proof", "shared_memory", "shared_token", "cipher")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
@@ -345,6 +366,7 @@ class DirectChallenge(_message.Message):
     PROOF_FIELD_NUMBER: _ClassVar[int]
     SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     SHARED_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    CIPHER_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     error: Error
     nonce: bytes
@@ -354,7 +376,8 @@ class DirectChallenge(_message.Message):
     proof: bytes
     shared_memory: str
     shared_token: bytes
-    def __init__(self, protocol_version: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., nonce: _Optional[bytes] = ..., public_key: _Optional[bytes] = ..., ephemeral_key: _Optional[bytes] = ..., session: _Optional[bytes] = ..., proof: _Optional[bytes] = ..., shared_memory: _Optional[str] = ..., shared_token: _Optional[bytes] = ...) -> None: ...
+    cipher: str
+    def __init__(self, protocol_version: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., nonce: _Optional[bytes] = ..., public_key: _Optional[bytes] = ..., ephemeral_key: _Optional[bytes] = ..., session: _Optional[bytes] = ..., proof: _Optional[bytes] = ..., shared_memory: _Optional[str] = ..., shared_token: _Optional[bytes] = ..., cipher: _Optional[str] = ...) -> None: ...
 
 class DirectProof(_message.Message):
     __slots__ = ("proof", "shared_memory")
@@ -363,3 +386,31 @@ class DirectProof(_message.Message):
     proof: bytes
     shared_memory: bool
     def __init__(self, proof: _Optional[bytes] = ..., shared_memory: _Optional[bool] = ...) -> None: ...
+
+class RoundSlice(_message.Message):
+    __slots__ = ("protocol_version", "model", "stage", "step", "attempt", "kind", "index", "count", "contributors", "tensors", "more", "slice_norms")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
+    SLICE_NORMS_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    model: str
+    stage: int
+    step: int
+    attempt: int
+    kind: SliceKind
+    index: int
+    count: int
+    contributors: bytes
+    tensors: _containers.RepeatedCompositeFieldContainer[Tensor]
+    more: bool
+    slice_norms: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, protocol_version: _Optional[int] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., attempt: _Optional[int] = ..., kind: _Optional[_Union[SliceKind, str]] = ..., index: _Optional[int] = ..., count: _Optional[int] = ..., contributors: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., more: _Optional[bool] = ..., slice_norms: _Optional[_Iterable[float]] = ...) -> None: ...

@@ -33,6 +33,7 @@ PROGRESS_PROTOCOL = "/swarm/mates/progress"
 GRAD_PROTOCOL = "/swarm/mates/grad"
 STATE_PROTOCOL = "/swarm/mates/state"
 COMMIT_PROTOCOL = "/swarm/mates/commit"
+SLICE_PROTOCOL = "/swarm/mates/slice"
 
 # Codes worth retrying on another peer of the same stage; the rest mean the request itself is wrong.
 # WRONG_STAGE comes from a peer that has moved to another stage since the caller read its record.

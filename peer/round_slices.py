@@ -1,0 +1,101 @@
+"""How an averaging round cuts the stage's gradient into slices, and how one slice is summed.
+
+Once the members of a round agree on its contributors, the flattened gradient is cut into one
+contiguous slice per member that takes part (`slice_owners`: the contributors in sorted order, less
+leaving peers that only handed over their gradients). The i-th owner sums slice i of every
+contribution, in the contributors' order, and gives the sum to every member. Each element of the sum
+sees the same additions in the same order as a sum of whole gradients would, so the round's result is
+bit for bit what the all-to-all round gave, while each member sends and receives about two gradient
+sizes whatever the number of mates.
+
+Everything here is pure: the peers and the tests run the same functions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from swarm.peer.contribution_bounds import clip_scales
+
+CLAIM_TOLERANCE = 1e-3  # a slice's norm over its sender's statement by less is rounding (float32 against float64)
+
+
+@dataclass
+class SliceMessage:
+    """A slice as a mate sent it: which round (`digest` of its contributors, `count` slices) and which slice."""
+
+    digest: bytes
+    count: int
+    index: int
+    tensor: torch.Tensor | None = None
+    slice_norms: list[float] = field(default_factory=list)  # REDUCED: each contributor's squared slice norm
+
+    def fits(self, digest: bytes, count: int, index: int) -> bool:
+        """Whether the message is slice `index` of the round this peer holds."""
+        return (self.digest, self.count, self.index) == (digest, count, index)
+
+
+@dataclass
+class SliceInbox:
+    """What mates sent this peer for one attempt of a round, at most one of each kind per sender."""
+
+    parts: dict[str, SliceMessage] = field(default_factory=dict)  # a contribution's slice for this peer to sum
+    reduced: dict[str, SliceMessage] = field(default_factory=dict)  # an owner's summed slice
+    failed: set[str] = field(default_factory=set)  # owners that could not sum their slice
+
+
+def slice_owners(contributors: Sequence[str], handovers: set[str]) -> list[str]:
+    """The members that own a slice, in order: the contributors (sorted) that take part in the round."""
+    return [peer for peer in sorted(contributors) if peer not in handovers]
+
+
+def slice_bounds(size: int, count: int) -> list[tuple[int, int]]:
+    """[start, end) of each of `count` contiguous slices of a vector of `size` elements, as equal as can be."""
+    base, extra = divmod(size, count)
+    bounds, start = [], 0
+    for index in range(count):
+        end = start + base + (1 if index < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def slice_length(size: int, count: int, index: int) -> int:
+    """Elements in slice `index` of `count` (see `slice_bounds`)."""
+    base, extra = divmod(size, count)
+    return base + (1 if index < extra else 0)
+
+
+def contributors_digest(step: int, attempt: int, contributors: Sequence[str]) -> bytes:
+    """Names a round's agreed contributors: slices of a round agreed differently are never summed together."""
+    text = f"{step}/{attempt}/" + ",".join(sorted(contributors))
+    return hashlib.blake2b(text.encode(), digest_size=16).digest()
+
+
+def owner_scales(claimed_norms: list[float], slice_norms: list[float], samples: list[int]) -> list[float]:
+    """Per contribution, the factor its slice is multiplied by (see `contribution_bounds`).
+
+    The bound rests on each contribution's whole-gradient norm, which its sender states; an honest
+    statement is never smaller than any slice's norm. Where a slice shows more than its sender stated,
+    the slice's own norm is taken instead, so understating cannot escape the bound."""
+    norms = [seen if seen > claim * (1 + CLAIM_TOLERANCE) else claim for claim, seen in zip(claimed_norms, slice_norms)]
+    return clip_scales([norm / max(count, 1) for norm, count in zip(norms, samples)], samples)
+
+
+def reduce_slice(pieces: list[torch.Tensor], scales: list[float]) -> torch.Tensor:
+    """The sum of the contributions' slices, in the order given, each taken at its scale."""
+    total = None
+    for piece, scale in zip(pieces, scales):
+        part = piece if scale == 1.0 else piece * scale
+        total = part.clone() if total is None else total.add_(part)
+    assert total is not None
+    return total
+
+
+def squared_norms(pieces: list[torch.Tensor]) -> list[float]:
+    """Each slice's squared L2 norm (float64), as an owner reports them with its sum."""
+    return [float(piece.double().square().sum()) for piece in pieces]

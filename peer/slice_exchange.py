@@ -1,0 +1,405 @@
+"""The gradient half of an averaging round: reduce-scatter, then all-gather, between the agreed members.
+
+The members have agreed on the round's contributors (`averaging_round`). Each member sends slice i of
+its gradient sum to the i-th owner (`round_slices.slice_owners`), sums its own slice of every
+contribution in the contributors' order, and sends that sum to every member. A member sends and
+receives about two gradient sizes per round however many mates there are, and holds one gradient and
+its slices rather than one gradient per mate.
+
+A mate that dies mid-round: a member missing an owner's sum asks the other members for their copy of
+it (every copy is the same bits), so an owner that died after sending its sum to one member costs
+nothing. An owner that cannot sum its slice (a contribution's slice never came) says so, and then no
+member can have that slice: the round fails alike for all, and the step machine retries it without
+the dead, whose samples the stage then asks for again (see `averaging_round`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+from collections import OrderedDict
+from collections.abc import Callable
+
+import torch
+from hivemind.p2p import PeerID
+
+from swarm.compression import Codec
+from swarm.net.transport import SLICE_PROTOCOL, exchange
+from swarm.net.wire import decode_tensors, encode_tensor, pack_frames
+from swarm.peer.mate_membership import MateMembership
+from swarm.peer.mate_messages import MAX_MEMBERS, check_header
+from swarm.peer.protocol_handler import protocol_handler
+from swarm.peer.round_slices import (
+    SliceInbox,
+    SliceMessage,
+    contributors_digest,
+    owner_scales,
+    reduce_slice,
+    slice_bounds,
+    slice_length,
+    slice_owners,
+    squared_norms,
+)
+from swarm.peer.step_machine import Contribution, StepMachine, StepState
+from swarm.proto import PROTOCOL_VERSION, Error, ErrorCode, MateReply, RoundSlice, SliceKind
+
+logger = logging.getLogger(__name__)
+
+SEND_ATTEMPTS = 3
+KEPT_ROUNDS = 2  # rounds whose summed slices this peer keeps, for members that missed an owner's
+
+
+class SlicesFailed(Exception):
+    """No member can complete the round: a slice could not be summed. `peers` are the mates to blame."""
+
+    def __init__(self, message: str, peers: set[str]) -> None:
+        super().__init__(message)
+        self.peers = peers
+
+
+class SliceExchange:
+    """This peer's side of the slices of its stage's rounds: sends, sums, gathers, and answers mates."""
+
+    def __init__(
+        self,
+        machine: StepMachine,
+        membership: MateMembership,
+        codec: Codec,
+        averaging_timeout: float,
+        wait_for: Callable[[set[str], float], float],
+    ) -> None:
+        self.machine = machine
+        self.membership = membership
+        self.codec = codec
+        self.averaging_timeout = averaging_timeout
+        self.wait_for = wait_for  # seconds still to wait for missing members (see AveragingRound._wait_for)
+        self.bytes_sent = 0  # gradient bytes this peer sent in rounds, slices and sums
+        self.bytes_received = 0
+        self.false_norms = 0  # contributions whose slices held more than their sender stated
+        self.clipped_slices = 0
+        # (step, attempt, digest) -> summed slices this peer holds, by index
+        self.kept: OrderedDict[tuple[int, int, bytes], dict[int, torch.Tensor]] = OrderedDict()
+        self.handle = protocol_handler(
+            RoundSlice, self._new_reply, self._answer, machine.limits, failure="Failed to take a slice from {sender}"
+        )
+
+    async def run(
+        self, step: int, attempt: int, state: StepState, senders: list[str], box: dict[str, Contribution]
+    ) -> torch.Tensor | None:
+        """The round's summed gradient (None: no contribution holds one); raises SlicesFailed."""
+        machine = self.machine
+        handovers = {p for p in senders if box[p].handover}
+        owners = slice_owners(senders, handovers)
+        if not any(box[p].samples > 0 for p in senders):
+            return None
+        digest = contributors_digest(step, attempt, senders)
+        bounds = slice_bounds(machine.num_parameters, len(owners))
+        mine = owners.index(machine.peer_id)
+        head = dict(step=step, attempt=attempt, count=len(owners), contributors=digest)
+        own = box[machine.peer_id]
+        await machine.faults.hit("before_slices")
+        sends = []
+        if own.samples > 0:
+            for index, owner in enumerate(owners):
+                if owner != machine.peer_id:
+                    lo, hi = bounds[index]
+                    part = RoundSlice(**head, kind=SliceKind.PART, index=index)
+                    sends.append(machine.spawn(self._send(owner, part, own.grad_sum[lo:hi])))
+        inbox = state.inbox[attempt]
+        summed = await self._reduce(step, attempt, state, senders, box, owners, bounds[mine], digest)
+        others = [owner for owner in owners if owner != machine.peer_id]
+        if summed is None:
+            for owner in others:
+                machine.spawn(self._send(owner, RoundSlice(**head, kind=SliceKind.FAILED, index=mine)))
+            missing = {p for p in others if box[p].samples > 0} - set(inbox.parts)
+            raise SlicesFailed(f"slice {mine} lacks the parts of {len(missing)} mate(s)", missing)
+        total, norms = summed
+        self._keep((step, attempt, digest), {mine: total})
+        await asyncio.gather(*sends, return_exceptions=True)  # the parts go out first: mates wait on them to sum
+        for position, owner in enumerate(others):
+            reduced = RoundSlice(**head, kind=SliceKind.REDUCED, index=mine, slice_norms=norms)
+            sending = machine.spawn(self._send(owner, reduced, total))
+            if position == 0:
+                await asyncio.gather(sending, return_exceptions=True)
+                await machine.faults.hit("after_first_sum")
+        pieces = await self._gather(step, attempt, state, owners, bounds, digest)
+        self._keep((step, attempt, digest), pieces)
+        return await asyncio.get_running_loop().run_in_executor(
+            None, lambda: torch.cat([pieces[i] for i in range(len(owners))])
+        )
+
+    # --- reduce: this peer's slice ----------------------------------------------------------------------
+
+    async def _reduce(
+        self,
+        step: int,
+        attempt: int,
+        state: StepState,
+        senders: list[str],
+        box: dict[str, Contribution],
+        owners: list[str],
+        bound: tuple[int, int],
+        digest: bytes,
+    ) -> tuple[torch.Tensor, list[float]] | None:
+        """This peer's slice summed over every contribution, and their squared slice norms; None if it cannot be."""
+        machine = self.machine
+        index = owners.index(machine.peer_id)
+        inbox = state.inbox[attempt]
+        expected = {p for p in owners if p != machine.peer_id and box[p].samples > 0}
+
+        def done() -> bool | None:
+            fitting = {p for p in expected if p in inbox.parts and inbox.parts[p].fits(digest, len(owners), index)}
+            if fitting == expected:
+                return True
+            if any(p in inbox.parts for p in expected - fitting):
+                logger.warning(f"Stage {machine.stage} step {step}: a mate sent a slice of a round agreed otherwise")
+                return False
+            return None
+
+        if not await self._wait(step, attempt, state, done, lambda: expected - set(inbox.parts)):
+            return None
+        lo, hi = bound
+        contributing = [p for p in senders if box[p].samples > 0]
+
+        def pieces() -> list[torch.Tensor]:
+            return [
+                inbox.parts[p].tensor if p in expected else box[p].grad_sum[lo:hi]  # own, or a hand-over's
+                for p in contributing
+            ]
+
+        def add_up() -> tuple[torch.Tensor, list[float]]:
+            taken = pieces()
+            squares = squared_norms(taken)
+            claims = [box[p].norm for p in contributing]
+            seen = [math.sqrt(s) for s in squares]
+            scales = owner_scales(claims, seen, [box[p].samples for p in contributing])
+            self._note_bounds(step, contributing, claims, seen, scales)
+            total = reduce_slice(taken, scales)
+            if self.codec.lossy:  # every member must hold the bits the others decode
+                total = decode_tensors(encode_tensor(total, self.codec), machine.limits)[0]
+            return total, squares
+
+        return await asyncio.get_running_loop().run_in_executor(None, add_up)
+
+    def _note_bounds(
+        self, step: int, senders: list[str], claims: list[float], seen: list[float], scales: list[float]
+    ) -> None:
+        for sender, claim, norm, scale in zip(senders, claims, seen, scales):
+            if norm > claim * 1.001:
+                self.false_norms += 1
+                logger.warning(
+                    f"Stage {self.machine.stage} step {step}: mate {sender} stated a gradient norm of {claim:.4g}, "
+                    f"its slice alone holds {norm:.4g}; bounded by the slice ({self.false_norms} so far)"
+                )
+            if scale < 1.0:
+                self.clipped_slices += 1
+                logger.warning(
+                    f"Stage {self.machine.stage} step {step}: the gradient of {sender} is {1 / scale:.3g} times "
+                    f"the group's bound; scaled down to it ({self.clipped_slices} slices clipped so far)"
+                )
+
+    # --- gather: every owner's slice --------------------------------------------------------------------
+
+    async def _gather(
+        self,
+        step: int,
+        attempt: int,
+        state: StepState,
+        owners: list[str],
+        bounds: list[tuple[int, int]],
+        digest: bytes,
+    ) -> dict[int, torch.Tensor]:
+        """Every owner's summed slice, by index; raises SlicesFailed if one cannot be had."""
+        inbox = state.inbox[attempt]
+        pieces = dict(self.kept[(step, attempt, digest)])
+        count = len(owners)
+
+        def collect() -> bool | None:
+            for index, owner in enumerate(owners):
+                message = inbox.reduced.get(owner)
+                if index not in pieces and message is not None and message.fits(digest, count, index):
+                    pieces[index] = message.tensor
+            if len(pieces) == count:
+                return True
+            if any(owners[i] in inbox.failed for i in range(count) if i not in pieces):
+                return False
+            return None
+
+        def missing() -> set[str]:
+            return {owners[i] for i in range(count) if i not in pieces}
+
+        if not await self._wait(step, attempt, state, collect, missing):
+            failed = {owners[i] for i in range(count) if i not in pieces and owners[i] in inbox.failed}
+            if failed:
+                raise SlicesFailed(f"{len(failed)} mate(s) could not sum their slice", set())
+        for index in [i for i in range(count) if i not in pieces]:
+            fetched = await self._fetch(step, attempt, digest, index, count, owners)
+            if fetched is None:
+                raise SlicesFailed(f"no member holds the sum of slice {index}", {owners[index]})
+            pieces[index] = fetched
+        return pieces
+
+    async def _fetch(
+        self, step: int, attempt: int, digest: bytes, index: int, count: int, owners: list[str]
+    ) -> torch.Tensor | None:
+        """Slice `index`'s sum from any member that holds it (its owner is gone), or None."""
+        machine = self.machine
+        request = RoundSlice(
+            protocol_version=PROTOCOL_VERSION,
+            model=machine.model,
+            stage=machine.stage,
+            step=step,
+            attempt=attempt,
+            kind=SliceKind.FETCH,
+            index=index,
+            count=count,
+            contributors=digest,
+        )
+        length = slice_length(machine.num_parameters, count, index)
+        for peer_id in [p for i, p in enumerate(owners) if i != index and p != machine.peer_id]:
+            try:
+                reply, parts = await asyncio.wait_for(
+                    exchange(
+                        machine.p2p, PeerID.from_base58(peer_id), SLICE_PROTOCOL, [request], MateReply, machine.limits
+                    ),
+                    self.averaging_timeout,
+                )
+                if reply.error.code != ErrorCode.OK:
+                    continue
+                tensors = await asyncio.get_running_loop().run_in_executor(None, decode_tensors, parts, machine.limits)
+            except Exception as e:
+                logger.debug(f"Could not fetch slice {index} from {peer_id}: {e!r}")
+                continue
+            if len(tensors) == 1 and tensors[0].shape == (length,) and tensors[0].dtype == torch.float32:
+                self.bytes_received += sum(len(part.buffer) for part in parts)
+                logger.info(f"Stage {machine.stage} step {step}: took slice {index}'s sum from {peer_id}")
+                return tensors[0]
+        return None
+
+    async def _wait(
+        self,
+        step: int,
+        attempt: int,
+        state: StepState,
+        check: Callable[[], bool | None],
+        missing: Callable[[], set[str]],
+    ) -> bool:
+        """Waits until `check` says True (done) or False (failed), the mates lapse, or a member moved on."""
+        machine = self.machine
+        started = machine.loop.time()
+        while True:
+            machine.changed.clear()
+            verdict = check()
+            if verdict is not None:
+                return verdict
+            if state.attempt > attempt or any(p in state.mailbox.get(attempt + 1, {}) for p in missing()):
+                return False  # a member gave this attempt up: what it has not sent will not come
+            wait = self.wait_for(missing(), started)
+            if wait <= 0:
+                logger.warning(
+                    f"Stage {machine.stage} step {step}: no slices from {len(missing())} mate(s) within "
+                    f"{machine.loop.time() - started:.0f}s"
+                )
+                return False
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(machine.changed.wait(), wait)
+
+    def _keep(self, key: tuple[int, int, bytes], pieces: dict[int, torch.Tensor]) -> None:
+        self.kept.setdefault(key, {}).update(pieces)
+        self.kept.move_to_end(key)
+        while len(self.kept) > KEPT_ROUNDS:
+            self.kept.popitem(last=False)
+
+    # --- sending ---------------------------------------------------------------------------------------------
+
+    async def _send(self, peer_id: str, message: RoundSlice, tensor: torch.Tensor | None = None) -> None:
+        machine = self.machine
+        message.protocol_version, message.model, message.stage = PROTOCOL_VERSION, machine.model, machine.stage
+        parts = []
+        if tensor is not None:
+            parts = await asyncio.get_running_loop().run_in_executor(None, encode_tensor, tensor, self.codec)
+        frames = pack_frames(message, parts)
+        for send in range(SEND_ATTEMPTS):
+            try:
+                reply, _ = await asyncio.wait_for(
+                    exchange(
+                        machine.p2p, PeerID.from_base58(peer_id), SLICE_PROTOCOL, frames, MateReply, machine.limits
+                    ),
+                    self.averaging_timeout,
+                )
+            except Exception as e:
+                if send + 1 < SEND_ATTEMPTS:
+                    await asyncio.sleep(0.2 * (send + 1))
+                    continue
+                logger.warning(f"Stage {machine.stage} step {message.step}: mate {peer_id} is unreachable ({e})")
+                self.membership.mark_unreachable(peer_id)
+                machine.changed.set()
+                return
+            if reply.error.code != ErrorCode.OK:
+                logger.warning(f"Stage {machine.stage}: mate {peer_id} refused a slice: {reply.error.message}")
+            else:
+                self.bytes_sent += sum(len(part.buffer) for part in parts)
+            return
+
+    # --- answering mates ---------------------------------------------------------------------------------------
+
+    def _new_reply(self) -> MateReply:
+        return MateReply(protocol_version=PROTOCOL_VERSION, step=self.machine.runtime.step)
+
+    async def _answer(self, sender: str, message: RoundSlice, parts: list, reply: MateReply) -> list:
+        self.membership.heard_from(sender)
+        error = check_header(message, self.machine.model, self.machine.stage)
+        if error is None and not (0 < message.count <= MAX_MEMBERS and message.index < message.count):
+            error = Error(code=ErrorCode.BAD_REQUEST, message=f"slice {message.index} of {message.count}")
+        if error is None and message.kind == SliceKind.FETCH:
+            return self._fetched(message, reply)
+        error = error or await self._take(sender, message, parts)
+        if error is not None:
+            reply.error.CopyFrom(error)
+        return [reply]
+
+    async def _take(self, sender: str, message: RoundSlice, parts: list) -> Error | None:
+        """Files a mate's slice, sum or failure with the round it names, once checked."""
+        machine = self.machine
+        step = machine.runtime.step
+        if not step <= message.step <= step + 1:
+            return Error(code=ErrorCode.OUT_OF_SYNC, message=f"this peer is at step {step}, not {message.step}")
+        state = machine.steps[message.step]
+        if message.attempt < state.attempt:
+            return None  # a round already given up here
+        if message.attempt > state.attempt + 1:
+            return Error(code=ErrorCode.OUT_OF_SYNC, message=f"this peer is at round attempt {state.attempt}")
+        inbox: SliceInbox = state.inbox[message.attempt]
+        if message.kind == SliceKind.FAILED:
+            inbox.failed.add(sender)
+            machine.changed.set()
+            return None
+        if message.kind not in (SliceKind.PART, SliceKind.REDUCED):
+            return Error(code=ErrorCode.BAD_REQUEST, message=f"unknown slice kind {message.kind}")
+        if len(message.slice_norms) > MAX_MEMBERS:
+            return Error(code=ErrorCode.BAD_REQUEST, message=f"more than {MAX_MEMBERS} slice norms")
+        tensors = await asyncio.get_running_loop().run_in_executor(None, decode_tensors, parts, machine.limits)
+        length = slice_length(machine.num_parameters, message.count, message.index)
+        if len(tensors) != 1 or tensors[0].shape != (length,) or tensors[0].dtype != torch.float32:
+            return Error(code=ErrorCode.BAD_REQUEST, message=f"expected one float32[{length}]")
+        if not torch.isfinite(tensors[0]).all():
+            return Error(code=ErrorCode.BAD_REQUEST, message="a slice holds NaN or infinity")
+        self.bytes_received += sum(len(part.buffer) for part in parts)
+        filed = SliceMessage(bytes(message.contributors), message.count, message.index, tensors[0])
+        if message.kind == SliceKind.PART:
+            inbox.parts[sender] = filed
+        else:
+            filed.slice_norms = list(message.slice_norms)
+            inbox.reduced[sender] = filed
+        machine.changed.set()
+        return None
+
+    def _fetched(self, message: RoundSlice, reply: MateReply) -> list:
+        """A kept sum of the slice asked for, or NOT found (UNAVAILABLE)."""
+        kept = self.kept.get((message.step, message.attempt, bytes(message.contributors)), {})
+        if message.index not in kept:
+            reply.error.CopyFrom(Error(code=ErrorCode.UNAVAILABLE, message=f"no sum of slice {message.index} here"))
+            return [reply]
+        return pack_frames(reply, encode_tensor(kept[message.index], self.codec))

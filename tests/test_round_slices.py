@@ -1,0 +1,116 @@
+"""The averaging round's slices: the pure parts (cuts, sums, bounds), and real swarms whose mates die
+between the agreement and the last slice."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_matches_reference, reference_run, trainer_flags, wait_for_records
+from test_peer_death import trainer_exit_code
+from test_step_protocol import peer_infos, read_lines, start_swarm
+
+from swarm.peer.checkpoint import load_checkpoint
+from swarm.peer.round_slices import (
+    contributors_digest,
+    owner_scales,
+    reduce_slice,
+    slice_bounds,
+    slice_length,
+    slice_owners,
+)
+
+
+@pytest.mark.parametrize(("size", "count"), [(10, 3), (7, 7), (5, 8), (1_000_003, 16)])
+def test_slices_cover_the_vector_once_and_evenly(size, count):
+    bounds = slice_bounds(size, count)
+    assert bounds[0][0] == 0 and bounds[-1][1] == size
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    lengths = [hi - lo for lo, hi in bounds]
+    assert max(lengths) - min(lengths) <= 1
+    assert lengths == [slice_length(size, count, i) for i in range(count)]
+
+
+def test_summing_by_slices_gives_the_bits_of_summing_whole_gradients():
+    torch.manual_seed(0)
+    grads = [torch.randn(100_003) * 10 ** (i % 3) for i in range(6)]
+    whole = grads[0].clone()
+    for grad in grads[1:]:
+        whole.add_(grad)
+    by_slices = torch.cat(
+        [reduce_slice([g[lo:hi] for g in grads], [1.0] * len(grads)) for lo, hi in slice_bounds(100_003, 5)]
+    )
+    assert torch.equal(whole, by_slices)
+
+
+def test_owners_leave_out_handovers_and_digests_name_the_round():
+    assert slice_owners(["c", "a", "b"], {"b"}) == ["a", "c"]
+    digest = contributors_digest(3, 0, ["a", "b"])
+    assert digest == contributors_digest(3, 0, ["b", "a"])
+    assert len({digest, contributors_digest(3, 1, ["a", "b"]), contributors_digest(4, 0, ["a", "b"])}) == 3
+    assert digest != contributors_digest(3, 0, ["a", "c"])
+
+
+def test_an_understated_norm_is_bounded_by_what_its_slice_shows():
+    samples = [10, 10, 10]
+    # honest statements: the bound rests on them, nothing is clipped
+    assert owner_scales([1.0, 1.2, 0.9], [0.5, 0.6, 0.4], samples) == [1.0, 1.0, 1.0]
+    # the third states 1.0 but its slice alone holds 100: its slice is scaled down to the group's bound
+    scales = owner_scales([1.0, 1.2, 1.0], [0.5, 0.6, 100.0], samples)
+    assert scales[:2] == [1.0, 1.0] and scales[2] == pytest.approx(5 * 1.2 / 100.0)  # the lower median: 1.2
+
+
+def stage_1_matches_reference(local_swarm, tmp_path, steps: int, name: str) -> None:
+    local_swarm.stop_all()
+    reference = reference_run(steps, microbatch_size=1)
+    checkpoint = load_checkpoint(tmp_path / name, "gpt-tiny", 1, 3)
+    assert_matches_reference(reference.stages[1], checkpoint.parameters, "stage 1", (4e-4, 3e-6))
+
+
+@pytest.mark.timeout(300)
+def test_a_mate_dying_before_its_slices_fails_the_round_alike_and_it_is_retried_without_it(local_swarm, tmp_path):
+    """peer1a dies once the first round's contributors are agreed, before any slice of its gradient went
+    out: no mate can sum its slice, every member gives the round up, and the retry without peer1a finds
+    its samples lost; the trainer sends them again and stage 1 ends as one process would."""
+    steps = 3
+    start_swarm(
+        local_swarm,
+        tmp_path,
+        {0: ["peer0"], 1: ["peer1a", "peer1b", "peer1c"], 2: ["peer2"]},
+        {"peer1a": ["--faults", "before_slices@1=die", "--short-wait", "20"]},
+    )
+    flags = [*trainer_flags(steps, tmp_path / "summary.json", microbatch_size=1, in_flight=8)]
+    trainer = local_swarm.start_trainer("trainer", [*flags, "--resend-buffer-mb", "64"])
+    assert trainer_exit_code(local_swarm, trainer, 240) == 0, local_swarm.log_path("trainer").read_text()[-3000:]
+    wait_for_records(local_swarm.initial_peers, lambda r: sum(p.step >= steps for p in r[1]) == 2)
+    survivors = peer_infos(local_swarm, 1)
+    assert len(survivors) == 2 and len({(i.step, i.fingerprint) for i in survivors}) == 1, survivors
+    assert all(i.samples_lost == 0 and i.samples_doubled == 0 for i in survivors), survivors
+    for name in ("peer1b", "peer1c"):
+        assert "the round failed" in local_swarm.log_path(name).read_text()
+        assert not [entry for line in read_lines(tmp_path / f"{name}.ledger") for entry in line["lost"]]
+    stage_1_matches_reference(local_swarm, tmp_path, steps, "peer1b")
+
+
+@pytest.mark.timeout(300)
+def test_a_sum_whose_owner_died_is_taken_from_a_mate_that_holds_it(local_swarm, tmp_path):
+    """peer1a dies right after sending the sum of its slice to one mate: the other mate takes that sum
+    from the first, the round completes for both with peer1a's samples in it, and nothing is retried."""
+    steps = 3
+    start_swarm(
+        local_swarm,
+        tmp_path,
+        {0: ["peer0"], 1: ["peer1a", "peer1b", "peer1c"], 2: ["peer2"]},
+        {"peer1a": ["--faults", "after_first_sum@1=die"]},
+    )
+    flags = [*trainer_flags(steps, tmp_path / "summary.json", microbatch_size=1, in_flight=8)]
+    trainer = local_swarm.start_trainer("trainer", [*flags, "--resend-buffer-mb", "64"])
+    assert trainer_exit_code(local_swarm, trainer, 240) == 0, local_swarm.log_path("trainer").read_text()[-3000:]
+    wait_for_records(local_swarm.initial_peers, lambda r: sum(p.step >= steps for p in r[1]) == 2)
+    survivors = peer_infos(local_swarm, 1)
+    assert len({(i.step, i.fingerprint) for i in survivors}) == 1, survivors
+    logs = [local_swarm.log_path(name).read_text() for name in ("peer1b", "peer1c")]
+    assert sum("'s sum from" in log for log in logs) == 1, "one mate took the dead owner's sum from the other"
+    assert not any("the round failed" in log for log in logs)
+    first = [read_lines(tmp_path / f"{name}.ledger")[0] for name in ("peer1b", "peer1c")]
+    assert first[0]["ids"] == first[1]["ids"] and not first[0]["lost"]
+    stage_1_matches_reference(local_swarm, tmp_path, steps, "peer1b")
