@@ -12,7 +12,8 @@ contributions and state hand-overs carry which microbatches a peer holds. A roun
 offers it holds; the contributions all hold are summed in slices (`slice_exchange`: each member
 sums one slice of every gradient and sends that sum to all), in the order of their peer ids, so all
 step on the same bits and no member sends more than about two gradients whatever the stage's size.
-What a dead member held is asked for again by id; after `short_wait` seconds the stage steps without it and counts it as lost, by id.
+What a dead member held is asked for again by id; after `short_wait` seconds the stage steps
+without it and counts it as lost, by id.
 
 After a step, mates compare fingerprints of their parameters (carried by progress messages,
 `mate_progress`); a replica that differs from the majority takes its mates' state and says so
@@ -44,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
+from concurrent.futures import Future
 
 import torch
 from hivemind.p2p import P2P
@@ -183,9 +185,10 @@ class StageMates:
         if self.loop is not None:
             self.loop.call_soon_threadsafe(self.progress.on_local_progress, step, held)
 
-    def average(self, step: int, grad_sum: torch.Tensor | None, held: Held) -> RoundResult | None:
-        future = asyncio.run_coroutine_threadsafe(self.averaging.round(step, grad_sum, held), self.loop)
-        return future.result(3 * self.averaging_timeout + 30)
+    def average(self, step: int, grad_sum: torch.Tensor | None, held: Held) -> Future:
+        """Starts the round of `step` on the event loop; the runtime thread goes on serving meanwhile."""
+        rounding = asyncio.wait_for(self.averaging.round(step, grad_sum, held), 3 * self.averaging_timeout + 30)
+        return asyncio.run_coroutine_threadsafe(rounding, self.loop)
 
     def held_elsewhere(self) -> frozenset[SampleKey]:
         """Microbatches another replica holds toward the current step, or a recent step summed (any thread)."""

@@ -9,6 +9,7 @@ joining mate, loading a mate's state) runs on this thread too, as an exclusive t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -75,11 +76,12 @@ class StepCoordinator(Protocol):
     def local_progress(self, step: int, held: dict[SampleKey, int]) -> None:
         """Called on the runtime thread whenever the microbatches this peer holds toward `step` change."""
 
-    def average(self, step: int, grad_sum: torch.Tensor | None, held: dict[SampleKey, int]) -> RoundResult | None:
-        """Blocks the runtime thread for one averaging round; returns what the group agreed to step on.
+    def average(self, step: int, grad_sum: torch.Tensor | None, held: dict[SampleKey, int]) -> Future:
+        """Starts one averaging round; the future resolves to what the group agreed to step on.
 
-        None means not now (the round came up short, or failed): the stage keeps what it has
-        accumulated and steps when the coordinator asks again.
+        The runtime thread does not wait for it: forwards, and backwards that add nothing to the
+        gradients, keep running meanwhile. None means not now (the round came up short, or failed):
+        the stage keeps what it has accumulated and steps when the coordinator asks again.
         """
 
     def held_elsewhere(self) -> frozenset[SampleKey]:
@@ -141,7 +143,12 @@ class StageRuntime:
         self.busy_seconds = 0.0  # spent running batches of requests: a pipeline's utilization is this over time
         self.nonfinite_steps = 0  # steps whose summed gradient was not finite: skipped by every replica alike
         self._step_requested: int | None = None  # guarded by the queue's lock
-        self.requests = RequestQueue(module.stage, max_queue, self._held_elsewhere, self._merge_limit)
+        # while a round runs, backwards that would add to the gradients it sums wait in the queue
+        self._averaging = False
+        self._loads = 0  # state loads so far: a round begun before one is not applied after it
+        self.requests = RequestQueue(
+            module.stage, max_queue, self._held_elsewhere, self._merge_limit, lambda task: self._averaging
+        )
         self._thread = threading.Thread(target=self._run, name="stage-runtime", daemon=True)
 
     # --- called from other threads ------------------------------------------------------------
@@ -457,24 +464,48 @@ class StageRuntime:
             return  # a request that crossed a state download or an earlier step
         if self.coordinator is None:
             ids = [(trainer, mb, n) for (trainer, mb), n in self.held.items()]
-            result = RoundResult(None, self.samples_accumulated, ids)
-        else:
-            try:
-                result = self.coordinator.average(step, self.flat_gradient(), dict(self.held))
-            except Exception as e:
-                # keep the gradients; the coordinator asks for this step again on its next check
-                logger.error(f"Stage {self.module.stage}: averaging at step {step} failed ({e!r}); will retry")
-                result = None
-            if result is None:
-                with self.requests.lock:
-                    self._step_requested = None
-                return
-            if result.samples > 0 and result.grad_sum is not None:
-                offset = 0
-                for param in self.module.parameters():
-                    numel = param.numel()
-                    param.grad = result.grad_sum[offset : offset + numel].view_as(param).to(param.device, param.dtype)
-                    offset += numel
+            self._apply_step(step, RoundResult(None, self.samples_accumulated, ids))
+            return
+        self._averaging = True
+        loads = self._loads
+        try:
+            rounding = self.coordinator.average(step, self.flat_gradient(), dict(self.held))
+        except Exception as e:
+            self._averaging = False
+            logger.error(f"Stage {self.module.stage}: could not start averaging at step {step} ({e!r}); will retry")
+            with self.requests.lock:
+                self._step_requested = None
+            return
+
+        def finish(done: Future) -> None:
+            with contextlib.suppress(RuntimeError):  # the runtime is shutting down
+                self.run_exclusive(lambda: self._round_done(step, loads, done), front=True)
+
+        rounding.add_done_callback(finish)
+
+    def _round_done(self, step: int, loads: int, rounding: Future) -> None:
+        """The round of `step` ended (on the runtime thread): step on its result, or keep accumulating."""
+        self._averaging = False
+        result = None
+        try:
+            result = rounding.result()
+        except Exception as e:
+            # keep the gradients; the coordinator asks for this step again on its next check
+            logger.error(f"Stage {self.module.stage}: averaging at step {step} failed ({e!r}); will retry")
+        if result is None or step != self.step or loads != self._loads:
+            with self.requests.lock:
+                self._step_requested = None
+            return
+        if result.samples > 0 and result.grad_sum is not None:
+            offset = 0
+            for param in self.module.parameters():
+                numel = param.numel()
+                param.grad = result.grad_sum[offset : offset + numel].view_as(param).to(param.device, param.dtype)
+                offset += numel
+        self._apply_step(step, result)
+
+    def _apply_step(self, step: int, result: RoundResult) -> None:
+        """Applies the optimizer on what the round summed (or the stage alone accumulated) and moves to step + 1."""
         with self.requests.lock:
             self._step_requested = None
         total = result.samples
@@ -522,6 +553,7 @@ class StageRuntime:
             )
         self.module.zero_grad(set_to_none=True)
         self.samples_accumulated = 0
+        self._loads += 1
         self.requests.forget(list(self.held))  # dropped, not applied: sent again, they must accumulate
         self.held = {}
         apply()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ import torch
 from swarm.models import build_stage, get_model_spec
 from swarm.models.optimizer import OptimizerSettings, build_optimizer
 from swarm.peer.faults import FaultPlan
-from swarm.peer.runtime import CallAbandonedError, QueueFullError, StageRuntime
+from swarm.peer.runtime import CallAbandonedError, QueueFullError, RoundResult, StageRuntime
 
 SPEC = get_model_spec("gpt-tiny")
 
@@ -266,4 +267,69 @@ def test_a_backward_a_mate_holds_is_answered_without_accumulating(from_call):
     runtime.submit(True, inputs, key=("trainer", 7)).result(30)
     assert runtime.held == {("trainer", 8): 3, ("trainer", 7): 3}
     plain.shutdown()
+    runtime.shutdown()
+
+
+class HeldRound:
+    """A coordinator whose rounds end only when the test says: a round under way, as long as it needs."""
+
+    def __init__(self) -> None:
+        self.rounds: list[tuple[int, torch.Tensor, dict, Future]] = []
+
+    def local_progress(self, step, held) -> None:
+        pass
+
+    def held_elsewhere(self) -> frozenset:
+        return frozenset()
+
+    def average(self, step, grad_sum, held) -> Future:
+        self.rounds.append((step, grad_sum, held, Future()))
+        return self.rounds[-1][3]
+
+
+def test_forwards_run_while_a_round_is_under_way_and_new_gradients_wait_for_its_end():
+    runtime = make_runtime(target=4)
+    coordinator = runtime.coordinator = HeldRound()
+    runtime.start()
+    runtime.submit(True, backward_inputs(4, 0), key=("t", 1)).result(30)
+    runtime.request_step(0)
+    deadline = time.monotonic() + 30
+    while not coordinator.rounds:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    step, grad_sum, held, rounding = coordinator.rounds[0]
+    assert step == 0 and held == {("t", 1): 4}
+    # the round is under way: a forward is served at once, at the step the round has not applied yet
+    forward = runtime.submit(False, [torch.randn(2, 16, SPEC.d_model)]).result(30)
+    assert forward.step == 0 and runtime.step == 0
+    # a backward would add to the gradients the round sums: it waits for the round's end
+    waiting = runtime.submit(True, backward_inputs(2, 1), key=("t", 2))
+    assert runtime.submit(False, [torch.randn(1, 16, SPEC.d_model)]).result(30).step == 0
+    assert not waiting.done()
+    rounding.set_result(RoundResult(grad_sum, 4, [("t", 1, 4)]))
+    assert waiting.result(30).step == 1  # applied after the step, toward the next one
+    assert runtime.step == 1 and runtime.held == {("t", 2): 2}
+    runtime.shutdown()
+
+
+def test_a_round_that_comes_back_empty_keeps_the_gradients_for_the_next_try():
+    runtime = make_runtime(target=4)
+    coordinator = runtime.coordinator = HeldRound()
+    runtime.start()
+    runtime.submit(True, backward_inputs(4, 0), key=("t", 1)).result(30)
+    runtime.request_step(0)
+    deadline = time.monotonic() + 30
+    while not coordinator.rounds:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    first = coordinator.rounds[0][1].clone()
+    coordinator.rounds[0][3].set_result(None)  # short: the stage waits for samples sent again
+    runtime.submit(True, backward_inputs(2, 1), key=("t", 2)).result(30)
+    runtime.request_step(0)
+    while len(coordinator.rounds) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    step, grad_sum, held, _ = coordinator.rounds[1]
+    assert step == 0 and held == {("t", 1): 4, ("t", 2): 2} and runtime.step == 0
+    assert not torch.equal(grad_sum, first)  # the second try holds both backwards
     runtime.shutdown()
