@@ -129,3 +129,53 @@ def test_a_peer_announcing_a_smaller_microbatch_than_a_call_is_passed_over_while
     assert "small" in {router.choose(0, samples=4).peer_id for _ in range(20)}
     router.update({0: [dataclasses.replace(record("big", 10.0, state=LEAVING), expiration=101.0)]}, now=1.0)
     assert router.choose(0, samples=8).peer_id == "small"  # the only one left: tried, it answers what it can
+
+
+def test_a_slow_peer_gets_no_call_of_a_burst_that_faster_peers_finish_sooner():
+    # a step's microbatches come as a burst after the stage idled: the step waits for its last call, so a call
+    # goes to a slow peer only if it would end there before the fast peers are through with the others
+    clock = Clock()
+    router = Router(rng=random.Random(0), clock=clock)
+    router.update({0: [record("fast"), record("slow")]}, now=0.0)
+    router.report_success("fast", backward=True, samples=1, seconds=0.1)
+    router.report_success("slow", backward=True, samples=1, seconds=1.0)
+    for burst in range(20):
+        clock.now = 100.0 * (burst + 1)  # idle in between
+        chosen = [router.choose(0, backward=True, samples=1).peer_id for _ in range(6)]
+        assert chosen == ["fast"] * 6, (burst, chosen)
+    # a seventh and later calls would end on the fast peer after 0.7 s, 0.8 s...: the slow one takes its share
+    chosen = Counter(router.choose(0, backward=True, samples=1).peer_id for _ in range(11))
+    assert chosen == {"fast": 10, "slow": 1}
+
+
+def test_a_call_queued_behind_others_gets_a_deadline_that_counts_them():
+    clock = Clock()
+    router = Router(rng=random.Random(0), clock=clock, deadline_floor=1.0, deadline_ceiling=60.0, deadline_factor=4.0)
+    router.update({0: [record("a")]}, now=0.0)
+    router.report_success("a", backward=True, samples=1, seconds=1.0)
+    for _ in range(10):
+        chosen = router.choose(0, backward=True, samples=1)
+    assert router.deadline(chosen, True, 1) == 40.0  # it ends after the nine before it: 10 s expected
+    clock.now = 9.5
+    assert router.deadline(chosen, True, 1) == 4.0  # its own second, once those are done
+
+
+def test_a_peer_is_timed_by_its_replies_not_by_the_wait_behind_this_trainers_own_calls(monkeypatch):
+    from types import SimpleNamespace
+
+    import swarm.trainer.stage_calls as stage_calls
+
+    caller = stage_calls.StageCaller(SimpleNamespace(resend_buffer_mb=1), None, "t", Router(), None, None, None, None)
+    now = Clock()
+    monkeypatch.setattr(stage_calls.time, "perf_counter", now)
+    # three calls sent at once to a peer that serves one a second, in order: each took a second of its time
+    now.now = 1.0
+    assert caller._service_seconds("p", started=0.0) == 1.0
+    now.now = 2.0
+    assert caller._service_seconds("p", started=0.0) == 1.0
+    now.now = 3.0
+    assert caller._service_seconds("p", started=0.0) == 1.0
+    # one sent after an idle spell: its whole round trip
+    now.now = 10.0
+    assert caller._service_seconds("p", started=8.5) == 1.5
+    assert caller._service_seconds("q", started=8.0) == 2.0  # peers are timed apart

@@ -1,11 +1,14 @@
 """Stochastic wiring: which peer of a stage gets the next call. Pure: no network, no DHT.
 
-Calls go out by an interleaved weighted round robin, earliest virtual finish time first: every
-peer is charged the expected service time of the work sent to it, and the next call goes to the
-peer whose charge would end soonest. Over many calls each peer gets work in proportion to its
-speed, interleaved rather than in bursts. Expected times are moving averages of what the calls to
-a peer took, kept apart for forward and backward; a peer never called yet is costed from the
-throughput and queue it announces, and starts at the stage's current minimum so it is tried at once.
+Calls go out earliest finish time first: every peer is charged the expected service time of the
+work sent to it, from the later of the end of its previous charge and now, and the next call goes
+to the peer whose charge would end soonest. While the peers are kept busy, each gets work in
+proportion to its speed, interleaved rather than in bursts (a weighted round robin). When they are
+not, as at the end of a step, a slow peer gets a call only if it would finish it before a fast one
+could: without the clock, a slow peer idle for a while held credit, took one of the step's last
+microbatches and made the whole step wait for it. Expected times are moving averages of what the
+calls to a peer took, kept apart for forward and backward; a peer never called yet is costed from
+the throughput and queue it announces, and starts at the stage's current minimum so it is tried at once.
 
 A peer that fails is banned for a time that doubles with every consecutive failure and resets on
 success. Each call's deadline follows the peer's observed latency, between a floor and a ceiling.
@@ -56,7 +59,7 @@ class Router:
         self.records: dict[int, dict[str, StageRecord]] = {}
         self.bans: dict[str, _Ban] = {}
         self.bans_issued = 0
-        # observed seconds per sample, per (peer, backward), and each peer's virtual finish time per stage
+        # observed seconds per sample, per (peer, backward), and when each peer is expected to finish what it was sent
         self.service: dict[tuple[str, bool], float] = {}
         self.finish: dict[int, dict[str, float]] = {}
         self._live_before: dict[int, set[str]] = {}
@@ -97,7 +100,7 @@ class Router:
     def choose(
         self, stage: int, backward: bool = False, samples: int = 1, exclude: Iterable[str] = ()
     ) -> StageRecord | None:
-        """The live peer of `stage` with the earliest virtual finish time for this call; None if none is live.
+        """The live peer of `stage` with the earliest expected finish time for this call; None if none is live.
 
         Peers in `exclude` (tried already for this call) are passed over while others remain, and so are peers
         that announce a largest microbatch below `samples` (a newcomer with a smaller limit than the step was
@@ -119,7 +122,11 @@ class Router:
                 # new, or back from a ban: its first call ends at the current minimum, so it is tried
                 # at once, and it brings no credit (or debt) from before
                 finish[r.peer_id] = start - self.expected_seconds(r, backward, samples)
-        ends = {r.peer_id: finish[r.peer_id] + self.expected_seconds(r, backward, samples) for r in candidates}
+        # a peer's charge starts no earlier than now: idle time is no credit toward later calls
+        now = self.clock()
+        ends = {
+            r.peer_id: max(finish[r.peer_id], now) + self.expected_seconds(r, backward, samples) for r in candidates
+        }
         best = min(ends.values())
         # ties within rounding; finish times can be negative (a newcomer starts below the minimum)
         chosen = self.rng.choice([r for r in candidates if ends[r.peer_id] <= best + 1e-12 * max(1.0, abs(best))])
@@ -127,8 +134,15 @@ class Router:
         return chosen
 
     def deadline(self, record: StageRecord, backward: bool, samples: int) -> float:
-        """Seconds to wait for a call before giving up on the peer: a multiple of its expected time, bounded."""
+        """Seconds to wait for a call before giving up on the peer: a multiple of its expected time, bounded.
+
+        The expected time counts what this router sent the peer before (a call chosen just now is expected
+        to end at the peer's finish time): a call queued behind others is not given up for waiting on them.
+        """
         expected = self.expected_seconds(record, backward, samples)
+        finish = self.finish.get(record.stage, {}).get(record.peer_id)
+        if finish is not None:
+            expected = max(expected, finish - self.clock())
         return min(self.deadline_ceiling, max(self.deadline_floor, self.deadline_factor * expected))
 
     def report_success(self, peer_id: str, backward: bool = False, samples: int = 0, seconds: float = 0.0) -> None:

@@ -92,6 +92,7 @@ class StageCaller:
         self.served_by = ""  # the peer that served the last call (read right after awaiting it)
         self.reached: dict[int, int] = {}  # per stage, the latest step this trainer's backwards were applied at
         self._last_success: dict[int, float] = {}  # per stage, when a call to it last succeeded (monotonic)
+        self._last_reply: dict[str, float] = {}  # per peer, when its latest reply came (perf_counter)
         self._resend_buffer = ResendBuffer(int(config.resend_buffer_mb * 2**20))
         self._resending: set[tuple[int, int]] = set()  # (stage, microbatch) being sent again
         # the dtype of the boundary tensors replies carry (`swarm.models.precision.expected_dtype`); None: float32
@@ -134,7 +135,8 @@ class StageCaller:
             except StageCallError as e:
                 await self._failed(record, stage, backward, microbatch_id, e, tries)
                 continue
-            self.router.report_success(record.peer_id, backward, samples, time.perf_counter() - started)
+            service = self._service_seconds(record.peer_id, started)
+            self.router.report_success(record.peer_id, backward, samples, service)
             self._answered(record, stage, backward, tensors, microbatch_id, reply, codec, stats, started)
             return reply, outputs
         raise TrainingError(
@@ -142,6 +144,19 @@ class StageCaller:
             f"{microbatch_id} failed {self.config.max_retries} attempts, {tries.requeues + 1} times over: "
             f"{tries.last_error}"
         )
+
+    def _service_seconds(self, peer_id: str, started: float) -> float:
+        """What the call just answered by `peer_id` took of the peer's time: from when it was sent, or from the
+        peer's reply before it if that came later (a peer serves its queue in order).
+
+        The round trip alone counts the wait behind this trainer's own calls queued at the peer: sent a step's
+        microbatches at once, a fast peer takes more of them and waits longer for each, and the router would
+        find every peer about as fast as the others, slow peers given as much as fast ones.
+        """
+        now = time.perf_counter()
+        busy_from = max(started, self._last_reply.get(peer_id, started))
+        self._last_reply[peer_id] = now
+        return now - busy_from
 
     async def _requeue(self, stage: int, microbatch_id: int, tries: _Attempts) -> bool:
         """Out of attempts for now: said out loud, the call waits and goes round again; False to give up instead.
