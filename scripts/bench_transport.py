@@ -4,8 +4,15 @@ A server process answers each call with the tensor it was sent. On libp2p and on
 call is what a stage call is: the tensor encoded (codec none), cut into 512 KiB parts, framed, sent,
 read back and decoded by `swarm.net.transport.exchange`, with the direct plane's handshake (resumed
 after the first call) on each call. Raw TCP sends the bare bytes over one open connection: the
-ceiling for the machine. Reported per size and path: the median round trip and GB/s, counted as the
-tensor's bytes each way (2 x size / round trip), and the ratio to raw TCP in the same run.
+ceiling for the machine. The paths take turns, one call each per round. Reported per size and path: the
+median round trip and GB/s, counted as the tensor's bytes each way (2 x size / round trip), and the ratio
+to raw TCP in the same run.
+
+The direct plane is measured both ways it carries tensors between two processes of one host: `direct`
+(through shared memory, the socket carrying only the sealed frames that name them) and `direct_tcp`
+(every byte through the socket, sealed: what crosses a network). `--plain-baseline` adds the same two
+paths with the frames not sealed (`direct_plain`, `direct_tcp_plain`: planes built for this comparison
+only, which a swarm cannot be), and `--tls` the TLS alternatives of `scripts/harness/tls_echo.py`.
 """
 
 from __future__ import annotations
@@ -15,13 +22,15 @@ import asyncio
 import json
 import multiprocessing
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 from hivemind.p2p import P2P, PeerID
 
 from swarm.compression import get_codec
-from swarm.net.direct_plane import DirectPlane, parse_direct_address
+from swarm.net.direct_plane import DirectPlane, DirectServer, parse_direct_address
 from swarm.net.identity import load_identity
 from swarm.net.transport import exchange
 from swarm.net.wire import (
@@ -72,10 +81,15 @@ async def _serve(connection) -> None:
     plane = DirectPlane(p2p, identity)
     await plane.add_binary_stream_handler(ECHO_PROTOCOL, _echo)
     direct = await plane.serve("127.0.0.1", 0, "127.0.0.1")
+    plain = DirectServer(identity, arenas=plane.arenas, cipher="")  # the unsealed baseline: this bench only
+    plain.handlers[ECHO_PROTOCOL] = _echo
+    plain_port = await plain.start("127.0.0.1", 0)
     raw = await asyncio.start_server(_raw_echo, "127.0.0.1", 0, limit=2**22)
     maddrs = [str(m) for m in await p2p.get_visible_maddrs()]
-    connection.send((maddrs, p2p.peer_id.to_base58(), direct, raw.sockets[0].getsockname()[1]))
+    served = (maddrs, p2p.peer_id.to_base58(), direct, f"127.0.0.1:{plain_port}", raw.sockets[0].getsockname()[1])
+    connection.send(served)
     await asyncio.get_running_loop().run_in_executor(None, connection.recv)  # until told to stop
+    await plain.close()
     await plane.shutdown()
 
 
@@ -92,24 +106,35 @@ async def _echo_call(net, peer_id: PeerID, tensor: torch.Tensor) -> None:
     assert echoed.shape == tensor.shape
 
 
-async def _measure(call, repeats: int) -> list[float]:
-    await call()  # warm-up: connections, sessions, buffers
-    times = []
+async def _measure(paths: dict, repeats: int) -> dict[str, list[float]]:
+    """Round trips of each path, the paths taking turns (one call each per round): a machine whose load changes
+    during the run slows them alike."""
+    for call in paths.values():
+        await call()  # warm-up: connections, sessions, buffers
+    times: dict[str, list[float]] = {name: [] for name in paths}
     for _ in range(repeats):
-        started = time.perf_counter()
-        await call()
-        times.append(time.perf_counter() - started)
+        for name, call in paths.items():
+            started = time.perf_counter()
+            await call()
+            times[name].append(time.perf_counter() - started)
     return times
 
 
 async def _run(args, served) -> dict:
-    maddrs, peer, direct, raw_port = served
+    maddrs, peer, direct, plain, raw_port = served
     identity = load_identity(None)
     p2p = await P2P.create(identity_path=identity.path, initial_peers=maddrs)
     peer_id = PeerID.from_base58(peer)
-    libp2p = DirectPlane(p2p, identity, dial=False)
-    plane = DirectPlane(p2p, identity)
-    plane.addresses[peer] = parse_direct_address(direct)
+    planes = {
+        "libp2p": DirectPlane(p2p, identity, dial=False),
+        "direct": DirectPlane(p2p, identity),
+        "direct_tcp": DirectPlane(p2p, identity, shared_memory=False),
+    }
+    if args.plain_baseline:
+        planes["direct_plain"] = DirectPlane(p2p, identity, cipher="")
+        planes["direct_tcp_plain"] = DirectPlane(p2p, identity, shared_memory=False, cipher="")
+    for name, plane in planes.items():
+        plane.addresses[peer] = parse_direct_address(plain if name.endswith("_plain") else direct)
     reader, writer = await asyncio.open_connection("127.0.0.1", raw_port, limit=2**22)
 
     async def raw_call(data: bytes) -> None:
@@ -124,28 +149,35 @@ async def _run(args, served) -> dict:
         data = tensor.numpy().tobytes()
         repeats = max(3, args.repeats * 4 // size_mib) if size_mib > 4 else args.repeats
         paths = {
-            "libp2p": lambda tensor=tensor: _echo_call(libp2p, peer_id, tensor),
-            "direct": lambda tensor=tensor: _echo_call(plane, peer_id, tensor),
-            "raw_tcp": lambda data=data: raw_call(data),
+            name: lambda plane=plane, tensor=tensor: _echo_call(plane, peer_id, tensor)
+            for name, plane in planes.items()
         }
+        paths["raw_tcp"] = lambda data=data: raw_call(data)
         row: dict = {"size_mib": size_mib, "repeats": repeats}
-        for name, call in paths.items():
-            median = statistics.median(await _measure(call, repeats))
+        for name, times in (await _measure(paths, repeats)).items():
+            median = statistics.median(times)
             row[name] = {"round_trip_ms": round(median * 1e3, 2), "gb_per_s": round(2 * len(data) / median / 1e9, 3)}
-        for name in ("libp2p", "direct"):
+        for name in planes:
             row[name]["vs_raw_tcp"] = round(row[name]["gb_per_s"] / row["raw_tcp"]["gb_per_s"], 3)
         row["direct_vs_libp2p"] = round(row["direct"]["gb_per_s"] / row["libp2p"]["gb_per_s"], 2)
         results.append(row)
-    assert plane.calls["direct_failed"] == 0 and plane.calls["libp2p"] == 0, plane.calls
+    for name, plane in planes.items():
+        if name != "libp2p":
+            assert plane.calls["direct_failed"] == 0 and plane.calls["libp2p"] == 0, (name, plane.calls)
+    assert planes["direct"].calls["shared_memory"] and not planes["direct_tcp"].calls["shared_memory"]
     writer.close()
     await p2p.shutdown()
-    return {"results": results, "direct_calls": plane.calls["direct"]}
+    return {"results": results, "direct_calls": planes["direct"].calls["direct"]}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes-mib", type=int, nargs="+", default=[4, 64], help="tensor sizes, MiB")
     parser.add_argument("--repeats", type=int, default=20, help="echoes per path at 4 MiB (fewer for larger)")
+    parser.add_argument(
+        "--plain-baseline", action="store_true", help="also the direct plane with its frames not sealed, as before"
+    )
+    parser.add_argument("--tls", action="store_true", help="also the TLS alternatives (grpcio, Python's ssl) at 4 MiB")
     args = parser.parse_args()
     torch.set_num_threads(1)
     keep_large_buffers()
@@ -162,6 +194,11 @@ def main() -> None:
         server.join(10)
         if server.is_alive():
             server.kill()
+    if args.tls:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from harness.tls_echo import measure
+
+        report["tls_4_mib_gb_per_s"] = measure(4, args.repeats)
     print(json.dumps(report))
 
 

@@ -14,8 +14,11 @@ from conftest import assert_matches_reference, peer_flags, reference_run, traine
 from cryptography.hazmat.primitives import serialization
 from hivemind.p2p import P2P, PeerID
 
+from swarm.net import direct_handshake
 from swarm.net.direct_handshake import HandshakeError, Session, prove_to_server
 from swarm.net.direct_plane import DirectPlane, DirectServer, announce_host, listen_host, parse_direct_address
+from swarm.net.direct_stream import open_direct_stream
+from swarm.net.frame_cipher import CIPHER
 from swarm.net.identity import load_identity
 from swarm.net.transport import exchange
 from swarm.net.wire import HEADER_BYTES, WireLimits, read_frames, write_frames
@@ -29,9 +32,9 @@ ECHO = "/swarm/test/echo"
 class EchoServer:
     """A direct server whose one protocol answers with the peer id the handshake proved."""
 
-    def __init__(self) -> None:
+    def __init__(self, cipher: str = CIPHER) -> None:
         self.identity = load_identity(None)
-        self.server = DirectServer(self.identity)
+        self.server = DirectServer(self.identity, cipher=cipher)
         self.server.handlers[ECHO] = self._echo
         self.callers: list[str] = []
 
@@ -47,16 +50,17 @@ class EchoServer:
 
 async def _call(identity, server_peer_id: str, address, session: Session | None = None):
     """One echo call over a fresh connection: (the peer id the server says it saw, the session to resume)."""
-    reader, writer = await asyncio.open_connection(*address)
+    stream = await open_direct_stream(*address)
     try:
-        session = await prove_to_server(identity, server_peer_id, ECHO, reader, writer, session)
-        if session is None:
+        opened = await prove_to_server(identity, server_peer_id, ECHO, stream, stream, session)
+        if opened is None:
             return None, None
-        await write_frames(writer, [PeerInfoRequest()])
-        reply, _ = await read_frames(reader, PeerInfo, WireLimits(frame_timeout=10))
-        return reply.model, session
+        stream.seal(opened.keys)
+        await write_frames(stream, [PeerInfoRequest()])
+        reply, _ = await read_frames(stream, PeerInfo, WireLimits(frame_timeout=10))
+        return reply.model, opened.session
     finally:
-        writer.close()
+        stream.close()
 
 
 @pytest.mark.timeout(60)
@@ -104,7 +108,16 @@ def test_a_server_at_the_address_that_is_not_the_peer_meant_is_refused():
 
 
 @pytest.mark.timeout(60)
-def test_a_caller_that_cannot_prove_its_key_is_served_nothing_and_the_server_goes_on():
+def test_a_caller_that_cannot_prove_its_key_is_served_nothing_and_costs_the_server_no_signature(monkeypatch):
+    signatures = []
+    sign = direct_handshake._sign
+
+    def counted(identity, data: bytes) -> bytes:
+        signatures.append(identity)
+        return sign(identity, data)
+
+    monkeypatch.setattr(direct_handshake, "_sign", counted)
+
     async def main():
         echo = EchoServer()
         address = await echo.start()
@@ -113,12 +126,15 @@ def test_a_caller_that_cannot_prove_its_key_is_served_nothing_and_the_server_goe
         victim_key = victim.key._private_key.public_key()
         der = victim_key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
         _, session = await _call(victim, echo.identity.peer_id, address)
+        # the full handshake: the caller signed, then the server, once the caller had proved its key
+        assert [identity.peer_id for identity in signatures] == [victim.peer_id, echo.identity.peer_id]
         hellos = [
             DirectHello(public_key=der, ephemeral_key=b"k" * 32),
             DirectHello(session=session.session_id),
         ]
         for hello in hellos:
             hello.protocol_version, hello.protocol, hello.nonce = PROTOCOL_VERSION, ECHO, os.urandom(32)
+            hello.cipher = CIPHER
             reader, writer = await asyncio.open_connection(*address)
             await write_frames(writer, [hello])
             await read_frames(reader, DirectChallenge, WireLimits())
@@ -132,9 +148,38 @@ def test_a_caller_that_cannot_prove_its_key_is_served_nothing_and_the_server_goe
             assert await asyncio.wait_for(reader.read(), 10) == b""
             writer.close()
         assert echo.callers == [victim.peer_id] and echo.server.refused["handshake"] == 4
+        assert len(signatures) == 2  # the server signed for none of them
         seen, _ = await _call(victim, echo.identity.peer_id, address)  # and it still serves honest callers
         assert seen == victim.peer_id
         await echo.server.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+def test_a_caller_or_a_server_that_does_not_seal_is_refused_in_the_handshake():
+    async def older_server(reader, writer) -> None:  # answers as servers did before sealing: no cipher
+        await read_frames(reader, DirectHello, WireLimits())
+        await write_frames(writer, [DirectChallenge(protocol_version=PROTOCOL_VERSION, nonce=os.urandom(32))])
+
+    async def main():
+        caller = load_identity(None)
+        older = await asyncio.start_server(older_server, "127.0.0.1", 0)
+        with pytest.raises(HandshakeError, match="seals with 'nothing', not 'aes-256-gcm'"):
+            await _call(caller, load_identity(None).peer_id, ("127.0.0.1", older.sockets[0].getsockname()[1]))
+        older.close()
+        sealing, plain = EchoServer(), EchoServer(cipher="")
+        address = await sealing.start()
+        stream = await open_direct_stream(*address)
+        with pytest.raises(HandshakeError, match="VERSION_MISMATCH this peer seals its direct calls"):
+            await prove_to_server(caller, sealing.identity.peer_id, ECHO, stream, stream, None, cipher="")
+        stream.close()
+        # the plain baseline of the benchmark serves only callers built alike
+        with pytest.raises(HandshakeError, match="VERSION_MISMATCH this peer does not seal"):
+            await _call(caller, plain.identity.peer_id, await plain.start())
+        assert sealing.callers == plain.callers == [] and sealing.server.refused["handshake"] == 1
+        await sealing.server.close()
+        await plain.server.close()
 
     asyncio.run(main())
 

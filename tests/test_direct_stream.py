@@ -1,5 +1,6 @@
 """The direct plane's stream over real loopback TCP: large reads land in their own buffer, small ones are
-buffered, a sender that runs ahead is paused and resumed, and a stream that ends mid-read says so."""
+buffered, a sender that runs ahead is paused and resumed, and a stream that ends mid-read says so; sealed,
+the same bytes cross unchanged and in order, however the reads and the sealed frames fall."""
 
 from __future__ import annotations
 
@@ -15,12 +16,23 @@ from swarm.net.direct_stream import (
     open_direct_stream,
     start_direct_server,
 )
+from swarm.net.frame_cipher import MAX_SEALED_BYTES, TrafficKeys
 from swarm.process.event_loop import run
 
 
-async def _pair(serve) -> tuple[DirectStream, asyncio.AbstractServer]:
-    server = await start_direct_server(serve, "127.0.0.1", 0)
+async def _pair(serve, sealed: bool = False) -> tuple[DirectStream, asyncio.AbstractServer]:
+    """A client stream connected to a server that runs `serve` on its end; both ends sealed if `sealed` (the
+    keys a handshake would have given them)."""
+    to_server, to_client = os.urandom(32), os.urandom(32)
+
+    async def sealed_serve(stream: DirectStream) -> None:
+        stream.seal(TrafficKeys(send=to_client, receive=to_server))
+        await serve(stream)
+
+    server = await start_direct_server(sealed_serve if sealed else serve, "127.0.0.1", 0)
     client = await open_direct_stream("127.0.0.1", server.sockets[0].getsockname()[1])
+    if sealed:
+        client.seal(TrafficKeys(send=to_server, receive=to_client))
     return client, server
 
 
@@ -38,22 +50,31 @@ async def _echo_frames(stream: DirectStream) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_messages_of_every_size_cross_unchanged_around_the_direct_read_threshold():
+@pytest.mark.parametrize("sealed", [False, True])
+def test_messages_of_every_size_cross_unchanged_around_the_direct_read_threshold(sealed: bool):
     sizes = [0, 1, 7, DIRECT_READ_BYTES - 1, DIRECT_READ_BYTES, DIRECT_READ_BYTES + 1, 3 * 2**20 + 5]
+    sizes += [MAX_SEALED_BYTES - 1, MAX_SEALED_BYTES, MAX_SEALED_BYTES + 1, 5, 2 * MAX_SEALED_BYTES + 3]
 
     async def main() -> None:
-        client, server = await _pair(_echo_frames)
+        client, server = await _pair(_echo_frames, sealed)
         try:
             # sent back to back, so that a large read often starts with part of it buffered already
             payloads = [os.urandom(size) for size in sizes]
-            for payload in payloads:
-                client.write(len(payload).to_bytes(8, "big"))
-                client.write(payload)
-            await client.drain()
-            for payload in payloads:
+
+            async def send() -> None:
+                for payload in payloads:
+                    client.write(len(payload).to_bytes(8, "big"))
+                    client.write(payload)
+                # and in one write: sealed, one frame then spans the end of a read and the start of the next
+                client.write(b"".join(len(payload).to_bytes(8, "big") + payload for payload in payloads))
+                await client.drain()
+
+            sending = asyncio.ensure_future(send())  # read meanwhile: the echoes outgrow the socket buffers
+            for payload in payloads + payloads:
                 size = int.from_bytes(await client.readexactly(8), "big")
                 assert size == len(payload)
                 assert bytes(await client.readexactly(size)) == payload
+            await sending
         finally:
             client.close()
             server.close()
@@ -61,7 +82,6 @@ def test_messages_of_every_size_cross_unchanged_around_the_direct_read_threshold
     run(main())
 
 
-@pytest.mark.timeout(60)
 def _kernel_buffer_limit() -> int:
     """The most a loopback connection's socket buffers may hold, both ends together (the kernel's autotuning
     limits), or 8 MiB where unreadable."""
@@ -72,7 +92,9 @@ def _kernel_buffer_limit() -> int:
     return sum(limits)
 
 
-def test_a_reader_that_falls_behind_pauses_the_sender_and_loses_nothing():
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sealed", [False, True])
+def test_a_reader_that_falls_behind_pauses_the_sender_and_loses_nothing(sealed: bool):
     # more than the kernel's buffers and the stream's together can take, however far autotuning grows them
     total = _kernel_buffer_limit() + 8 * MAX_BUFFERED
 
@@ -88,7 +110,7 @@ def test_a_reader_that_falls_behind_pauses_the_sender_and_loses_nothing():
             received.set_result(b"".join(chunks))
             stream.close()
 
-        client, server = await _pair(slow_reader)
+        client, server = await _pair(slow_reader, sealed)
         payload = os.urandom(total)
         try:
             client.write(payload)

@@ -1,23 +1,29 @@
-"""The handshake that opens a call on the direct data plane: both sides prove their identity key.
+"""The handshake that opens a call on the direct data plane: both sides prove their identity key, and agree on
+the keys that seal everything after it.
 
-libp2p authenticates every stream by the peer's key; a plain TCP connection proves nothing, so
-each one starts with this exchange (messages in `swarm.proto`, framed as in `swarm.net.wire`):
+libp2p authenticates and encrypts every stream; a plain TCP connection does neither, so each one starts
+with this exchange (messages in `swarm.proto`, framed as in `swarm.net.wire`). A full handshake:
 
-    caller -> server  DirectHello      protocol, nonce, [RSA public key, X25519 key] or [session id]
-    server -> caller  DirectChallenge  nonce, [RSA public key, X25519 key, session id], proof
-    caller -> server  DirectProof      proof
+    caller -> server  DirectHello      protocol, nonce, cipher, RSA public key, X25519 key
+    server -> caller  DirectChallenge  nonce, cipher, RSA public key, X25519 key, session id
+    caller -> server  DirectProof      the caller's RSA signature of the transcript
+    server -> caller  DirectProof      the server's RSA signature of the transcript
 
-In a full handshake each proof is an RSA signature, with the signer's identity key, of everything
-both sides sent so far (the transcript), so neither can be replayed into another connection. The
-caller checks that the server's key hashes to the peer id it meant to call; the server takes the
-caller's peer id from the caller's key. An X25519 exchange inside the signed transcript gives both
-sides a session key that nobody watching the wire learns. Later calls between the same two
-processes resume that session: the proofs are HMACs of the new transcript with the session key, which
-costs microseconds where a signature costs about a millisecond.
+Each signature covers everything both sides sent before it (the transcript), so neither can be replayed
+into another connection. The caller checks that the server's key hashes to the peer id it meant to call
+before it signs; the server takes the caller's peer id from the caller's key, and signs only once the
+caller has proved that key: a stranger cannot make a server spend signatures (about a millisecond each)
+without spending as much itself. An X25519 exchange inside the signed transcript gives both sides a session
+key that nobody watching the wire learns.
 
-The data after the handshake is neither encrypted nor integrity-protected: the direct plane is for
-networks whose wires the swarm's members trust (a lab, a cluster); `--no-direct` keeps every call on
-libp2p.
+Later calls between the same two processes resume that session, in three messages: the hello names the
+session instead of keys, and each proof is an HMAC of the new transcript with the session key (microseconds
+where a signature costs a millisecond). The server proves first, which costs it nothing worth saving.
+
+Every connection then derives its own pair of keys from the session key and its transcript (both sides'
+fresh nonces in it), and all that follows is sealed (`swarm.net.frame_cipher`): encrypted and
+authenticated, in both directions. A hello or challenge that names another cipher is refused: a peer that
+does not seal (an older version) is called over libp2p instead.
 """
 
 from __future__ import annotations
@@ -29,12 +35,14 @@ import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import padding, rsa, x25519
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from swarm.net.frame_cipher import CIPHER, TrafficKeys, traffic_keys
 from swarm.net.identity import Identity, peer_id_of_public_key
 from swarm.net.shared_memory import SharedMemoryLink
 from swarm.net.wire import WireError, WireLimits, read_frames, write_frames
@@ -84,31 +92,30 @@ def _load_public_key(der: bytes) -> rsa.RSAPublicKey:
     return key
 
 
-def _transcript(role: bytes, hello: DirectHello, challenge: DirectChallenge) -> bytes:
-    """What a proof covers: who proves (`role`) and every field both sides sent before it."""
+def _transcript(role: bytes, hello: DirectHello, challenge: DirectChallenge, shared_accepted: bool = False) -> bytes:
+    """What a proof or a connection's keys cover: who proves (`role`), every field both sides sent in the hello
+    and the challenge, and whether the caller took up the server's shared memory (its proof says so)."""
     fields = (
         hello.protocol.encode(),
         hello.nonce,
         hello.public_key,
         hello.ephemeral_key,
         hello.session,
+        hello.cipher.encode(),
+        hello.shared_memory.encode(),
+        hello.shared_token,
         challenge.nonce,
         challenge.public_key,
         challenge.ephemeral_key,
         challenge.session,
-    )
-    digest = hashlib.sha256(b"swarm-direct/" + role)
-    for field in fields:
-        digest.update(len(field).to_bytes(4, "big") + field)
-    # the shared-memory offers, where made, are covered too (none made: the transcript of earlier versions)
-    for field in (
-        hello.shared_memory.encode(),
-        hello.shared_token,
+        challenge.cipher.encode(),
         challenge.shared_memory.encode(),
         challenge.shared_token,
-    ):
-        if field:
-            digest.update(len(field).to_bytes(4, "big") + field)
+        bytes([shared_accepted]),
+    )
+    digest = hashlib.sha256(b"swarm-direct/2/" + role)
+    for field in fields:
+        digest.update(len(field).to_bytes(4, "big") + field)
     return digest.digest()
 
 
@@ -153,6 +160,14 @@ async def _read(reader: asyncio.StreamReader, message_type: type):
     return message
 
 
+class Opened(NamedTuple):
+    """What a caller's handshake gives: the session to resume with next time, and this connection's keys
+    (None where both ends were built not to seal, for a benchmark's baseline)."""
+
+    session: Session
+    keys: TrafficKeys | None
+
+
 async def prove_to_server(
     identity: Identity,
     server_peer_id: str,
@@ -161,13 +176,16 @@ async def prove_to_server(
     writer: asyncio.StreamWriter,
     session: Session | None,
     shared: SharedMemoryLink | None = None,
-) -> Session | None:
-    """The caller's side, on a fresh connection. Returns the session to resume with next time (a new one
-    after a full handshake, `session` after a resumed one). Raises HandshakeError if the server is not
-    `server_peer_id` or breaks the rules; returns None, with the connection useless, if the server has
-    forgotten `session` (then start over on a new connection with no session). With `shared`, offers the
-    server shared memory and fills `shared` with what the two agreed on."""
-    hello = DirectHello(protocol_version=PROTOCOL_VERSION, protocol=protocol, nonce=os.urandom(NONCE_BYTES))
+    cipher: str = CIPHER,
+) -> Opened | None:
+    """The caller's side, on a fresh connection: the session to resume with next time (a new one after a full
+    handshake, `session` after a resumed one) and the keys to seal the connection with. Raises
+    HandshakeError if the server is not `server_peer_id` or breaks the rules; returns None, with the
+    connection useless, if the server has forgotten `session` (then start over on a new connection with no
+    session). With `shared`, offers the server shared memory and fills `shared` with what the two agreed on."""
+    hello = DirectHello(
+        protocol_version=PROTOCOL_VERSION, protocol=protocol, nonce=os.urandom(NONCE_BYTES), cipher=cipher
+    )
     if shared is not None:
         hello.shared_memory, hello.shared_token = shared.offer()
     ephemeral = None
@@ -184,29 +202,41 @@ async def prove_to_server(
         raise HandshakeError(f"refused: {ErrorCode.Name(challenge.error.code)} {challenge.error.message}")
     if len(challenge.nonce) != NONCE_BYTES:
         raise HandshakeError("bad nonce")
-    server_says = _transcript(b"server", hello, challenge)
+    if challenge.cipher != cipher:
+        raise HandshakeError(f"the server seals with {challenge.cipher or 'nothing'!r}, not {cipher or 'nothing'!r}")
     proof = DirectProof()
     if shared is not None:
         shared.writes = bool(challenge.shared_memory)  # the server could read this side's arena
         proof.shared_memory = shared.accept(challenge.shared_memory, challenge.shared_token)
+    said = (hello, challenge, proof.shared_memory)
     if session is not None:
-        if not hmac.compare_digest(challenge.proof, _mac(session.key, server_says)):
+        if not hmac.compare_digest(challenge.proof, _mac(session.key, _transcript(b"server", hello, challenge))):
             raise HandshakeError(f"the server cannot prove it is {server_peer_id} (bad session proof)")
-        proof.proof = _mac(session.key, _transcript(b"caller", hello, challenge))
+        proof.proof = _mac(session.key, _transcript(b"caller", *said))
         await write_frames(writer, [proof])
-        return session
+        return Opened(session, _keys(cipher, session.key, said, caller=True))
     key = _load_public_key(challenge.public_key)
     if peer_id_of_public_key(key) != server_peer_id:
         raise HandshakeError(f"the server at this address is {peer_id_of_public_key(key)}, not {server_peer_id}")
-    if not _verify(key, challenge.proof, server_says):
-        raise HandshakeError(f"the server cannot prove it is {server_peer_id} (bad signature)")
     if len(challenge.session) != SESSION_ID_BYTES:
         raise HandshakeError("bad session id")
-    caller_says = _transcript(b"caller", hello, challenge)
-    proof.proof = _sign(identity, caller_says)
+    proof.proof = _sign(identity, _transcript(b"caller", *said))
     await write_frames(writer, [proof])
-    session_key = _session_key(ephemeral, challenge.ephemeral_key, caller_says)
-    return Session(challenge.session, session_key, server_peer_id, time.monotonic())
+    server_proof = await _read(reader, DirectProof)
+    if not _verify(key, server_proof.proof, _transcript(b"server", *said)):
+        raise HandshakeError(f"the server cannot prove it is {server_peer_id} (bad signature)")
+    session = Session(
+        challenge.session,
+        _session_key(ephemeral, challenge.ephemeral_key, _transcript(b"session", hello, challenge)),
+        server_peer_id,
+        time.monotonic(),
+    )
+    return Opened(session, _keys(cipher, session.key, said, caller=True))
+
+
+def _keys(cipher: str, session_key: bytes, said: tuple, caller: bool) -> TrafficKeys | None:
+    """This connection's keys, from the session key and everything both sides said (None: no sealing)."""
+    return traffic_keys(session_key, _transcript(b"frames", *said), caller) if cipher else None
 
 
 class SessionStore:
@@ -232,16 +262,26 @@ class SessionStore:
         return len(self._sessions)
 
 
+class Proven(NamedTuple):
+    """What a server's handshake gives: who called, what it calls, and the keys to seal the connection with
+    (None where both ends were built not to seal)."""
+
+    peer_id: str
+    protocol: str
+    keys: TrafficKeys | None
+
+
 async def prove_to_caller(
     identity: Identity,
     sessions: SessionStore,
     reader: asyncio.StreamReader,
     writer: asyncio.StreamWriter,
     shared: SharedMemoryLink | None = None,
-) -> tuple[str, str]:
-    """The server's side, on an accepted connection: returns (the caller's proven peer id, the protocol it
-    calls). Raises HandshakeError if the caller cannot prove its key or breaks the rules. With `shared`,
-    takes up a caller's offer of shared memory where the caller runs on this host, and fills `shared`."""
+    cipher: str = CIPHER,
+) -> Proven:
+    """The server's side, on an accepted connection. Raises HandshakeError if the caller cannot prove its key
+    or breaks the rules; signs nothing before the caller has proved its key. With `shared`, takes up a
+    caller's offer of shared memory where the caller runs on this host, and fills `shared`."""
     hello = await _read(reader, DirectHello)
     if hello.protocol_version != PROTOCOL_VERSION:
         await _refuse(writer, ErrorCode.VERSION_MISMATCH, f"this peer speaks protocol version {PROTOCOL_VERSION}")
@@ -249,21 +289,15 @@ async def prove_to_caller(
     if len(hello.nonce) != NONCE_BYTES or not 0 < len(hello.protocol) <= MAX_PROTOCOL_NAME:
         await _refuse(writer, ErrorCode.BAD_REQUEST, "malformed hello")
         raise HandshakeError("malformed hello")
-    challenge = DirectChallenge(protocol_version=PROTOCOL_VERSION, nonce=os.urandom(NONCE_BYTES))
+    if hello.cipher != cipher:
+        sealing = f"seals its direct calls with {cipher!r}" if cipher else "does not seal its direct calls"
+        await _refuse(writer, ErrorCode.VERSION_MISMATCH, f"this peer {sealing}")
+        raise HandshakeError(f"a caller that seals with {hello.cipher or 'nothing'!r}, not {cipher or 'nothing'!r}")
+    challenge = DirectChallenge(protocol_version=PROTOCOL_VERSION, nonce=os.urandom(NONCE_BYTES), cipher=cipher)
     if shared is not None and shared.accept(hello.shared_memory, hello.shared_token):
         challenge.shared_memory, challenge.shared_token = shared.offer()
     if hello.session:
-        session = sessions.get(hello.session)
-        if session is None:
-            await _refuse(writer, ErrorCode.UNAVAILABLE, "unknown session: start a full handshake")
-            raise HandshakeError("unknown session")
-        challenge.proof = _mac(session.key, _transcript(b"server", hello, challenge))
-        await write_frames(writer, [challenge])
-        proof = await _read(reader, DirectProof)
-        if not hmac.compare_digest(proof.proof, _mac(session.key, _transcript(b"caller", hello, challenge))):
-            raise HandshakeError(f"a caller resuming {session.peer_id}'s session cannot prove it (bad proof)")
-        _agreed(shared, proof)
-        return session.peer_id, hello.protocol
+        return await _resume(sessions, reader, writer, shared, hello, challenge)
     try:
         caller_key = _load_public_key(hello.public_key)
     except HandshakeError as e:
@@ -272,17 +306,40 @@ async def prove_to_caller(
     ephemeral, challenge.ephemeral_key = _ephemeral()
     challenge.public_key = _public_der(identity)
     challenge.session = os.urandom(SESSION_ID_BYTES)
-    challenge.proof = _sign(identity, _transcript(b"server", hello, challenge))
     await write_frames(writer, [challenge])
     proof = await _read(reader, DirectProof)
-    caller_says = _transcript(b"caller", hello, challenge)
+    said = (hello, challenge, proof.shared_memory)
     caller = peer_id_of_public_key(caller_key)
-    if not _verify(caller_key, proof.proof, caller_says):
+    if not _verify(caller_key, proof.proof, _transcript(b"caller", *said)):
         raise HandshakeError(f"a caller claiming to be {caller} cannot prove it (bad signature)")
-    session_key = _session_key(ephemeral, hello.ephemeral_key, caller_says)
+    session_key = _session_key(ephemeral, hello.ephemeral_key, _transcript(b"session", hello, challenge))
+    await write_frames(writer, [DirectProof(proof=_sign(identity, _transcript(b"server", *said)))])
     sessions.add(Session(challenge.session, session_key, caller, time.monotonic()))
     _agreed(shared, proof)
-    return caller, hello.protocol
+    return Proven(caller, hello.protocol, _keys(cipher, session_key, said, caller=False))
+
+
+async def _resume(
+    sessions: SessionStore,
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    shared: SharedMemoryLink | None,
+    hello: DirectHello,
+    challenge: DirectChallenge,
+) -> Proven:
+    """The server's side of a resumed handshake: both proofs are HMACs with the session's key."""
+    session = sessions.get(hello.session)
+    if session is None:
+        await _refuse(writer, ErrorCode.UNAVAILABLE, "unknown session: start a full handshake")
+        raise HandshakeError("unknown session")
+    challenge.proof = _mac(session.key, _transcript(b"server", hello, challenge))
+    await write_frames(writer, [challenge])
+    proof = await _read(reader, DirectProof)
+    said = (hello, challenge, proof.shared_memory)
+    if not hmac.compare_digest(proof.proof, _mac(session.key, _transcript(b"caller", *said))):
+        raise HandshakeError(f"a caller resuming {session.peer_id}'s session cannot prove it (bad proof)")
+    _agreed(shared, proof)
+    return Proven(session.peer_id, hello.protocol, _keys(challenge.cipher, session.key, said, caller=False))
 
 
 def _agreed(shared: SharedMemoryLink | None, proof: DirectProof) -> None:

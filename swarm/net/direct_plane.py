@@ -7,9 +7,11 @@ record (`StageRecord.direct`); a caller that knows the address dials it, and fal
 (NAT, relays, a firewall, a peer that moved) when it cannot.
 
 A call is one TCP connection, as on libp2p it is one stream: the handshake of
-`swarm.net.direct_handshake` (both sides prove their identity key), then the very frames, limits, codecs
-and handlers of the libp2p path. `DirectPlane` stands in for the process's `P2P` object, so every
-call helper (`swarm.net.transport.exchange`) and every handler works on both paths unchanged.
+`swarm.net.direct_handshake` (both sides prove their identity key and agree on keys), then the very
+frames, limits, codecs and handlers of the libp2p path, sealed (`swarm.net.frame_cipher`): encrypted and
+authenticated, so that nobody on the path reads or alters gradients, activations or state. `DirectPlane`
+stands in for the process's `P2P` object, so every call helper (`swarm.net.transport.exchange`) and every
+handler works on both paths unchanged.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from hivemind.p2p import P2P, PeerID
 
 from swarm.net.direct_handshake import HandshakeError, Session, SessionStore, prove_to_caller, prove_to_server
 from swarm.net.direct_stream import DirectStream, open_direct_stream, start_direct_server
+from swarm.net.frame_cipher import CIPHER, FrameTampered
 from swarm.net.identity import Identity
 from swarm.net.shared_memory import ArenaPool, SharedMemoryLink, remove_stale_arenas, shared_memory_available
 
@@ -77,9 +80,16 @@ class DirectServer:
     """Accepts direct calls: a handshake proves the caller's peer id, then the protocol's handler runs."""
 
     def __init__(
-        self, identity: Identity, max_handshakes: int = MAX_HANDSHAKES, arenas: ArenaPool | None = None
+        self,
+        identity: Identity,
+        max_handshakes: int = MAX_HANDSHAKES,
+        arenas: ArenaPool | None = None,
+        cipher: str = CIPHER,
     ) -> None:
+        """`cipher`: what connections are sealed with; "" (nothing) only for a benchmark's plain baseline,
+        and then only callers that say "" too are served."""
         self.identity = identity
+        self.cipher = cipher
         self.arenas = arenas  # None: no shared memory with callers on this host
         self.max_handshakes = max_handshakes
         self.handlers: dict[str, Handler] = {}
@@ -126,7 +136,9 @@ class DirectServer:
         self._handshaking += 1
         shared = SharedMemoryLink(self.arenas) if self.arenas is not None else None
         try:
-            caller, protocol = await prove_to_caller(self.identity, self.sessions, reader, writer, shared)
+            caller, protocol, keys = await prove_to_caller(
+                self.identity, self.sessions, reader, writer, shared, self.cipher
+            )
         except (HandshakeError, ConnectionError, OSError) as e:
             if shared is not None:
                 shared.close()
@@ -134,6 +146,8 @@ class DirectServer:
             return
         finally:
             self._handshaking -= 1
+        if keys is not None:
+            stream.seal(keys)
         if _use_shared_memory(stream, shared):
             self.shared_calls += 1
         handler = self.handlers.get(protocol)
@@ -141,7 +155,12 @@ class DirectServer:
             self._refuse("protocol", f"{protocol!r} from {caller}: not served here")
             return
         self.accepted += 1
-        await handler(DirectStreamInfo(PeerID.from_base58(caller), protocol, address), reader, writer)
+        try:
+            await handler(DirectStreamInfo(PeerID.from_base58(caller), protocol, address), reader, writer)
+        except FrameTampered:
+            pass  # a handler that lets wire errors through: its call ends here, counted below
+        if stream.tampered is not None:
+            self._refuse("tampered", f"a call from {caller} at {address}: {stream.tampered}")
 
     def _refuse(self, reason: str, what: str) -> None:
         self.refused[reason] += 1
@@ -158,18 +177,22 @@ class DirectPlane:
     address answered with the right peer id, else over libp2p.
     """
 
-    def __init__(self, p2p: P2P, identity: Identity, dial: bool = True, shared_memory: bool = True) -> None:
+    def __init__(
+        self, p2p: P2P, identity: Identity, dial: bool = True, shared_memory: bool = True, cipher: str = CIPHER
+    ) -> None:
         """`dial`: call peers directly where they announce an address; `shared_memory`: pass tensors through
-        /dev/shm to and from processes on this host."""
+        /dev/shm to and from processes on this host; `cipher`: what direct connections are sealed with (""
+        only for a benchmark's plain baseline: such a plane calls and serves only planes built alike)."""
         self.p2p = p2p
         self.identity = identity
+        self.cipher = cipher
         self.dial = dial  # False: every call goes over libp2p (`--no-direct`)
         # callers and servers on one host pass tensors through /dev/shm (`--no-shared-memory`: never)
         self.arenas = ArenaPool() if shared_memory and shared_memory_available() else None
         if self.arenas is not None:
             remove_stale_arenas()
         # holds every protocol registered on this process; it listens only once `serve` starts it
-        self.server = DirectServer(identity, arenas=self.arenas)
+        self.server = DirectServer(identity, arenas=self.arenas, cipher=cipher)
         self.address = ""  # what this process announces, once serving
         self.addresses: dict[str, tuple[str, int]] = {}  # peer id -> its announced direct address
         self.calls: Counter[str] = Counter()  # calls opened per path: direct, libp2p; and direct tries that failed
@@ -250,16 +273,18 @@ class DirectPlane:
             shared = SharedMemoryLink(self.arenas) if self.arenas is not None else None
             try:
                 _tune(stream)
-                session = await prove_to_server(
-                    self.identity, peer, protocol, stream, stream, self._sessions.get(peer), shared
+                opened = await prove_to_server(
+                    self.identity, peer, protocol, stream, stream, self._sessions.get(peer), shared, self.cipher
                 )
             except BaseException:
                 if shared is not None:
                     shared.close()
                 stream.close()
                 raise
-            if session is not None:
-                self._sessions[peer] = session
+            if opened is not None:
+                self._sessions[peer] = opened.session
+                if opened.keys is not None:
+                    stream.seal(opened.keys)
                 if _use_shared_memory(stream, shared):
                     self.calls["shared_memory"] += 1
                 return DirectStreamInfo(peer_id, protocol, format_direct_address(*address)), stream, stream
