@@ -1,7 +1,10 @@
 """Where a peer serves: the stage it picks with `--stage auto`, and its moves to the swarm's bottleneck.
 
 Both follow the balance rule (`swarm.policy.balance`) on the swarm as the DHT shows it; when the
-peer looks at the plan, and when it takes a move, is `swarm.policy.rebalance_timing`'s to say.
+peer looks at the plan, and when it takes a move, is `swarm.policy.rebalance_timing`'s to say. Moves
+read the swarm through `swarm.policy.held_records` (records that lapsed held for a grace period, and
+each peer's measured spread), and never return to a stage within the cool-down of
+`swarm.policy.rebalance_timing.ReturnCooldown`: the simulator drives the same pieces.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Protocol
 
@@ -17,7 +21,8 @@ import torch
 from swarm.models import ModelSpec, build_stage
 from swarm.peer.checkpoint import checkpoint_path
 from swarm.policy.balance import Move, MoveCost, capacities, choose_stage, loads_from_records, plan_moves
-from swarm.policy.rebalance_timing import LOOK, MOVE, RebalanceTiming
+from swarm.policy.held_records import HeldRecords, hold_grace
+from swarm.policy.rebalance_timing import LOOK, MOVE, RebalanceTiming, ReturnCooldown
 from swarm.proto import PROTOCOL_VERSION
 from swarm.records.stage_records import JOINING, LEAVING, SERVING, StageRecord
 
@@ -28,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 # seconds a move takes besides the state download: draining the queue, handing over, building, timing a batch
 MOVE_FIXED_SECONDS = 5.0
+
 
 FetchRecords = Callable[..., Awaitable[dict[int, list[StageRecord]]]]  # (only: int | Iterable[int] | None)
 Announce = Callable[..., Awaitable[None]]  # (record: StageRecord | None): this peer's record, or the one given
@@ -57,6 +63,11 @@ class Rebalancing:
         self.fetch_records = fetch_records
         self.announce = announce
         self._state_mb: list[float] | None = None  # each stage's state, parameters and optimizer, in MiB
+        config = peer.config
+        # a move back within the horizon a move's gain is counted for would undo a move judged to pay
+        grace = hold_grace(config.rebalance_period, config.announce_period, config.record_ttl)
+        self.held = HeldRecords(grace, cooldown=config.rebalance_horizon)
+        self.cooldown = ReturnCooldown(config.rebalance_horizon)  # its own moves, which it cannot miss
 
     async def choose_stage(self) -> int:
         """`--stage auto`: the stage of a checkpoint to resume, else the swarm's bottleneck."""
@@ -117,8 +128,15 @@ class Rebalancing:
         except Exception as e:
             logger.warning(f"Could not read the swarm's stages for rebalancing ({e})")
             return None
-        loads = loads_from_records(records, peer.costs)
-        plan = plan_moves(loads, config.num_stages, config.rebalance_margin, peer.costs, move_cost=self.move_cost())
+        view = self.held.update(records, time.monotonic())
+        if not self.held.ready():
+            return None  # one read shows neither lapses nor how noisy the speeds are
+        loads = loads_from_records(view, peer.costs, self.held.spreads())
+        now = time.monotonic()
+        barred = {**self.held.barred(now), peer.peer_id: self.cooldown.barred(now)}
+        plan = plan_moves(
+            loads, config.num_stages, config.rebalance_margin, peer.costs, move_cost=self.move_cost(), barred=barred
+        )
         mine = next((m for m in plan if m.peer_id == peer.peer_id), None)
         return mine if mine is not None and mine.source == peer.stage else None
 
@@ -156,6 +174,7 @@ class Rebalancing:
             if wait.action != MOVE:
                 continue
             if await self._leave_for(mine):
+                self.cooldown.left(mine.source, time.monotonic())
                 await move_to.put(mine.target)
                 return
             wait = timing.stayed()
@@ -180,8 +199,10 @@ class Rebalancing:
             if peer.state == LEAVING and peer.moving_to == move.target:
                 peer.state, peer.moving_to = SERVING, -1
             raise
+        spread = self.held.pooled_spread() or 0.0
         logger.info(
             f"Moving from stage {move.source} to the bottleneck stage {move.target}: the lower of the two "
-            f"goes from {move.low_before:.1f} to {move.low_after:.1f} samples/s"
+            f"goes from {move.low_before:.1f} to {move.low_after:.1f} samples/s (speeds measured within "
+            f"{100 * spread:.0f}%)"
         )
         return True

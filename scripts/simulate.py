@@ -177,6 +177,68 @@ def build_parser() -> argparse.ArgumentParser:
         help="relative error of one batch's timing; a peer announces a moving average of them",
     )
     p.add_argument(
+        "--announce-noise",
+        type=float,
+        default=d.announce_noise,
+        help="relative error of each announced throughput, uniform in +-this (0.2: +-20%%), drawn at each announcement",
+    )
+    p.add_argument(
+        "--lapse-rate", type=float, default=d.lapse_rate, help="per renewal, chance a live peer's record lapses"
+    )
+    p.add_argument(
+        "--stage-lapse-rate",
+        type=float,
+        default=d.stage_lapse_rate,
+        help="per renewal, chance a whole stage's records lapse (its key out of reach)",
+    )
+    p.add_argument(
+        "--lapse-seconds", type=float, default=d.lapse_seconds, help="a lapse lasts this times a factor in [0.5, 1.5]"
+    )
+    p.add_argument(
+        "--deviations",
+        type=float,
+        default=d.deviations,
+        help="standard deviations of the measured noise a move must clear (0: none)",
+    )
+    p.add_argument(
+        "--hold", type=float, default=None, help="seconds the balance rule holds a lapsed record (default: the peer's)"
+    )
+    p.add_argument(
+        "--cooldown",
+        type=float,
+        default=None,
+        help="seconds a peer may not return to a stage it left (default: --move-horizon, as the peer)",
+    )
+    p.add_argument(
+        "--old-rule",
+        action="store_true",
+        help="the balance rule without its guards against noise and lapses: --deviations 0 --hold 0 --cooldown 0",
+    )
+    p.add_argument(
+        "--target-batch-size",
+        type=int,
+        default=d.target_batch_size,
+        help="samples per optimizer step; a stage's mates then average (0: averaging not modelled)",
+    )
+    p.add_argument(
+        "--stage-params",
+        type=float,
+        default=d.stage_params,
+        help="parameters of a stage of mean cost, whose gradient (4 bytes each) mates average (0: --state-mb / 12 B)",
+    )
+    p.add_argument(
+        "--link-mbit",
+        type=parse_floats,
+        default=(d.link_mbit_min, d.link_mbit_max),
+        help="MIN,MAX: each peer's link bandwidth, Mbit/s, drawn uniformly",
+    )
+    p.add_argument(
+        "--latency-ms",
+        type=parse_floats,
+        default=(d.latency_ms_min, d.latency_ms_max),
+        help="MIN,MAX: each peer's one-way latency, ms, drawn uniformly",
+    )
+    p.add_argument(
         "--target-at-decision",
         action="store_true",
         help="a moving peer announces JOINING on its target as soon as it decides to move, not once it has "
@@ -238,6 +300,19 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         bandwidth_mbit=args.bandwidth_mbit,
         move_horizon=args.move_horizon,
         throughput_noise=args.throughput_noise,
+        announce_noise=args.announce_noise,
+        lapse_rate=args.lapse_rate,
+        stage_lapse_rate=args.stage_lapse_rate,
+        lapse_seconds=args.lapse_seconds,
+        deviations=0.0 if args.old_rule else args.deviations,
+        hold=0.0 if args.old_rule else args.hold,
+        cooldown=0.0 if args.old_rule else args.cooldown,
+        target_batch_size=args.target_batch_size,
+        stage_params=args.stage_params,
+        link_mbit_min=_pair(args.link_mbit, "--link-mbit")[0],
+        link_mbit_max=_pair(args.link_mbit, "--link-mbit")[1],
+        latency_ms_min=_pair(args.latency_ms, "--latency-ms")[0],
+        latency_ms_max=_pair(args.latency_ms, "--latency-ms")[1],
         target_at_decision=args.target_at_decision,
         skip_abandoned=not args.compute_abandoned,
         connection_error_seconds=args.connection_error_seconds,
@@ -270,7 +345,22 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         read_trace(config.trace)  # a malformed line is refused here, with its number
     if config.trainers < 1 or (config.in_flight is not None and config.in_flight < 1):
         raise ValueError("--trainers and --in-flight must be at least 1")
+    if not (0 <= config.announce_noise < 1 and 0 <= config.lapse_rate <= 1 and 0 <= config.stage_lapse_rate <= 1):
+        raise ValueError("--announce-noise must be in [0, 1), --lapse-rate and --stage-lapse-rate in [0, 1]")
+    if min(config.lapse_seconds, config.deviations, config.grace, config.cooldown_seconds) < 0:
+        raise ValueError("--lapse-seconds, --deviations, --hold and --cooldown must be 0 or more")
+    if config.target_batch_size < 0 or config.stage_params < 0 or config.link_mbit_min <= 0:
+        raise ValueError("--target-batch-size and --stage-params must be 0 or more, --link-mbit positive")
     return config
+
+
+def _pair(values: tuple[float, ...], flag: str) -> tuple[float, float]:
+    """MIN,MAX (or one value for both), in order; ValueError otherwise."""
+    if len(values) == 1:
+        values = (values[0], values[0])
+    if len(values) != 2 or not 0 <= values[0] <= values[1]:
+        raise ValueError(f"{flag} takes MIN,MAX with 0 <= MIN <= MAX")
+    return values[0], values[1]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -329,3 +330,47 @@ def test_a_move_must_pay_for_its_state_transfer_and_averaging():
     middling = MoveCost(transfer_seconds=40, averaging_seconds=40, horizon_seconds=140)  # 80 / 100
     assert plan_moves(peers, 2, margin=0.0, move_cost=middling) == []
     assert len(plan_moves(peers, 2, margin=0.0, move_cost=MoveCost(40, 30, 140))) == 1  # 70 / 100
+
+
+def with_spread(peers: list[PeerLoad], relative: float) -> list[PeerLoad]:
+    return [replace(p, spread=relative * p.throughput) for p in peers]
+
+
+def test_a_move_within_the_noise_of_the_speeds_it_rests_on_is_not_made():
+    # the lower of the two would go from 39.1 to 40.7 (+4%): a slow peer of stage 0 for stage 1
+    peers = peers_on({0: [3, 12, 13, 15.7], 1: [9.1, 10, 10, 10], 2: [15, 15, 15], 3: [15, 15, 15]})
+    exact = plan_moves(peers, 4, margin=0.5)
+    assert [(m.source, m.target, round(m.low_before, 1), round(m.low_after, 1)) for m in exact] == [(0, 1, 39.1, 40.7)]
+    # speeds measured within 10%: the two stages differ by less than their noise, so nothing moves
+    assert plan_moves(with_spread(peers, 0.1), 4, margin=0.5) == []
+    assert plan_moves(with_spread(peers, 0.1), 4, margin=0.5, deviations=0.0) == exact  # the rule before
+
+
+def test_clear_gaps_still_move_under_noise_and_stop_within_it():
+    rng = random.Random(5)
+    peers = [PeerLoad(f"p{i}", 0, float(rng.randint(2, 20))) for i in range(200)]
+    noisy = with_spread(peers, 0.2)
+    after = apply(noisy, plan_moves(noisy, 4, margin=0.1))
+    ideal = upper_bound_throughput([p.throughput for p in peers], 4)
+    assert min(capacities(after, 4)) >= 0.9 * ideal
+    # and the plan on the result moves nobody: what is left is within the noise
+    assert plan_moves(with_spread(after, 0.2), 4, margin=0.1) == []
+
+
+def test_a_peer_barred_from_a_stage_is_not_moved_there_and_another_is():
+    peers = peers_on({0: [10, 10, 10, 10], 1: [10]})
+    plan = plan_moves(peers, 2, margin=0.1)
+    first = plan[0].peer_id
+    barred = plan_moves(peers, 2, margin=0.1, barred={first: {1}})
+    assert barred and first not in {m.peer_id for m in barred}
+    # every peer of the donor barred: nobody moves
+    assert plan_moves(peers, 2, margin=0.1, barred={p.peer_id: [1] for p in peers}) == []
+
+
+def test_loads_carry_the_measured_spread_of_each_peer():
+    def record(peer, stage, state, throughput):
+        return StageRecord(peer, stage, "gpt-tiny", 2, state, 0, throughput, 1, 32, 0, 2, 99.0)
+
+    records = {0: [record("a", 0, SERVING, 10.0), record("b", 0, SERVING, 20.0)]}
+    loads = {p.peer_id: p for p in loads_from_records(records, spreads={"a": 0.1})}
+    assert loads["a"].spread == pytest.approx(1.0) and loads["b"].spread == 0.0

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from swarm.policy.rebalance_timing import CONFIRM, LOOK, MOVE, RebalanceTiming, Wait
+from swarm.policy.rebalance_timing import CONFIRM, LOOK, MOVE, RebalanceTiming, ReturnCooldown, Wait
 from swarm.policy.throughput_average import ThroughputAverage
 
 PERIOD, ANNOUNCE = 60.0, 2.0
@@ -104,3 +104,13 @@ def test_the_throughput_average_starts_from_one_timing_and_weighs_the_newest_a_t
     assert average.seconds_per_sample == pytest.approx(0.6)
     average.reset(0.25)  # a fresh timing on a new stage forgets the old stage's
     assert average.seconds_per_sample == 0.25 and average.samples_per_second == 4.0
+
+
+def test_a_peer_may_not_return_to_a_stage_within_the_cool_down():
+    cooldown = ReturnCooldown(600.0)
+    assert cooldown.barred(0.0) == frozenset()
+    cooldown.left(0, 100.0)
+    cooldown.left(3, 250.0)
+    assert cooldown.barred(300.0) == {0, 3}
+    assert cooldown.barred(700.0) == {3}
+    assert cooldown.barred(850.0) == frozenset()

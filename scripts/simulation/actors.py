@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from swarm.policy.rebalance_timing import RebalanceTiming
+from swarm.policy.rebalance_timing import RebalanceTiming, ReturnCooldown
 from swarm.policy.router import Router
 from swarm.policy.throughput_average import ThroughputAverage
 from swarm.records.stage_records import JOINING, LEAVING, SERVING, StageRecord
@@ -33,6 +33,9 @@ class SimPeer:
         "announced",
         "measured",
         "timing",
+        "cooldown",
+        "averaging_until",
+        "resume_pending",
     )
 
     def __init__(self, peer_id: str, speed: int, stage: int, state: str) -> None:
@@ -49,6 +52,9 @@ class SimPeer:
         self.announced: list[StageRecord] = []  # its latest records, which outlive it in the DHT
         self.measured = ThroughputAverage()  # its speed on its stage, as the real runtime measures it
         self.timing: RebalanceTiming | None = None  # when it next looks at the plan, as the real peer
+        self.cooldown = ReturnCooldown(0.0)  # the stages it may not return to yet, as the real peer
+        self.averaging_until = 0.0  # while its stage averages, it starts no call
+        self.resume_pending = False
 
     def queue_length(self, now: float) -> int:
         """Calls accepted and not finished (including ones whose caller gave up)."""

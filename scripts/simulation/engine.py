@@ -11,21 +11,21 @@ from collections.abc import Callable
 
 from harness.spot_trace import live_peer_targets, read_trace
 from simulation.actors import SIM_JOINING, SIM_MOVING, SIM_SERVING, Microbatch, SimPeer, SimTrainer
+from simulation.averaging import AveragingModel
+from simulation.balance_view import BalanceView
 from simulation.report import Window, scenario_report
 from simulation.scenario import SimConfig
+from simulation.view_faults import ViewFaults
 from swarm.config import TrainerConfig
 from swarm.policy.balance import (
     Move,
-    MoveCost,
     PeerLoad,
     assignment_throughput,
     choose_stage,
     ideal_assignment,
-    loads_from_records,
-    plan_moves,
     upper_bound_throughput,
 )
-from swarm.policy.rebalance_timing import LOOK, RebalanceTiming, Wait
+from swarm.policy.rebalance_timing import LOOK, RebalanceTiming, ReturnCooldown, Wait
 from swarm.policy.router import FORWARD_SHARE_OF_BACKWARD, Router
 from swarm.records.stage_records import SERVING, StageRecord
 from swarm.trainer.stage_calls import REQUEUE_PAUSE_MAX
@@ -33,7 +33,9 @@ from swarm.trainer.stage_calls import REQUEUE_PAUSE_MAX
 EXACT_IDEAL_MAX_PEERS = 200
 # the exact search gives up after this many nodes; past it the best assignment found is used
 IDEAL_NODE_LIMIT = 20_000
-OSCILLATION_SECONDS = 300.0
+# a move back to a stage the peer left less than this long before is an oscillation: longer than the
+# peer's cool-down (its rebalance horizon, 600 s by default), so that the bar alone does not hide one
+OSCILLATION_SECONDS = 900.0
 REJECT_SECONDS = 0.1  # a refusal (peer not serving the stage) comes back after a round trip
 STAGE_POLL_SECONDS = 0.5  # a trainer with no live peer for a stage looks again this often
 TRAINER_DEFAULTS = TrainerConfig()  # the real trainer's attempts per call and patience with a stalled stage
@@ -65,8 +67,6 @@ class Simulation:
         self.serving_capacity = [0.0] * self.num_stages
         self.view: dict[int, list[StageRecord]] = {s: [] for s in range(self.num_stages)}
         self._ghosts: list[StageRecord] = []  # the last records of vanished peers, until they expire
-        self._loads: list[PeerLoad] | None = None
-        self._plan: dict[str, Move] | None = None
         self._ideal_cache: dict[tuple[int, ...], tuple[float, str]] = {}
         self.windows: list[Window] = []
         self.window_samples = 0
@@ -93,9 +93,15 @@ class Simulation:
                 "stage_emptied_by_move",
                 "stage_emptied_by_stale_move",
                 "stage_emptied_by_churn",
+                "moves_back",
+                "returns_barred",
+                "returns_within_cooldown",
             ),
             0,
         )
+        self.balance = BalanceView(config, self.costs, self.counters)
+        self.faults = ViewFaults(config, self.num_stages, random.Random(config.seed * 7919 + 5))
+        self.averaging = AveragingModel(config, self.costs, random.Random(config.seed * 7919 + 6))
         self.empty_stage_seconds = 0.0
         self.peer_seconds = 0.0
         self.capacity_seconds = 0.0  # integral of the assignment throughput over time
@@ -129,6 +135,7 @@ class Simulation:
             state,
         )
         peer.measured.reset(self._timing(peer))  # the runtime times one batch as it starts
+        peer.cooldown = ReturnCooldown(self.config.cooldown_seconds)
         self._integrate()
         self.peers[peer.peer_id] = peer
         self.live[peer.peer_id] = peer
@@ -204,17 +211,19 @@ class Simulation:
         """Every peer renews its record (measured throughput, queue length); routers read them all."""
         config = self.config
         view: dict[int, list[StageRecord]] = {s: [] for s in range(self.num_stages)}
+        self.faults.renew(list(self.live), self.now)
         # a vanished peer's last records stay in the DHT until they expire
         self._ghosts = [r for r in self._ghosts if r.expiration > self.now]
         for record in self._ghosts:
-            view[record.stage].append(record)
+            if not self.faults.hidden(record.peer_id, record.stage, self.now):
+                view[record.stage].append(record)
         for peer in self.live.values():
             peer.announced = self._records(peer)
             for record in peer.announced:
-                view[record.stage].append(record)
+                if not self.faults.hidden(peer.peer_id, record.stage, self.now):
+                    view[record.stage].append(record)
         self.view = view
-        self._loads = None
-        self._plan = None
+        self.balance.changed()
         for trainer in self.trainers:
             trainer.router.update(view, self.now)
         self._at(self.now + config.announce_period, self._refresh_view)
@@ -225,31 +234,18 @@ class Simulation:
             self.view[stage] = [r for r in self.view[stage] if r.peer_id != peer.peer_id]
         peer.announced = self._records(peer, throughput)
         for record in peer.announced:
-            self.view[record.stage].append(record)
-        self._loads = None
-        self._plan = None
+            if not self.faults.hidden(peer.peer_id, record.stage, self.now):
+                self.view[record.stage].append(record)
+        self.balance.changed()
 
     def _records(self, peer: SimPeer, throughput: float | None = None) -> list[StageRecord]:
         target = None
         if self.config.target_at_decision and peer.draining(self.now) and peer.source is not None:
             # what it would announce for the target: its throughput, scaled by the stages' costs
             target = self.costs[peer.source] / self.costs[peer.stage] / peer.measured.seconds_per_sample
+        if throughput is None:
+            throughput = self.faults.noisy(peer.measured.samples_per_second)  # what it measures, noise and all
         return peer.records(self.now, self.config.record_ttl, self.num_stages, throughput, target)
-
-    def _view_loads(self) -> list[PeerLoad]:
-        if self._loads is None:
-            self._loads = loads_from_records(self.view, self.costs)
-        return self._loads
-
-    def _view_plan(self) -> dict[str, Move]:
-        """The plan every peer computes from the current view: computed once, since they all agree."""
-        if self._plan is None:
-            config = self.config
-            cost = MoveCost.of_state(config.state_mb, config.bandwidth_mbit, config.move_seconds, config.move_horizon)
-            moves = plan_moves(self._view_loads(), self.num_stages, config.margin, self.costs, move_cost=cost)
-            self._plan = {m.peer_id: m for m in moves}
-            self.counters["plans_computed"] += 1
-        return self._plan
 
     # --- calls -----------------------------------------------------------------------------------
 
@@ -291,6 +287,12 @@ class Simulation:
 
     def _start_next(self, peer: SimPeer) -> None:
         """The peer takes its next queued call; a moving peer whose queue is done goes on to its target."""
+        if peer.averaging_until > self.now and peer.state == SIM_SERVING:
+            peer.running = None  # its stage averages: it starts nothing until the round is over
+            if not peer.resume_pending:
+                peer.resume_pending = True
+                self._at(peer.averaging_until, self._resume, peer)
+            return
         while peer.queue:
             mb, token, work = peer.queue.popleft()
             if token != mb.token and self.config.skip_abandoned:
@@ -304,6 +306,12 @@ class Simulation:
         if peer.state == SIM_MOVING and peer.drained_at == math.inf:
             peer.drained_at = self.now
             self._at(self.now, self._drained, peer, peer.check_token)
+
+    def _resume(self, peer: SimPeer) -> None:
+        """Its stage's round is over: the peer takes its queued calls again."""
+        peer.resume_pending = False
+        if peer.alive and peer.running is None:
+            self._start_next(peer)
 
     def _finished(self, peer: SimPeer, mb: Microbatch, token: int) -> None:
         """The peer has computed a call: the caller gets the reply if it still waits for it."""
@@ -326,6 +334,9 @@ class Simulation:
         if backward and peer.state == SIM_SERVING:
             # the runtime's moving average of its backward timings (a draining peer's is thrown away)
             peer.measured.add(self._timing(peer))
+            if self.averaging.enabled and self.averaging.add(peer.stage, self.config.microbatch):
+                mates = [p for p in self.live.values() if p.state == SIM_SERVING and p.stage == peer.stage]
+                self.averaging.start_round(peer.stage, mates, self.now)
         self.counters["completed_calls"] += 1
         mb.trainer.last_success[self._stage_of(mb)] = self.now
         mb.tried, mb.attempts, mb.requeues, mb.since = [], 0, 0, self.now
@@ -399,9 +410,8 @@ class Simulation:
         self._at(self.now + wait.seconds, self._check, peer, peer.check_token)
 
     def _planned_move(self, peer: SimPeer) -> Move | None:
-        """The peer's move in the plan on the current view, if the plan moves it from the stage it serves."""
-        move = self._view_plan().get(peer.peer_id)
-        return move if move is not None and move.source == peer.stage else None
+        """The peer's move in its plan on the current view, if the plan moves it from the stage it serves."""
+        return self.balance.planned_move(peer, self.view, self.now)
 
     def _check(self, peer: SimPeer, token: int) -> None:
         """A serving peer's periodic look at the plan; it moves if the plan has a move for it."""
@@ -431,9 +441,14 @@ class Simulation:
     def _start_move(self, peer: SimPeer, target: int) -> None:
         now = self.now
         self.counters["moves"] += 1
+        if target in peer.left_at:
+            self.counters["moves_back"] += 1
         if now - peer.left_at.get(target, -math.inf) <= OSCILLATION_SECONDS:
             self.counters["oscillations"] += 1
+        if now - peer.left_at.get(target, -math.inf) < self.config.cooldown_seconds:
+            self.counters["returns_within_cooldown"] += 1
         peer.left_at[peer.stage] = now
+        peer.cooldown.left(peer.stage, now)
         peer.source, peer.stage, peer.state = peer.stage, target, SIM_MOVING
         self._serving_changed(peer, -1, cause="move")  # judged on the view the move was planned from
         # it finishes what is queued on it, serving nothing new, then builds the target stage
@@ -476,7 +491,7 @@ class Simulation:
         if launch not in self.launches:
             return  # preempted while booting
         del self.launches[launch]
-        stage = choose_stage(self._view_loads(), self.num_stages, self.costs, self.rng)
+        stage = choose_stage(self.balance.raw_loads(self.view), self.num_stages, self.costs, self.rng)
         peer = self._new_peer(stage, SIM_JOINING)
         # its first record carries its speed on that stage, until its own measurement is announced
         self._announce(peer, throughput=peer.speed / self.costs[stage])
@@ -591,6 +606,9 @@ class Simulation:
         self.now = end
         self._integrate()
         report = scenario_report(self, time.perf_counter() - started)
+        report["record_lapses"] = {"peer": self.faults.lapses, "stage": self.faults.stage_lapses}
+        if self.averaging.enabled:
+            report["averaging"] = self.averaging.report(end / 2, end)
         if config.trace:
             span = max(t for t, _ in read_trace(config.trace)) / 1000
             report["trace_seconds_per_simulated_second"] = round(span / (minutes * 60), 2)

@@ -9,6 +9,8 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import swarm.policy.balance
+import swarm.policy.held_records
+import swarm.policy.rebalance_timing
 import swarm.policy.router
 from simulation.engine import EXACT_IDEAL_MAX_PEERS, IDEAL_NODE_LIMIT, Simulation
 from simulation.scenario import SimConfig
@@ -36,12 +38,16 @@ def run_study(
         results[margin] = run_scenario(replace(config, margin=margin), log)
     report = {"config": {k: v for k, v in asdict(config).items() if k != "series"}, **results[config.margin]}
     report["config"]["download_seconds"] = config.download_seconds
+    report["config"]["hold_seconds"] = config.grace
+    report["config"]["cooldown_seconds"] = config.cooldown_seconds
     # the rule and the router evolve: say which versions this report is about
     report["sources_sha256"] = {
         name: hashlib.sha256(Path(module.__file__).read_bytes()).hexdigest()[:12]
         for name, module in (
             ("swarm/policy/balance.py", swarm.policy.balance),
             ("swarm/policy/router.py", swarm.policy.router),
+            ("swarm/policy/held_records.py", swarm.policy.held_records),
+            ("swarm/policy/rebalance_timing.py", swarm.policy.rebalance_timing),
         )
     }
     report["config"]["in_flight"] = config.microbatches_in_flight

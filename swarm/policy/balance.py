@@ -8,7 +8,11 @@ A move takes a peer from a donor stage to the bottleneck. It is made only if it 
 capacity of the lower of the two stages by more than a hysteresis margin (a fraction of the moving
 peer's own throughput) and by more than it costs (`MoveCost`: the state download and the
 averaging it disturbs, against the time its gain is counted for): the bottleneck must gain and the
-donor must not fall to where the bottleneck was. A stage with no capacity at all is filled first,
+donor must not fall to where the bottleneck was. The gain must also be real, not noise: the
+capacities compared are sums of measured speeds, each with a measured spread (`PeerLoad.spread`),
+so the donor, less its mover, must exceed the bottleneck by `deviations` standard deviations of the
+difference of the two sums. Under noise a stage looks lower than its twin half of the time; a move
+on such a look would have the next look move a peer back. A stage with no capacity at all is filled first,
 whatever the margin or the cost: until it is, the swarm trains nothing. When the bottleneck was the
 only stage at the minimum, the swarm's throughput rises; when several stages tie, one fewer sits at
 the minimum and the next move can lift the rest. Two stages with equal loads never trade a peer
@@ -31,7 +35,7 @@ import bisect
 import math
 import random
 import sys
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,6 +55,7 @@ class PeerLoad:
     serving: bool = True  # False: joining, so it adds capacity but holds no state to keep a stage alive
     queue_length: int = 0
     movable: bool = True  # False: it never rebalances, so no plan may count on moving it
+    spread: float = 0.0  # standard deviation of its measured throughput, samples/s (0: taken as exact)
 
 
 @dataclass(frozen=True)
@@ -64,8 +69,20 @@ class Move:
     low_after: float
 
 
-def loads_from_records(records: dict[int, list[StageRecord]], costs: Sequence[float] | None = None) -> list[PeerLoad]:
+# how many standard deviations of the noise in two stages' measured capacities a move must clear: one
+# sided, a donor that clears 2 is truly the richer of the two about 98 times in 100
+NOISE_DEVIATIONS = 2.0
+
+
+def loads_from_records(
+    records: dict[int, list[StageRecord]],
+    costs: Sequence[float] | None = None,
+    spreads: Mapping[str, float] | None = None,
+) -> list[PeerLoad]:
     """The peers that count toward capacity: serving ones, joining ones (about to serve), and movers.
+
+    `spreads`: each peer's relative spread of measured throughput (`swarm.policy.held_records`), which
+    makes its `PeerLoad.spread`; a peer missing there is taken as measured exactly.
 
     A mover announces LEAVING on its source with the stage it is `moving_to`: it counts there, as a
     joiner does (capacity, but no state to keep the stage alive), scaled by the two stages' `costs`,
@@ -92,7 +109,14 @@ def loads_from_records(records: dict[int, list[StageRecord]], costs: Sequence[fl
                 moving[r.peer_id] = PeerLoad(r.peer_id, r.moving_to, throughput, False, 0, r.movable)
     for peer_id, load in moving.items():
         loads.setdefault(peer_id, load)
-    return list(loads.values())
+    if not spreads:
+        return list(loads.values())
+    return [
+        PeerLoad(p.peer_id, p.stage, p.throughput, p.serving, p.queue_length, p.movable, p.throughput * spread)
+        if (spread := spreads.get(p.peer_id, 0.0))
+        else p
+        for p in loads.values()
+    ]
 
 
 def stage_costs(spec: ModelSpec, num_stages: int) -> list[float]:
@@ -174,14 +198,16 @@ class _Movers:
     def __init__(self, placed: dict[str, PeerLoad], num_stages: int) -> None:
         self.ids: list[list[str]] = [[] for _ in range(num_stages)]
         self.speeds: list[list[float]] = [[] for _ in range(num_stages)]
-        pairs: list[list[tuple[float, str]]] = [[] for _ in range(num_stages)]
+        self.spreads: list[list[float]] = [[] for _ in range(num_stages)]
+        pairs: list[list[tuple[float, str, float]]] = [[] for _ in range(num_stages)]
         for p in placed.values():
             if p.serving and p.movable:  # a joiner holds no state yet, so it has none to move
-                pairs[p.stage].append((p.throughput, p.peer_id))
+                pairs[p.stage].append((p.throughput, p.peer_id, p.spread))
         for stage, found in enumerate(pairs):
             found.sort()
-            self.speeds[stage] = [speed for speed, _ in found]
-            self.ids[stage] = [peer_id for _, peer_id in found]
+            self.speeds[stage] = [speed for speed, _, _ in found]
+            self.ids[stage] = [peer_id for _, peer_id, _ in found]
+            self.spreads[stage] = [spread for _, _, spread in found]
 
     def near(self, stage: int, speed: float) -> list[int]:
         """Indices of the nearest peers at or below `speed` and above it (the last of equal speeds: the largest id)."""
@@ -192,13 +218,40 @@ class _Movers:
             found.append(bisect.bisect_right(speeds, speeds[above]) - 1)
         return found
 
+    def free(self, stage: int, index: int, target: int, bars: Mapping[str, frozenset[int]]) -> int | None:
+        """`index`, or the nearest slower peer of `stage` not barred from `target`, if the peer at it is."""
+        while index >= 0 and target in bars.get(self.ids[stage][index], ()):
+            index -= 1
+        return index if index >= 0 else None
+
+    def below(self, stage: int, speed: float) -> int | None:
+        """Index of the fastest peer strictly slower than `speed` (the last of equal speeds), if any."""
+        index = bisect.bisect_left(self.speeds[stage], speed) - 1
+        return index if index >= 0 else None
+
     def remove(self, stage: int, index: int) -> None:
         del self.speeds[stage][index]
         del self.ids[stage][index]
+        del self.spreads[stage][index]
 
 
 def _canonical(p: PeerLoad) -> tuple:
-    return (p.peer_id, p.stage, p.throughput, p.serving, p.movable, p.queue_length)
+    return (p.peer_id, p.stage, p.throughput, p.serving, p.movable, p.queue_length, p.spread)
+
+
+@dataclass
+class _Stages:
+    """What a plan tracks of each stage as its moves are taken: capacity, its noise, and who holds its state."""
+
+    caps: list[float]
+    variances: list[float]  # of the capacity: the sum of its peers' squared spreads (their noise is independent)
+    holders: list[int]  # serving peers that stay: they keep the stage's state alive
+    cost: list[float]
+    deviations: float
+
+    def noise(self, donor: int, target: int, leaving_spread: float = 0.0) -> float:
+        """Standard deviation of the difference of the donor's capacity, less a mover, and the target's."""
+        return math.sqrt(max(self.variances[donor] - leaving_spread**2, 0.0) + self.variances[target])
 
 
 def plan_moves(
@@ -208,6 +261,8 @@ def plan_moves(
     costs: Sequence[float] | None = None,
     max_moves: int | None = None,
     move_cost: MoveCost | None = None,
+    deviations: float = NOISE_DEVIATIONS,
+    barred: Mapping[str, Collection[int]] | None = None,
 ) -> list[Move]:
     """The moves that the rule makes from this view, in order, each judged after the ones before it.
 
@@ -218,45 +273,52 @@ def plan_moves(
     trade places (a faster one to the bottleneck, a slower one back), judged alike. A move must gain
     more than `margin` of the mover's throughput, and more than its `move_cost` (see `MoveCost`),
     except toward a stage with no capacity at all: the swarm trains nothing until that stage is
-    filled, so it is filled first, whatever the cost. A stage always keeps a serving peer that is not
-    moving: peers arriving by the same plan hold no state until they have downloaded it, so they
-    cannot stand in for it.
+    filled, so it is filled first, whatever the cost. Every move, that one too, must leave the donor
+    above the bottleneck's capacity by `deviations` standard deviations of their measured noise (the
+    peers' `spread`). A stage always keeps a serving peer that is not moving: peers arriving by the
+    same plan hold no state until they have downloaded it, so they cannot stand in for it.
+    `barred`: stages a peer may not be moved to (the ones it left within its cool-down); the rule
+    then moves another peer, or none.
 
     Cheap for large swarms: the best mover of a donor is one of the two whose throughput is nearest
     to where the donor's and the bottleneck's capacities would cross, found by bisection in the
     donor's peers sorted once by throughput, and donors are tried from the richest down only while
     they could still beat the best move found. 10,000 peers plan in tens of milliseconds.
     """
-    cost = _costs(costs, num_stages)
     least = max(margin, move_cost.least_gain() if move_cost is not None else 0.0)
     placed: dict[str, PeerLoad] = {}
     for p in sorted((p for p in peers if 0 <= p.stage < num_stages), key=_canonical):
         placed[p.peer_id] = p
-    caps = [0.0] * num_stages
+    stages = _Stages([0.0] * num_stages, [0.0] * num_stages, [0] * num_stages, _costs(costs, num_stages), deviations)
     queues = [0] * num_stages
-    holders = [0] * num_stages  # serving peers that stay: they keep the stage's state alive
     for p in placed.values():
-        caps[p.stage] += max(p.throughput, 0.0)
+        stages.caps[p.stage] += max(p.throughput, 0.0)
+        stages.variances[p.stage] += p.spread**2
         queues[p.stage] += p.queue_length
-        holders[p.stage] += p.serving
+        stages.holders[p.stage] += p.serving
     movers = _Movers(placed, num_stages)
+    bars = {peer_id: frozenset(found) for peer_id, found in (barred or {}).items() if found}
     plan: list[Move] = []
+    caps, cost = stages.caps, stages.cost
     while max_moves is None or len(plan) < max_moves:
         target = bottleneck(caps, queues)
         need = 0.0 if caps[target] <= 0 else least  # an empty stage is filled first, whatever the cost
         donors = sorted(range(num_stages), key=lambda s: (-caps[s], s))
-        chosen = _best_single(movers, donors, holders, caps, target, cost, need)
+        chosen = _best_single(movers, donors, stages, target, need, bars)
         if chosen is None:
             # no single move helps: a faster peer of a donor may trade places with a slower one here
-            chosen = _best_swap(movers, donors, holders, caps, target, cost, need)
+            chosen = _best_swap(movers, donors, stages, target, need, bars)
             if chosen is None:
                 break
         low_before = caps[target]
         for stage, index, to in chosen:
-            speed = movers.speeds[stage][index]
+            speed, spread = movers.speeds[stage][index], movers.spreads[stage][index]
+            ratio = cost[stage] / cost[to]
             caps[stage] -= speed
-            caps[to] += speed * cost[stage] / cost[to]
-            holders[stage] -= 1
+            caps[to] += speed * ratio
+            stages.variances[stage] = max(stages.variances[stage] - spread**2, 0.0)
+            stages.variances[to] += (spread * ratio) ** 2
+            stages.holders[stage] -= 1
         moves = [(movers.ids[stage][index], stage, to) for stage, index, to in chosen]
         for stage, index, _ in sorted(chosen, key=lambda c: -c[1]):
             movers.remove(stage, index)
@@ -269,13 +331,13 @@ def plan_moves(
 def _best_single(
     movers: _Movers,
     donors: list[int],
-    holders: list[int],
-    caps: list[float],
+    stages: _Stages,
     target: int,
-    cost: list[float],
     need: float,
+    bars: Mapping[str, frozenset[int]],
 ) -> list[tuple[int, int, int]] | None:
     """The move of one donor's peer to `target` that lifts the lower of the two highest: [(donor, index, target)]."""
+    caps, cost, holders = stages.caps, stages.cost, stages.holders
     low_before = caps[target]
     best: tuple[float, str, int, int] | None = None
     for donor in donors:
@@ -285,33 +347,41 @@ def _best_single(
             continue
         ratio = cost[donor] / cost[target]
         # min(low_before + speed * ratio, caps[donor] - speed) rises, then falls, in the mover's speed:
-        # its best is at the peers nearest to where the two cross, on either side
+        # its best is at the peers nearest to where the two cross, on either side; the noise rule may
+        # refuse both, when the fastest peer slow enough to leave the donor clearly above is the best
         crossing = (caps[donor] - low_before) / (1 + ratio)
-        for index in movers.near(donor, crossing):
+        nearest = movers.near(donor, crossing)
+        clear = movers.below(donor, caps[donor] - low_before - stages.deviations * stages.noise(donor, target))
+        candidates = {movers.free(donor, i, target, bars) for i in (*nearest, *([] if clear is None else [clear]))}
+        for index in sorted(i for i in candidates if i is not None):
             speed = movers.speeds[donor][index]
-            gained = speed * cost[donor] / cost[target]
-            low_after = min(low_before + gained, caps[donor] - speed)
-            if low_after - low_before > need * gained:
-                key = (low_after, movers.ids[donor][index], donor, index)
-                if best is None or key[:2] > best[:2]:
-                    best = key
+            gained = speed * ratio
+            left = caps[donor] - speed
+            low_after = min(low_before + gained, left)
+            if low_after - low_before <= need * gained:
+                continue
+            if left - low_before <= stages.deviations * stages.noise(donor, target, movers.spreads[donor][index]):
+                continue
+            key = (low_after, movers.ids[donor][index], donor, index)
+            if best is None or key[:2] > best[:2]:
+                best = key
     return None if best is None else [(best[2], best[3], target)]
 
 
 def _best_swap(
     movers: _Movers,
     donors: list[int],
-    holders: list[int],
-    caps: list[float],
+    stages: _Stages,
     target: int,
-    cost: list[float],
     need: float,
+    bars: Mapping[str, frozenset[int]],
 ) -> list[tuple[int, int, int]] | None:
     """The exchange of a donor's peer with one of `target`'s that lifts the lower of the two stages most.
 
     For each peer b of the target, the donor's best partner is again one of the two nearest to where
     the stages' capacities cross, so each donor is one vectorised bisection over the target's peers.
     """
+    caps, cost, holders = stages.caps, stages.cost, stages.holders
     here = movers.speeds[target]
     if holders[target] < 2 or not here:
         return None
@@ -330,12 +400,15 @@ def _best_swap(
         above = np.searchsorted(fast, crossing, side="right")
         inside = np.minimum(above, len(fast) - 1)
         last_equal = np.searchsorted(fast, fast[inside], side="right") - 1
+        # the noise of both whole stages, a little more than after the trade: a swap is the rule's finest step
+        noise = stages.deviations * stages.noise(donor, target)
         for picks, valid in ((np.maximum(above - 1, 0), above > 0), (last_equal, above < len(fast))):
             speed = fast[picks]
             gained = speed * cost[donor] / cost[target]
-            low_after = np.minimum(low_before - slow + gained, caps[donor] - speed + to_donor)
+            left = caps[donor] - speed + to_donor
+            low_after = np.minimum(low_before - slow + gained, left)
             # only a faster peer for the bottleneck can help it
-            ok = valid & (gained > slow) & (low_after - low_before > need * gained)
+            ok = valid & (gained > slow) & (low_after - low_before > need * gained) & (left - low_before > noise)
             if not ok.any():
                 continue
             top = float(low_after[ok].max())
@@ -343,7 +416,10 @@ def _best_swap(
                 continue
             for b in np.flatnonzero(ok & (low_after == top)):
                 a = int(picks[b])
-                key = (top, movers.ids[donor][a], movers.ids[target][b], donor, a, int(b))
+                fast_id, slow_id = movers.ids[donor][a], movers.ids[target][int(b)]
+                if target in bars.get(fast_id, ()) or donor in bars.get(slow_id, ()):
+                    continue
+                key = (top, fast_id, slow_id, donor, a, int(b))
                 if best is None or key[:3] > best[:3]:
                     best = key
     if best is None:

@@ -11,7 +11,8 @@ The rule: a peer looks at the plan every `rebalance_period` seconds times a rand
 peer's first look comes within one period (a factor in [0, 1]), so a swarm started skewed is
 balanced in one. If the plan moves it, a second look 1 to 2 announce periods later must move it
 too: a DHT read that missed a stage, or a passing dip in someone's measured speed, must not send
-a peer away. Only then does it move.
+a peer away. Only then does it move. Once moved, it does not move back to the stage it left within a
+cool-down (`ReturnCooldown`).
 """
 
 from __future__ import annotations
@@ -89,3 +90,24 @@ class RebalanceTiming:
         if self.pending != action:
             last = self.pending or "nothing"
             raise RuntimeError(f"rebalance timing called out of order: the last wait was for {last}")
+
+
+class ReturnCooldown:
+    """The stages a peer may not move back to: each one it left, for `seconds` after it left.
+
+    A move is judged to pay over the rebalance horizon; a move back within it undoes one that was
+    judged so, which only noise or a view missing records could have made look right. The peer passes
+    `barred` to the balance rule, which then moves another peer there, or none. Pure: `now` is given.
+    """
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._left: dict[int, float] = {}  # stage -> when the peer last left it
+
+    def left(self, stage: int, now: float) -> None:
+        """The peer leaves `stage` now."""
+        self._left[stage] = now
+
+    def barred(self, now: float) -> frozenset[int]:
+        """The stages the peer left less than `seconds` ago."""
+        return frozenset(stage for stage, at in self._left.items() if now - at < self.seconds)
