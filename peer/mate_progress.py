@@ -133,8 +133,8 @@ class ProgressExchange:
         """A replica whose parameters differ from most of its mates' at the same step takes their state."""
         machine = self.machine
         step, mine = machine.runtime.version
-        if not machine.serving or machine.resyncing or machine.steps[step].phase != ACCUMULATING:
-            return
+        if not mine or not machine.serving or machine.resyncing or machine.steps[step].phase != ACCUMULATING:
+            return  # (no fingerprint yet: its hash is under way, and compares once done)
         table = {p: fp for p, (s, fp) in self.fingerprints.items() if s == step and p in self.membership.mates}
         if not table:
             return

@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Hashable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -131,7 +131,11 @@ class StageRuntime:
         # must never pair a new step with the previous step's fingerprint
         self.version: tuple[int, str] = (step, parameter_fingerprint(module))
         self.last_round: RoundResult | None = None  # what the latest step summed
+        # after every step, from the thread that hashes the new parameters (see `_fingerprint_step`)
         self.on_step = on_step
+        self.on_stepped: Callable[[int], None] | None = None  # at once after every step, on the runtime thread
+        self._fingerprinter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step-fingerprint")
+        self._fingerprinting: Future | None = None
         self.coordinator: StepCoordinator | None = None  # None: step alone at the target batch
         self.max_staleness = max_staleness
         self.stale_gradients = 0
@@ -241,6 +245,7 @@ class StageRuntime:
         self.requests.stop()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        self._fingerprinter.shutdown(wait=False)
         self.requests.fail_all(RuntimeError("the peer shut down before running this request"))
 
     def measure_throughput(self, sample: list[torch.Tensor]) -> float:
@@ -506,6 +511,7 @@ class StageRuntime:
 
     def _apply_step(self, step: int, result: RoundResult) -> None:
         """Applies the optimizer on what the round summed (or the stage alone accumulated) and moves to step + 1."""
+        self.settle_fingerprint()
         with self.requests.lock:
             self._step_requested = None
         total = result.samples
@@ -534,12 +540,33 @@ class StageRuntime:
             else:
                 apply_accumulated_step(self.module, self.optimizer, total)
             self.samples_stepped += total
-        fingerprint = parameter_fingerprint(self.module)
         self.step += 1
-        self.version = (self.step, fingerprint)
         self.last_round = result
-        if self.on_step is not None:
-            self.on_step(self.step, fingerprint)
+        self.version = (self.step, "")  # its fingerprint follows
+        if self.on_stepped is not None:
+            self.on_stepped(self.step)
+        self._fingerprinting = self._fingerprinter.submit(self._fingerprint_step, self.step)
+
+    def _fingerprint_step(self, step: int) -> None:
+        """Hashes the parameters of a new step off the runtime thread, then tells `on_step`.
+
+        Over a large stage the hash (and on a GPU the copy it reads) takes a good share of a step: here it
+        overlaps the next step's first forwards instead of holding them up. The parameters do not change
+        meanwhile: whatever changes them waits for it first (`settle_fingerprint`)."""
+        try:
+            fingerprint = parameter_fingerprint(self.module)
+            self.version = (step, fingerprint)
+            if self.on_step is not None:
+                self.on_step(step, fingerprint)
+        except Exception:
+            logger.exception(f"Stage {self.module.stage}: the work after step {step} failed")
+
+    def settle_fingerprint(self) -> None:
+        """Waits for the fingerprint of the current step (call before changing the parameters)."""
+        if self._fingerprinting is not None:
+            with contextlib.suppress(Exception):  # a failed hash was logged where it failed
+                self._fingerprinting.result()
+            self._fingerprinting = None
 
     def _gradients_finite(self) -> bool:
         return all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in self.module.parameters())
@@ -551,6 +578,7 @@ class StageRuntime:
                 f"Stage {self.module.stage}: dropping {self.samples_accumulated} accumulated samples of step "
                 f"{self.step} to take a mate's state at step {step}"
             )
+        self.settle_fingerprint()
         self.module.zero_grad(set_to_none=True)
         self.samples_accumulated = 0
         self._loads += 1

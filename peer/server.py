@@ -162,12 +162,18 @@ class Peer:
         if self.metrics is not None:
             self.metrics.host(self.runtime, self.mates)
         self.mates.on_phase = self.handler.notify_step
+        self.runtime.on_stepped = self._on_stepped
         self.mates.refresh_records = self._read_mates
         # a peer unknown to the stage asking for its state may be a new standby holder: a read of every stage shows it
         self.mates.refresh_holders = self._refresh_whole_swarm if self.standbys is not None else None
 
+    def _on_stepped(self, step: int) -> None:
+        """At once after every step, on the runtime thread: forwards waiting for the step go ahead."""
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self.handler.notify_step)
+
     def _on_step(self, step: int, fingerprint: str) -> None:
-        """Runs on the runtime thread after every step (or state taken from a mate)."""
+        """Runs after every step, once its fingerprint is known (or state taken from a mate)."""
         self.mates.on_step(step, fingerprint)
         if self.metrics is not None:
             self.metrics.stepped(self.runtime.last_round)
@@ -188,6 +194,7 @@ class Peer:
         runtime = self.runtime
 
         def nudge() -> None:
+            runtime.settle_fingerprint()
             with torch.no_grad():
                 next(runtime.module.parameters()).add_(1e-3)
             runtime.version = (runtime.step, parameter_fingerprint(runtime.module))
