@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -43,17 +44,23 @@ def _options() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[2, 4, 8, 16], help="mates per stage")
     parser.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES))
-    parser.add_argument("--parameters", type=int, default=2**22, help="gradient size (float32 values)")
+    parser.add_argument("--parameters", type=int, default=2**21, help="gradient size (float32 values)")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds per engine and size")
     parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first (connections, buffers)")
     parser.add_argument("--baseline-ref", default="94d0c98", help="commit whose round is the all-to-all")
     parser.add_argument("--libp2p", action="store_true", help="our rounds over libp2p, not the direct plane")
     parser.add_argument("--bandwidth-mbit", type=float, default=0.0, help="each mate's emulated link (0: none)")
     parser.add_argument("--latency-ms", type=float, default=0.0, help="one-way latency of that link")
-    parser.add_argument("--matchmaking-time", type=float, default=2.0, help="hivemind's min_matchmaking_time")
-    parser.add_argument("--round-timeout", type=float, default=120.0, help="seconds a round may wait for a mate")
-    parser.add_argument("--size-timeout", type=float, default=900.0, help="seconds one engine at one size may take")
+    parser.add_argument(
+        "--matchmaking-time",
+        type=float,
+        default=5.0,
+        help="hivemind's min_matchmaking_time (a full group starts at once)",
+    )
+    parser.add_argument("--round-timeout", type=float, default=60.0, help="seconds a round may wait for a mate")
+    parser.add_argument("--size-timeout", type=float, default=600.0, help="seconds one engine at one size may take")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--trace", action="store_true", help="the mates log every stream, with times")
     parser.add_argument("--log-dir", type=Path, default=None, help="the mates' logs (default: a temporary folder)")
     args = parser.parse_args()
     if min(args.sizes) < 2 or args.rounds < 1 or args.parameters < 1:
@@ -89,13 +96,16 @@ def must_show(engines: dict[str, dict]) -> dict:
 
 def main() -> None:
     args = _options()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # the mates of the group under way end too
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="bench-averaging-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     environments = _environments(args)
     extra = ["--round-timeout", str(args.round_timeout), "--matchmaking-time", str(args.matchmaking_time)]
     extra += ["--bandwidth-mbit", str(args.bandwidth_mbit), "--latency-ms", str(args.latency_ms)]
     extra += ["--libp2p"] if args.libp2p else []
+    extra += ["--log-level", "DEBUG"] if args.trace else []
     engines: dict[str, dict] = {name: {} for name in args.engines}
+    load_before = os.getloadavg()[0]
     for size in args.sizes:  # sizes outside, engines inside: drift in the machine's load touches all alike
         for name in args.engines:
             spec = GroupSpec(
@@ -130,6 +140,8 @@ def main() -> None:
         "baseline_ref": args.baseline_ref,
         "head": head.stdout.strip(),
         "cpus": os.cpu_count(),
+        # other work on the machine slows every engine: the 1-minute load average at the start and the end
+        "load_average": [round(load_before, 1), round(os.getloadavg()[0], 1)],
         "engines": engines,
         "must_show": must_show(engines),
         "log_dir": str(log_dir),

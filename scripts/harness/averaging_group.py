@@ -74,10 +74,10 @@ class Mate:
         self.process.stdin.write(json.dumps(command) + "\n")
         self.process.stdin.flush()
 
-    def end(self) -> None:
-        """Waits a little for the mate to leave, then ends its whole process group."""
+    def end(self, until: float) -> None:
+        """Waits until `until` for the mate to leave, then ends its whole process group (its DHT node included)."""
         try:
-            self.process.wait(30)
+            self.process.wait(max(0.1, until - time.monotonic()))
         except subprocess.TimeoutExpired:
             pass
         try:
@@ -87,6 +87,18 @@ class Mate:
         self.process.wait()
         if self.stderr is not subprocess.DEVNULL:
             self.stderr.close()
+
+
+def end_all(mates: list[Mate], grace: float = 20.0) -> None:
+    """Ends every mate: EOF on its stdin (a mate between rounds leaves), then its process group after `grace`."""
+    for mate in mates:
+        try:
+            mate.process.stdin.close()
+        except OSError:
+            pass
+    until = time.monotonic() + grace
+    for mate in mates:
+        mate.end(until)
 
 
 def hear_all(mates: list[Mate], said: queue.Queue, key: str, until: float) -> list[dict]:
@@ -148,8 +160,7 @@ def run_group(spec: GroupSpec) -> dict:
     except (RuntimeError, OSError) as e:
         return {"error": str(e), "rounds_done": len(rounds), "seconds": round(time.monotonic() - started, 1)}
     finally:
-        for mate in mates:
-            mate.end()
+        end_all(mates)
     return summarize(spec, rounds[spec.warmup :], peaks, setup_s, expected_digest(spec))
 
 

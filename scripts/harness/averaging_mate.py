@@ -26,10 +26,12 @@ import argparse
 import asyncio
 import hashlib
 import json
+import logging
 import os
 import sys
 import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -41,6 +43,8 @@ from harness.counted_streams import (
     Traffic,
     count_hivemind_streams,
 )
+
+logger = logging.getLogger("harness.averaging_mate")  # run as __main__: named as the module
 
 PROTOCOL_PREFIX = "@@ "  # the lines meant for the starter; anything else on stdout is ignored
 RUN_ID = "bench-averaging"
@@ -195,6 +199,8 @@ class SwarmEngine:
         held = {(TRAINER, first + i): args.microbatch_samples for i in range(args.microbatches)}
         step, dropped = runtime.step, self.mates.dropped_members
         result = self.mates.average(step, gradient, held)
+        if isinstance(result, Future):  # a round that runs while the runtime goes on serving
+            result = result.result()
         fingerprint = runtime.fingerprint
         runtime.step = step + 1
         runtime.version = (step + 1, fingerprint)
@@ -242,7 +248,7 @@ class HivemindEngine:
             target_group_size=args.mates,
             min_group_size=args.mates,
             min_matchmaking_time=args.matchmaking_time,
-            request_timeout=min(3.0, args.matchmaking_time / 2),
+            request_timeout=min(3.0, args.matchmaking_time / 2),  # hivemind's defaults: 5 s and 3 s
             start=True,
         )
 
@@ -251,7 +257,12 @@ class HivemindEngine:
         with self.averager.get_tensors() as tensors:
             tensors[0].copy_(gradient)
         samples = args.microbatches * args.microbatch_samples
-        gathered = self.averager.step(weight=float(samples), timeout=args.round_timeout)
+        control = self.averager.step(weight=float(samples), timeout=args.round_timeout, wait=False)
+        try:  # hivemind's timeout bounds the search for a group only: the round as a whole is bounded here
+            gathered = control.result(args.round_timeout + 10)
+        except Exception as e:
+            control.cancel()
+            return None, {"failed": True, "error": f"{type(e).__name__}: {e}"}
         if gathered is None:
             return None, {"failed": True}
         with self.averager.get_tensors() as tensors:
@@ -291,15 +302,19 @@ def _options() -> argparse.Namespace:
     parser.add_argument("--microbatch-samples", type=int, default=8)
     parser.add_argument("--round-timeout", type=float, default=120.0)
     parser.add_argument("--setup-timeout", type=float, default=180.0)
-    parser.add_argument("--matchmaking-time", type=float, default=2.0, help="hivemind: min_matchmaking_time")
+    parser.add_argument("--matchmaking-time", type=float, default=5.0, help="hivemind: min_matchmaking_time")
     parser.add_argument("--libp2p", action="store_true", help="swarm: no direct plane, every call over libp2p")
     parser.add_argument("--bandwidth-mbit", type=float, default=0.0, help="emulated interface (0: unshaped)")
     parser.add_argument("--latency-ms", type=float, default=0.0)
+    parser.add_argument("--log-level", default="INFO", help="of this process's log (its stderr)")
     return parser.parse_args()
 
 
 def main() -> None:
     args = _options()
+    logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    for name in ("swarm", "harness"):
+        logging.getLogger(name).setLevel(args.log_level)
     from swarm.net.dht_node import TetheredDHT
     from swarm.process.allocator import keep_large_buffers
 
@@ -337,7 +352,9 @@ def _one_round(engine, traffic: Traffic, gradient: torch.Tensor, index: int, at:
     traffic.first_watched_at = 0.0
     time.sleep(max(0.0, at - time.time()))
     try:
+        logger.debug(f"round {index} starts")
         total, extra = engine.round(index, gradient)
+        logger.debug(f"round {index} ends")
     except Exception as e:
         total, extra = None, {"failed": True, "error": f"{type(e).__name__}: {e}"}
     seconds = time.time() - at

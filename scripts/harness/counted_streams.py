@@ -19,9 +19,12 @@ overlap, which makes this an approximation of a link, not a model of TCP.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
+
+logger = logging.getLogger(__name__)  # at DEBUG: every stream opened and served, with its protocol
 
 NIC = "interface"  # the one key of the shaper: every peer's bytes share this process's interface
 
@@ -152,7 +155,9 @@ def counted_handler(handler, traffic: Traffic, shaper: Shaper | None):
 
     async def counted(info, reader, writer) -> None:
         stream = CountedStream(reader, writer, traffic, shaper)
+        logger.debug(f"serving {getattr(info, 'proto', '?')} from {str(info.peer_id)[-6:]}")
         await handler(info, stream, stream)
+        logger.debug(f"served {getattr(info, 'proto', '?')} from {str(info.peer_id)[-6:]}")
 
     return counted
 
@@ -165,6 +170,7 @@ class CountedNetwork:
 
     async def call_binary_stream_handler(self, peer_id, protocol: str):
         self._traffic.opened(protocol)
+        logger.debug(f"calling {protocol} on {str(peer_id)[-6:]}")
         info, reader, writer = await self._network.call_binary_stream_handler(peer_id, protocol)
         stream = CountedStream(reader, writer, self._traffic, self._shaper)
         return info, stream, stream
