@@ -165,7 +165,7 @@ class Rebalancing:
             await asyncio.sleep(wait.seconds)
             if wait.action == LOOK:
                 mine = await self.planned_move() if peer.state == SERVING else None
-                wait = timing.looked(mine is not None)
+                wait = timing.looked(mine is not None, settled=self.held.ready() or peer.state != SERVING)
                 continue
             # the second look: its target may differ, as where a plan sends each mover shifts with small
             # changes of speed; that it moves does not

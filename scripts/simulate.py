@@ -31,6 +31,17 @@ What is modelled:
   is re-queued after a backoff, as the real trainer does (which stops training when a call runs
   out of attempts after its stage has completed no call for `stage_wait_timeout`; the simulation
   counts how often that would have happened instead).
+- Noisy measurements and lapsing records (`simulation.view_faults`): `--announce-noise` puts a
+  uniform relative error on every announced throughput; `--lapse-rate` and `--stage-lapse-rate`
+  make a peer's record, or a whole stage's, vanish from the view for about `--lapse-seconds` while
+  the peers live. The balance rule reads the view as the real peer does, through
+  `swarm.policy.held_records` (lapsed records held for a grace period, each peer's spread measured
+  from its renewals) with its guards: `--deviations`, `--hold`, `--cooldown` (`--old-rule`: none).
+- Averaging (`simulation.averaging`, with `--target-batch-size`): each peer has a link (bandwidth in
+  `--link-mbit`, one-way latency in `--latency-ms`); when a stage's peers have run a step's samples,
+  its mates run a reduce-scatter round, 4 latencies plus 2 (n-1)/n gradients (4 bytes per
+  parameter, `--stage-params`) over the slowest mate's link plus the sum, serving nothing meanwhile
+  (`--serve-during-rounds`: serving on, held only when a round outlasts a step).
 - Rebalancing, as the real peer does it, timed by its own `swarm.policy.rebalance_timing`: every
   `--rebalance-period` seconds times a random factor in [0.5, 1.5] (the first time in [0, 1], so a
   whole plan is carried out within one period), a serving peer computes `plan_moves` on the current
@@ -56,8 +67,8 @@ What is modelled:
   together. An instance preempted before it has picked a stage never joins. The count at time 0
   is the starting layout.
 
-What is not modelled: network transfers and latency (a call costs only its compute), optimizer
-steps and averaging between stage-mates (no pause per step), stale gradients, a peer merging
+What is not modelled: network transfers and latency of calls (a call costs only its compute; links
+carry only the averaging rounds), the optimizer step itself, stale gradients, a peer merging
 queued calls into one batch (total work is the same), partial failures other than a peer
 vanishing, the time a moving peer takes to hand over its gradients and build the new stage
 (part of `--move-seconds`), and DHT read delays beyond the announce period.
@@ -80,7 +91,10 @@ Reported per scenario (the steady state is the last half of the windows):
 `steady_state_fraction_of_ideal` (mean assignment / ideal), `measured_fraction_of_ideal` (from
 samples completed), `measured_fraction_of_capacity` (samples completed against the assignment in
 force), `time_to_90pct_s` (first window at 0.9 of ideal), `moves`, `moves_per_peer_hour`,
-`oscillations` (a peer moving back to a stage it left less than 5 minutes before),
+`oscillations` (a peer moving back to a stage it left less than 15 minutes before, longer than the
+600 s cool-down; `moves_back`: returns at any time; `returns_within_cooldown`), `record_lapses`,
+`averaging` (rounds, mates, seconds per round and per step, MB per peer per round, and the share of a
+step spent averaging),
 `empty_stage_seconds`, how often a stage lost its last serving peer (`stage_emptied_by_move`:
 a move the view itself allowed no room for; `_by_stale_move`: the view showed another serving
 peer that had vanished; `_by_churn`: a preemption), failed calls by kind, and the wall time. The
@@ -239,6 +253,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="MIN,MAX: each peer's one-way latency, ms, drawn uniformly",
     )
     p.add_argument(
+        "--serve-during-rounds",
+        action="store_true",
+        help="stage-mates serve on while their round runs, held only when a step comes due before the round "
+        "before it is over (the round as being redesigned), instead of serving nothing through it",
+    )
+    p.add_argument(
         "--target-at-decision",
         action="store_true",
         help="a moving peer announces JOINING on its target as soon as it decides to move, not once it has "
@@ -309,6 +329,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         cooldown=0.0 if args.old_rule else args.cooldown,
         target_batch_size=args.target_batch_size,
         stage_params=args.stage_params,
+        serve_during_rounds=args.serve_during_rounds,
         link_mbit_min=_pair(args.link_mbit, "--link-mbit")[0],
         link_mbit_max=_pair(args.link_mbit, "--link-mbit")[1],
         latency_ms_min=_pair(args.latency_ms, "--latency-ms")[0],

@@ -114,3 +114,11 @@ def test_a_peer_may_not_return_to_a_stage_within_the_cool_down():
     assert cooldown.barred(300.0) == {0, 3}
     assert cooldown.barred(700.0) == {3}
     assert cooldown.barred(850.0) == frozenset()
+
+
+def test_a_look_at_a_view_not_yet_settled_is_taken_again_within_two_announce_periods():
+    machine, rng = timing(seed=4), random.Random(4)
+    assert machine.start().seconds == PERIOD * rng.uniform(0, 1)
+    again = machine.looked(moves=False, settled=False)
+    assert again == Wait(LOOK, rng.uniform(1, 2) * ANNOUNCE)
+    assert machine.looked(moves=True).action == CONFIRM

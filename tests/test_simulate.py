@@ -277,6 +277,10 @@ def test_averaging_costs_what_a_reduce_scatter_round_takes():
     assert small_steps["averaging"]["averaging_share"] > large_steps["averaging"]["averaging_share"]
     assert small_steps["measured_fraction_of_ideal"] < large_steps["measured_fraction_of_ideal"]
     assert large_steps["measured_fraction_of_ideal"] < free["measured_fraction_of_ideal"]
+    # mates that serve on through their round are held only where a round outlasts a step
+    through = sim.run_scenario(replace(base, target_batch_size=256, serve_during_rounds=True))
+    assert through["averaging"]["held_share"] < small_steps["averaging"]["held_share"]
+    assert through["measured_fraction_of_ideal"] > small_steps["measured_fraction_of_ideal"]
 
 
 def test_command_line_models_noise_lapses_and_averaging():
@@ -294,6 +298,6 @@ def test_command_line_models_noise_lapses_and_averaging():
     assert report["config"]["announce_noise"] == 0.2 and report["config"]["link_mbit_max"] == 500.0
     assert report["record_lapses"]["peer"] > 0 and report["averaging"]["rounds"] > 0
     refused = subprocess.run(
-        [sys.executable, str(SCRIPT), "--link-mbit", "500,50", "--quiet"], capture_output=True, text=True, timeout=60
+        [sys.executable, str(SCRIPT), "--link-mbit", "500,50", "--quiet"], capture_output=True, text=True, timeout=120
     )
     assert refused.returncode == 2 and "--link-mbit" in refused.stderr

@@ -16,6 +16,10 @@ bandwidth and one-way latency drawn uniformly in the scenario's ranges.
 As in the round today, a mate serves nothing while its stage averages: it finishes the call it is
 running, the round starts once every mate has (the slowest decides), and none of them starts a
 queued call until the round is over. A round that comes due while one runs starts after it.
+With `serve_during_rounds` (what item 2 of the round's redesign builds: forwards and backwards of
+the next step flow while a round runs, the sum off the event loop), a mate keeps serving through
+its stage's round, and waits only when a step comes due while the previous round still runs (one
+step of overlap, as `--overlap-steps`): the round then costs time only where it is longer than a step.
 """
 
 from __future__ import annotations
@@ -65,8 +69,8 @@ class AveragingModel:
         self.links: dict[str, Link] = {}
         self.accumulated = [0] * len(costs)
         self.round_end = [0.0] * len(costs)
-        # (start, seconds, mates, bytes per peer) of every round, per stage
-        self.rounds: list[list[tuple[float, float, int, float]]] = [[] for _ in costs]
+        # (start, seconds, mates, bytes per peer, seconds its mates were held from serving) of every round
+        self.rounds: list[list[tuple[float, float, int, float, float]]] = [[] for _ in costs]
 
     @property
     def enabled(self) -> bool:
@@ -96,13 +100,19 @@ class AveragingModel:
         links = [self.link(p.peer_id) for p in mates]
         seconds = round_seconds(self.gradient_bytes[stage], links)
         # it starts once every mate has finished its running call, and after the stage's round before
-        start = max([now, self.round_end[stage], *(p.busy_until for p in mates if p.running is not None)])
+        if self.config.serve_during_rounds:
+            start = max(now, self.round_end[stage])
+            held_until = start  # serving on through the round; held only while the round before runs
+        else:
+            start = max([now, self.round_end[stage], *(p.busy_until for p in mates if p.running is not None)])
+            held_until = start + seconds
         end = start + seconds
         self.round_end[stage] = end
         n = len(mates)
-        self.rounds[stage].append((start, seconds, n, 2 * (n - 1) / n * self.gradient_bytes[stage] if n else 0.0))
+        held = held_until - now
+        self.rounds[stage].append((start, seconds, n, 2 * (n - 1) / n * self.gradient_bytes[stage] if n else 0.0, held))
         for p in mates:
-            p.averaging_until = max(p.averaging_until, end)
+            p.averaging_until = max(p.averaging_until, held_until)
         return end
 
     def report(self, since: float, until: float) -> dict:
@@ -111,6 +121,7 @@ class AveragingModel:
         every = [r for found in steady for r in found]
         span = max(until - since, 1e-9)
         shares = [sum(r[1] for r in found) / span for found in steady]
+        held = [sum(r[4] for r in found) / span for found in steady]
         steps = [span / len(found) for found in steady if found]
 
         def mean(values: list[float]) -> float | None:
@@ -129,4 +140,7 @@ class AveragingModel:
             # and the stage where it is largest
             "averaging_share": mean(shares),
             "averaging_share_max": round(max(shares), 4) if shares else None,
+            # the share of time the mates served nothing for it (all of the round's unless serving through it)
+            "held_share": mean(held),
+            "serve_during_rounds": self.config.serve_during_rounds,
         }

@@ -32,6 +32,11 @@ class BalanceView:
         self._plan: dict[str, Move] | None = None
         self._own: dict[str, Move | None] = {}
 
+    @property
+    def ready(self) -> bool:
+        """Whether the view rests on enough reads to plan on (`HeldRecords.ready`)."""
+        return self.held.ready()
+
     def changed(self) -> None:
         """The view changed: plans are computed afresh."""
         self._raw = self._loads = self._plan = None

@@ -418,7 +418,7 @@ class Simulation:
         if not peer.alive or token != peer.check_token or peer.state != SIM_SERVING:
             return
         move = self._planned_move(peer)
-        wait = peer.timing.looked(move is not None)
+        wait = peer.timing.looked(move is not None, settled=self.balance.ready)
         if wait.action == LOOK:
             self._schedule_check(peer, wait)
             return

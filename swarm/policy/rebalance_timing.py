@@ -59,12 +59,18 @@ class RebalanceTiming:
         self._expect(None)
         return self._look()
 
-    def looked(self, moves: bool) -> Wait:
-        """After a look: whether the plan moves this peer (False too for a look skipped, as while not serving)."""
+    def looked(self, moves: bool, settled: bool = True) -> Wait:
+        """After a look: whether the plan moves this peer (False too for a look skipped, as while not serving).
+
+        `settled` False: the view did not yet rest on enough reads to plan on (`HeldRecords.ready`), so the
+        peer looks again 1 to 2 announce periods later rather than a period later.
+        """
         self._expect(LOOK)
+        low, high = CONFIRM_ANNOUNCE_PERIODS
+        if not settled:
+            return self._next(LOOK, self.rng.uniform(low, high) * self.announce_period)
         if not moves:
             return self._look()
-        low, high = CONFIRM_ANNOUNCE_PERIODS
         return self._next(CONFIRM, self.rng.uniform(low, high) * self.announce_period)
 
     def confirmed(self, moves: bool) -> Wait:
