@@ -37,6 +37,13 @@ STAGE_TALLIES: list[tuple[str, str, Callable[[StageRuntime, StageMates], int]]] 
     ("swarm_peer_divergences", "times this replica's parameters differed from its mates'", lambda r, m: m.divergences),
     ("swarm_peer_resyncs", "times this peer took a mate's state", lambda r, m: m.resyncs),
     (
+        "swarm_peer_failed_rounds",
+        "averaging rounds no member could sum: retried without the dead",
+        lambda r, m: m.failed_rounds,
+    ),
+    ("swarm_peer_round_bytes_sent", "gradient bytes sent in averaging rounds", lambda r, m: m.round_bytes[0]),
+    ("swarm_peer_round_bytes_received", "gradient bytes received in averaging rounds", lambda r, m: m.round_bytes[1]),
+    (
         "swarm_peer_refused_mate_messages",
         "stage-mate messages refused: no signed record puts the sender on this stage",
         lambda r, m: m.refused_outsiders,

@@ -53,6 +53,9 @@ PEER_METRICS = {
     "swarm_peer_samples_doubled_total": "counter",
     "swarm_peer_divergences_total": "counter",
     "swarm_peer_resyncs_total": "counter",
+    "swarm_peer_failed_rounds_total": "counter",
+    "swarm_peer_round_bytes_sent_total": "counter",
+    "swarm_peer_round_bytes_received_total": "counter",
     "swarm_peer_refused_mate_messages_total": "counter",
 }
 TRAINER_METRICS = {
