@@ -1,5 +1,6 @@
 """The TLS alternatives to the direct plane's sealed frames, measured as `scripts/bench_transport.py` measures
-the direct plane: the median echo of a tensor's bytes, in GB/s (2 x size / round trip). Prints one JSON object.
+the direct plane: the echo of a tensor's bytes in GB/s (2 x size / round trip), and the CPU both ends spent on
+it. Prints one JSON object.
 
 Four echo servers run in one child process, each answering a 4 MiB message (sent as 512 KiB pieces, as the
 wire cuts tensors) with the same bytes:
@@ -107,29 +108,29 @@ async def _serve(connection, client_cert: bytes) -> None:
         server = await asyncio.start_server(_tcp_echo, "127.0.0.1", 0, ssl=tls, limit=2**22)
         ports[name] = server.sockets[0].getsockname()[1]
     connection.send((ports, server_cert))
-    await asyncio.get_running_loop().run_in_executor(None, connection.recv)
+    await asyncio.get_running_loop().run_in_executor(None, _answer, connection)
     for server in servers:
         await server.stop(None)
+
+
+def _answer(connection) -> None:
+    """Tells the client this process's CPU seconds so far, whenever it asks, until it says stop."""
+    while connection.recv() == "cpu":
+        connection.send(time.process_time())
 
 
 def serve(connection, client_cert: bytes) -> None:
     asyncio.run(_serve(connection, client_cert))
 
 
-async def _median_gbps(call, size: int, repeats: int) -> float:
-    await call()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        await call()
-        times.append(time.perf_counter() - started)
-    return round(2 * size / statistics.median(times) / 1e9, 3)
-
-
-async def _measure(ports: dict, server_cert: bytes, client: tuple[bytes, bytes], size: int, repeats: int) -> dict:
+async def _measure(
+    ports: dict, server_cert: bytes, client: tuple[bytes, bytes], size: int, repeats: int, server_cpu
+) -> dict:
+    """Per path, the paths taking turns (one echo each per round): GB/s of the median and the fastest round,
+    and the CPU both processes spent per round trip (`server_cpu()`: the server's CPU seconds so far)."""
     data = bytes(size)
     pieces = [memoryview(data)[i : i + PIECE] for i in range(0, size, PIECE)]
-    results = {}
+    calls, channels, writers = {}, [], []
     for name in ("grpc_mtls", "grpc_insecure"):
         address = f"localhost:{ports[name]}"
         if name == "grpc_mtls":
@@ -137,6 +138,7 @@ async def _measure(ports: dict, server_cert: bytes, client: tuple[bytes, bytes],
             channel = grpc.aio.secure_channel(address, credentials, options=GRPC_OPTIONS)
         else:
             channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+        channels.append(channel)
         stream = channel.stream_stream(ECHO_METHOD)
 
         async def grpc_call(stream=stream) -> None:
@@ -145,12 +147,12 @@ async def _measure(ports: dict, server_cert: bytes, client: tuple[bytes, bytes],
                 got += len(piece)
             assert got == size
 
-        results[name] = await _median_gbps(grpc_call, size, repeats)
-        await channel.close()
+        calls[name] = grpc_call
     context = ssl.create_default_context()
     context.check_hostname, context.verify_mode = False, ssl.CERT_NONE  # throughput only: the key is not checked
     for name, tls in (("asyncio_tls", context), ("asyncio_tcp", None)):
         reader, writer = await asyncio.open_connection("127.0.0.1", ports[name], ssl=tls, limit=2**22)
+        writers.append(writer)
 
         async def tcp_call(reader=reader, writer=writer) -> None:
             writer.write(size.to_bytes(8, "big"))
@@ -160,9 +162,31 @@ async def _measure(ports: dict, server_cert: bytes, client: tuple[bytes, bytes],
             length = int.from_bytes(await reader.readexactly(8), "big")
             await reader.readexactly(length)
 
-        results[name] = await _median_gbps(tcp_call, size, repeats)
+        calls[name] = tcp_call
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    cpu: dict[str, list[float]] = {name: [] for name in calls}
+    for call in calls.values():
+        await call()  # warm-up
+    for _ in range(repeats):
+        for name, call in calls.items():
+            cpu_before = time.process_time() + server_cpu()
+            started = time.perf_counter()
+            await call()
+            times[name].append(time.perf_counter() - started)
+            cpu[name].append(time.process_time() + server_cpu() - cpu_before)
+    for channel in channels:
+        await channel.close()
+    for writer in writers:
         writer.close()
-    return results
+    return {
+        name: {
+            "gb_per_s": round(2 * size / statistics.median(spent) / 1e9, 3),
+            "best_gb_per_s": round(2 * size / min(spent) / 1e9, 3),
+            "cpu_ms": round(statistics.median(cpu[name]) * 1e3, 2),
+            "cpu_bound_gb_per_s": round(2 * size / statistics.median(cpu[name]) / 1e9, 3),
+        }
+        for name, spent in times.items()
+    }
 
 
 def measure(size_mib: int = 4, repeats: int = 20) -> dict:
@@ -176,7 +200,12 @@ def measure(size_mib: int = 4, repeats: int = 20) -> dict:
         if not ours.poll(60):
             raise SystemExit("the TLS echo servers did not start within 60 s")
         ports, server_cert = ours.recv()
-        return asyncio.run(_measure(ports, server_cert, client, size_mib * 2**20, repeats))
+
+        def server_cpu() -> float:
+            ours.send("cpu")
+            return ours.recv()
+
+        return asyncio.run(_measure(ports, server_cert, client, size_mib * 2**20, repeats, server_cpu))
     finally:
         ours.send("stop")
         server.join(10)
@@ -189,4 +218,4 @@ if __name__ == "__main__":
     parser.add_argument("--size-mib", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=20)
     options = parser.parse_args()
-    print(json.dumps({"size_mib": options.size_mib, "gb_per_s": measure(options.size_mib, options.repeats)}))
+    print(json.dumps({"size_mib": options.size_mib, "paths": measure(options.size_mib, options.repeats)}))

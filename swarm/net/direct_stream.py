@@ -8,9 +8,9 @@ read (a frame), the kernel writes the frame's bytes straight into the bytearray 
 Small reads (handshakes, frame headers) go through a small buffer as before.
 
 Once its handshake is done, a connection is sealed (`seal`, `swarm.net.frame_cipher`): every write goes out
-encrypted and authenticated, and what arrives is opened before any reader sees it. A large sealed frame is
-received into a buffer of its own and opened straight into the buffer of the large read waiting for it, so
-sealing costs one pass of AES-GCM over the bytes and no copy more.
+encrypted and authenticated, and what arrives is opened before any reader sees it. Each sealed frame is
+received into a buffer of its own and kept sealed until a read wants it, then opened into that read's buffer
+where the read is large: sealing costs one pass of AES-GCM over the bytes each way and no copy more.
 
 It offers what the swarm's handlers and call helpers use of a StreamReader and a StreamWriter
 (`readexactly`, `read`, `write`, `drain`, `close`, `get_extra_info`), so one object serves as both.
@@ -22,7 +22,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from swarm.net.frame_cipher import LENGTH_BYTES, TAG_BYTES, FrameOpener, FrameSealer, FrameTampered, TrafficKeys
+from swarm.net.frame_cipher import FrameSealer, FrameTampered, SealedReader, TrafficKeys
 
 DIRECT_READ_BYTES = 64 * 1024  # reads at least this large go straight into their own buffer
 SCRATCH_BYTES = 256 * 1024  # what the kernel may hand over at once outside such a read
@@ -47,16 +47,9 @@ class DirectStream(asyncio.BufferedProtocol):
         self._paused_reading = False
         self._writable: asyncio.Future | None = None  # a drain waiting for the transport to take more
         self._closed: asyncio.Future | None = None
-        # once sealed: the ciphers of both directions, and the sealed frame being received
+        # once sealed: the ciphers of both directions
         self._sealer: FrameSealer | None = None
-        self._opener: FrameOpener | None = None
-        self._head = bytearray()  # the length before the sealed frame being received, as it comes in
-        self._sealed: bytearray | None = None  # that frame, once its length is known
-        self._sealed_filled = 0
-        self._into_sealed = False  # whether the transport was last handed `_sealed`
-        # after a large sealed frame, the next one's length is read alone: most often it starts another large
-        # one, whose bytes then go straight into its own buffer rather than through the scratch
-        self._head_alone = False
+        self._unsealer: SealedReader | None = None
         self._tampered: FrameTampered | None = None
         # what the handshake agreed on for shared memory (`swarm.net.shared_memory.SharedMemoryLink`), if any
         self.shared: Any = None
@@ -71,30 +64,19 @@ class DirectStream(asyncio.BufferedProtocol):
             self.task = loop.create_task(self._serve(self))
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        if self._opener is not None:
-            # the rest of a large sealed frame goes straight into its own buffer; the rest through the scratch
-            sealed = self._sealed
-            self._into_sealed = sealed is not None and len(sealed) - self._sealed_filled >= DIRECT_READ_BYTES
-            if self._into_sealed:
-                return memoryview(sealed)[self._sealed_filled :]
-            if sealed is None and self._head_alone:
-                return memoryview(self._scratch)[: LENGTH_BYTES - len(self._head)]
-            return memoryview(self._scratch)
+        if self._unsealer is not None:  # sealed frames arrive in buffers of their own
+            return self._unsealer.receive_buffer()
         # a full target may not have been taken by its reader yet: what comes after it is buffered
         self._into_target = self._target is not None and self._filled < len(self._target)
         return memoryview(self._target)[self._filled :] if self._into_target else memoryview(self._scratch)
 
     def buffer_updated(self, nbytes: int) -> None:
-        if self._opener is not None:
+        if self._unsealer is not None:
             if self._tampered is not None:
                 return
             try:
-                if self._into_sealed:
-                    self._sealed_filled += nbytes
-                    if self._sealed_filled == len(self._sealed):
-                        self._open_sealed()
-                else:
-                    self._take_sealed(memoryview(self._scratch)[:nbytes])
+                self._unsealer.received(nbytes)
+                self._deliver()
             except FrameTampered as e:
                 self._fail(e)
             return
@@ -118,64 +100,50 @@ class DirectStream(asyncio.BufferedProtocol):
     def seal(self, keys: TrafficKeys) -> None:
         """From now on, writes go out sealed with `keys.send` and what arrives is opened with `keys.receive`.
         Called right after the handshake: anything already received past it is sealed too."""
-        self._sealer, self._opener = FrameSealer(keys.send), FrameOpener(keys.receive)
+        self._sealer, self._unsealer = FrameSealer(keys.send), SealedReader(keys.receive)
         early = bytes(self._buffered)
         self._buffered.clear()
         try:
-            self._take_sealed(memoryview(early))
+            self._unsealer.feed(memoryview(early))
         except FrameTampered as e:
             self._fail(e)
+        self._wake()
 
     @property
     def tampered(self) -> FrameTampered | None:
         """Why the connection was cut, if a sealed frame failed to open."""
         return self._tampered
 
-    def _take_sealed(self, data: memoryview) -> None:
-        """Sorts received bytes into sealed frames, opening each as it completes."""
-        while data:
-            if self._sealed is None:
-                take = LENGTH_BYTES - len(self._head)
-                self._head += data[:take]
-                data = data[take:]
-                if len(self._head) == LENGTH_BYTES:
-                    self._sealed, self._sealed_filled = bytearray(FrameOpener.sealed_length(self._head)), 0
-                    self._head_alone = False
-                continue
-            take = min(len(data), len(self._sealed) - self._sealed_filled)
-            self._sealed[self._sealed_filled : self._sealed_filled + take] = data[:take]
-            self._sealed_filled += take
-            data = data[take:]
-            if self._sealed_filled == len(self._sealed):
-                self._open_sealed()
+    def _deliver(self) -> None:
+        """Opens the sealed frames received whole straight into the large read waiting for them, if any, and
+        wakes the reader when it has something; the rest wait, sealed, until a read wants them (opened
+        then, into that read's buffer where it is large). FrameTampered if one fails to open."""
+        target, unsealer = self._target, self._unsealer
+        while target is not None and self._filled < len(target) and unsealer.pending:
+            # the buffer is empty while a large read waits: what the read has no room for goes there
+            self._filled += unsealer.open_next_into(memoryview(target)[self._filled :], self._buffered)
+        waiting = unsealer.pending_bytes + len(self._buffered)
+        if waiting > MAX_BUFFERED and not self._paused_reading and self._transport is not None:
+            self._paused_reading = True
+            self._transport.pause_reading()
+        if target is None or self._filled == len(target):
+            self._wake()
 
-    def _open_sealed(self) -> None:
-        """Opens the sealed frame just received: into the large read waiting for it where it fits, else into
-        the buffer (the part of it such a read still needs first)."""
-        head, sealed = bytes(self._head), self._sealed
-        self._head.clear()
-        self._sealed, self._into_sealed = None, False
-        size = len(sealed) - TAG_BYTES
-        self._head_alone = size >= DIRECT_READ_BYTES
-        target = self._target
-        if target is not None and self._filled + size <= len(target):
-            self._opener.open_into(head, sealed, memoryview(target)[self._filled : self._filled + size])
-            self._filled += size
-            if self._filled == len(target):
-                self._wake()
-            return
-        plain = self._opener.open(head, sealed)
-        if target is not None and self._filled < len(target):  # the buffer is empty while a large read waits
-            take = len(target) - self._filled
-            target[self._filled :] = plain[:take]
-            self._filled = len(target)
-            plain = plain[take:]
-        self._buffer(plain)
+    def _unseal_next(self) -> bool:
+        """Opens the next sealed frame received into the buffer; whether there was one. FrameTampered (the
+        connection then cut) if it fails to open."""
+        if self._unsealer is None or not self._unsealer.pending:
+            return False
+        try:
+            self._buffered += self._unsealer.open_next()
+        except FrameTampered as e:
+            self._fail(e)
+            raise
+        return True
 
     def _fail(self, error: FrameTampered) -> None:
         """A sealed frame that does not open: the connection ends, and its readers and writers get `error`."""
         self._tampered = error
-        self._sealed = None
         if self._transport is not None:
             self._transport.abort()
         self._wake()
@@ -233,6 +201,8 @@ class DirectStream(asyncio.BufferedProtocol):
         if n >= DIRECT_READ_BYTES and len(self._buffered) < n:
             return await self._read_into_own_buffer(n)
         while len(self._buffered) < n:
+            if self._unseal_next():
+                continue
             if self._tampered is not None:
                 raise self._tampered
             if self._eof:
@@ -251,6 +221,12 @@ class DirectStream(asyncio.BufferedProtocol):
         self._buffered.clear()
         self._target, self._filled = target, have
         try:
+            if self._unsealer is not None:
+                try:
+                    self._deliver()  # the sealed frames that came before the read
+                except FrameTampered as e:
+                    self._fail(e)
+                    raise
             while self._filled < n:
                 if self._tampered is not None:
                     raise self._tampered
@@ -263,14 +239,17 @@ class DirectStream(asyncio.BufferedProtocol):
 
     async def read(self, n: int = -1) -> bytes:
         """Up to `n` bytes (all until the end if n < 0) once any are there; b"" at the end of the stream."""
-        while not self._buffered and not self._eof:
-            await self._wait()
         if n < 0:
             while not self._eof:
                 await self._wait()
-        if self._tampered is not None:
-            raise self._tampered
+            while self._unseal_next():
+                pass
             n = len(self._buffered)
+        else:
+            while not self._buffered and not self._unseal_next() and not self._eof:
+                await self._wait()
+        if not self._buffered and self._tampered is not None:
+            raise self._tampered
         data = bytes(memoryview(self._buffered)[:n])
         del self._buffered[:n]
         return data
@@ -284,8 +263,7 @@ class DirectStream(asyncio.BufferedProtocol):
         if self._sealer is None:
             self._transport.write(data)
             return
-        for frame in self._sealer.seal(data):
-            self._transport.write(frame)
+        self._transport.writelines(self._sealer.seal(data))
 
     async def drain(self) -> None:
         """Waits until the transport takes more; ConnectionResetError (or the error it died of) once the

@@ -19,6 +19,7 @@ the last decade); `scripts/bench_transport.py` measures it against the plain soc
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 from cryptography.exceptions import InvalidTag
@@ -73,53 +74,108 @@ class FrameSealer:
         self._aead = AESGCM(key)
         self._sent = 0
 
-    def seal(self, data: bytes | bytearray | memoryview) -> list[bytearray]:
-        """`data` as sealed frames, each a buffer of its own ready for the socket (one frame unless `data` is
-        longer than MAX_SEALED_BYTES; none if it is empty)."""
+    def seal(self, data: bytes | bytearray | memoryview) -> list[bytes]:
+        """`data` as sealed frames, for the socket in this order: each frame's length, then its ciphertext and
+        tag (one frame unless `data` is longer than MAX_SEALED_BYTES; none if it is empty)."""
         view = memoryview(data).cast("B")
-        frames = []
+        pieces = []
         for start in range(0, len(view), MAX_SEALED_BYTES):
-            piece = view[start : start + MAX_SEALED_BYTES]
-            length = (len(piece) + TAG_BYTES).to_bytes(LENGTH_BYTES, "big")
-            frame = bytearray(LENGTH_BYTES + len(piece) + TAG_BYTES)
-            frame[:LENGTH_BYTES] = length
             if self._sent >= MAX_FRAMES:
                 raise FrameTampered("too many frames for one key")
-            self._aead.encrypt_into(_nonce(self._sent), piece, length, memoryview(frame)[LENGTH_BYTES:])
+            piece = view[start : start + MAX_SEALED_BYTES]
+            length = (len(piece) + TAG_BYTES).to_bytes(LENGTH_BYTES, "big")
+            pieces += [length, self._aead.encrypt(_nonce(self._sent), piece, length)]
             self._sent += 1
-            frames.append(frame)
-        return frames
+        return pieces
 
 
-class FrameOpener:
-    """The receiving side: opens sealed frames in the order they were sealed, or raises FrameTampered."""
+class SealedReader:
+    """The receiving side: sorts the bytes that arrive into sealed frames, and opens them in order when the
+    reader wants them, or straight into the buffer a reader waits to fill.
+
+    Each frame's length is received alone, then the frame into a buffer of its own (`receive_buffer`,
+    `received`): nothing is read ahead into a scratch buffer to be copied out again."""
 
     def __init__(self, key: bytes) -> None:
         self._aead = AESGCM(key)
-        self._received = 0
+        self._opened = 0
+        self._head = bytearray(LENGTH_BYTES)  # the length of the next frame, as it comes in
+        self._head_filled = 0
+        self._frame: bytearray | None = None  # that frame, once its length is known
+        self._filled = 0
+        self._pending: deque[tuple[bytes, bytearray]] = deque()  # received whole, not yet opened
+        self.pending_bytes = 0  # their plaintext
 
-    @staticmethod
-    def sealed_length(head: bytes | bytearray) -> int:
-        """The length of the sealed frame after its `head` (LENGTH_BYTES); FrameTampered if out of bounds."""
-        length = int.from_bytes(head, "big")
-        if not TAG_BYTES <= length <= MAX_SEALED_BYTES + TAG_BYTES:
-            raise FrameTampered(f"a sealed frame of {length} bytes")
-        return length
+    @property
+    def pending(self) -> bool:
+        return bool(self._pending)
 
-    def open_into(self, head: bytes, sealed: bytearray, out: memoryview) -> None:
-        """Opens `sealed` (ciphertext and tag) into `out`, which has exactly the room of its plaintext. What
-        `out` holds is only meaningful if this returns."""
+    def receive_buffer(self) -> memoryview:
+        """Where the next bytes should arrive: the rest of the next frame's length, or of the frame."""
+        if self._frame is None:
+            return memoryview(self._head)[self._head_filled :]
+        return memoryview(self._frame)[self._filled :]
+
+    def received(self, nbytes: int) -> None:
+        """`nbytes` arrived in the buffer `receive_buffer` gave; FrameTampered if a length is out of bounds."""
+        if self._frame is not None:
+            self._filled += nbytes
+            if self._filled == len(self._frame):
+                self._complete()
+            return
+        self._head_filled += nbytes
+        if self._head_filled == LENGTH_BYTES:
+            length = int.from_bytes(self._head, "big")
+            if not TAG_BYTES <= length <= MAX_SEALED_BYTES + TAG_BYTES:
+                raise FrameTampered(f"a sealed frame of {length} bytes")
+            self._frame, self._filled = bytearray(length), 0
+
+    def feed(self, data: memoryview) -> None:
+        """Bytes that arrived before sealing began (read ahead with the handshake's last message)."""
+        while data:
+            view = self.receive_buffer()
+            take = min(len(view), len(data))
+            view[:take] = data[:take]
+            data = data[take:]
+            self.received(take)
+
+    def _complete(self) -> None:
+        frame = self._frame
+        self._pending.append((bytes(self._head), frame))
+        self.pending_bytes += len(frame) - TAG_BYTES
+        self._head_filled, self._frame = 0, None
+
+    def open_next(self) -> bytes:
+        """The plaintext of the next frame received; FrameTampered if it fails authentication."""
+        head, frame = self._pending.popleft()
+        self.pending_bytes -= len(frame) - TAG_BYTES
         try:
-            self._aead.decrypt_into(_nonce(self._received), sealed, head, out)
+            plain = self._aead.decrypt(_nonce(self._opened), frame, head)
         except InvalidTag:
-            raise FrameTampered(f"sealed frame {self._received} fails authentication (altered or replayed)") from None
-        self._received += 1
-
-    def open(self, head: bytes, sealed: bytearray) -> bytes:
-        """The plaintext of `sealed`; FrameTampered if it fails authentication."""
-        try:
-            plain = self._aead.decrypt(_nonce(self._received), sealed, head)
-        except InvalidTag:
-            raise FrameTampered(f"sealed frame {self._received} fails authentication (altered or replayed)") from None
-        self._received += 1
+            raise self._tampered() from None
+        self._opened += 1
         return plain
+
+    def open_next_into(self, out: memoryview, rest: bytearray) -> int:
+        """Opens the next frame received into `out`, and what of it `out` has no room for onto `rest`; returns
+        how many bytes went into `out`. FrameTampered if it fails authentication (then `out` means nothing)."""
+        head, frame = self._pending[0]
+        size = len(frame) - TAG_BYTES
+        if size > len(out):
+            plain = self.open_next()
+            out[:] = plain[: len(out)]
+            rest += memoryview(plain)[len(out) :]
+            return len(out)
+        self._pending.popleft()
+        self.pending_bytes -= size
+        try:
+            self._aead.decrypt_into(_nonce(self._opened), frame, head, out[:size])
+        except InvalidTag:
+            raise self._tampered() from None
+        self._opened += 1
+        return size
+
+    def _tampered(self) -> FrameTampered:
+        self._pending.clear()
+        self.pending_bytes = 0
+        return FrameTampered(f"sealed frame {self._opened} fails authentication (altered, replayed or out of order)")
