@@ -192,6 +192,8 @@ def summarize(spec: GroupSpec, rounds: list[list[dict]], peaks: list[dict], setu
         # where the time went: CPU seconds per round of all the mates' processes together, by program
         "cpu_s_per_round": {p: round(s, 3) for p, s in cpu.items()},
         "exact": digests == {expected},
+        # rounds in which every mate's result was the exact sum
+        "exact_rounds": sum(all(m["digest"] == expected for m in r) for r in rounds),
         "setup_s": round(setup_s, 1),
     }
     dropped = sum(m.get("dropped", 0) for r in rounds for m in r)
@@ -202,6 +204,9 @@ def summarize(spec: GroupSpec, rounds: list[list[dict]], peaks: list[dict], setu
     opened = [[m["matchmaking_s"] for m in r if "matchmaking_s" in m] for r in ok]
     if any(opened):
         result["matchmaking_s"] = round(statistics.median(min(times) for times in opened if times), 4)
+    groups = sorted({m["group"] for r in rounds for m in r if "group" in m})
+    if groups:
+        result["group_sizes"] = groups  # hivemind: the sizes of the groups its matchmaking formed
     errors = sorted({m["error"] for r in rounds for m in r if "error" in m})
     if errors:
         result["errors"] = errors[:3]

@@ -346,6 +346,19 @@ def main() -> None:
     dht.shutdown()
 
 
+def settle(traffic: Traffic, quiet: float = 0.05, limit: float = 2.0) -> None:
+    """Waits until no byte has moved for `quiet` seconds (at most `limit`): a round may return while its last
+    sends to mates are still on their way, and their bytes belong to it."""
+    deadline = time.monotonic() + limit
+    moved = (traffic.sent, traffic.received)
+    while time.monotonic() < deadline:
+        time.sleep(quiet)
+        now = (traffic.sent, traffic.received)
+        if now == moved:
+            return
+        moved = now
+
+
 def _one_round(engine, traffic: Traffic, gradient: torch.Tensor, index: int, at: float) -> None:
     cpu = group_cpu_seconds()
     sent, received = traffic.sent, traffic.received
@@ -358,6 +371,7 @@ def _one_round(engine, traffic: Traffic, gradient: torch.Tensor, index: int, at:
     except Exception as e:
         total, extra = None, {"failed": True, "error": f"{type(e).__name__}: {e}"}
     seconds = time.time() - at
+    settle(traffic)
     after = group_cpu_seconds()
     if "matchmaking_at" in extra:
         extra["matchmaking_s"] = round(extra.pop("matchmaking_at") - at, 4)
