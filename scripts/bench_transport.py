@@ -114,15 +114,18 @@ async def _echo_call(net, peer_id: PeerID, tensor: torch.Tensor) -> None:
 
 
 async def _measure(paths: dict, repeats: int, server_cpu) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-    """Round trips of each path, the paths taking turns (one call each per round): a machine whose load changes
-    during the run slows them alike. Also the CPU seconds each call took, this process's and the server's
-    (`server_cpu()`) together: what the path costs, however busy the machine."""
+    """Round trips of each path, the paths taking turns (one call each per round, in an order that rotates): a
+    machine whose load changes during the run slows them alike. Also the CPU seconds each call took, this
+    process's and the server's (`server_cpu()`) together: what the path costs, however busy the machine."""
     for call in paths.values():
         await call()  # warm-up: connections, sessions, buffers
     times: dict[str, list[float]] = {name: [] for name in paths}
     cpu: dict[str, list[float]] = {name: [] for name in paths}
-    for _ in range(repeats):
-        for name, call in paths.items():
+    names = list(paths)
+    for round_number in range(repeats):
+        # each round starts with the next path: none always follows the same one (libp2p's daemons, say)
+        for name in names[round_number % len(names) :] + names[: round_number % len(names)]:
+            call = paths[name]
             cpu_before = time.process_time() + server_cpu()
             started = time.perf_counter()
             await call()

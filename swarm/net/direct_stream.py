@@ -126,8 +126,8 @@ class DirectStream(asyncio.BufferedProtocol):
         if waiting > MAX_BUFFERED and not self._paused_reading and self._transport is not None:
             self._paused_reading = True
             self._transport.pause_reading()
-        if target is None or self._filled == len(target):
-            self._wake()
+        if (self._filled == len(target)) if target is not None else unsealer.pending:
+            self._wake()  # only once there is something to read: most of what arrives is part of a frame
 
     def _unseal_next(self) -> bool:
         """Opens the next sealed frame received into the buffer; whether there was one. FrameTampered (the

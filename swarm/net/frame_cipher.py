@@ -36,6 +36,33 @@ LENGTH_BYTES = 4
 TAG_BYTES = 16
 MAX_SEALED_BYTES = 2**20  # bytes of one write per sealed frame: a longer write is cut into several
 MAX_FRAMES = 2**64  # sealed frames per direction and connection before the nonces would repeat
+POOLED_BYTES = 64 * 1024  # a frame at least this large is received into a pooled buffer, reused once opened
+MAX_POOLED = 8  # buffers the pool keeps, of MAX_SEALED_BYTES + TAG_BYTES each
+
+# buffers for large sealed frames as they arrive: a frame is done with once opened, and a fresh buffer of its
+# size would cost zeroing half a megabyte per frame
+_pool: list[bytearray] = []
+
+
+def _frame_buffer(length: int) -> bytearray | memoryview:
+    if length < POOLED_BYTES:
+        return bytearray(length)
+    try:
+        buffer = _pool.pop()
+    except IndexError:
+        buffer = bytearray(MAX_SEALED_BYTES + TAG_BYTES)
+    return memoryview(buffer)[:length]
+
+
+def _reuse(frame: bytearray | memoryview) -> None:
+    if isinstance(frame, memoryview):
+        buffer = frame.obj
+        try:
+            frame.release()
+        except BufferError:  # a view of it still held elsewhere: it is not the pool's to lend again
+            return
+        if len(_pool) < MAX_POOLED:
+            _pool.append(buffer)
 
 
 class FrameTampered(WireError):
@@ -101,9 +128,9 @@ class SealedReader:
         self._opened = 0
         self._head = bytearray(LENGTH_BYTES)  # the length of the next frame, as it comes in
         self._head_filled = 0
-        self._frame: bytearray | None = None  # that frame, once its length is known
+        self._frame: bytearray | memoryview | None = None  # that frame, once its length is known
         self._filled = 0
-        self._pending: deque[tuple[bytes, bytearray]] = deque()  # received whole, not yet opened
+        self._pending: deque[tuple[bytes, bytearray | memoryview]] = deque()  # received whole, not yet opened
         self.pending_bytes = 0  # their plaintext
 
     @property
@@ -128,7 +155,7 @@ class SealedReader:
             length = int.from_bytes(self._head, "big")
             if not TAG_BYTES <= length <= MAX_SEALED_BYTES + TAG_BYTES:
                 raise FrameTampered(f"a sealed frame of {length} bytes")
-            self._frame, self._filled = bytearray(length), 0
+            self._frame, self._filled = _frame_buffer(length), 0
 
     def feed(self, data: memoryview) -> None:
         """Bytes that arrived before sealing began (read ahead with the handshake's last message)."""
@@ -154,6 +181,7 @@ class SealedReader:
         except InvalidTag:
             raise self._tampered() from None
         self._opened += 1
+        _reuse(frame)
         return plain
 
     def open_next_into(self, out: memoryview, rest: bytearray) -> int:
@@ -173,6 +201,7 @@ class SealedReader:
         except InvalidTag:
             raise self._tampered() from None
         self._opened += 1
+        _reuse(frame)
         return size
 
     def _tampered(self) -> FrameTampered:
