@@ -1,6 +1,6 @@
-"""The direct plane sealed: past the handshake, nothing on the socket shows a tensor's bytes, and a frame that a
-man in the middle alters, replays or carries over from another connection ends that call with a clear error,
-never reaches a handler, and leaves the server serving."""
+"""The direct plane sealed: past the handshake, nothing on the socket shows a tensor's bytes (beside shared
+memory too), and a frame that a man in the middle alters, replays or carries over from another connection
+ends that call with a clear error, never reaches a handler, and leaves the server serving."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from swarm.compression import get_codec
 from swarm.net.direct_plane import DirectPlane, DirectServer
 from swarm.net.frame_cipher import LENGTH_BYTES, FrameTampered
 from swarm.net.identity import load_identity
+from swarm.net.shared_memory import ArenaPool, shared_memory_available
 from swarm.net.transport import exchange
 from swarm.net.wire import (
     HEADER_BYTES,
@@ -47,9 +48,10 @@ class NoLibp2p:
 class EchoServer:
     """A direct server whose one protocol answers with the tensors it was sent; counts the requests it read."""
 
-    def __init__(self, cipher: str | None = None) -> None:
+    def __init__(self, cipher: str | None = None, arenas: ArenaPool | None = None) -> None:
         self.identity = load_identity(None)
-        self.server = DirectServer(self.identity) if cipher is None else DirectServer(self.identity, cipher=cipher)
+        options = {} if cipher is None else {"cipher": cipher}
+        self.server = DirectServer(self.identity, arenas=arenas, **options)
         self.server.handlers[ECHO] = self._echo
         self.served = 0
 
@@ -134,9 +136,11 @@ class Wiretap:
         return body
 
 
-async def _caller(peer_id: str, address: tuple[str, int], cipher: str | None = None) -> DirectPlane:
+async def _caller(
+    peer_id: str, address: tuple[str, int], cipher: str | None = None, shared_memory: bool = False
+) -> DirectPlane:
     options = {} if cipher is None else {"cipher": cipher}
-    plane = DirectPlane(NoLibp2p(), load_identity(None), shared_memory=False, **options)
+    plane = DirectPlane(NoLibp2p(), load_identity(None), shared_memory=shared_memory, **options)
     plane.addresses[peer_id] = address
     return plane
 
@@ -149,22 +153,31 @@ async def _echo(plane: DirectPlane, peer_id: str, tensors: list[torch.Tensor]) -
 
 
 @pytest.mark.timeout(60)
-def test_the_socket_carries_no_tensor_bytes_sealed_and_every_byte_of_them_in_clear():
-    tensors = [_marked(2**20), _marked(64)]  # one in 512 KiB parts, one in the frame with the header
+@pytest.mark.parametrize("shared", [False, True])
+def test_the_socket_carries_no_tensor_bytes_sealed_and_every_byte_of_them_in_clear(shared: bool):
+    # one in 512 KiB parts (with shared memory: through the file), one in the frame with the header
+    tensors = [_marked(2**20), _marked(64)]
+    if shared and not shared_memory_available():
+        pytest.skip("needs a writable /dev/shm")
 
     async def main():
         for cipher, shows in ((None, False), ("", True)):  # sealed; and the plain baseline, where the test must see it
-            echo = EchoServer(cipher)
+            echo = EchoServer(cipher, ArenaPool() if shared else None)
             tap = Wiretap(await echo.start())
-            caller = await _caller(echo.identity.peer_id, await tap.start(), cipher)
+            caller = await _caller(echo.identity.peer_id, await tap.start(), cipher, shared)
             for _ in range(2):  # a full handshake, then a resumed one
                 back = await _echo(caller, echo.identity.peer_id, tensors)
                 assert all(torch.equal(a, b) for a, b in zip(tensors, back))
             assert caller.calls["direct"] == 2 and echo.served == 2
+            assert caller.calls["shared_memory"] == (2 if shared else 0)
             for wire in (tap.to_server, tap.to_caller):
                 assert (MARKER in wire) == shows
                 assert (bytes(tensors[1].numpy()[:32]) in wire) == shows
             await echo.server.close()
+            for plane in (caller, echo):
+                arenas = plane.arenas if isinstance(plane, DirectPlane) else plane.server.arenas
+                if arenas is not None:
+                    arenas.close()
 
     asyncio.run(main())
 
