@@ -47,9 +47,12 @@ class ProgressExchange:
         self.handle = protocol_handler(MateProgress, self._new_reply, self._answer)
 
     def on_local_progress(self, step: int, held: Held) -> None:
-        """This peer's holdings toward `step` changed: every member hears of them."""
+        """This peer's holdings toward `step` changed: every member hears of them.
+
+        While its round runs, a peer accumulates toward the next step: its mates hear of that too, so
+        that should it die, they know what it held there as well."""
         machine = self.machine
-        if step != machine.runtime.step:
+        if not machine.runtime.step <= step <= machine.runtime.step + 1:
             return
         state = machine.steps[step]
         state.progress[machine.peer_id] = held

@@ -1,10 +1,9 @@
 """The runtime: one thread that runs a stage's forward and backward work on its device.
 
-Requests wait in a queue (`swarm.peer.request_queue`); the worker takes the oldest merged with
-queued requests of the same kind and shape into one batch, so a busy peer runs fewer, larger batches.
-Only this thread touches the parameters, so accumulation and optimizer steps need no locks:
-work that must see a consistent state (an averaging round and its step, a state snapshot for a
-joining mate, loading a mate's state) runs on this thread too, as an exclusive task.
+Requests wait in a queue (`swarm.peer.request_queue`), merged into batches. Only this thread changes
+the parameters, so accumulation and optimizer steps need no locks: work that must see a consistent
+state (a round's start and its step, a state snapshot, loading a mate's state) runs here too, as an
+exclusive task. An averaging round runs on the event loop meanwhile (`gradient_buffers`).
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Hashable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -25,6 +24,7 @@ from swarm.models.optimizer import apply_accumulated_step
 from swarm.models.precision import autocast
 from swarm.peer.device_copies import DeviceCopies
 from swarm.peer.faults import FaultPlan
+from swarm.peer.gradient_buffers import Accumulated, flat_gradient, gradients_finite, put, set_gradients, take
 from swarm.peer.request_queue import (
     CallAbandonedError,
     QueueFullError,
@@ -37,6 +37,7 @@ from swarm.peer.request_queue import (
 )
 from swarm.peer.stage_spilling import SpilledStage
 from swarm.peer.stage_state import parameter_fingerprint
+from swarm.peer.step_fingerprints import StepFingerprints
 from swarm.policy.throughput_average import ThroughputAverage
 
 logger = logging.getLogger(__name__)
@@ -131,11 +132,10 @@ class StageRuntime:
         # must never pair a new step with the previous step's fingerprint
         self.version: tuple[int, str] = (step, parameter_fingerprint(module))
         self.last_round: RoundResult | None = None  # what the latest step summed
-        # after every step, from the thread that hashes the new parameters (see `_fingerprint_step`)
+        # after every step, from the thread that hashes the new parameters (`step_fingerprints`)
         self.on_step = on_step
         self.on_stepped: Callable[[int], None] | None = None  # at once after every step, on the runtime thread
-        self._fingerprinter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step-fingerprint")
-        self._fingerprinting: Future | None = None
+        self.fingerprints = StepFingerprints(module)
         self.coordinator: StepCoordinator | None = None  # None: step alone at the target batch
         self.max_staleness = max_staleness
         self.stale_gradients = 0
@@ -147,12 +147,11 @@ class StageRuntime:
         self.busy_seconds = 0.0  # spent running batches of requests: a pipeline's utilization is this over time
         self.nonfinite_steps = 0  # steps whose summed gradient was not finite: skipped by every replica alike
         self._step_requested: int | None = None  # guarded by the queue's lock
-        # while a round runs, backwards that would add to the gradients it sums wait in the queue
-        self._averaging = False
+        # while a round runs, its gradients are set aside here and backwards accumulate toward the next step
+        self._in_round: Accumulated | None = None
+        self._overflow: Accumulated | None = None  # accumulated during rounds that failed: the next step's
         self._loads = 0  # state loads so far: a round begun before one is not applied after it
-        self.requests = RequestQueue(
-            module.stage, max_queue, self._held_elsewhere, self._merge_limit, lambda task: self._averaging
-        )
+        self.requests = RequestQueue(module.stage, max_queue, self._held_elsewhere, self._merge_limit)
         self._thread = threading.Thread(target=self._run, name="stage-runtime", daemon=True)
 
     # --- called from other threads ------------------------------------------------------------
@@ -245,7 +244,7 @@ class StageRuntime:
         self.requests.stop()
         if self._thread.is_alive():
             self._thread.join(timeout)
-        self._fingerprinter.shutdown(wait=False)
+        self.fingerprints.shutdown()
         self.requests.fail_all(RuntimeError("the peer shut down before running this request"))
 
     def measure_throughput(self, sample: list[torch.Tensor]) -> float:
@@ -373,8 +372,8 @@ class StageRuntime:
             self.samples_accumulated += sum(sizes)
             for task, size in zip(batch, sizes):
                 self.held[task.key] = self.held.get(task.key, 0) + size
-            if self.coordinator is not None:
-                self.coordinator.local_progress(self.step, dict(self.held))
+            if self.coordinator is not None:  # during a round, toward the step after it
+                self.coordinator.local_progress(self.step + (self._in_round is not None), dict(self.held))
             elif self.samples_accumulated >= self.target_batch_size:
                 self._average_and_step(self.step)
         grads = input_grad.split(sizes) if input_grad is not None else [None] * len(batch)
@@ -454,14 +453,7 @@ class StageRuntime:
 
     def flat_gradient(self) -> torch.Tensor | None:
         """The accumulated gradient sums of all parameters as one float32 vector (None if nothing accumulated)."""
-        if self.samples_accumulated == 0:
-            return None
-        return torch.cat(
-            [
-                (p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).float().cpu()
-                for p in self.module.parameters()
-            ]
-        )
+        return flat_gradient(self.module) if self.samples_accumulated else None
 
     def _average_and_step(self, step: int) -> None:
         """One step at `step`: averages with the stage-mates (if any), then applies the optimizer."""
@@ -471,16 +463,19 @@ class StageRuntime:
             ids = [(trainer, mb, n) for (trainer, mb), n in self.held.items()]
             self._apply_step(step, RoundResult(None, self.samples_accumulated, ids))
             return
-        self._averaging = True
         loads = self._loads
         try:
             rounding = self.coordinator.average(step, self.flat_gradient(), dict(self.held))
         except Exception as e:
-            self._averaging = False
             logger.error(f"Stage {self.module.stage}: could not start averaging at step {step} ({e!r}); will retry")
             with self.requests.lock:
                 self._step_requested = None
             return
+        # backwards from here on accumulate toward the next step, beside what the round sums
+        self._in_round = take(self.module, self.held, self.samples_accumulated)
+        self.held, self.samples_accumulated = {}, 0
+        self._restore(self._overflow)
+        self._overflow = None
 
         def finish(done: Future) -> None:
             with contextlib.suppress(RuntimeError):  # the runtime is shutting down
@@ -489,25 +484,39 @@ class StageRuntime:
         rounding.add_done_callback(finish)
 
     def _round_done(self, step: int, loads: int, rounding: Future) -> None:
-        """The round of `step` ended (on the runtime thread): step on its result, or keep accumulating."""
-        self._averaging = False
+        """The round of `step` ended (on the runtime thread): step on its result, or keep accumulating.
+
+        What came in during the round goes to the next step either way; a round that failed gets back the
+        gradients it began with, so the stage's retry sums exactly them."""
         result = None
         try:
             result = rounding.result()
         except Exception as e:
             # keep the gradients; the coordinator asks for this step again on its next check
             logger.error(f"Stage {self.module.stage}: averaging at step {step} failed ({e!r}); will retry")
-        if result is None or step != self.step or loads != self._loads:
+        in_round, self._in_round = self._in_round, None
+        if loads != self._loads or in_round is None:
+            return  # a state was loaded meanwhile: it dropped every gradient
+        overflow = take(self.module, self.held, self.samples_accumulated)
+        if result is None or step != self.step:
+            self._restore(in_round)
+            self._overflow = overflow if overflow.samples else None
             with self.requests.lock:
                 self._step_requested = None
             return
         if result.samples > 0 and result.grad_sum is not None:
-            offset = 0
-            for param in self.module.parameters():
-                numel = param.numel()
-                param.grad = result.grad_sum[offset : offset + numel].view_as(param).to(param.device, param.dtype)
-                offset += numel
+            set_gradients(self.module, result.grad_sum)
         self._apply_step(step, result)
+        self.module.zero_grad(set_to_none=True)
+        self._restore(overflow)
+        if overflow.samples and self.coordinator is not None:
+            self.coordinator.local_progress(self.step, dict(self.held))
+
+    def _restore(self, accumulated: Accumulated | None) -> None:
+        """Makes gradients set aside the ones backwards accumulate into (the module's must be empty)."""
+        if accumulated is not None:
+            put(self.module, accumulated)
+            self.held, self.samples_accumulated = dict(accumulated.held), accumulated.samples
 
     def _apply_step(self, step: int, result: RoundResult) -> None:
         """Applies the optimizer on what the round summed (or the stage alone accumulated) and moves to step + 1."""
@@ -521,7 +530,7 @@ class StageRuntime:
             # the group steps together even on nothing, so that its replicas stay at one step
             logger.warning(f"Stage {self.module.stage}: the group had no samples at step {step}; skipping it")
             self.module.zero_grad(set_to_none=True)
-        elif not self._gradients_finite():
+        elif not gradients_finite(self.module):
             # every replica sums the same agreed contributions, so every replica skips alike
             self.nonfinite_steps += 1
             logger.error(
@@ -545,31 +554,16 @@ class StageRuntime:
         self.version = (self.step, "")  # its fingerprint follows
         if self.on_stepped is not None:
             self.on_stepped(self.step)
-        self._fingerprinting = self._fingerprinter.submit(self._fingerprint_step, self.step)
+        self.fingerprints.hash(self.step, self._stepped)
 
-    def _fingerprint_step(self, step: int) -> None:
-        """Hashes the parameters of a new step off the runtime thread, then tells `on_step`.
-
-        Over a large stage the hash (and on a GPU the copy it reads) takes a good share of a step: here it
-        overlaps the next step's first forwards instead of holding them up. The parameters do not change
-        meanwhile: whatever changes them waits for it first (`settle_fingerprint`)."""
-        try:
-            fingerprint = parameter_fingerprint(self.module)
-            self.version = (step, fingerprint)
-            if self.on_step is not None:
-                self.on_step(step, fingerprint)
-        except Exception:
-            logger.exception(f"Stage {self.module.stage}: the work after step {step} failed")
+    def _stepped(self, step: int, fingerprint: str) -> None:
+        self.version = (step, fingerprint)
+        if self.on_step is not None:
+            self.on_step(step, fingerprint)
 
     def settle_fingerprint(self) -> None:
         """Waits for the fingerprint of the current step (call before changing the parameters)."""
-        if self._fingerprinting is not None:
-            with contextlib.suppress(Exception):  # a failed hash was logged where it failed
-                self._fingerprinting.result()
-            self._fingerprinting = None
-
-    def _gradients_finite(self) -> bool:
-        return all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in self.module.parameters())
+        self.fingerprints.settle()
 
     def load_state(self, step: int, apply: Callable[[], None], samples_stepped: int = 0) -> None:
         """Replaces the stage's state (on the runtime thread): `apply` loads it; accumulated gradients are dropped."""
@@ -582,7 +576,10 @@ class StageRuntime:
         self.module.zero_grad(set_to_none=True)
         self.samples_accumulated = 0
         self._loads += 1
-        self.requests.forget(list(self.held))  # dropped, not applied: sent again, they must accumulate
+        set_aside = [a for a in (self._in_round, self._overflow) if a is not None]
+        # dropped, not applied: sent again, they must accumulate
+        self.requests.forget([*self.held, *(key for a in set_aside for key in a.held)])
+        self._in_round = self._overflow = None
         self.held = {}
         apply()
         with self.requests.lock:

@@ -49,6 +49,7 @@ logger = logging.getLogger(__name__)
 
 SEND_ATTEMPTS = 3
 KEPT_ROUNDS = 2  # rounds whose summed slices this peer keeps, for members that missed an owner's
+FETCH_AFTER = 1.0  # seconds a member waits for a late owner's sum before asking the other members for it
 
 
 class SlicesFailed(Exception):
@@ -230,7 +231,13 @@ class SliceExchange:
         def missing() -> set[str]:
             return {owners[i] for i in range(count) if i not in pieces}
 
-        if not await self._wait(step, attempt, state, collect, missing):
+        done = await self._wait(step, attempt, state, collect, missing, patience=FETCH_AFTER)
+        if done is None:  # an owner is late: it may have died after giving its sum to a mate
+            for index in [i for i in range(count) if i not in pieces]:
+                if (fetched := await self._fetch(step, attempt, digest, index, count, owners)) is not None:
+                    pieces[index] = fetched
+            done = await self._wait(step, attempt, state, collect, missing)
+        if not done:
             failed = {owners[i] for i in range(count) if i not in pieces and owners[i] in inbox.failed}
             if failed:
                 raise SlicesFailed(f"{len(failed)} mate(s) could not sum their slice", set())
@@ -285,8 +292,10 @@ class SliceExchange:
         state: StepState,
         check: Callable[[], bool | None],
         missing: Callable[[], set[str]],
-    ) -> bool:
-        """Waits until `check` says True (done) or False (failed), the mates lapse, or a member moved on."""
+        patience: float | None = None,
+    ) -> bool | None:
+        """Waits until `check` says True (done) or False (failed), the mates lapse, or a member moved on;
+        None once `patience` seconds have passed without either."""
         machine = self.machine
         started = machine.loop.time()
         while True:
@@ -294,9 +303,13 @@ class SliceExchange:
             verdict = check()
             if verdict is not None:
                 return verdict
+            if patience is not None and machine.loop.time() >= started + patience:
+                return None
             if state.attempt > attempt or any(p in state.mailbox.get(attempt + 1, {}) for p in missing()):
                 return False  # a member gave this attempt up: what it has not sent will not come
             wait = self.wait_for(missing(), started)
+            if patience is not None:
+                wait = min(wait, max(0.01, started + patience - machine.loop.time()))
             if wait <= 0:
                 logger.warning(
                     f"Stage {machine.stage} step {step}: no slices from {len(missing())} mate(s) within "

@@ -287,49 +287,52 @@ class HeldRound:
         return self.rounds[-1][3]
 
 
-def test_forwards_run_while_a_round_is_under_way_and_new_gradients_wait_for_its_end():
+def start_round(runtime: StageRuntime, coordinator: HeldRound, count: int) -> None:
+    runtime.request_step(runtime.step)
+    deadline = time.monotonic() + 30
+    while len(coordinator.rounds) < count:
+        assert time.monotonic() < deadline, "no round started"
+        time.sleep(0.01)
+
+
+def test_a_peer_serves_while_its_round_is_under_way_and_new_backwards_count_toward_the_next_step():
     runtime = make_runtime(target=4)
     coordinator = runtime.coordinator = HeldRound()
     runtime.start()
     runtime.submit(True, backward_inputs(4, 0), key=("t", 1)).result(30)
-    runtime.request_step(0)
-    deadline = time.monotonic() + 30
-    while not coordinator.rounds:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    start_round(runtime, coordinator, 1)
     step, grad_sum, held, rounding = coordinator.rounds[0]
     assert step == 0 and held == {("t", 1): 4}
     # the round is under way: a forward is served at once, at the step the round has not applied yet
-    forward = runtime.submit(False, [torch.randn(2, 16, SPEC.d_model)]).result(30)
-    assert forward.step == 0 and runtime.step == 0
-    # a backward would add to the gradients the round sums: it waits for the round's end
-    waiting = runtime.submit(True, backward_inputs(2, 1), key=("t", 2))
-    assert runtime.submit(False, [torch.randn(1, 16, SPEC.d_model)]).result(30).step == 0
-    assert not waiting.done()
+    assert runtime.submit(False, [torch.randn(2, 16, SPEC.d_model)]).result(30).step == 0
+    # a backward is applied at once too, into fresh buffers: toward the next step, not into the round's sum
+    assert runtime.submit(True, backward_inputs(2, 1), key=("t", 2)).result(30).step == 0
+    assert runtime.held == {("t", 2): 2} and runtime.step == 0
     rounding.set_result(RoundResult(grad_sum, 4, [("t", 1, 4)]))
-    assert waiting.result(30).step == 1  # applied after the step, toward the next one
-    assert runtime.step == 1 and runtime.held == {("t", 2): 2}
+    runtime.submit(False, [torch.randn(1, 16, SPEC.d_model)]).result(30)  # after the round's end
+    assert runtime.step == 1 and runtime.held == {("t", 2): 2} and runtime.samples_accumulated == 2
+    alone = make_runtime(target=4)  # what the next step holds is that backward's gradient alone
+    alone.submit(True, backward_inputs(2, 1), key=("t", 2))
+    alone.start()
     runtime.shutdown()
+    alone.shutdown()
+    assert torch.equal(runtime.flat_gradient(), alone.flat_gradient())
 
 
-def test_a_round_that_comes_back_empty_keeps_the_gradients_for_the_next_try():
+def test_a_round_that_fails_gets_back_its_own_gradients_and_what_came_meanwhile_waits_for_the_next_step():
     runtime = make_runtime(target=4)
     coordinator = runtime.coordinator = HeldRound()
     runtime.start()
     runtime.submit(True, backward_inputs(4, 0), key=("t", 1)).result(30)
-    runtime.request_step(0)
-    deadline = time.monotonic() + 30
-    while not coordinator.rounds:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    start_round(runtime, coordinator, 1)
     first = coordinator.rounds[0][1].clone()
+    runtime.submit(True, backward_inputs(2, 1), key=("t", 2)).result(30)  # during the round
     coordinator.rounds[0][3].set_result(None)  # short: the stage waits for samples sent again
-    runtime.submit(True, backward_inputs(2, 1), key=("t", 2)).result(30)
-    runtime.request_step(0)
-    while len(coordinator.rounds) < 2:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    step, grad_sum, held, _ = coordinator.rounds[1]
-    assert step == 0 and held == {("t", 1): 4, ("t", 2): 2} and runtime.step == 0
-    assert not torch.equal(grad_sum, first)  # the second try holds both backwards
+    runtime.submit(False, [torch.randn(1, 16, SPEC.d_model)]).result(30)  # after the round's end
+    start_round(runtime, coordinator, 2)
+    step, grad_sum, held, rounding = coordinator.rounds[1]
+    assert step == 0 and held == {("t", 1): 4} and torch.equal(grad_sum, first)  # the retry sums exactly those
+    rounding.set_result(RoundResult(grad_sum, 4, [("t", 1, 4)]))
+    runtime.submit(False, [torch.randn(1, 16, SPEC.d_model)]).result(30)
+    assert runtime.step == 1 and runtime.held == {("t", 2): 2}
     runtime.shutdown()
