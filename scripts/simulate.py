@@ -40,8 +40,9 @@ What is modelled:
 - Averaging (`simulation.averaging`, with `--target-batch-size`): each peer has a link (bandwidth in
   `--link-mbit`, one-way latency in `--latency-ms`); when a stage's peers have run a step's samples,
   its mates run a reduce-scatter round, 4 latencies plus 2 (n-1)/n gradients (4 bytes per
-  parameter, `--stage-params`) over the slowest mate's link plus the sum, serving nothing meanwhile
-  (`--serve-during-rounds`: serving on, held only when a round outlasts a step).
+  parameter, `--stage-params`) over the slowest mate's link plus the sum; the mates serve on
+  meanwhile, as peers do, held only when a round outlasts a step (`--rounds-hold-mates`: serving
+  nothing through a round, as the round before did).
 - Rebalancing, as the real peer does it, timed by its own `swarm.policy.rebalance_timing`: every
   `--rebalance-period` seconds times a random factor in [0.5, 1.5] (the first time in [0, 1], so a
   whole plan is carried out within one period), a serving peer computes `plan_moves` on the current
@@ -253,10 +254,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="MIN,MAX: each peer's one-way latency, ms, drawn uniformly",
     )
     p.add_argument(
-        "--serve-during-rounds",
+        "--rounds-hold-mates",
         action="store_true",
-        help="stage-mates serve on while their round runs, held only when a step comes due before the round "
-        "before it is over (the round as being redesigned), instead of serving nothing through it",
+        help="stage-mates serve nothing while their round runs (the round before peers served through it), "
+        "instead of serving on, held only when a step comes due before the round before it is over",
     )
     p.add_argument(
         "--target-at-decision",
@@ -329,7 +330,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         cooldown=0.0 if args.old_rule else args.cooldown,
         target_batch_size=args.target_batch_size,
         stage_params=args.stage_params,
-        serve_during_rounds=args.serve_during_rounds,
+        serve_during_rounds=not args.rounds_hold_mates,
         link_mbit_min=_pair(args.link_mbit, "--link-mbit")[0],
         link_mbit_max=_pair(args.link_mbit, "--link-mbit")[1],
         latency_ms_min=_pair(args.latency_ms, "--latency-ms")[0],

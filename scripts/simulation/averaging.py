@@ -13,13 +13,13 @@ with the latency and bandwidth of the slowest mate's link (every mate waits for 
 slice). G is the stage's gradient: 4 bytes per parameter. Each peer has a link of its own, its
 bandwidth and one-way latency drawn uniformly in the scenario's ranges.
 
-As in the round today, a mate serves nothing while its stage averages: it finishes the call it is
-running, the round starts once every mate has (the slowest decides), and none of them starts a
-queued call until the round is over. A round that comes due while one runs starts after it.
-With `serve_during_rounds` (what item 2 of the round's redesign builds: forwards and backwards of
-the next step flow while a round runs, the sum off the event loop), a mate keeps serving through
-its stage's round, and waits only when a step comes due while the previous round still runs (one
+As peers do, a mate keeps serving through its stage's round (forwards and backwards of the next step
+flow while it runs), and waits only when a step comes due while the previous round still runs (one
 step of overlap, as `--overlap-steps`): the round then costs time only where it is longer than a step.
+Without `serve_during_rounds` (the round before peers served through it), a mate serves nothing while
+its stage averages: it finishes the call it is running, the round starts once every mate has (the
+slowest decides), and none of them starts a queued call until the round is over. A round that comes
+due while one runs starts after it.
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ class SimConfig:
     link_mbit_max: float = 1000.0
     latency_ms_min: float = 5.0
     latency_ms_max: float = 100.0
-    serve_during_rounds: bool = False  # True: mates serve on through a round (one step of overlap)
+    serve_during_rounds: bool = True  # mates serve on through a round, as peers do (False: held through it)
     # False: as the real peer, a mover announces JOINING on its target only once it has drained its
     # queue; True: at once, when it decides to move (a proposed change to the peer)
     target_at_decision: bool = False
