@@ -244,6 +244,7 @@ class StageRuntime:
         self.requests.stop()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        self.fingerprints.settle()  # the last step's fingerprint is known once the runtime stops
         self.fingerprints.shutdown()
         self.requests.fail_all(RuntimeError("the peer shut down before running this request"))
 

@@ -36,7 +36,10 @@ class StepFingerprints:
             except Exception:
                 logger.exception(f"The work after step {step} failed")
 
-        self._pending = self._thread.submit(work)
+        try:
+            self._pending = self._thread.submit(work)
+        except RuntimeError:  # shut down: a step taken after the peer stopped is hashed on the spot
+            work()
 
     def settle(self) -> None:
         """Waits for the hash under way, if any (call before changing the parameters)."""
