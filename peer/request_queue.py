@@ -102,13 +102,11 @@ class RequestQueue:
         max_queue: int,
         held_elsewhere: Callable[[], frozenset[SampleKey]],
         merge_limit: Callable[[Task], int],
-        waits: Callable[[Task], bool] = lambda task: False,
     ) -> None:
         self.stage = stage  # for the log
         self.max_queue = max_queue
         self.held_elsewhere = held_elsewhere
         self.merge_limit = merge_limit
-        self.waits = waits
         self.lock = threading.Condition()
         self.tasks: deque[Task] = deque()
         self.stopping = False
@@ -185,12 +183,12 @@ class RequestQueue:
         """Waits for the next batch: the oldest task and the queued ones that merge with it (None: stopped)."""
         while True:
             with self.lock:
-                while not self.tasks or (head := self._head()) is None:
+                while not self.tasks:
                     if self.stopping:
                         return None
                     self.lock.wait()
                 abandoned = self._take_abandoned()
-                batch = self._take_batch(head) if head in self.tasks else None
+                batch = self._take_batch() if self.tasks else None
             for task in abandoned:
                 fail(
                     task.future,
@@ -265,18 +263,10 @@ class RequestQueue:
             )
         return abandoned
 
-    def _head(self) -> Task | None:
-        """The oldest task that may run now (exclusive tasks and forwards always may); called with the lock held."""
-        return next((task for task in self.tasks if task.exclusive is not None or not self._waits(task)), None)
-
-    def _waits(self, task: Task) -> bool:
-        return task.backward and task.accumulate and self.waits(task)
-
-    def _take_batch(self, head: Task) -> list[Task]:
-        """`head` and the queued tasks that merge with it; called with the lock held."""
+    def _take_batch(self) -> list[Task]:
+        """The next task and the queued ones that merge with it; called with the lock held."""
         elsewhere = self.held_elsewhere()
-        self.tasks.remove(head)
-        batch = [head]
+        batch = [self.tasks.popleft()]
         self.not_summed_twice(batch[0], elsewhere)
         total = batch[0].num_samples
         limit = self.merge_limit(batch[0])
@@ -284,7 +274,7 @@ class RequestQueue:
             if total + task.num_samples > limit:
                 break
             self.not_summed_twice(task, elsewhere)
-            if batch[0].batches_with(task) and not self._waits(task):
+            if batch[0].batches_with(task):
                 self.tasks.remove(task)
                 batch.append(task)
                 total += task.num_samples
