@@ -23,11 +23,10 @@ import math
 from collections import Counter
 
 import torch
-from hivemind.p2p import PeerID
 
 from swarm.compression import Codec
-from swarm.net.transport import COMMIT_PROTOCOL, GRAD_PROTOCOL, exchange
-from swarm.net.wire import WireLimits, decode_tensors, encode_tensor, pack_frames
+from swarm.net.transport import COMMIT_PROTOCOL, GRAD_PROTOCOL
+from swarm.net.wire import decode_tensors, encode_tensor, pack_frames
 from swarm.peer.mate_membership import MateMembership
 from swarm.peer.mate_messages import (
     Held,
@@ -47,7 +46,6 @@ from swarm.proto import PROTOCOL_VERSION, Error, ErrorCode, GradContribution, Ma
 
 logger = logging.getLogger(__name__)
 
-SEND_ATTEMPTS = 3
 ABSENT_GRACE = 5.0  # seconds a round waits for a member whose DHT record no longer says it serves
 
 
@@ -303,28 +301,18 @@ class AveragingRound:
         parts = []
         if handover and own.grad_sum is not None:  # a leaving peer sends its whole gradient: it owns no slice
             parts = await loop.run_in_executor(None, encode_tensor, own.grad_sum, self.codec)
-        frames = pack_frames(header, parts)
-        for send in range(SEND_ATTEMPTS):
-            try:
-                reply, _ = await asyncio.wait_for(
-                    exchange(machine.p2p, PeerID.from_base58(peer_id), GRAD_PROTOCOL, frames, MateReply, WireLimits()),
-                    self.averaging_timeout,
-                )
-            except Exception as e:
-                if send + 1 < SEND_ATTEMPTS:
-                    await asyncio.sleep(0.2 * (send + 1))
-                    continue
-                logger.warning(f"Stage {machine.stage} step {step}: mate {peer_id} is unreachable ({e}); dropping it")
-                self.membership.mark_unreachable(peer_id)
-                break
-            if reply.error.code == ErrorCode.OK:
-                return
+        reply = await machine.call_mate(peer_id, GRAD_PROTOCOL, pack_frames(header, parts), self.averaging_timeout)
+        if isinstance(reply, Exception):
+            logger.warning(f"Stage {machine.stage} step {step}: mate {peer_id} is unreachable ({reply}); dropping it")
+            self.membership.mark_unreachable(peer_id)
+        elif reply.error.code == ErrorCode.OK:
+            return
+        else:
             if reply.error.code == ErrorCode.OUT_OF_SYNC and reply.step > step:
                 machine.schedule_resync(f"mate {peer_id} is already at step {reply.step}")
             logger.warning(
                 f"Stage {machine.stage} step {step}: mate {peer_id} refused gradients: {reply.error.message}"
             )
-            break
         unreachable.add(peer_id)
         machine.changed.set()
 
@@ -433,19 +421,11 @@ class AveragingRound:
         return agreed
 
     async def _send_commit(self, peer_id: str, message: RoundCommit, gone: set[str]) -> None:
-        for attempt in range(SEND_ATTEMPTS):
-            try:
-                exchanging = exchange(
-                    self.machine.p2p, PeerID.from_base58(peer_id), COMMIT_PROTOCOL, [message], MateReply, WireLimits()
-                )
-                reply, _ = await asyncio.wait_for(exchanging, self.averaging_timeout)
-                if reply.error.code == ErrorCode.OK:
-                    return
-                break
-            except Exception:
-                await asyncio.sleep(0.2 * (attempt + 1))
-        else:
+        reply = await self.machine.call_mate(peer_id, COMMIT_PROTOCOL, [message], self.averaging_timeout)
+        if isinstance(reply, Exception):
             self.membership.mark_unreachable(peer_id)
+        elif reply.error.code == ErrorCode.OK:
+            return
         gone.add(peer_id)
         self.machine.changed.set()
 

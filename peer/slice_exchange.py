@@ -47,7 +47,6 @@ from swarm.proto import PROTOCOL_VERSION, Error, ErrorCode, MateReply, RoundSlic
 
 logger = logging.getLogger(__name__)
 
-SEND_ATTEMPTS = 3
 KEPT_ROUNDS = 2  # rounds whose summed slices this peer keeps, for members that missed an owner's
 FETCH_AFTER = 1.0  # seconds a member waits for a late owner's sum before asking the other members for it
 
@@ -333,28 +332,17 @@ class SliceExchange:
         parts = []
         if tensor is not None:
             parts = await asyncio.get_running_loop().run_in_executor(None, encode_tensor, tensor, self.codec)
-        frames = pack_frames(message, parts)
-        for send in range(SEND_ATTEMPTS):
-            try:
-                reply, _ = await asyncio.wait_for(
-                    exchange(
-                        machine.p2p, PeerID.from_base58(peer_id), SLICE_PROTOCOL, frames, MateReply, machine.limits
-                    ),
-                    self.averaging_timeout,
-                )
-            except Exception as e:
-                if send + 1 < SEND_ATTEMPTS:
-                    await asyncio.sleep(0.2 * (send + 1))
-                    continue
-                logger.warning(f"Stage {machine.stage} step {message.step}: mate {peer_id} is unreachable ({e})")
-                self.membership.mark_unreachable(peer_id)
-                machine.changed.set()
-                return
-            if reply.error.code != ErrorCode.OK:
-                logger.warning(f"Stage {machine.stage}: mate {peer_id} refused a slice: {reply.error.message}")
-            else:
-                self.bytes_sent += sum(len(part.buffer) for part in parts)
-            return
+        reply = await machine.call_mate(
+            peer_id, SLICE_PROTOCOL, pack_frames(message, parts), self.averaging_timeout, machine.limits
+        )
+        if isinstance(reply, Exception):
+            logger.warning(f"Stage {machine.stage} step {message.step}: mate {peer_id} is unreachable ({reply})")
+            self.membership.mark_unreachable(peer_id)
+            machine.changed.set()
+        elif reply.error.code != ErrorCode.OK:
+            logger.warning(f"Stage {machine.stage}: mate {peer_id} refused a slice: {reply.error.message}")
+        else:
+            self.bytes_sent += sum(len(part.buffer) for part in parts)
 
     # --- answering mates ---------------------------------------------------------------------------------------
 

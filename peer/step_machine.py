@@ -20,18 +20,21 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import torch
-from hivemind.p2p import P2P
+from hivemind.p2p import P2P, PeerID
 
-from swarm.net.wire import WireLimits
+from swarm.net.transport import exchange
+from swarm.net.wire import Frame, WireLimits
 from swarm.peer.faults import FaultPlan
 from swarm.peer.mate_messages import Held
 from swarm.peer.round_slices import SliceInbox
 from swarm.peer.runtime import StageRuntime
+from swarm.proto import MateReply
 from swarm.records.stage_records import StageRecord
 
 logger = logging.getLogger(__name__)
 
 ACCUMULATING, AVERAGING, SHORT = "accumulating", "averaging", "short"
+SEND_ATTEMPTS = 3  # calls to a mate before it counts as unreachable
 
 
 @dataclass
@@ -113,6 +116,22 @@ class StepMachine:
     def cancel_tasks(self) -> None:
         for task in list(self._tasks):
             task.cancel()
+
+    async def call_mate(
+        self, peer_id: str, protocol: str, frames: list[Frame], timeout: float, limits: WireLimits | None = None
+    ) -> MateReply | Exception:
+        """One call to a mate, tried `SEND_ATTEMPTS` times: its reply, or the last error if none came."""
+        for send in range(SEND_ATTEMPTS):
+            try:
+                target = PeerID.from_base58(peer_id)
+                calling = exchange(self.p2p, target, protocol, frames, MateReply, limits or WireLimits())
+                reply, _ = await asyncio.wait_for(calling, timeout)
+                return reply
+            except Exception as e:
+                if send + 1 == SEND_ATTEMPTS:
+                    return e
+                await asyncio.sleep(0.2 * (send + 1))
+        raise AssertionError("unreachable")
 
     def wake(self) -> None:
         """Tells requests waiting on the step machine that it moved."""
