@@ -263,7 +263,6 @@ class SliceExchange:
             count=count,
             contributors=digest,
         )
-        length = slice_length(machine.num_parameters, count, index)
         for peer_id in [p for i, p in enumerate(owners) if i != index and p != machine.peer_id]:
             try:
                 reply, parts = await asyncio.wait_for(
@@ -278,7 +277,7 @@ class SliceExchange:
             except Exception as e:
                 logger.debug(f"Could not fetch slice {index} from {peer_id}: {e!r}")
                 continue
-            if len(tensors) == 1 and tensors[0].shape == (length,) and tensors[0].dtype == torch.float32:
+            if self._slice_problem(tensors, count, index) is None:
                 self.bytes_received += sum(len(part.buffer) for part in parts)
                 logger.info(f"Stage {machine.stage} step {step}: took slice {index}'s sum from {peer_id}")
                 return tensors[0]
@@ -382,11 +381,8 @@ class SliceExchange:
         if len(message.slice_norms) > MAX_MEMBERS:
             return Error(code=ErrorCode.BAD_REQUEST, message=f"more than {MAX_MEMBERS} slice norms")
         tensors = await asyncio.get_running_loop().run_in_executor(None, decode_tensors, parts, machine.limits)
-        length = slice_length(machine.num_parameters, message.count, message.index)
-        if len(tensors) != 1 or tensors[0].shape != (length,) or tensors[0].dtype != torch.float32:
-            return Error(code=ErrorCode.BAD_REQUEST, message=f"expected one float32[{length}]")
-        if not torch.isfinite(tensors[0]).all():
-            return Error(code=ErrorCode.BAD_REQUEST, message="a slice holds NaN or infinity")
+        if (problem := self._slice_problem(tensors, message.count, message.index)) is not None:
+            return Error(code=ErrorCode.BAD_REQUEST, message=problem)
         self.bytes_received += sum(len(part.buffer) for part in parts)
         filed = SliceMessage(bytes(message.contributors), message.count, message.index, tensors[0])
         if message.kind == SliceKind.PART:
@@ -395,6 +391,15 @@ class SliceExchange:
             filed.slice_norms = list(message.slice_norms)
             inbox.reduced[sender] = filed
         machine.changed.set()
+        return None
+
+    def _slice_problem(self, tensors: list[torch.Tensor], count: int, index: int) -> str | None:
+        """What is wrong with a mate's slice `index` of `count` (a part, a sum or a fetched sum), if anything."""
+        length = slice_length(self.machine.num_parameters, count, index)
+        if len(tensors) != 1 or tensors[0].shape != (length,) or tensors[0].dtype != torch.float32:
+            return f"expected one float32[{length}]"
+        if not torch.isfinite(tensors[0]).all():
+            return "a slice holds NaN or infinity"
         return None
 
     def _fetched(self, message: RoundSlice, reply: MateReply) -> list:

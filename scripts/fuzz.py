@@ -49,6 +49,7 @@ from swarm.net.transport import (
     GRAD_PROTOCOL,
     INFO_PROTOCOL,
     PROGRESS_PROTOCOL,
+    SLICE_PROTOCOL,
     STAGE_PROTOCOL,
     STATE_PROTOCOL,
     call_stage,
@@ -68,6 +69,7 @@ from swarm.proto import (
     PeerInfo,
     PeerInfoRequest,
     RoundCommit,
+    RoundSlice,
     SampleId,
     StageReply,
     StageRequest,
@@ -88,6 +90,7 @@ PROTOCOLS = {
     GRAD_PROTOCOL: MateReply,
     PROGRESS_PROTOCOL: MateReply,
     COMMIT_PROTOCOL: MateReply,
+    SLICE_PROTOCOL: MateReply,
     STATE_PROTOCOL: StateReply,
     STANDBY_PROTOCOL: StateReply,  # a holder's copy: answered only to a peer whose record is on the copy's stage
 }
@@ -192,9 +195,17 @@ def hostile_message(rng: random.Random, protocol: str, peer_step: int) -> tuple[
             protocol_version=version, model=model, stage=stage, step=step, attempt=rng.choice([0, 1, 2**32 - 1])
         )
         message.contributors.extend(random_peer_id(rng) for _ in range(rng.choice([1, 300, 5000])))
+    elif protocol == SLICE_PROTOCOL:
+        message = RoundSlice(
+            protocol_version=version, model=model, stage=stage, step=step, attempt=rng.choice([0, 1, 2**32 - 1]),
+            kind=rng.choice([0, 1, 2, 3, 4, 99]), index=rng.choice([0, 1, 2**32 - 1]),
+            count=rng.choice([0, 1, 2, 300, 2**32 - 1]), contributors=rng.randbytes(rng.choice([0, 16, 5000])),
+        )  # fmt: skip
+        if family == "counts":
+            message.slice_norms.extend([float("nan"), -1.0] * rng.choice([1, 300]))
     else:
         message = StateRequest(protocol_version=version, model=model, stage=stage)
-    if family == "tensors" and protocol in (STAGE_PROTOCOL, GRAD_PROTOCOL):
+    if family == "tensors" and protocol in (STAGE_PROTOCOL, GRAD_PROTOCOL, SLICE_PROTOCOL):
         frames = pack_frames(message, [p for _ in range(rng.randint(1, 3)) for p in hostile_tensor(rng)])
         return framed(*frames), True
     data = framed(message)
@@ -290,7 +301,7 @@ async def healthy(p2p: P2P, peer_id: PeerID) -> tuple[bool, str]:
 
 
 # the outsider has no record anywhere: none of these may answer it OK
-MATE_PROTOCOLS = (GRAD_PROTOCOL, PROGRESS_PROTOCOL, COMMIT_PROTOCOL, STATE_PROTOCOL, STANDBY_PROTOCOL)
+MATE_PROTOCOLS = (GRAD_PROTOCOL, PROGRESS_PROTOCOL, COMMIT_PROTOCOL, SLICE_PROTOCOL, STATE_PROTOCOL, STANDBY_PROTOCOL)
 
 
 def stage_member(initial_peers: list[str]) -> TetheredDHT:
