@@ -6,8 +6,11 @@ import collections
 import contextlib
 import functools
 import os
+import re
 import signal
 import sys
+import time
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -117,8 +120,6 @@ def run_as_stage_members(initial_peers: list[str], stage: int, count: int, corou
 
 def wait_for_records(initial_peers: list[str], ready, timeout: float = 90.0, num_stages: int = 3) -> dict:
     """Polls the DHT until `ready(records)` holds; returns the records (AssertionError on timeout)."""
-    import time
-
     from swarm.net.dht_node import TetheredDHT
     from swarm.records.stage_records import fetch_stage_records
 
@@ -133,6 +134,34 @@ def wait_for_records(initial_peers: list[str], ready, timeout: float = 90.0, num
             time.sleep(0.3)
     finally:
         dht.shutdown()
+
+
+METRICS_LINE = re.compile(r"Metrics on (http://127\.0\.0\.1:\d+/metrics)")
+
+
+def metrics_url(local_swarm, name: str, timeout: float = 60.0) -> str:
+    """The endpoint process `name`, started with --metrics-port 0, logged it serves on."""
+    process, log = local_swarm.processes[name], local_swarm.log_path(name)
+    deadline = time.monotonic() + timeout
+    while not (found := METRICS_LINE.search(log.read_text(errors="replace") if log.exists() else "")):
+        assert process.poll() is None, f"{name} exited:\n{log.read_text(errors='replace')[-3000:]}"
+        assert time.monotonic() < deadline, f"{name} logged no metrics address:\n{log.read_text()[-3000:]}"
+        time.sleep(0.2)
+    return found.group(1)
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """The sum of a process's samples of `name` with these labels, read from its metrics endpoint."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        text = reply.read().decode()
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and labels.items() <= sample.labels.items()
+    )
 
 
 @pytest.fixture

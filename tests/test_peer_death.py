@@ -14,6 +14,8 @@ import pytest
 from conftest import (
     TARGET,
     assert_matches_reference,
+    metric,
+    metrics_url,
     peer_flags,
     reference_run,
     reordering_noise,
@@ -28,14 +30,16 @@ from swarm.peer.checkpoint import load_checkpoint
 from swarm.records.stage_records import SERVING
 
 
-def start_two_mates_and_trainer(local_swarm, tmp_path, steps: int, in_flight: int, *extra: str):
-    """Stages 0 and 2 with one peer each, stage 1 with peer1a and peer1b; a trainer of one-sample
-    microbatches over 100 ms links. Returns the trainer's process and its summary file."""
+def start_two_mates_and_trainer(
+    local_swarm, tmp_path, steps: int, in_flight: int, *extra: str, peer1a: tuple[str, ...] = ()
+):
+    """Stages 0 and 2 with one peer each, stage 1 with peer1a (with flags `peer1a`) and peer1b; a trainer
+    of one-sample microbatches over 100 ms links. Returns the trainer's process and its summary file."""
     local_swarm.start_bootstrap()
     names = {0: ["peer0"], 1: ["peer1a", "peer1b"], 2: ["peer2"]}
     for stage, peers in names.items():
         for name in peers:
-            local_swarm.start_peer(name, stage, peer_flags(tmp_path / name))
+            local_swarm.start_peer(name, stage, peer_flags(tmp_path / name, *(peer1a if name == "peer1a" else ())))
     counts = [lambda r, s=s: sum(p.state == SERVING for p in r[s]) for s in range(3)]
     wait_for_records(local_swarm.initial_peers, lambda r: [count(r) for count in counts] == [1, 2, 1])
     summary_file = tmp_path / "summary.json"
@@ -56,9 +60,14 @@ def trainer_exit_code(local_swarm, trainer, timeout: float) -> int:
 def test_killed_peer_loses_no_microbatch(local_swarm, tmp_path):
     steps, micro, kill_at = 8, 1, 3
     # one sample per microbatch, many in flight, 100 ms each way: a kill lands between forwards and backwards
-    trainer, summary_file = start_two_mates_and_trainer(local_swarm, tmp_path, steps, in_flight=8)
-    wait_for_records(local_swarm.initial_peers, lambda r: any(p.step >= kill_at for p in r[1]), timeout=150)
-    time.sleep(1.5)  # into the next step (about 3 s long), while the peer holds gradients it has not averaged
+    trainer, summary_file = start_two_mates_and_trainer(local_swarm, tmp_path, steps, 8, peer1a=("--metrics-port", "0"))
+    url = metrics_url(local_swarm, "peer1a")
+    # killed while it holds backwards it answered and has not averaged: a few accumulated toward a step
+    # (their replies went out first), and the rest of the step (a dozen backwards and a round) still to come
+    deadline = time.monotonic() + 150
+    while metric(url, "swarm_peer_step") < kill_at or metric(url, "swarm_peer_samples_accumulated") < 3:
+        assert time.monotonic() < deadline and trainer.poll() is None, "peer1a never held 3 samples of a step"
+        time.sleep(0.05)
     local_swarm.stop("peer1a", signal.SIGKILL)
 
     assert trainer_exit_code(local_swarm, trainer, 240) == 0, local_swarm.log_path("trainer").read_text()[-3000:]

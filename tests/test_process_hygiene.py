@@ -107,25 +107,36 @@ class Launcher:
         command = [sys.executable, str(script), str(self.workdir), peer]
         if under_timeout:
             command = ["timeout", "600", *command]
-        self.process = subprocess.Popen(
-            command,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, TAG_NAME: self.tag},
-        )
+        # a file, not a pipe: a launcher (or its DHT child) writing more than a pipe holds would block on it
+        self.stderr_path = tmp_path / "launcher.stderr"
+        with self.stderr_path.open("w") as stderr:
+            self.process = subprocess.Popen(
+                command,
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                text=True,
+                env={**os.environ, TAG_NAME: self.tag},
+            )
 
     def wait_ready(self) -> dict[str, int]:
         """Blocks until the launcher says its peer serves: the pids of the peer and of its own DHT child."""
         line = self.process.stdout.readline()
         if not line:
             self.process.wait(10)
-            raise AssertionError(f"the launcher exited early:\n{self.process.stderr.read()[-3000:]}\n{self.logs()}")
+            raise AssertionError(f"the launcher exited early:\n{self.logs()}")
         return json.loads(line)
 
     def logs(self) -> str:
-        logs = sorted(self.workdir.glob("*.log"))
+        """The end of the launcher's stderr and of every log of its swarm."""
+        logs = [self.stderr_path, *sorted(self.workdir.glob("*.log"))]
         return "\n".join(f"--- {log.name}\n{log.read_text(errors='replace')[-2000:]}" for log in logs)
+
+    def wait_gone(self) -> None:
+        """Waits for the signalled launcher to exit; a failure naming what still runs, with the logs, if not."""
+        try:
+            self.process.wait(GONE_WITHIN_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the launcher still runs {GONE_WITHIN_S:.0f}s on: {tagged(self.tag)}\n{self.logs()}")
 
     def cleanup(self) -> None:
         """Kills, by pid, whatever this launcher left (the test has failed by then)."""
@@ -154,7 +165,7 @@ def test_a_stopped_launcher_leaves_no_process(tmp_path, how, peer):
         # `timeout` forwards a SIGTERM it gets as it sends one on expiry: to the command and its process group
         sig = signal.SIGTERM if how == "timeout" else signal.Signals[how]
         launcher.process.send_signal(sig)
-        launcher.process.wait(GONE_WITHIN_S)
+        launcher.wait_gone()
         left = wait_until_gone(launcher.tag)
         assert not left, f"left behind after {how}: {left}\n{launcher.logs()}"
         # the peer left the swarm as on SIGTERM (its own, or the one sent when its launcher died), not killed
@@ -175,7 +186,7 @@ def test_a_peer_killed_alone_takes_its_dht_node_and_daemon(tmp_path):
         left = wait_until_gone(launcher.tag, lambda pid: pid in group, timeout=20)
         assert not left, f"the DHT child or p2pd of a killed peer is still running: {left}"
         launcher.process.send_signal(signal.SIGTERM)
-        launcher.process.wait(GONE_WITHIN_S)
+        launcher.wait_gone()
         assert not wait_until_gone(launcher.tag)
     finally:
         launcher.cleanup()

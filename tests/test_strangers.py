@@ -4,17 +4,22 @@ cannot take a stage over with a forged step, and a private swarm serves nobody o
 from __future__ import annotations
 
 import asyncio
-import re
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import model_flags, run_as_stage_members, run_p2p_client, trainer_flags, wait_for_records
+from conftest import (
+    METRICS_LINE,
+    metric,
+    model_flags,
+    run_as_stage_members,
+    run_p2p_client,
+    trainer_flags,
+    wait_for_records,
+)
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
-from prometheus_client.parser import text_string_to_metric_families
 
 from swarm.compression import get_codec
 from swarm.models import build_stage, get_model_spec
@@ -271,21 +276,6 @@ def test_a_private_swarm_serves_nothing_to_a_peer_outside_its_allowlist(local_sw
         outsider.shutdown()
         reader.shutdown()
     assert "not in --allowlist" in local_swarm.log_path("peer1").read_text()
-
-
-METRICS_LINE = re.compile(r"Metrics on (http://127\.0\.0\.1:\d+/metrics)")
-
-
-def metric(url: str, name: str, **labels: str) -> float:
-    """The sum of a peer's samples of `name` with these labels, read from its metrics endpoint."""
-    with urllib.request.urlopen(url, timeout=10) as reply:
-        text = reply.read().decode()
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == name and labels.items() <= sample.labels.items()
-    )
 
 
 def open_streams(url: str) -> float:

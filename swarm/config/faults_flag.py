@@ -19,7 +19,9 @@ POINTS = {
     "before_commit": "a backward was computed, before its gradient is added to the step's (runtime thread)",
     "after_backward": "a backward was applied (its samples accumulated, the mates told), before the reply is sent",
     "progress": "before this peer sends its progress to a mate",
-    "before_contribution": "an averaging round starts, before this peer offers its contribution to its mates",
+    "before_contribution": (
+        "an averaging round starts in which this peer holds samples, before it offers them to its mates"
+    ),
     "after_contribution": "this peer's offer went out, before it commits to the round",
     "before_slices": "the round's contributors are agreed, before this peer sends the slices of its gradient",
     "after_first_sum": "this peer sent the sum of its slice to one mate, before the others",
