@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from swarm.config import DemoConfig, PeerConfig
+from swarm.config.options import option
 from swarm.launch import commands
 
 
@@ -27,10 +30,38 @@ def _peers(config: PeerConfig) -> int:
     return run_device_peers(config, device_list(config.device, torch.cuda.device_count()))
 
 
+@dataclass
+class SwarmKeyConfig:
+    """`swarm swarm-key`: makes a private swarm's shared key file (or reads one) and prints its fingerprint."""
+
+    swarm_key_file: str = option(
+        "swarm.key",
+        "the key file; made with a new random key (readable by its owner only) if it does not exist. Copy it to "
+        "every member and start each with --swarm-key-file",
+    )
+
+
+def _swarm_key(config: SwarmKeyConfig) -> int:
+    """Prints the key's fingerprint (equal on every member holding the same key), making the key if missing."""
+    from swarm.net.swarm_key import SwarmKeyError, make_swarm_key, read_swarm_key
+
+    try:
+        exists = os.path.exists(config.swarm_key_file)
+        key = read_swarm_key(config.swarm_key_file) if exists else make_swarm_key(config.swarm_key_file)
+    except SwarmKeyError as e:
+        print(f"swarm swarm-key: error: {e}", file=sys.stderr)
+        return 2
+    print(key.fingerprint)
+    return 0
+
+
 COMMANDS: dict[str, commands.Command] = {
     "demo": commands.Command(DemoConfig, _demo, "train the tiny model on a local swarm of processes (the quick start)"),
     **commands.ROLES,
     "peer": commands.Command(PeerConfig, _peers, commands.ROLES["peer"].help),
+    "swarm-key": commands.Command(
+        SwarmKeyConfig, _swarm_key, "make a private swarm's shared key file (or read one) and print its fingerprint"
+    ),
 }
 
 

@@ -30,6 +30,12 @@ class NetworkConfig:
         "private swarm: file of the peer ids allowed in, one per line; others are served nothing and "
         "their DHT records are ignored",
     )
+    swarm_key_file: str | None = option(
+        None,
+        "private swarm: file with the swarm's shared key (`swarm swarm-key --swarm-key-file PATH` makes one; copy "
+        "it to every member, readable by its owner only); without it a process can read no DHT record, store "
+        "none, and open no call to a member; default: an open swarm",
+    )
     run_id: str = option("swarm", "name of the training run; processes of other runs are ignored")
     startup_timeout: float = option(30.0, "seconds to wait for the libp2p daemon to start")
     use_relay: bool = option(
@@ -60,8 +66,9 @@ class NetworkConfig:
     )
     direct: bool = option(
         True,
-        "call peers that announce a direct address over plain TCP (both sides prove their identity key; the data "
-        "is not encrypted), falling back to libp2p where that fails; --no-direct keeps every call on libp2p",
+        "call peers that announce a direct address over TCP (both sides prove their identity key, and the swarm key "
+        "with --swarm-key-file; the data is encrypted and authenticated), falling back to libp2p where that fails; "
+        "--no-direct keeps every call on libp2p",
     )
 
     shared_memory: bool = option(
@@ -97,6 +104,12 @@ class NetworkConfig:
             load_allowlist(self.allowlist)
         except AllowlistError as e:
             raise ConfigError(f"--allowlist: {e}") from None
+        from swarm.net.swarm_key import SwarmKeyError, load_swarm_key
+
+        try:
+            load_swarm_key(self.swarm_key_file)
+        except SwarmKeyError as e:
+            raise ConfigError(f"--swarm-key-file: {e}") from None
         if self.identity_path is not None and os.path.exists(self.identity_path):
             from swarm.net.identity import IdentityError, read_identity
 

@@ -15,7 +15,10 @@ from hivemind.p2p import P2P
 
 from swarm.config import NetworkConfig
 from swarm.net.allowlist import Allowlist, AllowlistError, AllowlistValidator, load_allowlist
+from swarm.net.dht_auth import SwarmKeyAuthorizer
 from swarm.net.identity import Identity, IdentityError, forget_generated, load_identity
+from swarm.net.keyed_p2p import KeyedP2P
+from swarm.net.swarm_key import SwarmKey, SwarmKeyError, load_swarm_key
 from swarm.process.lifeline import child_pids, watch_parent
 
 logger = logging.getLogger(__name__)
@@ -31,7 +34,8 @@ class TetheredDHT(DHT):
     It also holds this process's identity (a new one unless `identity` is given): its daemon's
     peer id, whose key signs every record this node stores and whose signature validator checks
     every record it stores for others or reads (see `swarm.net.identity`). With an allowlist, it
-    refuses to store or return records of peers outside it.
+    refuses to store or return records of peers outside it. With a swarm key, it answers only DHT calls
+    signed with it, and takes answers only so signed (see `swarm.net.dht_auth`).
     """
 
     def __init__(
@@ -40,12 +44,16 @@ class TetheredDHT(DHT):
         *,
         identity: Identity | None = None,
         allowlist: Allowlist | None = None,
+        swarm_key: SwarmKey | None = None,
         daemon_flags: dict[str, Any] | None = None,
         **kwargs,
     ) -> None:
         self.identity = identity or load_identity(None)
         self.daemon_flags = daemon_flags or {}  # extra libp2p daemon flags (see add_daemon_flags)
         self.allowlist = allowlist
+        self.swarm_key = swarm_key
+        if swarm_key is not None:
+            kwargs["authorizer"] = SwarmKeyAuthorizer(swarm_key)
         validators = [self.identity.validator]
         if allowlist is not None:
             validators.append(AllowlistValidator(allowlist))
@@ -152,8 +160,11 @@ def start_dht(config: NetworkConfig, reachable: bool | None = None) -> DHT:
     try:
         identity = load_identity(config.identity_path)
         allowlist = load_allowlist(config.allowlist)
+        swarm_key = load_swarm_key(config.swarm_key_file)
     except (IdentityError, AllowlistError) as e:
         raise JoinError(str(e)) from None
+    except SwarmKeyError as e:
+        raise JoinError(f"--swarm-key-file: {e}") from None
     if allowlist is not None and not allowlist.admits(identity.peer_id):
         logger.warning(
             f"This process's peer id {identity.peer_id} is not in --allowlist {allowlist.path}: the other members "
@@ -165,6 +176,7 @@ def start_dht(config: NetworkConfig, reachable: bool | None = None) -> DHT:
             initial_peers=config.initial_peers or None,
             identity=identity,
             allowlist=allowlist,
+            swarm_key=swarm_key,
             host_maddrs=config.host_maddrs,
             announce_maddrs=config.announce_maddrs or None,
             startup_timeout=config.startup_timeout,
@@ -174,10 +186,7 @@ def start_dht(config: NetworkConfig, reachable: bool | None = None) -> DHT:
         )
     except Exception as e:
         if "bootstrap failed" in str(e) or "failed to connect to bootstrap peers" in str(e):
-            raise JoinError(
-                f"none of --initial-peers answered ({' '.join(config.initial_peers)}): check the addresses, "
-                "and that those peers are up and reachable from here"
-            ) from None
+            raise JoinError(_unanswered(config, swarm_key)) from None
         if "local time must be within" in str(e):  # hivemind's check of the bootstrap node's clock
             raise JoinError(
                 f"this machine's clock differs from the swarm's by more than 3 s ({e}): DHT records carry "
@@ -190,14 +199,32 @@ def start_dht(config: NetworkConfig, reachable: bool | None = None) -> DHT:
         ) from None
 
 
-async def connect_to_daemon(dht: DHT, attempts: int = 5) -> P2P:
+def _unanswered(config: NetworkConfig, swarm_key: SwarmKey | None) -> str:
+    """Why joining failed when no initial peer answered, and what to check."""
+    peers = " ".join(config.initial_peers)
+    if swarm_key is not None:
+        return (
+            f"none of --initial-peers answered with this swarm's key ({peers}): this process holds "
+            f"{swarm_key.describe()}; check that the members use a copy of the same key file (`swarm swarm-key "
+            "--swarm-key-file PATH` prints a key's fingerprint), and that they are up and reachable from here"
+        )
+    return (
+        f"none of --initial-peers answered ({peers}): check the addresses, and that those peers are up and "
+        "reachable from here; a private swarm answers only processes started with its --swarm-key-file"
+    )
+
+
+async def connect_to_daemon(dht: DHT, attempts: int = 5) -> P2P | KeyedP2P:
     """A P2P client in this process on the DHT's libp2p daemon, so both share one peer id.
 
-    Retried: on a loaded machine the daemon's control socket has refused the first connection.
+    With a swarm key (a `TetheredDHT`'s), the client is a `KeyedP2P`: its streams prove the key, and its
+    handlers demand it. Retried: on a loaded machine the daemon's control socket has refused the first connection.
     """
+    swarm_key = getattr(dht, "swarm_key", None)
     for attempt in range(1, attempts + 1):
         try:
-            return await dht.replicate_p2p()
+            p2p = await dht.replicate_p2p()
+            return p2p if swarm_key is None else KeyedP2P(p2p, swarm_key)
         except OSError as e:
             if attempt == attempts or not dht.is_alive():
                 raise RuntimeError(f"cannot reach the libp2p daemon of this process's DHT node: {e}") from e

@@ -24,6 +24,12 @@ Every connection then derives its own pair of keys from the session key and its 
 fresh nonces in it), and all that follows is sealed (`swarm.net.frame_cipher`): encrypted and
 authenticated, in both directions. A hello or challenge that names another cipher is refused: a peer that
 does not seal (an older version) is called over libp2p instead.
+
+In a private swarm (`swarm.net.swarm_key`), every transcript is an HMAC with a key derived from the swarm
+key, so every proof, session and connection key holds only between holders of it; and a server's challenge
+to a full handshake carries an HMAC proving it holds the key. A caller checks that proof before it signs, and
+names which side lacks the key; the server checks the caller's signature over the keyed transcript before it
+signs anything, so a caller without the key costs it one X25519 key and one HMAC.
 """
 
 from __future__ import annotations
@@ -92,9 +98,12 @@ def _load_public_key(der: bytes) -> rsa.RSAPublicKey:
     return key
 
 
-def _transcript(role: bytes, hello: DirectHello, challenge: DirectChallenge, shared_accepted: bool = False) -> bytes:
+def _transcript(
+    swarm_key: bytes, role: bytes, hello: DirectHello, challenge: DirectChallenge, shared_accepted: bool = False
+) -> bytes:
     """What a proof or a connection's keys cover: who proves (`role`), every field both sides sent in the hello
-    and the challenge, and whether the caller took up the server's shared memory (its proof says so)."""
+    and the challenge, and whether the caller took up the server's shared memory (its proof says so). With a
+    swarm key (b"": none), an HMAC of all that with it: proofs and keys then hold only between its holders."""
     fields = (
         hello.protocol.encode(),
         hello.nonce,
@@ -116,7 +125,7 @@ def _transcript(role: bytes, hello: DirectHello, challenge: DirectChallenge, sha
     digest = hashlib.sha256(b"swarm-direct/2/" + role)
     for field in fields:
         digest.update(len(field).to_bytes(4, "big") + field)
-    return digest.digest()
+    return _mac(swarm_key, b"swarm-direct/key/" + digest.digest()) if swarm_key else digest.digest()
 
 
 def _sign(identity: Identity, data: bytes) -> bytes:
@@ -177,12 +186,15 @@ async def prove_to_server(
     session: Session | None,
     shared: SharedMemoryLink | None = None,
     cipher: str = CIPHER,
+    swarm_key: bytes = b"",
 ) -> Opened | None:
     """The caller's side, on a fresh connection: the session to resume with next time (a new one after a full
     handshake, `session` after a resumed one) and the keys to seal the connection with. Raises
     HandshakeError if the server is not `server_peer_id` or breaks the rules; returns None, with the
     connection useless, if the server has forgotten `session` (then start over on a new connection with no
-    session). With `shared`, offers the server shared memory and fills `shared` with what the two agreed on."""
+    session). With `shared`, offers the server shared memory and fills `shared` with what the two agreed on.
+    With `swarm_key` (a private swarm's, derived for this plane), a server that cannot prove it holds the same
+    key is refused before this side signs anything."""
     hello = DirectHello(
         protocol_version=PROTOCOL_VERSION, protocol=protocol, nonce=os.urandom(NONCE_BYTES), cipher=cipher
     )
@@ -210,33 +222,56 @@ async def prove_to_server(
         proof.shared_memory = shared.accept(challenge.shared_memory, challenge.shared_token)
     said = (hello, challenge, proof.shared_memory)
     if session is not None:
-        if not hmac.compare_digest(challenge.proof, _mac(session.key, _transcript(b"server", hello, challenge))):
+        if not hmac.compare_digest(
+            challenge.proof, _mac(session.key, _transcript(swarm_key, b"server", hello, challenge))
+        ):
             raise HandshakeError(f"the server cannot prove it is {server_peer_id} (bad session proof)")
-        proof.proof = _mac(session.key, _transcript(b"caller", *said))
+        proof.proof = _mac(session.key, _transcript(swarm_key, b"caller", *said))
         await write_frames(writer, [proof])
-        return Opened(session, _keys(cipher, session.key, said, caller=True))
+        return Opened(session, _keys(cipher, session.key, said, caller=True, swarm_key=swarm_key))
+    _check_member(swarm_key, hello, challenge, server_peer_id)
     key = _load_public_key(challenge.public_key)
     if peer_id_of_public_key(key) != server_peer_id:
         raise HandshakeError(f"the server at this address is {peer_id_of_public_key(key)}, not {server_peer_id}")
     if len(challenge.session) != SESSION_ID_BYTES:
         raise HandshakeError("bad session id")
-    proof.proof = _sign(identity, _transcript(b"caller", *said))
+    proof.proof = _sign(identity, _transcript(swarm_key, b"caller", *said))
     await write_frames(writer, [proof])
     server_proof = await _read(reader, DirectProof)
-    if not _verify(key, server_proof.proof, _transcript(b"server", *said)):
+    if not _verify(key, server_proof.proof, _transcript(swarm_key, b"server", *said)):
         raise HandshakeError(f"the server cannot prove it is {server_peer_id} (bad signature)")
     session = Session(
         challenge.session,
-        _session_key(ephemeral, challenge.ephemeral_key, _transcript(b"session", hello, challenge)),
+        _session_key(ephemeral, challenge.ephemeral_key, _transcript(swarm_key, b"session", hello, challenge)),
         server_peer_id,
         time.monotonic(),
     )
-    return Opened(session, _keys(cipher, session.key, said, caller=True))
+    return Opened(session, _keys(cipher, session.key, said, caller=True, swarm_key=swarm_key))
 
 
-def _keys(cipher: str, session_key: bytes, said: tuple, caller: bool) -> TrafficKeys | None:
+def _member_proof(swarm_key: bytes, hello: DirectHello, challenge: DirectChallenge) -> bytes:
+    """What a server of a private swarm puts in its challenge to a full handshake: proof that it holds the key."""
+    return _mac(swarm_key, _transcript(swarm_key, b"member", hello, challenge))
+
+
+def _check_member(swarm_key: bytes, hello: DirectHello, challenge: DirectChallenge, server_peer_id: str) -> None:
+    """HandshakeError, saying which side lacks what, unless both sides hold the same swarm key or neither any."""
+    if not swarm_key and challenge.proof:
+        raise HandshakeError(
+            f"{server_peer_id} belongs to a private swarm: this process must start with its --swarm-key-file"
+        )
+    if swarm_key and not challenge.proof:
+        raise HandshakeError(f"{server_peer_id} holds no swarm key: it is not a member of this private swarm")
+    if swarm_key and not hmac.compare_digest(challenge.proof, _member_proof(swarm_key, hello, challenge)):
+        raise HandshakeError(
+            f"{server_peer_id} holds another swarm key than this process's --swarm-key-file: check that every "
+            "member has a copy of the same key file (compare fingerprints: `swarm swarm-key --swarm-key-file PATH`)"
+        )
+
+
+def _keys(cipher: str, session_key: bytes, said: tuple, caller: bool, swarm_key: bytes = b"") -> TrafficKeys | None:
     """This connection's keys, from the session key and everything both sides said (None: no sealing)."""
-    return traffic_keys(session_key, _transcript(b"frames", *said), caller) if cipher else None
+    return traffic_keys(session_key, _transcript(swarm_key, b"frames", *said), caller) if cipher else None
 
 
 class SessionStore:
@@ -278,10 +313,12 @@ async def prove_to_caller(
     writer: asyncio.StreamWriter,
     shared: SharedMemoryLink | None = None,
     cipher: str = CIPHER,
+    swarm_key: bytes = b"",
 ) -> Proven:
     """The server's side, on an accepted connection. Raises HandshakeError if the caller cannot prove its key
-    or breaks the rules; signs nothing before the caller has proved its key. With `shared`, takes up a
-    caller's offer of shared memory where the caller runs on this host, and fills `shared`."""
+    or breaks the rules; signs nothing before the caller has proved its key (and, with `swarm_key`, proved it
+    holds that too: its signature covers a transcript only holders of the key can compute). With `shared`,
+    takes up a caller's offer of shared memory where the caller runs on this host, and fills `shared`."""
     hello = await _read(reader, DirectHello)
     if hello.protocol_version != PROTOCOL_VERSION:
         await _refuse(writer, ErrorCode.VERSION_MISMATCH, f"this peer speaks protocol version {PROTOCOL_VERSION}")
@@ -297,7 +334,7 @@ async def prove_to_caller(
     if shared is not None and shared.accept(hello.shared_memory, hello.shared_token):
         challenge.shared_memory, challenge.shared_token = shared.offer()
     if hello.session:
-        return await _resume(sessions, reader, writer, shared, hello, challenge)
+        return await _resume(sessions, reader, writer, shared, hello, challenge, swarm_key)
     try:
         caller_key = _load_public_key(hello.public_key)
     except HandshakeError as e:
@@ -306,17 +343,20 @@ async def prove_to_caller(
     ephemeral, challenge.ephemeral_key = _ephemeral()
     challenge.public_key = _public_der(identity)
     challenge.session = os.urandom(SESSION_ID_BYTES)
+    if swarm_key:
+        challenge.proof = _member_proof(swarm_key, hello, challenge)
     await write_frames(writer, [challenge])
     proof = await _read(reader, DirectProof)
     said = (hello, challenge, proof.shared_memory)
     caller = peer_id_of_public_key(caller_key)
-    if not _verify(caller_key, proof.proof, _transcript(b"caller", *said)):
-        raise HandshakeError(f"a caller claiming to be {caller} cannot prove it (bad signature)")
-    session_key = _session_key(ephemeral, hello.ephemeral_key, _transcript(b"session", hello, challenge))
-    await write_frames(writer, [DirectProof(proof=_sign(identity, _transcript(b"server", *said)))])
+    if not _verify(caller_key, proof.proof, _transcript(swarm_key, b"caller", *said)):
+        lacking = " (or does not hold this swarm's key)" if swarm_key else ""
+        raise HandshakeError(f"a caller claiming to be {caller} cannot prove it{lacking} (bad signature)")
+    session_key = _session_key(ephemeral, hello.ephemeral_key, _transcript(swarm_key, b"session", hello, challenge))
+    await write_frames(writer, [DirectProof(proof=_sign(identity, _transcript(swarm_key, b"server", *said)))])
     sessions.add(Session(challenge.session, session_key, caller, time.monotonic()))
     _agreed(shared, proof)
-    return Proven(caller, hello.protocol, _keys(cipher, session_key, said, caller=False))
+    return Proven(caller, hello.protocol, _keys(cipher, session_key, said, caller=False, swarm_key=swarm_key))
 
 
 async def _resume(
@@ -326,20 +366,22 @@ async def _resume(
     shared: SharedMemoryLink | None,
     hello: DirectHello,
     challenge: DirectChallenge,
+    swarm_key: bytes = b"",
 ) -> Proven:
     """The server's side of a resumed handshake: both proofs are HMACs with the session's key."""
     session = sessions.get(hello.session)
     if session is None:
         await _refuse(writer, ErrorCode.UNAVAILABLE, "unknown session: start a full handshake")
         raise HandshakeError("unknown session")
-    challenge.proof = _mac(session.key, _transcript(b"server", hello, challenge))
+    challenge.proof = _mac(session.key, _transcript(swarm_key, b"server", hello, challenge))
     await write_frames(writer, [challenge])
     proof = await _read(reader, DirectProof)
     said = (hello, challenge, proof.shared_memory)
-    if not hmac.compare_digest(proof.proof, _mac(session.key, _transcript(b"caller", *said))):
+    if not hmac.compare_digest(proof.proof, _mac(session.key, _transcript(swarm_key, b"caller", *said))):
         raise HandshakeError(f"a caller resuming {session.peer_id}'s session cannot prove it (bad proof)")
     _agreed(shared, proof)
-    return Proven(session.peer_id, hello.protocol, _keys(challenge.cipher, session.key, said, caller=False))
+    keys = _keys(challenge.cipher, session.key, said, caller=False, swarm_key=swarm_key)
+    return Proven(session.peer_id, hello.protocol, keys)
 
 
 def _agreed(shared: SharedMemoryLink | None, proof: DirectProof) -> None:

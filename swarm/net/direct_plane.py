@@ -33,6 +33,7 @@ from swarm.net.direct_handshake import HandshakeError, Session, SessionStore, pr
 from swarm.net.direct_stream import DirectStream, open_direct_stream, start_direct_server
 from swarm.net.frame_cipher import CIPHER, FrameTampered
 from swarm.net.identity import Identity
+from swarm.net.keyed_p2p import KeyedP2P
 from swarm.net.shared_memory import ArenaPool, SharedMemoryLink, remove_stale_arenas, shared_memory_available
 
 logger = logging.getLogger(__name__)
@@ -85,11 +86,14 @@ class DirectServer:
         max_handshakes: int = MAX_HANDSHAKES,
         arenas: ArenaPool | None = None,
         cipher: str = CIPHER,
+        swarm_key: bytes = b"",
     ) -> None:
         """`cipher`: what connections are sealed with; "" (nothing) only for a benchmark's plain baseline,
-        and then only callers that say "" too are served."""
+        and then only callers that say "" too are served. `swarm_key`: a private swarm's key, derived for this
+        plane (b"": an open swarm); only callers that hold it are served."""
         self.identity = identity
         self.cipher = cipher
+        self.swarm_key = swarm_key
         self.arenas = arenas  # None: no shared memory with callers on this host
         self.max_handshakes = max_handshakes
         self.handlers: dict[str, Handler] = {}
@@ -137,7 +141,7 @@ class DirectServer:
         shared = SharedMemoryLink(self.arenas) if self.arenas is not None else None
         try:
             caller, protocol, keys = await prove_to_caller(
-                self.identity, self.sessions, reader, writer, shared, self.cipher
+                self.identity, self.sessions, reader, writer, shared, self.cipher, self.swarm_key
             )
         except (HandshakeError, ConnectionError, OSError) as e:
             if shared is not None:
@@ -178,21 +182,28 @@ class DirectPlane:
     """
 
     def __init__(
-        self, p2p: P2P, identity: Identity, dial: bool = True, shared_memory: bool = True, cipher: str = CIPHER
+        self,
+        p2p: P2P | KeyedP2P,
+        identity: Identity,
+        dial: bool = True,
+        shared_memory: bool = True,
+        cipher: str = CIPHER,
     ) -> None:
         """`dial`: call peers directly where they announce an address; `shared_memory`: pass tensors through
         /dev/shm to and from processes on this host; `cipher`: what direct connections are sealed with (""
-        only for a benchmark's plain baseline: such a plane calls and serves only planes built alike)."""
+        only for a benchmark's plain baseline: such a plane calls and serves only planes built alike). In a private
+        swarm `p2p` is a `KeyedP2P`, whose swarm key the direct plane demands and proves too."""
         self.p2p = p2p
         self.identity = identity
         self.cipher = cipher
+        self.swarm_key = p2p.swarm_key.derive("direct") if isinstance(p2p, KeyedP2P) else b""
         self.dial = dial  # False: every call goes over libp2p (`--no-direct`)
         # callers and servers on one host pass tensors through /dev/shm (`--no-shared-memory`: never)
         self.arenas = ArenaPool() if shared_memory and shared_memory_available() else None
         if self.arenas is not None:
             remove_stale_arenas()
         # holds every protocol registered on this process; it listens only once `serve` starts it
-        self.server = DirectServer(identity, arenas=self.arenas, cipher=cipher)
+        self.server = DirectServer(identity, arenas=self.arenas, cipher=cipher, swarm_key=self.swarm_key)
         self.address = ""  # what this process announces, once serving
         self.addresses: dict[str, tuple[str, int]] = {}  # peer id -> its announced direct address
         self.calls: Counter[str] = Counter()  # calls opened per path: direct, libp2p; and direct tries that failed
@@ -273,8 +284,9 @@ class DirectPlane:
             shared = SharedMemoryLink(self.arenas) if self.arenas is not None else None
             try:
                 _tune(stream)
+                session = self._sessions.get(peer)
                 opened = await prove_to_server(
-                    self.identity, peer, protocol, stream, stream, self._sessions.get(peer), shared, self.cipher
+                    self.identity, peer, protocol, stream, stream, session, shared, self.cipher, self.swarm_key
                 )
             except BaseException:
                 if shared is not None:
