@@ -21,13 +21,32 @@ from swarm.peer.mate_messages import PROGRESS_TIMEOUT, Held, check_header, check
 from swarm.peer.protocol_handler import protocol_handler
 from swarm.peer.runtime import SampleKey
 from swarm.peer.step_machine import ACCUMULATING, StepMachine
-from swarm.proto import PROTOCOL_VERSION, MateProgress, MateReply
+from swarm.proto import PROTOCOL_VERSION, Error, ErrorCode, MateProgress, MateReply
 
 logger = logging.getLogger(__name__)
 
 # rounds whose summed microbatch ids a peer remembers: a backward retried on it after another replica's
 # step summed it (its reply was lost) is then not summed again; a backward is refused past max_staleness
 RECENT_ROUNDS = 8
+# a mate's holdings at one step count up to this many target batches (two trainers' overlapping steps reach a
+# peer during its round), and one microbatch over: a peer steps as soon as it holds its target
+HELD_BATCHES = 2
+
+
+def progress_refusal(step: int, current: int, held_samples: int, target: int, max_batch: int) -> str | None:
+    """Why a mate's progress toward `step` is refused by a peer at step `current`, where it would then hold
+    `held_samples` samples there; None where it is taken. Only the current and the next step are taken (older
+    progress no longer matters and is passed over by the caller), and at most `HELD_BATCHES` target batches
+    and one microbatch at each: no peer holds more, so a claim beyond is no honest peer's."""
+    if step > current + 1:
+        return f"progress toward step {step}, this peer is at step {current}: only {current} and {current + 1} count"
+    bound = HELD_BATCHES * target + max_batch
+    if held_samples > bound:
+        return (
+            f"holdings of {held_samples} samples at step {step}: a mate holds at most {bound} "
+            f"({HELD_BATCHES} x the target batch {target} and a microbatch)"
+        )
+    return None
 
 
 class ProgressExchange:
@@ -44,6 +63,7 @@ class ProgressExchange:
         self.summed_union: frozenset[SampleKey] = frozenset()  # of _recently_summed, rebuilt once a step
         # read on the runtime thread, replaced whole on the event loop (see held_elsewhere)
         self._elsewhere: frozenset[SampleKey] = frozenset()
+        self.refused: Counter[str] = Counter()  # progress messages refused, per sender
         self.handle = protocol_handler(MateProgress, self._new_reply, self._answer)
 
     def on_local_progress(self, step: int, held: Held) -> None:
@@ -124,13 +144,32 @@ class ProgressExchange:
         elif message.step >= machine.runtime.step:  # older progress no longer matters
             # within a step a peer's holdings only grow, and progress messages may arrive out of order:
             # an older, shorter one must not make this peer forget microbatches the sender holds
-            machine.steps[message.step].progress.setdefault(sender, {}).update(ids_from_wire(message.held))
+            runtime = machine.runtime
+            known = machine.steps[message.step].progress if message.step in machine.steps else {}
+            incoming = ids_from_wire(message.held)
+            merged = {**known.get(sender, {}), **incoming}
+            refusal = progress_refusal(
+                message.step, runtime.step, sum(merged.values()), runtime.target_batch_size, runtime.max_batch_samples
+            )
+            if refusal is not None:
+                self._refuse(sender, refusal, reply)
+                return [reply]
+            machine.steps[message.step].progress.setdefault(sender, {}).update(incoming)
             self.note_holdings()
             if message.fingerprint:
                 self.fingerprints[sender] = (message.step, message.fingerprint)
                 self.compare_fingerprints()
             machine.advance(message.step)
         return [reply]
+
+    def _refuse(self, sender: str, refusal: str, reply: MateReply) -> None:
+        """Answers a refused progress message with the reason; counted per sender, logged once per sender."""
+        self.refused[sender] += 1
+        level = logging.WARNING if self.refused[sender] == 1 else logging.DEBUG
+        logger.log(
+            level, f"Refused progress from mate {sender}: {refusal} ({self.refused[sender]} refused from it so far)"
+        )
+        reply.error.CopyFrom(Error(code=ErrorCode.BAD_REQUEST, message=refusal))
 
     def compare_fingerprints(self) -> None:
         """A replica whose parameters differ from most of its mates' at the same step takes their state."""

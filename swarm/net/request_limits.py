@@ -16,12 +16,19 @@ import math
 from dataclasses import dataclass
 from typing import Protocol
 
-from swarm.net.wire import CHUNK_BYTES, WireLimits
+import torch
+
+from swarm.models.precision import flag_value
+from swarm.net.wire import CHUNK_BYTES, Announced, Part, WireError, WireLimits, announced_tensors
+from swarm.proto import ErrorCode
 
 BOUNDARY_ELEMENT_BYTES = 4  # float32: the widest dtype a boundary tensor goes over the wire in
 TOKEN_BYTES = 8  # int64 token ids and targets
 HEADROOM_BYTES = 2**20  # frames, tensor headers and the request's own fields: far less than this
 HEADROOM_SHARE = 1 / 64  # and per byte of tensors (a part of CHUNK_BYTES costs some tens of bytes)
+# what a codec may add to a tensor's raw bytes (block scales, a codebook, a header): far below this
+CODEC_SLACK_BYTES = 64 * 1024
+CODEC_SLACK_SHARE = 1 / 16
 FIELDS_PER_PART = 8  # protobuf fields a tensor part takes in a frame (its tag, shape, dtype, codec, count, buffer)
 
 
@@ -168,3 +175,71 @@ def call_too_large(samples: int, max_call_samples: int) -> str:
         f"{max_call_samples} samples (the trainer's --microbatch-size), or start this peer with a larger "
         "--max-microbatch"
     )
+
+
+def call_inputs(stage: StageShape, backward: bool) -> list[str]:
+    """Names of the tensors a forward or backward call to `stage` carries, in order (as
+    `swarm.models.stage_io.expected_inputs` names them)."""
+    names = ["tokens" if stage.is_first else "hidden"]
+    if stage.takes_tokens:
+        names.append("tokens")
+    if backward:
+        names.append("targets" if stage.is_last else "grad_outputs")
+    return names
+
+
+def undecoded_problem(
+    stage: StageShape, backward: bool, parts: list[Part], max_batch: int, dtype: torch.dtype = torch.float32
+) -> tuple[int, str] | None:
+    """What is wrong with a stage call's tensors as their headers announce them, before any is decoded: their
+    count, shapes and dtypes against the stage's boundary, and their bytes against what such a tensor takes
+    (`CODEC_SLACK_*` above its raw size); (error code, message) or None. A peer calls it on the parts it read,
+    so that a request is never decoded (nor decompressed) into more than the model's shapes hold."""
+    try:
+        announced = announced_tensors(parts)
+    except WireError as e:
+        return e.code, str(e)
+    names = call_inputs(stage, backward)
+    if len(announced) != len(names):
+        kind = "backward" if backward else "forward"
+        return ErrorCode.BAD_REQUEST, (
+            f"{kind} of stage {stage.stage} takes {len(names)} tensors ({', '.join(names)}), got {len(announced)}"
+        )
+    first = announced[0]
+    if len(first.shape) < 2:
+        return ErrorCode.BAD_REQUEST, f"{names[0]} must be [batch, seq, ...], got {_announced(first)}"
+    batch, seq = first.shape[:2]
+    if batch > max_batch:
+        return ErrorCode.TOO_LARGE, call_too_large(batch, max_batch)
+    if batch < 1:
+        return ErrorCode.BAD_REQUEST, f"batch size {batch} is outside 1..{max_batch} for this peer"
+    if not 1 <= seq <= stage.spec.seq_len:
+        return ErrorCode.BAD_REQUEST, f"sequence length {seq} is outside 1..{stage.spec.seq_len} of this model"
+    for name, tensor in zip(names, announced):
+        if name in ("tokens", "targets"):
+            want, want_dtype = (batch, seq), torch.int64
+        else:
+            want, want_dtype = (batch, seq, stage.spec.boundary_width), dtype
+        if tensor.shape != want or tensor.dtype != want_dtype:
+            hint = ""
+            if tensor.dtype != want_dtype and tensor.dtype.is_floating_point and want_dtype.is_floating_point:
+                hint = f": this stage computes in --dtype {flag_value(dtype)}, and every peer and trainer must agree"
+            return (
+                ErrorCode.BAD_REQUEST,
+                f"{name} must be {_dtype(want_dtype)}{list(want)}, got {_announced(tensor)}{hint}",
+            )
+        raw = math.prod(want) * torch.empty((), dtype=want_dtype).element_size()
+        if tensor.wire_bytes > raw + CODEC_SLACK_BYTES + raw * CODEC_SLACK_SHARE:
+            return ErrorCode.BAD_REQUEST, (
+                f"{name} {_announced(tensor)} comes in {tensor.wire_bytes} bytes of codec {tensor.codec}, more than "
+                f"such a tensor takes ({raw} bytes raw)"
+            )
+    return None
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _announced(tensor: Announced) -> str:
+    return f"{_dtype(tensor.dtype)}{list(tensor.shape)}"

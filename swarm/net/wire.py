@@ -159,6 +159,37 @@ def codes_inline(codec_names: Sequence[str], nbytes: int) -> bool:
     return nbytes <= INLINE_CODING_BYTES and all(name in ("", "none") for name in codec_names)
 
 
+class Announced(NamedTuple):
+    """A tensor as its parts announce it, before any byte of it is decoded: what decoding would make of it."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    codec: str
+    wire_bytes: int  # the bytes its parts carry, which the codec would decode
+
+
+def announced_tensors(parts: Sequence[Part]) -> list[Announced]:
+    """What the tensors in `parts` claim to be (shape, dtype, codec, bytes on the wire), read from their headers
+    alone, so that a receiver can check them before decoding; raises WireError on a malformed header."""
+    announced, index = [], 0
+    while index < len(parts):
+        head = parts[index].head
+        num_parts = max(1, head.num_parts)
+        if index + num_parts > len(parts):
+            raise WireError(ErrorCode.BAD_REQUEST, f"tensor {len(announced)} is truncated: {num_parts} parts announced")
+        shape = tuple(head.shape)
+        if len(shape) > MAX_TENSOR_DIMS or any(size < 0 for size in shape):
+            raise WireError(ErrorCode.BAD_REQUEST, f"tensor {len(announced)} has an invalid shape {list(shape)}")
+        try:
+            dtype = dtype_from_name(head.dtype)
+        except CodecError as e:
+            raise WireError(ErrorCode.BAD_REQUEST, f"tensor {len(announced)}: {e}") from None
+        wire_bytes = sum(len(part.buffer) for part in parts[index : index + num_parts])
+        announced.append(Announced(shape, dtype, head.codec or "none", wire_bytes))
+        index += num_parts
+    return announced
+
+
 def decode_tensors(parts: Sequence[Part], limits: WireLimits) -> list[torch.Tensor]:
     """Reassembles and decodes the tensors in `parts`; raises WireError on anything malformed."""
     tensors, index = [], 0

@@ -36,12 +36,13 @@ import math
 import random
 import sys
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from swarm.models.gpt import partition_layers
 from swarm.models.registry import ModelSpec
+from swarm.policy.claim_bounds import believed_claims
 from swarm.records.stage_records import JOINING, LEAVING, SERVING, StageRecord
 
 
@@ -81,6 +82,8 @@ def loads_from_records(
 ) -> list[PeerLoad]:
     """The peers that count toward capacity: serving ones, joining ones (about to serve), and movers.
 
+    Each claimed throughput counts within its stage's bound (`swarm.policy.claim_bounds`).
+
     `spreads`: each peer's relative spread of measured throughput (`swarm.policy.held_records`), which
     makes its `PeerLoad.spread`; a peer missing there is taken as measured exactly.
 
@@ -109,6 +112,7 @@ def loads_from_records(
                 moving[r.peer_id] = PeerLoad(r.peer_id, r.moving_to, throughput, False, 0, r.movable)
     for peer_id, load in moving.items():
         loads.setdefault(peer_id, load)
+    loads = _believed(loads)
     if not spreads:
         return list(loads.values())
     return [
@@ -117,6 +121,15 @@ def loads_from_records(
         else p
         for p in loads.values()
     ]
+
+
+def _believed(loads: dict[str, PeerLoad]) -> dict[str, PeerLoad]:
+    """The loads with each claimed throughput bounded by its stage's (`swarm.policy.claim_bounds`)."""
+    believed = believed_claims((p, load.stage, load.throughput) for p, load in loads.items())
+    return {
+        p: load if believed[p] == load.throughput else replace(load, throughput=believed[p])
+        for p, load in loads.items()
+    }
 
 
 def stage_costs(spec: ModelSpec, num_stages: int) -> list[float]:

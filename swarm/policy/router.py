@@ -9,6 +9,9 @@ could: without the clock, a slow peer idle for a while held credit, took one of 
 microbatches and made the whole step wait for it. Expected times are moving averages of what the
 calls to a peer took, kept apart for forward and backward; a peer never called yet is costed from
 the throughput and queue it announces, and starts at the stage's current minimum so it is tried at once.
+An announced throughput is a claim: one far above its stage's (`swarm.policy.claim_bounds`: its peers'
+claims, and the fastest speed this router timed there) costs the peer as a typical one of the stage, so
+a record claiming 1e9 samples/s draws no more calls before its first reply than an honest newcomer would.
 
 A peer that fails is banned for a time that doubles with every consecutive failure and resets on
 success. Each call's deadline follows the peer's observed latency, between a floor and a ceiling.
@@ -21,6 +24,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from swarm.policy.claim_bounds import claim_bound, lower_median
 from swarm.records.stage_records import SERVING, StageRecord
 
 
@@ -62,6 +66,7 @@ class Router:
         # observed seconds per sample, per (peer, backward), and when each peer is expected to finish what it was sent
         self.service: dict[tuple[str, bool], float] = {}
         self.finish: dict[int, dict[str, float]] = {}
+        self.measured: dict[int, float] = {}  # per stage: the fastest backward speed timed there, samples/s
         self._live_before: dict[int, set[str]] = {}
 
     def update(self, records: dict[int, list[StageRecord]], now: float) -> None:
@@ -93,9 +98,18 @@ class Router:
         """How long `samples` samples of forward or backward work should take on this peer."""
         observed = self.service.get((record.peer_id, backward))
         if observed is None:
-            per_sample = (1 + record.queue_length) / max(record.throughput, 1e-3)
+            per_sample = (1 + record.queue_length) / max(self.believed_throughput(record), 1e-3)
             observed = per_sample if backward else per_sample * FORWARD_SHARE_OF_BACKWARD
         return observed * samples
+
+    def believed_throughput(self, record: StageRecord) -> float:
+        """The throughput `record` announces, or its stage's typical one where that claim is out of bounds."""
+        known = self.records.get(record.stage, {}).values()
+        claims = [r.throughput for r in known if r.state == SERVING and r.peer_id != record.peer_id]
+        claims.append(record.throughput)
+        if record.throughput <= claim_bound(claims, self.measured.get(record.stage, 0.0)):
+            return record.throughput
+        return lower_median(c for c in claims if c > 0)
 
     def choose(
         self, stage: int, backward: bool = False, samples: int = 1, exclude: Iterable[str] = ()
@@ -153,6 +167,10 @@ class Router:
             per_sample = seconds / samples
             previous = self.service.get(key)
             self.service[key] = per_sample if previous is None else (1 - EWMA) * previous + EWMA * per_sample
+            if backward and self.service[key] > 0:
+                for stage, known in self.records.items():
+                    if peer_id in known:
+                        self.measured[stage] = max(self.measured.get(stage, 0.0), 1 / self.service[key])
 
     def report_failure(self, peer_id: str) -> float:
         """Bans `peer_id` with exponential backoff; returns the ban's length in seconds."""

@@ -19,6 +19,7 @@ import logging
 import math
 import time
 from collections import Counter, deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from hivemind import DHT
@@ -31,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 MAX_POINTS = 32  # recent steps carried in one record
 MAX_BANNED = 32  # peer ids of current bans carried in one record
-MAX_TRAINERS = 256  # records read per run at most: a flood of strangers' records cannot grow a reader
+MAX_TRAINERS = 256  # sound records kept per run at most: a flood of strangers' records cannot grow a reader
 RATE_WINDOW = 10.0  # seconds over which samples/s is measured
 PUBLISH_PERIOD = 2.0
 RECORD_TTL = 30.0
@@ -199,10 +200,17 @@ def fetch_trainer_records(dht: DHT, run_id: str) -> list[TrainerRecord]:
     found = dht.get(trainers_key(run_id), latest=True)
     if found is None or not isinstance(found.value, dict):
         return []
-    allowlist = getattr(dht, "allowlist", None)
-    now = get_dht_time()
+    return sound_trainer_records(found.value.items(), get_dht_time(), getattr(dht, "allowlist", None))
+
+
+def sound_trainer_records(items: Iterable[tuple[object, object]], now: float, allowlist=None) -> list[TrainerRecord]:
+    """The live records among the (subkey, DHT item) pairs of a run's trainers key, at most MAX_TRAINERS of them.
+
+    The cap applies after each record is checked (its fields and its signer), so records that are dropped
+    cannot crowd out sound ones; past the cap, those renewed last are kept (a trainer that stopped goes first).
+    """
     records = []
-    for subkey, item in list(found.value.items())[:MAX_TRAINERS]:
+    for subkey, item in items:
         record = TrainerRecord.from_value(getattr(item, "value", None), getattr(item, "expiration_time", 0.0))
         problem = "malformed" if record is None else ownership_problem(record.peer_id, subkey, allowlist)
         if problem is not None:
@@ -210,6 +218,9 @@ def fetch_trainer_records(dht: DHT, run_id: str) -> list[TrainerRecord]:
             logger.debug(f"Ignoring a {problem} trainer record: {str(item)[:200]}")
         elif record.expiration > now:
             records.append(record)
+    if len(records) > MAX_TRAINERS:
+        dropped_records["over_cap"] += len(records) - MAX_TRAINERS
+        records = sorted(records, key=lambda r: (-r.expiration, r.peer_id))[:MAX_TRAINERS]
     return records
 
 
