@@ -298,6 +298,10 @@ class AveragingRound:
             give_up=own.give_up,
             norm=own.norm,
         )
+        if machine.receipts is not None:
+            receipts, vouchers = machine.receipts.shown(own.held)
+            header.receipts.extend(receipts)
+            header.vouchers.extend(vouchers)
         loop = asyncio.get_running_loop()
         parts = []
         if handover and own.grad_sum is not None:  # a leaving peer sends its whole gradient: it owns no slice
@@ -334,6 +338,8 @@ class AveragingRound:
         if header.samples != sum(i.samples for i in header.held):
             # the count is what the round steps on: it must be the microbatches named, not a number sent
             return Error(code=ErrorCode.BAD_REQUEST, message="samples do not add up to the microbatches held")
+        if machine.receipts is not None and len(header.receipts) > machine.receipts.max_shown(machine.runtime):
+            return Error(code=ErrorCode.BAD_REQUEST, message="more receipts than a step has microbatches")
         step = machine.runtime.step
         # a peer that has just loaded a mate's state takes part in rounds before it serves; while it loads,
         # the round its source holds at the step it hands over waits for it: refusing would split the group
@@ -365,11 +371,16 @@ class AveragingRound:
         if header.attempt == state.attempt + 1 and state.phase != AVERAGING:
             # the mates retry a round this peer missed (it joined since, or heard of the loss later): join it
             state.attempt = header.attempt
+        held = ids_from_wire(header.held)
+        if machine.receipts is not None:  # only what a vouched trainer gave the sender counts
+            held = machine.receipts.counted(sender, header.step, held, header.receipts, header.vouchers)
+            if not held:
+                grad_sum = None
         state.mailbox[header.attempt][sender] = Contribution(
-            header.samples,
+            sum(held.values()),
             grad_sum,
             frozenset(header.members),
-            ids_from_wire(header.held),
+            held,
             ids_from_wire(header.known),
             header.give_up,
             header.norm,

@@ -163,12 +163,20 @@ class StageHandler:
             return [refusal]
         loop = asyncio.get_running_loop()
         backward = request.kind == BACKWARD
+        receipts = self.mates.machine.receipts
+        # before the tensors cost a decode: a backward counts only with a vouched trainer's receipt for this call
+        if backward and receipts is not None:
+            if (problem := receipts.check_backward(request, caller, request.receipt.samples)) is not None:
+                receipts.refused_backwards += 1
+                return [self._error(ErrorCode.FORBIDDEN, problem)]
 
         def take() -> tuple[list[torch.Tensor], tuple[int, str] | None]:
             """The request's tensors, decoded and checked (a WireError if malformed), and what is wrong, if any."""
             tensors = decode_tensors(parts, self.limits)
             if tensors and tensors[0].ndim and (samples := tensors[0].shape[0]) > self.max_batch_samples:
                 return tensors, (ErrorCode.TOO_LARGE, call_too_large(samples, self.max_batch_samples))
+            if receipts is not None and backward and tensors and tensors[0].ndim and samples != request.receipt.samples:
+                return tensors, (ErrorCode.FORBIDDEN, "the receipt names another sample count than the call carries")
             try:
                 check_stage_inputs(self.stage, backward, tensors, self.max_batch_samples, self.runtime.dtype)
             except StageInputError as e:
@@ -201,6 +209,8 @@ class StageHandler:
             key = (caller, request.microbatch_id) if request.microbatch_id else None
             # the last stage recomputes its forward from the targets: its gradient is never stale
             version = request.step if backward and not self.stage.is_last else None
+            if backward and receipts is not None and key is not None:
+                receipts.keep(key, request)  # before the samples are held: a round may take them at once
             result = await asyncio.wrap_future(self.runtime.submit(backward, tensors, key, version, give_up_at))
         except StaleGradientError as e:
             reply = self._error(ErrorCode.STALE, str(e))

@@ -61,6 +61,7 @@ from swarm.peer.mate_progress import ProgressExchange
 from swarm.peer.runtime import RoundResult, SampleKey, StageRuntime
 from swarm.peer.state_handover import StateHandOver
 from swarm.peer.step_machine import StepMachine
+from swarm.peer.work_receipts import WorkReceipts
 from swarm.records.sample_ledger import SampleLedger, step_record
 from swarm.records.stage_records import StageRecord
 
@@ -85,6 +86,7 @@ class StageMates:
         short_wait: float = 20.0,
         faults: FaultPlan | None = None,
         ledger: SampleLedger | None = None,
+        receipts: WorkReceipts | None = None,
     ) -> None:
         self.runtime = runtime
         self.peer_id = peer_id
@@ -93,6 +95,7 @@ class StageMates:
         self.averaging_timeout = averaging_timeout
         self.ledger = ledger or SampleLedger(None)
         self.machine = StepMachine(runtime, peer_id, model, faults or FaultPlan())
+        self.machine.receipts = receipts
         self.membership = MateMembership(self.machine)
         self.progress = ProgressExchange(self.machine, self.membership)
         self.averaging = AveragingRound(

@@ -35,6 +35,7 @@ from swarm.peer.rebalancing import Rebalancing
 from swarm.peer.runtime import StageRuntime
 from swarm.peer.stage_state import parameter_fingerprint
 from swarm.peer.standby import STANDBY_PROTOCOL, Standby, StandbyKeeper
+from swarm.peer.work_receipts import work_receipts
 from swarm.policy.balance import stage_costs
 from swarm.process.event_loop import run, stop_event_on_signals
 from swarm.process.launch_clock import seconds_since_launch
@@ -146,6 +147,7 @@ class Peer:
             short_wait=config.short_wait,
             faults=self.faults,
             ledger=self.ledger,
+            receipts=work_receipts(config, self.peer_id, module.stage),
         )
         self.limits = stage_limits(module, config.max_call_samples, int(config.max_request_mb * 2**20))
         self.handler = StageHandler(

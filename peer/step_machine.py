@@ -28,6 +28,7 @@ from swarm.peer.faults import FaultPlan
 from swarm.peer.mate_messages import Held
 from swarm.peer.round_slices import SliceInbox
 from swarm.peer.runtime import StageRuntime
+from swarm.peer.work_receipts import WorkReceipts
 from swarm.proto import MateReply
 from swarm.records.stage_records import StageRecord
 
@@ -88,6 +89,7 @@ class StepMachine:
         self.limits = WireLimits(max_message_bytes=state_bytes, max_tensor_bytes=state_bytes)
         self.steps: dict[int, StepState] = defaultdict(StepState)
         self.serving = False  # set by the peer once it has the stage's state
+        self.receipts: WorkReceipts | None = None  # in a swarm with a trust root: what lets work count
         self.p2p: P2P | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.changed: asyncio.Event | None = None  # set when a round under way may have news

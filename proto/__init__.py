@@ -20,6 +20,7 @@ from swarm.proto.swarm_pb2 import (
     MateReply,
     PeerInfo,
     PeerInfoRequest,
+    Receipt,
     RoundCommit,
     RoundSlice,
     SampleId,
@@ -29,10 +30,11 @@ from swarm.proto.swarm_pb2 import (
     StateReply,
     StateRequest,
     Tensor,
+    Voucher,
 )
 
 # Bump on any change to the messages or their meaning that an older peer would misread.
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 __all__ = [
     "BACKWARD",
@@ -50,6 +52,7 @@ __all__ = [
     "MateReply",
     "PeerInfo",
     "PeerInfoRequest",
+    "Receipt",
     "RoundCommit",
     "RoundSlice",
     "SampleId",
@@ -59,5 +62,6 @@ __all__ = [
     "StateReply",
     "StateRequest",
     "Tensor",
+    "Voucher",
     "swarm_pb2",
 ]

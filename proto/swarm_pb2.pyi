@@ -64,6 +64,36 @@ class SampleId(_message.Message):
     samples: int
     def __init__(self, trainer: _Optional[str] = ..., microbatch: _Optional[int] = ..., samples: _Optional[int] = ...) -> None: ...
 
+class Voucher(_message.Message):
+    __slots__ = ("name", "public_key", "signature")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    public_key: bytes
+    signature: bytes
+    def __init__(self, name: _Optional[str] = ..., public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
+class Receipt(_message.Message):
+    __slots__ = ("trainer", "microbatch", "samples", "stage", "step", "peer", "public_key", "signature")
+    TRAINER_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    trainer: str
+    microbatch: int
+    samples: int
+    stage: int
+    step: int
+    peer: str
+    public_key: bytes
+    signature: bytes
+    def __init__(self, trainer: _Optional[str] = ..., microbatch: _Optional[int] = ..., samples: _Optional[int] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., peer: _Optional[str] = ..., public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
 class Tensor(_message.Message):
     __slots__ = ("buffer", "shape", "dtype", "codec", "num_parts", "shared_offset", "shared_length")
     BUFFER_FIELD_NUMBER: _ClassVar[int]
@@ -91,7 +121,7 @@ class Error(_message.Message):
     def __init__(self, code: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ...) -> None: ...
 
 class StageRequest(_message.Message):
-    __slots__ = ("protocol_version", "kind", "model", "stage", "microbatch_id", "step", "tensors", "more", "deadline_s", "reply_codec")
+    __slots__ = ("protocol_version", "kind", "model", "stage", "microbatch_id", "step", "tensors", "more", "deadline_s", "reply_codec", "receipt", "voucher")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +132,8 @@ class StageRequest(_message.Message):
     MORE_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
     REPLY_CODEC_FIELD_NUMBER: _ClassVar[int]
+    RECEIPT_FIELD_NUMBER: _ClassVar[int]
+    VOUCHER_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     kind: CallKind
     model: str
@@ -112,7 +144,9 @@ class StageRequest(_message.Message):
     more: bool
     deadline_s: float
     reply_codec: str
-    def __init__(self, protocol_version: _Optional[int] = ..., kind: _Optional[_Union[CallKind, str]] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch_id: _Optional[int] = ..., step: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., more: _Optional[bool] = ..., deadline_s: _Optional[float] = ..., reply_codec: _Optional[str] = ...) -> None: ...
+    receipt: Receipt
+    voucher: Voucher
+    def __init__(self, protocol_version: _Optional[int] = ..., kind: _Optional[_Union[CallKind, str]] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch_id: _Optional[int] = ..., step: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., more: _Optional[bool] = ..., deadline_s: _Optional[float] = ..., reply_codec: _Optional[str] = ..., receipt: _Optional[_Union[Receipt, _Mapping]] = ..., voucher: _Optional[_Union[Voucher, _Mapping]] = ...) -> None: ...
 
 class StageReply(_message.Message):
     __slots__ = ("protocol_version", "error", "step", "tensors", "loss", "num_samples", "more", "server_seconds", "short_step", "lost_peers", "lost", "full")
@@ -221,7 +255,7 @@ class MateProgress(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., samples: _Optional[int] = ..., held: _Optional[_Iterable[_Union[SampleId, _Mapping]]] = ..., fingerprint: _Optional[str] = ...) -> None: ...
 
 class GradContribution(_message.Message):
-    __slots__ = ("protocol_version", "model", "stage", "step", "samples", "members", "tensors", "more", "handover", "attempt", "held", "known", "give_up", "norm")
+    __slots__ = ("protocol_version", "model", "stage", "step", "samples", "members", "tensors", "more", "handover", "attempt", "held", "known", "give_up", "norm", "receipts", "vouchers")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -236,6 +270,8 @@ class GradContribution(_message.Message):
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     GIVE_UP_FIELD_NUMBER: _ClassVar[int]
     NORM_FIELD_NUMBER: _ClassVar[int]
+    RECEIPTS_FIELD_NUMBER: _ClassVar[int]
+    VOUCHERS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     model: str
     stage: int
@@ -250,7 +286,9 @@ class GradContribution(_message.Message):
     known: _containers.RepeatedCompositeFieldContainer[SampleId]
     give_up: bool
     norm: float
-    def __init__(self, protocol_version: _Optional[int] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., samples: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., more: _Optional[bool] = ..., handover: _Optional[bool] = ..., attempt: _Optional[int] = ..., held: _Optional[_Iterable[_Union[SampleId, _Mapping]]] = ..., known: _Optional[_Iterable[_Union[SampleId, _Mapping]]] = ..., give_up: _Optional[bool] = ..., norm: _Optional[float] = ...) -> None: ...
+    receipts: _containers.RepeatedCompositeFieldContainer[Receipt]
+    vouchers: _containers.RepeatedCompositeFieldContainer[Voucher]
+    def __init__(self, protocol_version: _Optional[int] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., samples: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., more: _Optional[bool] = ..., handover: _Optional[bool] = ..., attempt: _Optional[int] = ..., held: _Optional[_Iterable[_Union[SampleId, _Mapping]]] = ..., known: _Optional[_Iterable[_Union[SampleId, _Mapping]]] = ..., give_up: _Optional[bool] = ..., norm: _Optional[float] = ..., receipts: _Optional[_Iterable[_Union[Receipt, _Mapping]]] = ..., vouchers: _Optional[_Iterable[_Union[Voucher, _Mapping]]] = ...) -> None: ...
 
 class RoundCommit(_message.Message):
     __slots__ = ("protocol_version", "model", "stage", "step", "attempt", "contributors")

@@ -26,6 +26,7 @@ from swarm.config.roles import (
 )
 from swarm.config.shared import MAX_VOCAB_SIZE, MetricsConfig, ModelConfig, NetworkConfig
 from swarm.config.swarm_file import SWARM_SETTINGS
+from swarm.config.trust_settings import TrustConfig, VoucherConfig
 
 __all__ = [
     "ENV_PREFIX",
@@ -42,6 +43,8 @@ __all__ = [
     "PeerConfig",
     "StatusConfig",
     "TrainerConfig",
+    "TrustConfig",
+    "VoucherConfig",
     "add_options",
     "check_data_path",
     "check_plot_path",

@@ -11,6 +11,7 @@ from swarm.config.faults_flag import FaultError, parse_faults
 from swarm.config.options import ConfigError, option
 from swarm.config.preemption_flag import PreemptionSourceError, parse_notice_source
 from swarm.config.shared import MetricsConfig, ModelConfig, NetworkConfig
+from swarm.config.trust_settings import TrustConfig, VoucherConfig
 
 
 @dataclass
@@ -26,7 +27,7 @@ class DHTConfig(NetworkConfig):
 
 
 @dataclass
-class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig):
+class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig, TrustConfig):
     """`swarm peer`: hosts one stage, serves forward and backward, steps its optimizer."""
 
     stage: str = option(
@@ -174,6 +175,7 @@ class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig):
             raise ConfigError("--client-mode: a peer serves its stage, so it must accept connections (or use a relay)")
         ModelConfig.check(self)
         MetricsConfig.check(self)
+        TrustConfig.check(self)
         if self.stage != "auto":
             try:
                 stage = int(self.stage)
@@ -244,7 +246,7 @@ class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig):
 
 
 @dataclass
-class TrainerConfig(NetworkConfig, ModelConfig, MetricsConfig):
+class TrainerConfig(NetworkConfig, ModelConfig, MetricsConfig, VoucherConfig):
     """`swarm train`: drives microbatches through the stages; holds no parameters."""
 
     steps: int = option(100, "optimizer steps to train for")
@@ -319,6 +321,7 @@ class TrainerConfig(NetworkConfig, ModelConfig, MetricsConfig):
         NetworkConfig.check(self)
         ModelConfig.check(self)
         MetricsConfig.check(self)
+        VoucherConfig.check(self)
         for name in ("steps", "microbatch_size", "max_in_flight", "max_retries"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")

@@ -32,4 +32,5 @@ SWARM_SETTINGS: dict[str, str] = {
     "rebalance_margin": "the balance rule: every peer must compute the same plan",
     "rebalance_horizon": "the balance rule",
     "move_bandwidth_mbit": "the balance rule",
+    "trust_root": "the organizer's key: whose trainers' work counts (without it the swarm is open)",
 }

@@ -12,6 +12,7 @@ import logging
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from swarm import __version__
@@ -26,6 +27,7 @@ from swarm.config import (
     add_options,
     load_config,
 )
+from swarm.config.trust_settings import TrustRootConfig, VouchConfig
 from swarm.process.allocator import keep_large_buffers
 from swarm.process.lifeline import die_with_launcher
 
@@ -105,6 +107,31 @@ def _identity(config: IdentityConfig) -> int:
     return 0
 
 
+def _trust_root(config: TrustRootConfig) -> int:
+    from swarm.trust.vouchers import TrustError, make_root_key
+
+    try:
+        public = make_root_key(Path(config.root_key))
+    except TrustError as e:
+        print(f"swarm trust-root: error: {e}", file=sys.stderr)
+        return 2
+    print(f"# the root key is in {config.root_key}: keep it private; put this line in the swarm file")
+    print(f"trust_root: {public}")
+    return 0
+
+
+def _vouch(config: VouchConfig) -> int:
+    from swarm.trust.vouchers import TrustError, load_root_key, make_voucher
+
+    try:
+        make_voucher(load_root_key(Path(config.root_key)), config.name, Path(config.out))
+    except TrustError as e:
+        print(f"swarm vouch: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {config.out}: start the trainer with --voucher {config.out}")
+    return 0
+
+
 ROLES: dict[str, Command] = {
     "peer": Command(PeerConfig, _peer, "host one pipeline stage and serve it to trainers"),
     "train": Command(TrainerConfig, _train, "drive training through the swarm's stages"),
@@ -112,6 +139,8 @@ ROLES: dict[str, Command] = {
     "status": Command(StatusConfig, _status, "show the swarm's stages and peers"),
     "monitor": Command(MonitorConfig, _monitor, "serve a live web dashboard of the swarm"),
     "identity": Command(IdentityConfig, _identity, "make or read an identity file and print its peer id"),
+    "trust-root": Command(TrustRootConfig, _trust_root, "make the organizer's root key that vouches for trainers"),
+    "vouch": Command(VouchConfig, _vouch, "make a trainer's voucher with the organizer's root key"),
 }
 
 

@@ -15,6 +15,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -35,6 +36,8 @@ from swarm.records.stage_records import SERVING, StageRecord
 from swarm.trainer.outcome import TrainingError, TrainingSummary
 from swarm.trainer.peer_finder import PeerFinder
 from swarm.trainer.resend_buffer import ResendBuffer
+from swarm.trust.receipts import ReceiptSigner
+from swarm.trust.vouchers import load_voucher
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +66,14 @@ class _Attempts:
     refused_by: dict[int, set[str]] = field(default_factory=dict)  # per error code that is no network accident
     short_since: float | None = None  # monotonic: when the stage first answered SHORT
     last_error: Exception | None = None
+
+
+def receipt_signer(config: TrainerConfig) -> ReceiptSigner | None:
+    """The trainer's receipt signer, from its --voucher (None without one: an open swarm)."""
+    if config.voucher is None:
+        return None
+    voucher, key = load_voucher(Path(config.voucher))
+    return ReceiptSigner(config.run_id, key, voucher)
 
 
 class StageCaller:
@@ -98,6 +109,7 @@ class StageCaller:
         # the dtype of the boundary tensors replies carry (`swarm.models.precision.expected_dtype`); None: float32
         # or bfloat16, whichever the peers compute in (the next stage's peer checks them against its own)
         self.dtype: torch.dtype | None = torch.float32
+        self.receipts = receipt_signer(config)  # in a swarm with a trust root: signs each backward's receipt
 
     async def call(
         self,
@@ -198,6 +210,11 @@ class StageCaller:
             step=step,
             reply_codec=codec,
         )
+        if backward and self.receipts is not None:
+            samples = tensors[0].shape[0]
+            args = (self.trainer_id, record.peer_id, stage, microbatch_id, samples, step)
+            request.receipt.CopyFrom(self.receipts.sign(*args))
+            request.voucher.CopyFrom(self.receipts.voucher)
         reply, outputs = await call_stage(
             self.p2p,
             PeerID.from_base58(record.peer_id),

@@ -1,0 +1,56 @@
+"""A real peer that lies in one place: an insider for scripts/adversary.py and the trust tests.
+
+It is `swarm peer` as users run it (the same flags, key, signed record and protocols), with one
+method of its round replaced by the attack named first on its command line:
+
+- `inflate-samples`: each contribution it offers its mates names, beside the microbatches it holds,
+  `FAKE_MICROBATCHES` made-up ones of `FAKE_SAMPLES` samples each. Its gradient and its own view of the
+  round stay honest, so any difference in what its mates step on comes from believing the claim.
+
+Started through LocalSwarm's `prefix` (it runs the command line that follows it, in this process):
+
+    python scripts/harness/hostile_peer.py inflate-samples -- python -m swarm peer --stage 1 ...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+FAKE_MICROBATCHES = 4096
+FAKE_SAMPLES = 256
+FAKE_TRAINER = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"  # a well-formed peer id no trainer has
+
+
+def inflate_samples() -> None:
+    """Offers mates a contribution that claims made-up microbatches besides the real ones."""
+    from swarm.peer.averaging_round import AveragingRound
+
+    honest = AveragingRound._send_contribution
+
+    async def inflated(self, peer_id, step, own, *args, **kwargs):
+        fake = {(FAKE_TRAINER, 1 + i): FAKE_SAMPLES for i in range(FAKE_MICROBATCHES)}
+        claimed = {**own.held, **fake}
+        lie = dataclasses.replace(own, held=claimed, samples=sum(claimed.values()))
+        return await honest(self, peer_id, step, lie, *args, **kwargs)
+
+    AveragingRound._send_contribution = inflated
+
+
+ATTACKS = {"inflate-samples": inflate_samples}
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 2 or argv[0] not in ATTACKS or "--" not in argv:
+        sys.exit(f"usage: hostile_peer.py {{{','.join(ATTACKS)}}} -- python -m swarm peer FLAGS...")
+    ATTACKS[argv[0]]()
+    command = argv[argv.index("--") + 1 :]
+    # the command LocalSwarm would have run: `python -m swarm ROLE FLAGS`, run here instead
+    role_at = command.index("swarm") + 1
+    from swarm.cli import main as swarm_main
+
+    return swarm_main(command[role_at:])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,170 @@
+"""The trust root: vouchers, receipts, and a swarm that counts only the work vouched trainers gave."""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import (
+    TARGET,
+    assert_matches_reference,
+    peer_flags,
+    reference_run,
+    reordering_noise,
+    trainer_flags,
+    wait_for_records,
+)
+
+from swarm.config import ConfigError, TrainerConfig, load_config
+from swarm.peer.checkpoint import load_checkpoint
+from swarm.peer.work_receipts import WorkReceipts
+from swarm.proto import BACKWARD, StageRequest, Voucher
+from swarm.records.stage_records import SERVING
+from swarm.trust.receipts import ReceiptChecker, ReceiptSigner
+from swarm.trust.vouchers import TrustError, TrustRoot, load_root_key, load_voucher, make_root_key, make_voucher
+
+HOSTILE = Path(__file__).parents[1] / "scripts" / "harness" / "hostile_peer.py"
+PEER_A = "QmPeerAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA"
+PEER_B = "QmPeerBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBB"
+TRAINER = "QmTrainerTTTTTTTTTTTTTTTTTTTTTTTTTTTTTTTTTTTTT"
+
+
+@pytest.fixture
+def organizer(tmp_path):
+    """A trust root and one voucher: (the root's public text, the voucher file)."""
+    public = make_root_key(tmp_path / "root.key")
+    make_voucher(load_root_key(tmp_path / "root.key"), "lab-trainer", tmp_path / "trainer.voucher")
+    return public, tmp_path / "trainer.voucher"
+
+
+def signer_and_checker(organizer) -> tuple[ReceiptSigner, ReceiptChecker]:
+    public, voucher_file = organizer
+    voucher, key = load_voucher(voucher_file)
+    return ReceiptSigner("run", key, voucher), ReceiptChecker(TrustRoot.from_text(public), "run")
+
+
+def test_a_voucher_holds_for_its_root_only(organizer, tmp_path):
+    public, voucher_file = organizer
+    voucher, _ = load_voucher(voucher_file)
+    assert TrustRoot.from_text(public).vouches(voucher)
+    other = make_root_key(tmp_path / "other.key")
+    assert not TrustRoot.from_text(other).vouches(voucher)
+    renamed = Voucher(name="someone else", public_key=voucher.public_key, signature=voucher.signature)
+    assert not TrustRoot.from_text(public).vouches(renamed)
+    with pytest.raises(TrustError, match="never overwritten"):
+        make_root_key(tmp_path / "root.key")
+    assert (tmp_path / "root.key").stat().st_mode & 0o077 == 0  # readable by its owner only
+
+
+def test_a_receipt_holds_only_as_signed(organizer):
+    signer, checker = signer_and_checker(organizer)
+    vouchers = {bytes(signer.voucher.public_key): signer.voucher}
+    receipt = signer.sign(TRAINER, PEER_A, 1, 77, 4, 3)
+    assert checker.problem(receipt, vouchers) is None
+    for field, value in [("peer", PEER_B), ("samples", 400), ("microbatch", 78), ("step", 4), ("stage", 2)]:
+        forged = type(receipt)()
+        forged.CopyFrom(receipt)
+        setattr(forged, field, value)
+        assert "does not hold" in checker.problem(forged, vouchers), field
+    other_run = ReceiptChecker(checker.root, "another-run")
+    assert "does not hold" in other_run.problem(receipt, vouchers)
+    assert "did not vouch" in ReceiptChecker(checker.root, "run").problem(receipt, {})
+
+
+def test_a_mate_counts_only_what_its_receipts_show(organizer, caplog):
+    signer, checker = signer_and_checker(organizer)
+    receipts = WorkReceipts(checker, PEER_B, stage=1)
+    good = signer.sign(TRAINER, PEER_A, 1, 1, 4, 5)
+    for_another_peer = signer.sign(TRAINER, PEER_B, 1, 2, 4, 5)
+    too_old = signer.sign(TRAINER, PEER_A, 1, 3, 4, 1)
+    held = {(TRAINER, 1): 4, (TRAINER, 2): 4, (TRAINER, 3): 4, (TRAINER, 4): 256}  # the last has no receipt
+    with caplog.at_level(logging.WARNING):
+        counted = receipts.counted(PEER_A, 5, held, [good, for_another_peer, too_old], [signer.voucher])
+    assert counted == {(TRAINER, 1): 4}
+    assert receipts.unreceipted_samples == 4 + 4 + 256
+    assert f"mate {PEER_A} claimed 264 samples (3 microbatches) without a receipt" in caplog.text
+
+
+def test_a_backward_is_served_only_with_a_receipt_for_this_very_call(organizer):
+    signer, checker = signer_and_checker(organizer)
+    receipts = WorkReceipts(checker, PEER_A, stage=1)
+    request = StageRequest(kind=BACKWARD, stage=1, microbatch_id=9, step=2)
+    assert "needs its trainer's receipt" in receipts.check_backward(request, TRAINER, 4)
+    request.receipt.CopyFrom(signer.sign(TRAINER, PEER_A, 1, 9, 4, 2))
+    request.voucher.CopyFrom(signer.voucher)
+    assert receipts.check_backward(request, TRAINER, 4) is None
+    assert "another call" in receipts.check_backward(request, PEER_B, 4)  # another caller shows it
+    assert "another call" in receipts.check_backward(request, TRAINER, 8)  # more samples than it names
+    receipts.keep((TRAINER, 9), request)
+    shown, vouchers = receipts.shown([(TRAINER, 9), (TRAINER, 10)])
+    assert [r.microbatch for r in shown] == [9] and vouchers == [signer.voucher]
+
+
+def test_a_trainer_in_a_swarm_with_a_trust_root_needs_a_voucher_of_that_root(organizer, tmp_path):
+    public, voucher_file = organizer
+    with pytest.raises(ConfigError, match="needs --voucher"):
+        load_config(TrainerConfig, {"trust_root": public})
+    other = make_root_key(tmp_path / "other.key")
+    with pytest.raises(ConfigError, match="not signed by this swarm's --trust-root"):
+        load_config(TrainerConfig, {"trust_root": other, "voucher": str(voucher_file)})
+    with pytest.raises(ConfigError, match="--trust-root: expected a 32-byte"):
+        load_config(TrainerConfig, {"trust_root": "c2hvcnQ=", "voucher": str(voucher_file)})
+    assert load_config(TrainerConfig, {"trust_root": public, "voucher": str(voucher_file)}).voucher
+
+
+def start_trusted_swarm(local_swarm, tmp_path, public: str, hostile: str | None = None) -> None:
+    """Stages 0 and 2 with one peer each, stage 1 with peer1a and peer1b (`hostile`: running that attack),
+    every peer with the trust root."""
+    local_swarm.start_bootstrap()
+    for stage, names in {0: ["peer0"], 1: ["peer1a", "peer1b"], 2: ["peer2"]}.items():
+        for name in names:
+            flags = peer_flags(tmp_path / name, "--trust-root", public)
+            if name == "peer1b" and hostile is not None:
+                prefix = [sys.executable, str(HOSTILE), hostile, "--"]
+                pinned = ["--stage", "1", "--initial-peers", *local_swarm.initial_peers, "--rebalance-period", "0"]
+                local_swarm.spawn(name, "peer", [*pinned, *flags], prefix=prefix)
+            else:
+                local_swarm.start_peer(name, stage, flags)
+    serving = [lambda r, s=s: sum(p.state == SERVING for p in r[s]) for s in range(3)]
+    wait_for_records(local_swarm.initial_peers, lambda r: [count(r) for count in serving] == [1, 2, 1])
+
+
+@pytest.mark.timeout(300)
+def test_a_mate_claiming_made_up_samples_changes_nothing_where_receipts_count(local_swarm, tmp_path, organizer):
+    """peer1b offers every round 4,096 made-up microbatches of 256 samples beside its real ones. Its mate
+    counts only what the vouched trainer's receipts show: stage 1 ends as the one-process run does."""
+    public, voucher_file = organizer
+    steps, micro = 3, 4
+    start_trusted_swarm(local_swarm, tmp_path, public, hostile="inflate-samples")
+    summary_file = tmp_path / "summary.json"
+    flags = [*trainer_flags(steps, summary_file, micro), "--trust-root", public, "--voucher", str(voucher_file)]
+    trainer = local_swarm.start_trainer("trainer", flags)
+    assert trainer.wait(240) == 0, local_swarm.log_path("trainer").read_text()[-3000:]
+    assert json.loads(summary_file.read_text())["steps"] == steps
+    for name in ("peer0", "peer1a", "peer1b", "peer2"):
+        assert local_swarm.stop(name) == 0
+    log = local_swarm.log_path("peer1a").read_text()
+    assert "claimed 1048576 samples (4096 microbatches) without a receipt" in log, log[-3000:]
+    checkpoint = load_checkpoint(tmp_path / "peer1a", "gpt-tiny", 1, 3)
+    assert checkpoint.step == steps and checkpoint.samples_stepped == steps * TARGET
+    noise = reordering_noise(steps, 1, micro)
+    assert_matches_reference(reference_run(steps, micro).stages[1], checkpoint.parameters, "stage 1", noise)
+
+
+@pytest.mark.timeout(240)
+def test_a_trainer_without_a_voucher_has_no_backward_counted(local_swarm, tmp_path, organizer):
+    """A trainer that does not know the swarm has a trust root sends backwards without receipts: every
+    peer refuses them with FORBIDDEN and the trainer stops, saying why."""
+    public, _ = organizer
+    start_trusted_swarm(local_swarm, tmp_path, public)
+    trainer = local_swarm.start_trainer("trainer", trainer_flags(2, tmp_path / "summary.json"))
+    code = trainer.wait(180)
+    log = local_swarm.log_path("trainer").read_text()
+    assert code != 0, log[-3000:]
+    assert "needs its trainer's receipt" in log, log[-3000:]
+    for name in ("peer0", "peer1a", "peer1b", "peer2"):
+        assert local_swarm.stop(name, signal.SIGTERM) == 0
