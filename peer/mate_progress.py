@@ -64,6 +64,7 @@ class ProgressExchange:
         # read on the runtime thread, replaced whole on the event loop (see held_elsewhere)
         self._elsewhere: frozenset[SampleKey] = frozenset()
         self.refused: Counter[str] = Counter()  # progress messages refused, per sender
+        self._named: set[tuple[str, bool]] = set()  # (sender, refused for its step) named in a warning
         self.handle = protocol_handler(MateProgress, self._new_reply, self._answer)
 
     def on_local_progress(self, step: int, held: Held) -> None:
@@ -115,13 +116,19 @@ class ProgressExchange:
             held=ids_to_wire(held),
             fingerprint=machine.runtime.fingerprint_at(step),
         )
+        if machine.receipts is not None:
+            receipts, vouchers = machine.receipts.unacknowledged(peer_id, step, held)
+            message.receipts.extend(receipts)
+            message.vouchers.extend(vouchers)
         try:
-            await asyncio.wait_for(
+            reply, _ = await asyncio.wait_for(
                 exchange(
                     machine.p2p, PeerID.from_base58(peer_id), PROGRESS_PROTOCOL, [message], MateReply, WireLimits()
                 ),
                 PROGRESS_TIMEOUT,
             )
+            if machine.receipts is not None and reply.error.code == ErrorCode.OK:
+                machine.receipts.acknowledged(peer_id, step, held)
             if peer_id in self._silent:
                 self._silent.discard(peer_id)
                 self.note_holdings()
@@ -147,6 +154,11 @@ class ProgressExchange:
             runtime = machine.runtime
             known = machine.steps[message.step].progress if message.step in machine.steps else {}
             incoming = ids_from_wire(message.held)
+            if machine.receipts is not None:  # a new microbatch counts with a vouched trainer's receipt only
+                already = known.get(sender, {})
+                incoming = machine.receipts.screen_progress(
+                    sender, message.step, incoming, already, message.receipts, message.vouchers
+                )
             merged = {**known.get(sender, {}), **incoming}
             refusal = progress_refusal(
                 message.step, runtime.step, sum(merged.values()), runtime.target_batch_size, runtime.max_batch_samples
@@ -163,9 +175,11 @@ class ProgressExchange:
         return [reply]
 
     def _refuse(self, sender: str, refusal: str, reply: MateReply) -> None:
-        """Answers a refused progress message with the reason; counted per sender, logged once per sender."""
+        """Answers a refused progress message with the reason; counted per sender, each kind logged once per sender."""
         self.refused[sender] += 1
-        level = logging.WARNING if self.refused[sender] == 1 else logging.DEBUG
+        kind = (sender, refusal.startswith("progress toward"))  # a far step, or too much held: each named once
+        level = logging.DEBUG if kind in self._named else logging.WARNING
+        self._named.add(kind)
         logger.log(
             level, f"Refused progress from mate {sender}: {refusal} ({self.refused[sender]} refused from it so far)"
         )

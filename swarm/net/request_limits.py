@@ -223,7 +223,8 @@ def undecoded_problem(
         if tensor.shape != want or tensor.dtype != want_dtype:
             hint = ""
             if tensor.dtype != want_dtype and tensor.dtype.is_floating_point and want_dtype.is_floating_point:
-                hint = f": this stage computes in --dtype {flag_value(dtype)}, and every peer and trainer must agree"
+                hint = f": this stage computes in --dtype {flag_value(dtype)}, and every peer and trainer of a swarm"
+                hint += " must agree"
             return (
                 ErrorCode.BAD_REQUEST,
                 f"{name} must be {_dtype(want_dtype)}{list(want)}, got {_announced(tensor)}{hint}",

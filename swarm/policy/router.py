@@ -84,6 +84,12 @@ class Router:
             for peer_id in [p for p, r in known.items() if r.expiration <= now]:
                 del known[peer_id]
 
+    def forget(self, peer_ids: Iterable[str]) -> None:
+        """Drops the records of `peer_ids` (peers this trainer no longer calls), whatever their expiration."""
+        for known in self.records.values():
+            for peer_id in peer_ids:
+                known.pop(peer_id, None)
+
     def live_peers(self, stage: int) -> list[StageRecord]:
         """Serving peers of `stage` that are not banned now."""
         now = self.clock()

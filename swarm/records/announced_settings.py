@@ -8,12 +8,18 @@ value for the swarm's only where more than half of the serving peers announce it
 to start with a setting that differs, naming the setting and the value to use. Where the serving
 peers are split, or none serves yet, there is nothing to check against. The other settings of the
 swarm file (`swarm.config.swarm_file`: seed, optimizer, codecs) are in no record, so not checked.
+
+Once running, a process never stops for a record that disagrees: `disagreements` names each record whose
+setting differs from what this process uses (its own setting where it has one, else the value more than
+half of the distinct peers announce; on a tie there is none, so no single identity decides), and the
+record is ignored, not obeyed.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from hivemind import DHT
@@ -78,3 +84,60 @@ def check_against_swarm(config: ModelConfig, dht: DHT, run_id: str) -> dict[str,
     if problem is not None:
         raise ConfigError(problem)
     return swarm_settings(records, exclude=str(dht.peer_id))[0]
+
+
+@dataclass(frozen=True)
+class Disagreement:
+    """A record whose `setting` differs from the one this process uses: which peer, what it said, and why the
+    other value is the one used (`basis`)."""
+
+    peer_id: str
+    stage: int
+    setting: str
+    announced: Any
+    used: Any
+    basis: str
+
+    def describe(self) -> str:
+        """The warning that names it."""
+        return (
+            f"Ignoring peer {self.peer_id} of stage {self.stage}: it announces {self.setting} {self.announced}, "
+            f"this process uses {self.used} ({self.basis})"
+        )
+
+
+def used_settings(records: Iterable[StageRecord], own: Mapping[str, Any]) -> dict[str, tuple[Any, str]]:
+    """For each setting in `ANNOUNCED`: the value this process uses and why: its own where `own` has it, else the
+    value more than half of the distinct peers of `records` announce (none on a tie, or with no announcement)."""
+    values: dict[str, dict[str, Any]] = {name: {} for name in ANNOUNCED}
+    for r in records:
+        for name in ANNOUNCED:
+            value = getattr(r, name)
+            if value != UNANNOUNCED.get(name):
+                values[name].setdefault(r.peer_id, value)
+    used: dict[str, tuple[Any, str]] = {}
+    for name in ANNOUNCED:
+        if name in own:
+            used[name] = (own[name], "this process's own setting")
+            continue
+        counts = Counter(values[name].values())
+        if counts:
+            value, count = counts.most_common(1)[0]
+            total = sum(counts.values())
+            if 2 * count > total:
+                used[name] = (value, f"as {count} of {total} peers announce")
+    return used
+
+
+def disagreements(records: Iterable[StageRecord], own: Mapping[str, Any]) -> list[Disagreement]:
+    """The records whose announced settings differ from those this process uses (`used_settings`), one entry per
+    record and setting; a record that announces nothing of a setting (from before it existed) differs in none."""
+    records = list(records)
+    used = used_settings(records, own)
+    found = []
+    for r in records:
+        for name, (value, basis) in used.items():
+            announced = getattr(r, name)
+            if announced != value and announced != UNANNOUNCED.get(name):
+                found.append(Disagreement(r.peer_id, r.stage, name, announced, value, basis))
+    return found

@@ -1,4 +1,10 @@
-"""The peers this trainer may call: read from the DHT into its router, and waited for when a stage has none."""
+"""The peers this trainer may call: read from the DHT into its router, and waited for when a stage has none.
+
+A record is a claim, so none can stop this trainer: a peer whose record announces settings other than
+those this trainer uses (`swarm.records.announced_settings.disagreements`: its own model, cut, vocabulary
+and dtype; the target batch size most peers announce, then kept) is left out of the router and named
+once, and a throughput claim out of its stage's bounds (`swarm.policy.claim_bounds`) is named once too.
+"""
 
 from __future__ import annotations
 
@@ -11,13 +17,16 @@ from hivemind.utils import get_dht_time
 
 from swarm.config import TrainerConfig
 from swarm.net.direct_plane import DirectPlane
+from swarm.policy.claim_bounds import CLAIM_MULTIPLE, bounded_claims
 from swarm.policy.router import Router
-from swarm.records.stage_records import StageRecord, fetch_stage_records
+from swarm.records.announced_settings import disagreements, used_settings
+from swarm.records.stage_records import ANNOUNCED_DTYPES, SERVING, StageRecord, fetch_stage_records
 from swarm.trainer.outcome import TrainingError
 
 logger = logging.getLogger(__name__)
 
 REFRESH_PERIOD = 2.0
+MAX_NAMED = 1024  # disagreements and claims named in a warning; past this, at debug level only
 
 
 class PeerFinder:
@@ -30,6 +39,20 @@ class PeerFinder:
         self.router = router
         self.p2p: DirectPlane | None = None  # once the trainer's daemon is up: told where peers listen directly
         self._wrong_vocab: dict[str, tuple[int, int]] = {}  # peers whose model has another vocabulary: stage, size
+        self.target_batch_size: int | None = None  # the swarm's, once `wait_for_swarm` found it: then this trainer's
+        self.used: dict[str, tuple] = {}  # the settings this trainer uses and why, as the last read showed them
+        self._named: set[tuple] = set()  # (peer, setting, value) already named in a warning
+
+    def own_settings(self) -> dict[str, object]:
+        """The announced settings this trainer has of its own: a record that differs from one is ignored."""
+        config = self.config
+        own: dict[str, object] = {"model": config.model, "num_stages": config.num_stages}
+        own["vocab_size"] = self.vocab_size
+        if config.dtype in ANNOUNCED_DTYPES:  # an explicit --dtype; auto takes the swarm's
+            own["dtype"] = config.dtype
+        if self.target_batch_size is not None:
+            own["target_batch_size"] = self.target_batch_size
+        return own
 
     async def refresh(self) -> dict[int, list[StageRecord]]:
         """Reads the stages' records from the DHT into the router; returns this trainer's model's, per stage."""
@@ -37,24 +60,46 @@ class PeerFinder:
         records = await loop.run_in_executor(
             None, fetch_stage_records, self.dht, self.config.run_id, self.config.num_stages
         )
-        mine = {
-            stage: [r for r in recs if r.model == self.config.model and r.num_stages == self.config.num_stages]
-            for stage, recs in records.items()
-        }
-        for stage, recs in mine.items():
-            # a peer whose embedding or head has another size cannot serve this trainer's token ids
-            for r in recs:
-                if r.vocab_size not in (0, self.vocab_size) and r.peer_id not in self._wrong_vocab:
-                    self._wrong_vocab[r.peer_id] = (stage, r.vocab_size)
-                    logger.warning(
-                        f"Ignoring peer {r.peer_id} of stage {stage}: its model knows {r.vocab_size} token ids, "
-                        f"this trainer's {self.vocab_size}; start it with --vocab-size {self.vocab_size}"
-                    )
-            mine[stage] = [r for r in recs if r.vocab_size in (0, self.vocab_size)]
+        ignored = self._disagreeing([r for recs in records.values() for r in recs])
+        mine = {stage: [r for r in recs if r.peer_id not in ignored] for stage, recs in records.items()}
+        self.router.forget(ignored)  # also what an earlier read held of them
+        self._name_claims(mine)
         self.router.update(mine, get_dht_time())
         if self.p2p is not None:
             self.p2p.learn(r for recs in mine.values() for r in recs)
         return mine
+
+    def _disagreeing(self, records: list[StageRecord]) -> set[str]:
+        """The peers whose records announce settings other than this trainer's, each named once."""
+        own = self.own_settings()
+        found = disagreements(records, own)
+        for d in found:
+            if d.setting == "vocab_size":  # a peer whose model has another vocabulary cannot serve these token ids
+                self._wrong_vocab.setdefault(d.peer_id, (d.stage, d.announced))
+            self._name((d.peer_id, d.setting, d.announced), d.describe())
+        self.used = used_settings(records, own)
+        return {d.peer_id for d in found}
+
+    def _name_claims(self, records: dict[int, list[StageRecord]]) -> None:
+        """Names once each serving peer whose announced throughput is out of its stage's bounds."""
+        for stage, recs in records.items():
+            claims = {r.peer_id: r.throughput for r in recs if r.state == SERVING}
+            counted, ignored = bounded_claims(claims, self.router.measured.get(stage, 0.0))
+            for peer_id, claim in ignored.items():
+                self._name(
+                    (peer_id, "throughput", claim),
+                    f"Not believing the throughput peer {peer_id} of stage {stage} announces ({claim:.4g} samples/s): "
+                    f"more than {CLAIM_MULTIPLE:g} times its stage's; it counts as {counted[peer_id]:.4g} until timed",
+                )
+
+    def _name(self, key: tuple, warning: str) -> None:
+        if key in self._named:
+            return
+        if len(self._named) < MAX_NAMED:
+            self._named.add(key)
+            logger.warning(warning)
+        else:
+            logger.debug(warning)
 
     async def refresh_forever(self) -> None:
         """Refreshes every REFRESH_PERIOD seconds until cancelled; a failed read is logged, not raised."""
@@ -93,15 +138,37 @@ class PeerFinder:
             logger.info(f"Stage {stage} has a live peer again; resuming")
 
     async def wait_for_swarm(self) -> tuple[int, int]:
-        """Waits for every stage to have a peer; returns (target batch size, current step)."""
+        """Waits for every stage to have a peer and for the swarm's target batch size (what more than half of the
+        distinct peers announce, kept from then on); returns (target batch size, current step)."""
         await self.refresh()
         for stage in range(self.config.num_stages):
             await self.wait_for_stage(stage, before_first_step=True)
+        self.target_batch_size = await self._settle_target()
+        await self.refresh()  # peers of another target batch size are left out from now on
+        for stage in range(self.config.num_stages):
+            await self.wait_for_stage(stage, before_first_step=True)
         peers = [r for stage in range(self.config.num_stages) for r in self.router.live_peers(stage)]
-        targets = {r.target_batch_size for r in peers}
-        if len(targets) != 1:
-            raise TrainingError(f"peers disagree on --target-batch-size: {sorted(targets)}; restart them alike")
         steps = {r.step for r in peers}
         if len(steps) > 1:
             logger.warning(f"Stages are at different steps {sorted(steps)}; continuing from the lowest")
-        return targets.pop(), min(steps)
+        return self.target_batch_size, min(steps)
+
+    async def _settle_target(self) -> int:
+        """The target batch size more than half of the distinct peers announce; while they are split evenly, waits
+        (no single identity decides); TrainingError after stage_wait_timeout."""
+        deadline = time.monotonic() + self.config.stage_wait_timeout
+        warned = False
+        while "target_batch_size" not in self.used:
+            peers = {r.peer_id: r.target_batch_size for recs in self.router.records.values() for r in recs.values()}
+            split = sorted(set(peers.values()))
+            if time.monotonic() > deadline:
+                raise TrainingError(
+                    f"the peers are split evenly on --target-batch-size {split}: no value has more than half of them; "
+                    "restart them alike"
+                )
+            if not warned:
+                logger.warning(f"The peers are split evenly on --target-batch-size {split}; waiting for a majority")
+                warned = True
+            await asyncio.sleep(0.5)
+            await self.refresh()
+        return int(self.used["target_batch_size"][0])
