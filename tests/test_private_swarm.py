@@ -258,3 +258,51 @@ def test_connect_to_daemon_gives_a_keyed_client_only_with_a_key(tmp_path):
     finally:
         open_dht.shutdown()
         keyed_dht.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_a_libp2p_stream_needs_the_key_and_a_caller_cannot_hold_unproven_streams_without_bound(tmp_path):
+    from hivemind.p2p import P2P
+
+    from swarm.net.keyed_p2p import MAX_UNPROVEN_PER_CALLER
+
+    key, other = _keys(tmp_path)
+
+    async def echo(_info, reader, writer) -> None:
+        writer.write(await reader.readexactly(4))
+        await writer.drain()
+
+    async def answered(caller, server_id) -> bool:
+        _, reader, writer = await caller.call_binary_stream_handler(server_id, ECHO)
+        try:
+            writer.write(b"ping")
+            await writer.drain()
+            return await asyncio.wait_for(reader.readexactly(4), 15) == b"ping"
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return False
+        finally:
+            writer.close()
+
+    async def main() -> None:
+        server = KeyedP2P(await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"]), key)
+        await server.add_binary_stream_handler(ECHO, echo)
+        maddrs = await server.get_visible_maddrs()
+        plain = await P2P.create(initial_peers=maddrs)
+        try:
+            assert await answered(KeyedP2P(plain, key), server.peer_id), "a member was refused"
+            assert not await answered(KeyedP2P(plain, other), server.peer_id), "a caller with another key was served"
+            assert server.refused["no_key"] == 1
+            # streams that send nothing: past the bound, each is closed at once, unread
+            held = [
+                await plain.call_binary_stream_handler(server.peer_id, ECHO) for _ in range(MAX_UNPROVEN_PER_CALLER)
+            ]
+            await asyncio.sleep(0.5)
+            assert not await answered(plain, server.peer_id), "a caller without the key was served"
+            assert server.refused["busy"] >= 1
+            for _, _, writer in held:
+                writer.close()
+        finally:
+            await plain.shutdown()
+            await server.shutdown()
+
+    asyncio.run(main())

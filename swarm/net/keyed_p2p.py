@@ -29,6 +29,9 @@ logger = logging.getLogger(__name__)
 
 PROOF_BYTES = 32
 PROOF_TIMEOUT = 10.0  # seconds a caller has to send its proof
+# streams one caller may hold open before sending a proof: the swarm's own gate (per-caller stream bound,
+# allowlist) sits behind this check, so without a bound here a caller could hold streams open for free
+MAX_UNPROVEN_PER_CALLER = 8
 
 Handler = Callable[..., Awaitable[None]]
 
@@ -42,6 +45,7 @@ class KeyedP2P:
         self.swarm_key = swarm_key
         self._key = swarm_key.derive("stream")
         self.refused: Counter[str] = Counter()  # streams closed unanswered, per reason
+        self._unproven: Counter[str] = Counter()  # per caller: its streams waiting for a proof now
 
     def __getattr__(self, name: str):
         return getattr(self.p2p, name)
@@ -63,23 +67,35 @@ class KeyedP2P:
 
     def _admit(self, handler: Handler, protocol: str) -> Handler:
         async def admit(stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            caller = str(stream_info.peer_id)
+            if self._unproven[caller] >= MAX_UNPROVEN_PER_CALLER:
+                self._refuse(
+                    writer, "busy", f"{protocol} from {caller}: over {MAX_UNPROVEN_PER_CALLER} streams unproven"
+                )
+                return
+            self._unproven[caller] += 1
             try:
                 proof = await asyncio.wait_for(reader.readexactly(PROOF_BYTES), PROOF_TIMEOUT)
             except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError):
                 proof = b""
+            finally:
+                self._unproven[caller] -= 1
+                if not self._unproven[caller]:
+                    del self._unproven[caller]
             if not hmac.compare_digest(proof, self.proof(stream_info.peer_id, self.p2p.peer_id, protocol)):
-                self._refuse(writer, f"{protocol} from {stream_info.peer_id}")
+                self._refuse(writer, "no_key", f"{protocol} from {caller}")
                 return
             await handler(stream_info, reader, writer)
 
         return admit
 
-    def _refuse(self, writer: asyncio.StreamWriter, what: str) -> None:
-        self.refused["no_key"] += 1
-        count = self.refused["no_key"]
+    def _refuse(self, writer: asyncio.StreamWriter, reason: str, what: str) -> None:
+        self.refused[reason] += 1
+        count = self.refused[reason]
         if count in (1, 10, 100) or count % 1000 == 0:
+            lacking = "without this swarm's key" if reason == "no_key" else "from a caller holding too many unproven"
             logger.warning(
-                f"Refused {count} stream(s) without this swarm's key so far; lately {what}. This process holds "
+                f"Refused {count} stream(s) {lacking} so far; lately {what}. This process holds "
                 f"{self.swarm_key.describe()}: a member of this swarm must start with the same key file"
             )
         with contextlib.suppress(Exception):
