@@ -50,6 +50,17 @@ def test_swarm_key_command_makes_a_key_only_its_owner_reads_and_refuses_one_othe
     assert refused.returncode == 2 and "chmod 600" in refused.stderr, refused.stderr
     with pytest.raises(SwarmKeyError, match="may be read by other users"):
         read_swarm_key(str(path))
+    command = [
+        sys.executable,
+        "-m",
+        "swarm",
+        "status",
+        "--initial-peers",
+        "/ip4/127.0.0.1/tcp/9/p2p/" + load_identity(None).peer_id,
+    ]
+    started = subprocess.run([*command, "--swarm-key-file", str(path)], capture_output=True, text=True, timeout=60)
+    assert started.returncode == 2, started.stderr
+    assert started.stderr.strip().splitlines()[-1].startswith("swarm status: error: --swarm-key-file: "), started.stderr
     bad = tmp_path / "bad.key"
     bad.write_text("not a key\n")
     bad.chmod(0o600)
