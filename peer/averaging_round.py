@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 from collections import Counter
@@ -42,7 +43,17 @@ from swarm.peer.protocol_handler import protocol_handler
 from swarm.peer.runtime import RoundResult, SampleKey
 from swarm.peer.slice_exchange import SliceExchange, SlicesFailed
 from swarm.peer.step_machine import ACCUMULATING, AVERAGING, SHORT, Contribution, StepMachine, StepState
-from swarm.proto import PROTOCOL_VERSION, Error, ErrorCode, GradContribution, MateReply, RoundCommit
+from swarm.peer.work_receipts import lost_with_the_dead
+from swarm.proto import (
+    PROTOCOL_VERSION,
+    Error,
+    ErrorCode,
+    GradContribution,
+    MateReply,
+    Receipt,
+    RoundCommit,
+    Voucher,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +143,8 @@ class AveragingRound:
         if grad_sum is not None:
             norm = await asyncio.get_running_loop().run_in_executor(None, lambda: float(grad_sum.norm()))
         own = Contribution(sum(held.values()), grad_sum, frozenset(members), held, known, give_up, norm)
+        if machine.receipts is not None:  # screened as the mates screen it, so that all decide alike
+            own = self._screened(machine.peer_id, step, own, *self._receipts_of(own))
         box[machine.peer_id] = own
         if held:  # a fault test means a peer that dies holding samples, not one with nothing to lose
             await machine.faults.hit("before_contribution")
@@ -148,6 +161,12 @@ class AveragingRound:
         for contribution in contributions:
             summed.update(contribution.held.keys())
         lost = {key: n for key, n in expected.items() if key not in summed}
+        if machine.receipts is not None:
+            holders: dict[SampleKey, frozenset[str]] = {}
+            for contribution in contributions:
+                for key, peers in (contribution.holders or {}).items():
+                    holders[key] = holders.get(key, frozenset()) | peers
+            lost = lost_with_the_dead(lost, holders, agreed)
         if lost and not any(c.give_up for c in contributions):
             self._go_short(step, state, attempt, agreed, box, lost)
             return None
@@ -299,7 +318,7 @@ class AveragingRound:
             norm=own.norm,
         )
         if machine.receipts is not None:
-            receipts, vouchers = machine.receipts.shown(own.held)
+            receipts, vouchers = self._receipts_of(own)
             header.receipts.extend(receipts)
             header.vouchers.extend(vouchers)
         loop = asyncio.get_running_loop()
@@ -372,11 +391,7 @@ class AveragingRound:
             # the mates retry a round this peer missed (it joined since, or heard of the loss later): join it
             state.attempt = header.attempt
         held = ids_from_wire(header.held)
-        if machine.receipts is not None:  # only what a vouched trainer gave the sender counts
-            held = machine.receipts.counted(sender, header.step, held, header.receipts, header.vouchers)
-            if not held:
-                grad_sum = None
-        state.mailbox[header.attempt][sender] = Contribution(
+        contribution = Contribution(
             sum(held.values()),
             grad_sum,
             frozenset(header.members),
@@ -386,12 +401,31 @@ class AveragingRound:
             header.norm,
             header.handover,
         )
+        if machine.receipts is not None:  # only what vouched trainers gave counts
+            contribution = self._screened(sender, header.step, contribution, header.receipts, header.vouchers)
+        state.mailbox[header.attempt][sender] = contribution
         machine.changed.set()
         if header.handover:  # a leaving peer's gradients wait for the round the stage would hold anyway
             machine.handed_over.add(sender)
         else:
             machine.advance(header.step)
         return Error(code=ErrorCode.OK)
+
+    def _receipts_of(self, own: Contribution) -> tuple[list[Receipt], list[Voucher]]:
+        """The receipts this peer shows for a contribution: of what it holds, and of what it knows mates held."""
+        return self.machine.receipts.shown(own.held, own.known)
+
+    def _screened(self, sender: str, step: int, contribution: Contribution, receipts, vouchers) -> Contribution:
+        """`contribution` as it counts: only the microbatches good receipts name its holder for."""
+        screened = self.machine.receipts.screen(sender, step, contribution.held, contribution.known, receipts, vouchers)
+        return dataclasses.replace(
+            contribution,
+            samples=sum(screened.held.values()),
+            grad_sum=contribution.grad_sum if screened.held else None,
+            held=screened.held,
+            known=screened.known,
+            holders=screened.holders,
+        )
 
     # --- second phase: the commits ------------------------------------------------------------------------
 

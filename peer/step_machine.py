@@ -27,7 +27,7 @@ from swarm.net.wire import Frame, WireLimits
 from swarm.peer.faults import FaultPlan
 from swarm.peer.mate_messages import Held
 from swarm.peer.round_slices import SliceInbox
-from swarm.peer.runtime import StageRuntime
+from swarm.peer.runtime import SampleKey, StageRuntime
 from swarm.peer.work_receipts import WorkReceipts
 from swarm.proto import MateReply
 from swarm.records.stage_records import StageRecord
@@ -50,6 +50,7 @@ class Contribution:
     give_up: bool = False  # the member has waited long enough for lost samples
     norm: float = 0.0  # the L2 norm of grad_sum, as its sender states it (see `round_slices.owner_scales`)
     handover: bool = False  # from a leaving peer: it sent its whole gradient and owns no slice
+    holders: dict[SampleKey, frozenset[str]] | None = None  # with a trust root: whom receipts name per microbatch
 
 
 @dataclass

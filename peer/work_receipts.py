@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from swarm.config import PeerConfig
 from swarm.peer.mate_messages import Held
@@ -27,6 +28,23 @@ RECEIPT_STEPS_BEHIND = 2  # a backward's forward may run this many steps before 
 MAX_VOUCHERS = 64  # distinct trainer keys one contribution may show
 
 
+@dataclass(frozen=True)
+class Screened:
+    """What of a mate's contribution counts, once its receipts are checked."""
+
+    held: Held  # the microbatches it holds that a receipt names it for
+    known: Held  # those it knows a member held that a receipt names that member for
+    holders: dict[SampleKey, frozenset[str]]  # per microbatch, the peers its good receipts name
+
+
+def lost_with_the_dead(lost: Held, holders: dict[SampleKey, frozenset[str]], agreed: set[str]) -> Held:
+    """Of the microbatches no contribution summed, those lost: no peer a receipt names for it is in the round.
+
+    A member in the round speaks for its own holdings: a microbatch someone says it held, but its
+    contribution does not, was never held by it at this step (a replayed receipt, a made-up claim)."""
+    return {key: n for key, n in lost.items() if not holders.get(key, frozenset()) & agreed}
+
+
 class WorkReceipts:
     """This peer's receipts, and the checks of its callers' and its mates' receipts."""
 
@@ -34,7 +52,11 @@ class WorkReceipts:
         self.checker = checker
         self.peer_id = peer_id
         self.stage = stage
-        self._book: OrderedDict[SampleKey, tuple[Receipt, Voucher]] = OrderedDict()
+        self._book: OrderedDict[SampleKey, tuple[Receipt, Voucher]] = OrderedDict()  # this peer's own
+        # mates' receipts heard of in their progress: per microbatch, per peer named
+        self._heard: OrderedDict[SampleKey, dict[str, tuple[Receipt, Voucher]]] = OrderedDict()
+        self._acked: dict[tuple[str, int], set[SampleKey]] = {}  # (mate, step): microbatches its progress took
+        self._progress_liars: dict[str, int] = {}  # per mate: progress messages that named unreceipted work
         self.refused_backwards = 0  # backwards without a good receipt for this peer
         self.unreceipted_samples = 0  # samples mates claimed in rounds without a good receipt
 
@@ -63,48 +85,111 @@ class WorkReceipts:
         while len(self._book) > BOOK_SIZE:
             self._book.popitem(last=False)
 
-    def shown(self, held: Iterable[SampleKey]) -> tuple[list[Receipt], list[Voucher]]:
-        """The receipts of `held` that this peer has, and the vouchers of their keys, as an offer shows them."""
+    @staticmethod
+    def max_shown(runtime: StageRuntime) -> int:
+        """The most receipts a contribution may show: each is a sample at least, and a step's holdings and what
+        its members know others held are each at most two target batches; each costs a signature check."""
+        return max(4 * runtime.target_batch_size, 64)
+
+    def hear(self, receipt: Receipt, voucher: Voucher | None) -> None:
+        """Keeps a good receipt of a mate's holding (from its progress), to show with this peer's offers."""
+        key = (receipt.trainer, int(receipt.microbatch))
+        self._heard.setdefault(key, {})[receipt.peer] = (receipt, voucher or Voucher())
+        self._heard.move_to_end(key)
+        while len(self._heard) > BOOK_SIZE:
+            self._heard.popitem(last=False)
+
+    def unacknowledged(self, peer_id: str, step: int, held: Held) -> tuple[list[Receipt], list[Voucher]]:
+        """The receipts of `held` that `peer_id` has not acknowledged at `step`: what progress to it shows.
+
+        Progress messages go out concurrently and may arrive out of order: each shows every receipt not yet
+        acknowledged, so whichever arrives first proves every microbatch it names."""
+        acked = self._acked.get((peer_id, step), set())
+        return self.shown([key for key in held if key not in acked])
+
+    def acknowledged(self, peer_id: str, step: int, keys: Iterable[SampleKey]) -> None:
+        """`peer_id` took progress naming `keys` at `step`: their receipts need not go to it again."""
+        self._acked.setdefault((peer_id, step), set()).update(keys)
+        for old in [entry for entry in self._acked if entry[1] < step - 1]:
+            del self._acked[old]
+
+    def screen_progress(
+        self, sender: str, step: int, incoming: Held, already: Held, receipts: Iterable[Receipt], vouchers
+    ) -> Held:
+        """What of mate `sender`'s progress at `step` counts: what it named before, and new microbatches it
+        shows a good receipt for (kept, to show with this peer's offers). The rest is left out and counted."""
+        by_key = {bytes(v.public_key): v for _, v in zip(range(MAX_VOUCHERS), vouchers)}
+        proven = {}
+        for receipt in receipts:
+            key = (receipt.trainer, int(receipt.microbatch))
+            fits = incoming.get(key) == receipt.samples and receipt.peer == sender and receipt.stage == self.stage
+            recent = step - RECEIPT_STEPS_BEHIND <= receipt.step <= step + 1
+            if fits and recent and key not in proven and self.checker.problem(receipt, by_key) is None:
+                proven[key] = receipt
+                self.hear(receipt, by_key.get(bytes(receipt.public_key)))
+        counted = {key: n for key, n in incoming.items() if key in already or key in proven}
+        if len(counted) < len(incoming):
+            left_out = sum(incoming.values()) - sum(counted.values())
+            self.unreceipted_samples += left_out
+            self._progress_liars[sender] = self._progress_liars.get(sender, 0) + 1
+            level = logging.WARNING if self._progress_liars[sender] == 1 else logging.DEBUG
+            logger.log(
+                level,
+                f"Stage {self.stage} step {step}: progress of mate {sender} names {left_out} samples without a "
+                f"receipt naming it; they do not count ({self._progress_liars[sender]} such messages from it)",
+            )
+        return counted
+
+    def shown(self, held: Iterable[SampleKey], known: Iterable[SampleKey] = ()) -> tuple[list[Receipt], list[Voucher]]:
+        """The receipts this peer shows: its own of the microbatches it `held`, and those it heard of from its
+        mates of the microbatches it `known` they hold; with the vouchers of their keys.
+
+        Only receipts of what it holds name this peer: one it has of a backward it answered without summing
+        (another replica held it) would make it a holder of that microbatch, and no one would find it lost."""
+        entries = [self._book.get(key) for key in held]
+        entries += [entry for key in known for entry in self._heard.get(key, {}).values()]
         receipts, vouchers = [], {}
-        for key in held:
-            if (entry := self._book.get(key)) is not None:
-                receipts.append(entry[0])
+        for entry in filter(None, entries):
+            receipts.append(entry[0])
+            if entry[1].public_key:
                 vouchers.setdefault(bytes(entry[1].public_key), entry[1])
         return receipts, list(vouchers.values())
 
-    @staticmethod
-    def max_shown(runtime: StageRuntime) -> int:
-        """The most receipts a contribution may show: each is a sample at least, and a step holds its target
-        batch and what came in during its round; each costs a signature check before it counts."""
-        return max(2 * runtime.target_batch_size, 64)
+    def screen(
+        self, sender: str, step: int, held: Held, known: Held, receipts: Iterable[Receipt], vouchers: Iterable[Voucher]
+    ) -> Screened:
+        """What of a contribution by `sender` at `step` counts: the microbatches it holds that a good receipt
+        names it for, and those it knows a member held that a good receipt names that member for.
 
-    def counted(
-        self, sender: str, step: int, held: Held, receipts: Iterable[Receipt], vouchers: Iterable[Voucher]
-    ) -> Held:
-        """What of `held`, claimed by mate `sender` at `step`, counts: the microbatches it shows a good receipt for.
-
-        Every member checks the same offer alike (the receipts and the trust root decide, nothing of its
-        own), so they agree on what counts."""
+        Every member screens the same offer alike (the receipts and the trust root decide, nothing of its own),
+        so they agree on what counts and on what is lost."""
         by_key = {bytes(v.public_key): v for _, v in zip(range(MAX_VOUCHERS), vouchers)}
-        receipted: Held = {}
+        counted_held: Held = {}
+        holders: dict[SampleKey, set[str]] = {}
         for receipt in receipts:
             key = (receipt.trainer, int(receipt.microbatch))
-            if held.get(key) != receipt.samples or key in receipted:
-                continue
             recent = step - RECEIPT_STEPS_BEHIND <= receipt.step <= step + 1
-            if receipt.peer != sender or receipt.stage != self.stage or not recent:
+            wanted = held.get(key) == receipt.samples or known.get(key) == receipt.samples
+            if not (wanted and recent and receipt.stage == self.stage):
                 continue
-            if self.checker.problem(receipt, by_key) is None:
-                receipted[key] = receipt.samples
-        if len(receipted) < len(held):
-            left_out = sum(held.values()) - sum(receipted.values())
-            self.unreceipted_samples += left_out
-            logger.warning(
-                f"Stage {self.stage} step {step}: mate {sender} claimed {left_out} samples "
-                f"({len(held) - len(receipted)} microbatches) without a receipt from a vouched trainer "
-                "naming it; they do not count"
-            )
-        return receipted
+            if receipt.peer in holders.get(key, ()) or self.checker.problem(receipt, by_key) is not None:
+                continue
+            holders.setdefault(key, set()).add(receipt.peer)
+            if receipt.peer == sender and key in held:
+                counted_held[key] = receipt.samples
+        counted_known = {key: n for key, n in known.items() if key in holders}
+        if len(counted_held) < len(held):
+            self._left_out(sender, step, held, counted_held)
+        return Screened(counted_held, counted_known, {key: frozenset(peers) for key, peers in holders.items()})
+
+    def _left_out(self, sender: str, step: int, held: Held, counted: Held) -> None:
+        left_out = sum(held.values()) - sum(counted.values())
+        self.unreceipted_samples += left_out
+        logger.warning(
+            f"Stage {self.stage} step {step}: mate {sender} claimed {left_out} samples "
+            f"({len(held) - len(counted)} microbatches) without a receipt from a vouched trainer "
+            "naming it; they do not count"
+        )
 
 
 def work_receipts(config: PeerConfig, peer_id: str, stage: int) -> WorkReceipts | None:

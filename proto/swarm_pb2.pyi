@@ -237,7 +237,7 @@ class PeerInfo(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., step: _Optional[int] = ..., throughput: _Optional[float] = ..., queue_length: _Optional[int] = ..., state: _Optional[str] = ..., samples_accumulated: _Optional[int] = ..., target_batch_size: _Optional[int] = ..., stale_gradients: _Optional[int] = ..., requests_served: _Optional[int] = ..., resyncs: _Optional[int] = ..., samples_stepped: _Optional[int] = ..., abandoned_calls: _Optional[int] = ..., fingerprint: _Optional[str] = ..., samples_lost: _Optional[int] = ..., samples_doubled: _Optional[int] = ..., divergences: _Optional[int] = ..., step_state: _Optional[str] = ..., refused_outsiders: _Optional[int] = ..., unconfirmed_states: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., duplicate_backwards: _Optional[int] = ...) -> None: ...
 
 class MateProgress(_message.Message):
-    __slots__ = ("protocol_version", "model", "stage", "step", "samples", "held", "fingerprint")
+    __slots__ = ("protocol_version", "model", "stage", "step", "samples", "held", "fingerprint", "receipts", "vouchers")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -245,6 +245,8 @@ class MateProgress(_message.Message):
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     HELD_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    RECEIPTS_FIELD_NUMBER: _ClassVar[int]
+    VOUCHERS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     model: str
     stage: int
@@ -252,7 +254,9 @@ class MateProgress(_message.Message):
     samples: int
     held: _containers.RepeatedCompositeFieldContainer[SampleId]
     fingerprint: str
-    def __init__(self, protocol_version: _Optional[int] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., samples: _Optional[int] = ..., held: _Optional[_Iterable[_Union[SampleId, _Mapping]]] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+    receipts: _containers.RepeatedCompositeFieldContainer[Receipt]
+    vouchers: _containers.RepeatedCompositeFieldContainer[Voucher]
+    def __init__(self, protocol_version: _Optional[int] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., samples: _Optional[int] = ..., held: _Optional[_Iterable[_Union[SampleId, _Mapping]]] = ..., fingerprint: _Optional[str] = ..., receipts: _Optional[_Iterable[_Union[Receipt, _Mapping]]] = ..., vouchers: _Optional[_Iterable[_Union[Voucher, _Mapping]]] = ...) -> None: ...
 
 class GradContribution(_message.Message):
     __slots__ = ("protocol_version", "model", "stage", "step", "samples", "members", "tensors", "more", "handover", "attempt", "held", "known", "give_up", "norm", "receipts", "vouchers")

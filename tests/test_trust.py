@@ -21,7 +21,7 @@ from conftest import (
 
 from swarm.config import ConfigError, TrainerConfig, load_config
 from swarm.peer.checkpoint import load_checkpoint
-from swarm.peer.work_receipts import WorkReceipts
+from swarm.peer.work_receipts import WorkReceipts, lost_with_the_dead
 from swarm.proto import BACKWARD, StageRequest, Voucher
 from swarm.records.stage_records import SERVING
 from swarm.trust.receipts import ReceiptChecker, ReceiptSigner
@@ -82,11 +82,19 @@ def test_a_mate_counts_only_what_its_receipts_show(organizer, caplog):
     for_another_peer = signer.sign(TRAINER, PEER_B, 1, 2, 4, 5)
     too_old = signer.sign(TRAINER, PEER_A, 1, 3, 4, 1)
     held = {(TRAINER, 1): 4, (TRAINER, 2): 4, (TRAINER, 3): 4, (TRAINER, 4): 256}  # the last has no receipt
+    known = {(TRAINER, 2): 4, (TRAINER, 5): 4}  # PEER_B's microbatch 2 is receipted; 5 is made up
+    shown = [good, for_another_peer, too_old]
     with caplog.at_level(logging.WARNING):
-        counted = receipts.counted(PEER_A, 5, held, [good, for_another_peer, too_old], [signer.voucher])
-    assert counted == {(TRAINER, 1): 4}
+        screened = receipts.screen(PEER_A, 5, held, known, shown, [signer.voucher])
+    assert screened.held == {(TRAINER, 1): 4}
+    assert screened.known == {(TRAINER, 2): 4}
+    assert screened.holders == {(TRAINER, 1): {PEER_A}, (TRAINER, 2): {PEER_B}}
     assert receipts.unreceipted_samples == 4 + 4 + 256
     assert f"mate {PEER_A} claimed 264 samples (3 microbatches) without a receipt" in caplog.text
+    # a microbatch no contribution summed is lost only if no peer its receipts name is in the round
+    missing = {(TRAINER, 2): 4}
+    assert lost_with_the_dead(missing, screened.holders, {PEER_A, PEER_B}) == {}
+    assert lost_with_the_dead(missing, screened.holders, {PEER_A}) == missing
 
 
 def test_a_backward_is_served_only_with_a_receipt_for_this_very_call(organizer):
@@ -134,12 +142,22 @@ def start_trusted_swarm(local_swarm, tmp_path, public: str, hostile: str | None 
 
 
 @pytest.mark.timeout(300)
-def test_a_mate_claiming_made_up_samples_changes_nothing_where_receipts_count(local_swarm, tmp_path, organizer):
-    """peer1b offers every round 4,096 made-up microbatches of 256 samples beside its real ones. Its mate
-    counts only what the vouched trainer's receipts show: stage 1 ends as the one-process run does."""
+@pytest.mark.parametrize(
+    ("attack", "refusal"),
+    [
+        ("inflate-samples", "claimed 1048576 samples (4096 microbatches) without a receipt"),
+        ("fake-progress", f"names {TARGET} samples without a receipt naming it; they do not count"),
+    ],
+)
+def test_a_mate_claiming_made_up_work_changes_nothing_where_receipts_count(
+    local_swarm, tmp_path, organizer, attack, refusal
+):
+    """peer1b claims made-up microbatches besides its real ones: 4,096 of 256 samples in every offer to a
+    round, or a target batch's worth in every progress message. Its mate counts only what the vouched
+    trainer's receipts show: stage 1 ends as the one-process run does."""
     public, voucher_file = organizer
     steps, micro = 3, 4
-    start_trusted_swarm(local_swarm, tmp_path, public, hostile="inflate-samples")
+    start_trusted_swarm(local_swarm, tmp_path, public, hostile=attack)
     summary_file = tmp_path / "summary.json"
     flags = [*trainer_flags(steps, summary_file, micro), "--trust-root", public, "--voucher", str(voucher_file)]
     trainer = local_swarm.start_trainer("trainer", flags)
@@ -148,7 +166,7 @@ def test_a_mate_claiming_made_up_samples_changes_nothing_where_receipts_count(lo
     for name in ("peer0", "peer1a", "peer1b", "peer2"):
         assert local_swarm.stop(name) == 0
     log = local_swarm.log_path("peer1a").read_text()
-    assert "claimed 1048576 samples (4096 microbatches) without a receipt" in log, log[-3000:]
+    assert refusal in log, log[-3000:]
     checkpoint = load_checkpoint(tmp_path / "peer1a", "gpt-tiny", 1, 3)
     assert checkpoint.step == steps and checkpoint.samples_stepped == steps * TARGET
     noise = reordering_noise(steps, 1, micro)
@@ -168,3 +186,36 @@ def test_a_trainer_without_a_voucher_has_no_backward_counted(local_swarm, tmp_pa
     assert "needs its trainer's receipt" in log, log[-3000:]
     for name in ("peer0", "peer1a", "peer1b", "peer2"):
         assert local_swarm.stop(name, signal.SIGTERM) == 0
+
+
+@pytest.mark.timeout(300)
+def test_a_mate_dying_with_receipted_work_loses_nothing(local_swarm, tmp_path, organizer):
+    """With a trust root, what a dead mate held is known by its receipts (its progress showed them): the
+    stage waits for it, the trainer sends it again with a receipt for the survivor, and stage 1 ends as the
+    one-process run does. No honest peer's work is ever left out."""
+    public, voucher_file = organizer
+    steps, micro = 3, 1
+    local_swarm.start_bootstrap()
+    for stage, names in {0: ["peer0"], 1: ["peer1a", "peer1b"], 2: ["peer2"]}.items():
+        for name in names:
+            faults = ["--faults", "before_contribution@2=die"] if name == "peer1a" else []
+            flags = peer_flags(tmp_path / name, "--trust-root", public, "--short-wait", "60", *faults)
+            local_swarm.start_peer(name, stage, flags)
+    serving = [lambda r, s=s: sum(p.state == SERVING for p in r[s]) for s in range(3)]
+    wait_for_records(local_swarm.initial_peers, lambda r: [count(r) for count in serving] == [1, 2, 1])
+    summary_file = tmp_path / "summary.json"
+    flags = [
+        *trainer_flags(steps, summary_file, micro, in_flight=8),
+        *("--emulate-latency-ms", "50", "--trust-root", public, "--voucher", str(voucher_file)),
+    ]
+    trainer = local_swarm.start_trainer("trainer", flags)
+    assert trainer.wait(240) == 0, local_swarm.log_path("trainer").read_text()[-3000:]
+    for name in ("peer0", "peer1b", "peer2"):
+        assert local_swarm.stop(name) == 0
+    assert "Fault injected at before_contribution" in local_swarm.log_path("peer1a").read_text()
+    for name in ("peer0", "peer1b", "peer2"):
+        assert "without a receipt" not in local_swarm.log_path(name).read_text(), name
+    checkpoint = load_checkpoint(tmp_path / "peer1b", "gpt-tiny", 1, 3)
+    assert checkpoint.step == steps and checkpoint.samples_stepped == steps * TARGET
+    noise = reordering_noise(steps, 1, micro)
+    assert_matches_reference(reference_run(steps, micro).stages[1], checkpoint.parameters, "stage 1", noise)

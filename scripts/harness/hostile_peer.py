@@ -6,6 +6,9 @@ method of its round replaced by the attack named first on its command line:
 - `inflate-samples`: each contribution it offers its mates names, beside the microbatches it holds,
   `FAKE_MICROBATCHES` made-up ones of `FAKE_SAMPLES` samples each. Its gradient and its own view of the
   round stay honest, so any difference in what its mates step on comes from believing the claim.
+- `fake-progress`: each progress message it sends names, beside what it holds, made-up microbatches
+  (as many samples as the stage's target batch): mates that believe it start rounds early, and wait
+  for "lost" samples no trainer can send.
 
 Started through LocalSwarm's `prefix` (it runs the command line that follows it, in this process):
 
@@ -37,7 +40,21 @@ def inflate_samples() -> None:
     AveragingRound._send_contribution = inflated
 
 
-ATTACKS = {"inflate-samples": inflate_samples}
+def fake_progress() -> None:
+    """Tells mates it holds made-up microbatches besides the real ones."""
+    from swarm.peer.mate_progress import ProgressExchange
+
+    honest = ProgressExchange.send
+
+    async def boastful(self, peer_id, step, held):
+        target = self.machine.runtime.target_batch_size
+        fake = {(FAKE_TRAINER, 10_000_000 + step * target + i): 1 for i in range(target)}
+        return await honest(self, peer_id, step, {**held, **fake})
+
+    ProgressExchange.send = boastful
+
+
+ATTACKS = {"inflate-samples": inflate_samples, "fake-progress": fake_progress}
 
 
 def main(argv: list[str]) -> int:

@@ -301,6 +301,8 @@ def check_before_start(config: NetworkConfig) -> Reachability:
         return Reachability(None, detail="not checked (--no-check-reachability)")
     if config.allowlist is not None:
         return Reachability(None, detail="not checked in a private swarm (--allowlist)")
+    if config.swarm_key_file is not None:
+        return Reachability(None, detail="not checked in a private swarm (--swarm-key-file)")
     if all(_loopback(address) for address in config.host_maddrs):
         return Reachability(None, detail="listening on loopback only (--host-maddrs): only this machine can reach it")
     started = time.monotonic()

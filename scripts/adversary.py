@@ -1,0 +1,159 @@
+"""Named insider attacks against real processes: one JSON object saying which failed, and by what.
+
+Each attack runs on its own local swarm with a trust root (3 stages of gpt-tiny; stage 1 has two
+peers, peer1a honest and peer1b the insider where the attack needs one; a vouched trainer), next to
+one honest run of the same training. An attack has failed when the training ends as the honest run
+does (the same steps and samples on stage 1, the final loss within `--loss-spread` of the honest
+one) and the honest processes logged the refusal that stopped it, which is reported as evidence.
+
+    python scripts/adversary.py                       # every attack
+    python scripts/adversary.py --attacks fake-progress --steps 4
+
+Attacks (the insider holds a valid key and signed record; see scripts/harness/hostile_peer.py):
+- `inflate-samples`: a mate claims 4,096 made-up microbatches of 256 samples in every round;
+- `fake-progress`: a mate tells its mates it holds a target batch of made-up microbatches;
+- `unvouched-trainer`: a second trainer with no voucher feeds the swarm alongside the real one;
+- `foreign-voucher`: a second trainer signs receipts with a voucher of another root.
+
+Attacks the swarm does not bound yet are listed under `not_covered`, so the report never reads as
+more than it shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from swarm.launch.local_swarm import LocalSwarm  # noqa: E402
+from swarm.peer.checkpoint import load_checkpoint  # noqa: E402
+from swarm.trust.vouchers import load_root_key, make_root_key, make_voucher  # noqa: E402
+
+HOSTILE = Path(__file__).parent / "harness" / "hostile_peer.py"
+CORPUS = str(Path(argparse.__file__))
+MODEL = ["--model", "gpt-tiny", "--num-stages", "3", "--seed", "7"]
+TARGET = 24
+ATTACKS = {
+    "inflate-samples": ("peer", "without a receipt from a vouched trainer naming it; they do not count"),
+    "fake-progress": ("peer", "samples without a receipt naming it; they do not count"),
+    "unvouched-trainer": ("trainer", "needs its trainer's receipt"),
+    "foreign-voucher": ("trainer", "signed by a key the trust root did not vouch for"),
+}
+NOT_COVERED = {
+    "near-zero-gradient": "a mate's tiny gradient lowers the clip bound of two mates (robust aggregation is open)",
+    "state-takeover": "two identities announcing a later step serve a crafted state to newcomers",
+    "wrong-outputs": "a peer computes wrong forwards or backwards (trainers' spot checks are open)",
+    "owner-lies": "a slice owner returns a wrong sum of its slice",
+}
+
+
+def wait_serving(swarm: LocalSwarm, names: list[str], timeout: float = 120.0) -> None:
+    """Waits until each named peer logged that it serves."""
+    deadline = time.monotonic() + timeout
+    for name in names:
+        while "Serving stage" not in swarm.log_path(name).read_text(errors="replace"):
+            if swarm.processes[name].poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{name} did not start:\n{swarm.log_path(name).read_text()[-2000:]}")
+            time.sleep(0.2)
+
+
+def run_swarm(workdir: Path, keys: dict, steps: int, attack: str | None) -> dict:
+    """One trusted swarm training `steps` steps, with `attack` in it (None: the honest run)."""
+    root = ["--trust-root", keys["public"]]
+    with LocalSwarm(workdir) as swarm:
+        swarm.start_bootstrap()
+        peer = [*MODEL, "--target-batch-size", str(TARGET), "--lr", "3e-3", "--announce-period", "0.5", *root]
+        for stage, name in [(0, "peer0"), (1, "peer1a"), (1, "peer1b"), (2, "peer2")]:
+            flags = [*peer, "--checkpoint-dir", str(workdir / name)]
+            if name == "peer1b" and attack is not None and ATTACKS[attack][0] == "peer":
+                pinned = ["--stage", "1", "--initial-peers", *swarm.initial_peers, "--rebalance-period", "0"]
+                swarm.spawn(name, "peer", [*pinned, *flags], prefix=[sys.executable, str(HOSTILE), attack, "--"])
+            else:
+                swarm.start_peer(name, stage, flags)
+        wait_serving(swarm, ["peer0", "peer1a", "peer1b", "peer2"])
+        trainer = [*MODEL, "--steps", str(steps), "--microbatch-size", "4", "--data", CORPUS, "--no-progress"]
+        summary_file = workdir / "summary.json"
+        honest = swarm.start_trainer(
+            "trainer", [*trainer, *root, "--voucher", keys["voucher"], "--summary-file", str(summary_file)]
+        )
+        if attack == "unvouched-trainer":
+            swarm.start_trainer("intruder", [*trainer, "--data-seed", "11"])
+        if attack == "foreign-voucher":
+            swarm.start_trainer("intruder", [*trainer, "--voucher", keys["foreign"], "--data-seed", "11"])
+        code = honest.wait(600)
+        if "intruder" in swarm.processes:
+            swarm.processes["intruder"].wait(300)
+        for name in ("peer0", "peer1a", "peer1b", "peer2"):
+            swarm.stop(name)
+        summary = json.loads(summary_file.read_text()) if code == 0 else {}
+        logs = {name: swarm.log_path(name).read_text(errors="replace") for name in swarm_names(swarm)}
+    checkpoint = load_checkpoint(workdir / "peer1a", "gpt-tiny", 1, 3)
+    loss = summary.get("last_loss", math.nan)
+    return {"code": code, "loss": loss, "samples": checkpoint.samples_stepped, "logs": logs}
+
+
+def swarm_names(swarm: LocalSwarm) -> list[str]:
+    return sorted(path.stem for path in swarm.workdir.glob("*.log"))
+
+
+def evidence(logs: dict[str, str], needle: str, where: str) -> str | None:
+    """The first log line holding `needle` in an honest process's log (the trainers' for a trainer attack)."""
+    for name, text in logs.items():
+        honest = name.startswith("intruder") if where == "trainer" else name not in ("peer1b",)
+        for line in text.splitlines() if honest else ():
+            if needle in line:
+                return f"{name}: {line.strip()[:300]}"
+    return None
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
+    parser.add_argument("--attacks", default=",".join(ATTACKS), help="comma-separated attacks to run")
+    parser.add_argument("--steps", type=int, default=4, help="steps each swarm trains")
+    parser.add_argument("--loss-spread", type=float, default=0.02, help="how far the final loss may be from honest")
+    args = parser.parse_args()
+    attacks = [a for a in args.attacks.split(",") if a]
+    if unknown := [a for a in attacks if a not in ATTACKS]:
+        parser.error(f"unknown attacks {unknown}; known: {sorted(ATTACKS)}")
+    with tempfile.TemporaryDirectory(prefix="swarm-adversary-") as tmp:
+        tmp = Path(tmp)
+        keys = {"public": make_root_key(tmp / "root.key")}
+        make_voucher(load_root_key(tmp / "root.key"), "trainer", tmp / "trainer.voucher")
+        make_root_key(tmp / "foreign.key")
+        make_voucher(load_root_key(tmp / "foreign.key"), "intruder", tmp / "foreign.voucher")
+        keys.update(voucher=str(tmp / "trainer.voucher"), foreign=str(tmp / "foreign.voucher"))
+        honest = run_swarm(tmp / "honest", keys, args.steps, None)
+        results = []
+        for attack in attacks:
+            run = run_swarm(tmp / attack, keys, args.steps, attack)
+            where, needle = ATTACKS[attack]
+            proof = evidence(run["logs"], needle, where)
+            unchanged = run["code"] == 0 and run["samples"] == honest["samples"]
+            close = abs(run["loss"] - honest["loss"]) <= args.loss_spread
+            results.append(
+                {
+                    "attack": attack,
+                    "failed": bool(proof and unchanged and close),
+                    "evidence": proof,
+                    "stage1_samples": run["samples"],
+                    "final_loss": round(run["loss"], 4),
+                }
+            )
+    report = {
+        "honest": {"stage1_samples": honest["samples"], "final_loss": round(honest["loss"], 4)},
+        "attacks": results,
+        "all_failed": all(r["failed"] for r in results),
+        "not_covered": NOT_COVERED,
+    }
+    print(json.dumps(report, indent=1))
+    return 0 if report["all_failed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
