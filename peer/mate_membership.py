@@ -23,12 +23,14 @@ from swarm.peer.mate_messages import PROGRESS_TIMEOUT
 from swarm.peer.protocol_handler import send_reply
 from swarm.peer.step_machine import StepMachine
 from swarm.proto import PROTOCOL_VERSION, Error, ErrorCode, MateReply, StateReply
+from swarm.records.accusations import AccusationBook, accusation_book
 from swarm.records.stage_records import LEAVING, SERVING, StageRecord
 
 logger = logging.getLogger(__name__)
 
 MEMBER_MEMORY = 60.0  # seconds a peer seen with a record on the stage may still speak as a mate without one
 REFRESH_INTERVAL = 1.0  # an unknown sender makes the peer re-read its stage's records at most this often
+ACCUSATIONS_PERIOD = 2.0  # seconds between reads of the run's accusations
 HOLDERS_REFRESH_INTERVAL = 5.0  # an unknown asker for state makes it re-read every stage at most this often
 
 
@@ -62,11 +64,51 @@ class MateMembership:
         self._refreshing: asyncio.Task | None = None
         self._refreshed_at = float("-inf")
         self._refresh_began = float("-inf")
+        # in a swarm with a trust root: the peers vouched trainers' spot checks accused (`watch_accusations`).
+        # An accused peer is no mate: left out of rounds, refused on the mate protocols, never a state source
+        self.accusations: AccusationBook | None = None
+        self._dht = None
+        self._accusations_read: asyncio.Task | None = None
+        self._accusations_read_at = float("-inf")
+
+    def watch_accusations(self, dht, trust_root: str | None, run_id: str) -> None:
+        """Reads the run's accusations with every read of the records (at most every ACCUSATIONS_PERIOD)."""
+        self.accusations = accusation_book(trust_root, run_id, f"Stage {self.machine.stage} peer")
+        self._dht = dht
+
+    @property
+    def accused(self) -> dict:
+        """The accused peers this peer knows of (each with the accusation that first held)."""
+        return self.accusations.accused if self.accusations is not None else {}
+
+    def _read_accusations(self) -> None:
+        loop = self.machine.loop
+        if self.accusations is None or loop is None or loop.time() < self._accusations_read_at + ACCUSATIONS_PERIOD:
+            return
+        if self._accusations_read is not None and not self._accusations_read.done():
+            return
+        self._accusations_read_at = loop.time()
+
+        async def read() -> None:
+            try:
+                new = await loop.run_in_executor(None, self.accusations.read, self._dht)
+            except Exception as e:
+                logger.debug(f"Could not read the run's accusations: {e}")
+                return
+            for peer_id in new:
+                self.mates.pop(peer_id, None)
+                self.newcomers.discard(peer_id)
+                self.stage_peers.pop(peer_id, None)
+
+        self._accusations_read = asyncio.ensure_future(read())
 
     def take_records(self, records: list[StageRecord]) -> set[str]:
         """Takes in the stage's records from the DHT; returns the mates that have just appeared."""
         machine = self.machine
         now = machine.loop.time() if machine.loop is not None else 0.0
+        self._read_accusations()
+        accused = self.accused
+        records = [r for r in records if r.peer_id not in accused]
         for r in records:
             if r.peer_id != machine.peer_id and r.model == machine.model and r.num_stages == machine.num_stages:
                 self.stage_peers[r.peer_id] = (now, r.state)
@@ -103,6 +145,8 @@ class MateMembership:
 
     def is_member(self, peer_id: str) -> bool:
         """Whether `peer_id` belongs to the stage as this peer knows it now (no read of the records)."""
+        if peer_id in self.accused:
+            return False
         return (
             peer_id in self.stage_peers
             or peer_id in self.mates

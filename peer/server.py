@@ -166,6 +166,7 @@ class Peer:
         self.mates.on_phase = self.handler.notify_step
         self.runtime.on_stepped = self._on_stepped
         self.mates.refresh_records = self._read_mates
+        self.mates.membership.watch_accusations(self.dht, config.trust_root, config.run_id)  # spot checks' verdicts
         # a peer unknown to the stage asking for its state may be a new standby holder: a read of every stage shows it
         self.mates.refresh_holders = self._refresh_whole_swarm if self.standbys is not None else None
 

@@ -261,7 +261,7 @@ class StandbyKeeper:
                 self.empty_since.pop(stage, None)
                 self.left_on_request.discard(stage)
         for stage in targets:
-            serving = [r for r in records.get(stage, []) if r.state == SERVING]
+            serving = [r for r in records.get(stage, []) if r.state == SERVING and r.peer_id not in self.accused()]
             copy = self.standbys.get(stage)
             newest = max((r.step for r in serving), default=-1)
             # a copy at step 0 would be worth nothing: a stage restarted from scratch has the same parameters
@@ -285,6 +285,11 @@ class StandbyKeeper:
                 self.restore_pending = stage
                 peer.request_move(stage)
                 return
+
+    def accused(self) -> set[str]:
+        """Peers a vouched trainer's spot check accused: never a source of a copy (`swarm.records.accusations`)."""
+        mates = self.peer.mates
+        return set(mates.membership.accused) if mates is not None else set()
 
     def _spawn(self, coroutine) -> None:
         task = asyncio.ensure_future(coroutine)
@@ -433,7 +438,8 @@ class StandbyKeeper:
                 # a mate serves the stage again (a holder that restored it): its state, as any joiner takes it
                 if await peer.mates.sync_from_mates(minimum_step=peer.runtime.step + 1) is not None:
                     return True
-            copies = {p: c for p, c in standby_copies(stage, records).items() if c[0] > peer.runtime.step}
+            copies = standby_copies(stage, records)
+            copies = {p: c for p, c in copies.items() if c[0] > peer.runtime.step and p not in self.accused()}
             if await self._take_a_copy(copies, records):
                 return True
             restorer_coming = any(r.state == LEAVING and r.moving_to == stage for g in records.values() for r in g)

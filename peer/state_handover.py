@@ -172,6 +172,10 @@ class StateHandOver:
         version two of them hold is taken: a mate announcing a step nobody else has cannot take the
         stage over.
         """
+        accused = self.membership.accused
+        if source is not None and source in accused:
+            logger.warning(f"Not taking stage {self.machine.stage} state from {source}: a vouched trainer accused it")
+            source = None
         if source is not None:
             candidates = [source]
             check = None
@@ -179,7 +183,7 @@ class StateHandOver:
             candidates = []
             for look in range(CONFIRM_ATTEMPTS):
                 versions = await self._mate_versions()
-                candidates = confirmed_holders(versions, minimum_step)
+                candidates = [p for p in confirmed_holders(versions, minimum_step) if p not in accused]
                 if candidates or not versions:
                     break
                 # mates straddling a step boundary: look again once they have all stepped

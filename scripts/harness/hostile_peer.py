@@ -9,6 +9,8 @@ method of its round replaced by the attack named first on its command line:
 - `fake-progress`: each progress message it sends names, beside what it holds, made-up microbatches
   (as many samples as the stage's target batch): mates that believe it start rounds early, and wait
   for "lost" samples no trainer can send.
+- `wrong-outputs`: every forward it answers has its outputs moved by noise (`WRONG_OUTPUT_NOISE`); its
+  parameters, backwards and rounds stay honest, so only the trainers' spot checks can tell.
 
 Started through LocalSwarm's `prefix` (it runs the command line that follows it, in this process):
 
@@ -22,6 +24,7 @@ import sys
 
 FAKE_MICROBATCHES = 4096
 FAKE_SAMPLES = 256
+WRONG_OUTPUT_NOISE = 0.1  # standard deviation added to each output of a forward: about 5% of a hidden state's scale
 FAKE_TRAINER = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"  # a well-formed peer id no trainer has
 
 
@@ -54,7 +57,27 @@ def fake_progress() -> None:
     ProgressExchange.send = boastful
 
 
-ATTACKS = {"inflate-samples": inflate_samples, "fake-progress": fake_progress}
+def wrong_outputs() -> None:
+    """Answers every forward with its outputs moved by noise of `WRONG_OUTPUT_NOISE` (its parameters, its
+    backwards and its round stay honest): the trainers' spot checks must catch it."""
+    import torch
+
+    from swarm.peer.handler import StageHandler
+
+    honest = StageHandler._answer
+
+    async def wrong(self, result, backward, *args, **kwargs):
+        if not backward:
+            noisy = [
+                t + WRONG_OUTPUT_NOISE * torch.randn_like(t) if t.is_floating_point() else t for t in result.tensors
+            ]
+            result = dataclasses.replace(result, tensors=noisy)
+        return await honest(self, result, backward, *args, **kwargs)
+
+    StageHandler._answer = wrong
+
+
+ATTACKS = {"inflate-samples": inflate_samples, "fake-progress": fake_progress, "wrong-outputs": wrong_outputs}
 
 
 def main(argv: list[str]) -> int:

@@ -313,6 +313,11 @@ class TrainerConfig(NetworkConfig, ModelConfig, MetricsConfig, VoucherConfig):
     ledger: str | None = option(
         None, "append a JSON line per microbatch fed through every stage to FILE, by id (for chaos tests)"
     )
+    spot_check_share: float = option(
+        0.02,
+        "share of forwards sent again to another peer of the stage to compare outputs; a peer whose outputs "
+        "two others contradict is accused (needs --voucher in a swarm with a --trust-root; 0: no checks)",
+    )
     summary_file: str | None = option(None, "write a JSON summary of the run to FILE")
     plot: str | None = option(None, "draw loss and samples/s per step into this PNG file at the end")
     progress: bool = option(True, "show a progress bar")
@@ -335,6 +340,8 @@ class TrainerConfig(NetworkConfig, ModelConfig, MetricsConfig, VoucherConfig):
             raise ConfigError("--max-codec-error must be 0 or more")
         if self.resend_buffer_mb < 0:
             raise ConfigError("--resend-buffer-mb must be 0 or more")
+        if not 0 <= self.spot_check_share <= 1:
+            raise ConfigError("--spot-check-share must be between 0 and 1")
         if self.emulate_bandwidth_mbit < 0 or self.emulate_latency_ms < 0:
             raise ConfigError("--emulate-bandwidth-mbit and --emulate-latency-ms must be 0 or more")
         check_data_path(self.data)

@@ -49,3 +49,5 @@ class TrainingSummary:
     # waits for other trainers' samples to fill its step does not)
     settle_seconds: float = 0.0
     settled: bool = False
+    # forwards drawn for a spot check, compared, found disagreeing, left undecided, and accusations made
+    spot_checks: dict[str, int] = field(default_factory=dict)

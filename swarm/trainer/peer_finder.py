@@ -19,6 +19,7 @@ from swarm.config import TrainerConfig
 from swarm.net.direct_plane import DirectPlane
 from swarm.policy.claim_bounds import CLAIM_MULTIPLE, bounded_claims
 from swarm.policy.router import Router
+from swarm.records.accusations import accusation_book
 from swarm.records.announced_settings import disagreements, used_settings
 from swarm.records.stage_records import ANNOUNCED_DTYPES, SERVING, StageRecord, fetch_stage_records
 from swarm.trainer.outcome import TrainingError
@@ -42,6 +43,8 @@ class PeerFinder:
         self.target_batch_size: int | None = None  # the swarm's, once `wait_for_swarm` found it: then this trainer's
         self.used: dict[str, tuple] = {}  # the settings this trainer uses and why, as the last read showed them
         self._named: set[tuple] = set()  # (peer, setting, value) already named in a warning
+        # in a swarm with a trust root: the peers vouched trainers' spot checks accused, never called again
+        self.accusations = accusation_book(config.trust_root, config.run_id, "Trainer")
 
     def own_settings(self) -> dict[str, object]:
         """The announced settings this trainer has of its own: a record that differs from one is ignored."""
@@ -60,7 +63,7 @@ class PeerFinder:
         records = await loop.run_in_executor(
             None, fetch_stage_records, self.dht, self.config.run_id, self.config.num_stages
         )
-        ignored = self._disagreeing([r for recs in records.values() for r in recs])
+        ignored = self._disagreeing([r for recs in records.values() for r in recs]) | await self._accused()
         mine = {stage: [r for r in recs if r.peer_id not in ignored] for stage, recs in records.items()}
         self.router.forget(ignored)  # also what an earlier read held of them
         self._name_claims(mine)
@@ -68,6 +71,16 @@ class PeerFinder:
         if self.p2p is not None:
             self.p2p.learn(r for recs in mine.values() for r in recs)
         return mine
+
+    async def _accused(self) -> set[str]:
+        """The peers accused so far (the run's accusations read again; a failed read keeps what was known)."""
+        if self.accusations is None:
+            return set()
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, self.accusations.read, self.dht)
+        except Exception as e:
+            logger.debug(f"Could not read the run's accusations: {e}")
+        return set(self.accusations.accused)
 
     def _disagreeing(self, records: list[StageRecord]) -> set[str]:
         """The peers whose records announce settings other than this trainer's, each named once."""

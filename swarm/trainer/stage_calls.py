@@ -36,6 +36,7 @@ from swarm.records.stage_records import SERVING, StageRecord
 from swarm.trainer.outcome import TrainingError, TrainingSummary
 from swarm.trainer.peer_finder import PeerFinder
 from swarm.trainer.resend_buffer import ResendBuffer
+from swarm.trainer.spot_checks import SpotChecker
 from swarm.trust.receipts import ReceiptSigner
 from swarm.trust.vouchers import load_voucher
 
@@ -110,6 +111,7 @@ class StageCaller:
         # or bfloat16, whichever the peers compute in (the next stage's peer checks them against its own)
         self.dtype: torch.dtype | None = torch.float32
         self.receipts = receipt_signer(config)  # in a swarm with a trust root: signs each backward's receipt
+        self.spot_checks: SpotChecker | None = None  # with a voucher and --spot-check-share: set by the trainer
 
     async def call(
         self,
@@ -150,6 +152,8 @@ class StageCaller:
             service = self._service_seconds(record.peer_id, started)
             self.router.report_success(record.peer_id, backward, samples, service)
             self._answered(record, stage, backward, tensors, microbatch_id, reply, codec, stats, started)
+            if not backward and self.spot_checks is not None:
+                self.spot_checks.after_forward(record, tensors, microbatch_id, reply, outputs, get_codec(codec))
             return reply, outputs
         raise TrainingError(
             f"stage {stage} completed no call for {self.config.stage_wait_timeout:.0f}s; microbatch "
@@ -229,6 +233,8 @@ class StageCaller:
         )
         self._check_reply(stage, backward, tensors, reply, outputs, record.peer_id)
         return reply, outputs
+
+    attempt = _send  # one attempt at a peer, no retry: what a spot check asks of a second peer
 
     async def _failed(
         self, record: StageRecord, stage: int, backward: bool, microbatch_id: int, e: StageCallError, tries: _Attempts

@@ -54,6 +54,7 @@ from swarm.trainer.data_source import CorpusError
 from swarm.trainer.microbatch_split import SplitPlan, plan_split
 from swarm.trainer.outcome import TrainingError, TrainingSummary
 from swarm.trainer.peer_finder import PeerFinder
+from swarm.trainer.spot_checks import spot_checker
 from swarm.trainer.stage_calls import StageCaller
 
 if TYPE_CHECKING:
@@ -108,6 +109,7 @@ class Trainer:
             config, self.spec, self.trainer_id, self.router, self.peers, self.summary, chooser, shaper
         )
         self.calls.dtype = boundary_dtype
+        self.calls.spot_checks = spot_checker(config, self.calls, self.peers.accusations, self.trainer_id, self.dht)
         self.summary.dtype = flag_value(boundary_dtype) if boundary_dtype is not None else ""
         self.metrics: TrainerMetrics | None = None  # with --metrics-port
         self.progress = TrainerProgress(self.trainer_id, config.model, config.num_stages)  # for `swarm monitor`
@@ -311,6 +313,8 @@ class Trainer:
             await connect_to_daemon(self.dht), self.dht.identity, dial=config.direct, shared_memory=config.shared_memory
         )
         self.peers.p2p = self.calls.p2p = self.p2p
+        if self.calls.spot_checks is not None:
+            self.calls.spot_checks.p2p = self.p2p
         self.progress.addresses = await direct_addresses(self.p2p)
         refreshing = asyncio.create_task(self.peers.refresh_forever())
         publishing = asyncio.create_task(publish_forever(self.dht, config.run_id, self.progress))
@@ -340,6 +344,9 @@ class Trainer:
                 await steps.aclose()
             refreshing.cancel()
             publishing.cancel()
+            if self.calls.spot_checks is not None:
+                await self.calls.spot_checks.stop()
+                self.summary.spot_checks = asdict(self.calls.spot_checks.counts)
         # the steps since the last periodic record: a monitor shows where this trainer ended, not a step before
         if not await publish_now(self.dht, config.run_id, self.progress):
             logger.warning("Could not publish this trainer's final progress; monitors show its last record before")
