@@ -35,7 +35,7 @@ from swarm.policy.balance import PeerLoad, loads_from_records, plan_moves
 from swarm.policy.claim_bounds import CLAIM_MULTIPLE, bounded_claims, lower_median
 from swarm.policy.router import Router
 from swarm.proto import PROTOCOL_VERSION, ErrorCode, MateProgress, MateReply, SampleId, Tensor
-from swarm.records.announced_settings import disagreements, used_settings
+from swarm.records.announced_settings import differing_settings, disagreements, used_settings
 from swarm.records.stage_records import SERVING, StageRecord, announce
 from swarm.records.trainer_records import TrainerRecord, fetch_trainer_records, publish, sound_trainer_records
 
@@ -79,6 +79,17 @@ def test_a_disagreeing_record_is_named_with_what_it_said_and_what_is_used():
     assert disagreements([*records[:3], record(PEERS[3], dtype="")], {}) == []
     doubled = [record(PEERS[0]), record(PEERS[1], target_batch_size=64), record(PEERS[1], 1, target_batch_size=64)]
     assert "target_batch_size" not in used_settings(doubled, {})
+
+
+def test_one_serving_identity_alone_never_stops_a_newcomer():
+    from swarm.config import TrainerConfig, load_config
+
+    trainer = load_config(TrainerConfig, {"num_stages": 3, "model": "gpt-tiny"}, environ={})
+    lone = [record(PEERS[0], model="gpt-micro")]  # the only serving record: a hostile one
+    assert differing_settings(trainer, lone) is None
+    assert "--model gpt-micro (you gave gpt-tiny)" in differing_settings(
+        trainer, [*lone, record(PEERS[1], model="gpt-micro")]
+    )
 
 
 def test_on_a_tie_no_single_identity_decides():
@@ -171,7 +182,7 @@ def test_the_trainer_names_a_claim_it_does_not_believe_once(caplog):
 
     from swarm.trainer.peer_finder import PeerFinder
 
-    finder = PeerFinder(None, SimpleNamespace(), 256, Router())
+    finder = PeerFinder(None, SimpleNamespace(trust_root=None, run_id="swarm"), 256, Router())
     stage = [record(PEERS[0]), record(PEERS[1]), record(PEERS[2], throughput=1e9)]
     with caplog.at_level("WARNING", logger="swarm.trainer.peer_finder"):
         finder._name_claims({0: stage})

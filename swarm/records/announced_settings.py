@@ -4,9 +4,10 @@ A stage record carries the settings of its peer that the whole swarm must share 
 model, its cut into stages, the token ids it knows, the samples a stage steps on, the dtype it computes
 in (`--dtype`, as it resolves on the peer's device: a trainer's auto takes the swarm's). A value in a
 record is a claim (the signature proves who makes it, not that it is right), so a newcomer takes a
-value for the swarm's only where more than half of the serving peers announce it, and then refuses
-to start with a setting that differs, naming the setting and the value to use. Where the serving
-peers are split, or none serves yet, there is nothing to check against. The other settings of the
+value for the swarm's only where more than half of the serving peers announce it, and then (where two
+of them at least do: one identity alone cannot stop a newcomer) refuses to start with a setting that
+differs, naming the setting and the value to use. Where the serving peers are split, or none serves
+yet, there is nothing to check against. The other settings of the
 swarm file (`swarm.config.swarm_file`: seed, optimizer, codecs) are in no record, so not checked.
 
 Once running, a process never stops for a record that disagrees: `disagreements` names each record whose
@@ -31,27 +32,29 @@ from swarm.records.stage_records import SERVING, StageRecord, fetch_stage_record
 ANNOUNCED = ("model", "num_stages", "vocab_size", "target_batch_size", "dtype")
 # the value of a record from before a setting was announced, which says nothing about it
 UNANNOUNCED = {"vocab_size": 0, "dtype": ""}
+REFUSING_PEERS = 2  # serving peers that must agree on a value before a newcomer that differs is refused
 
 
-def swarm_settings(records: Iterable[StageRecord], exclude: str = "") -> tuple[dict[str, Any], int]:
-    """The value of each setting in `ANNOUNCED` that more than half of the serving peers announce (none where
-    they are split), and how many peers serve; the record of peer `exclude` (the newcomer's own, from before a
-    restart) is not counted."""
+def swarm_settings(records: Iterable[StageRecord], exclude: str = "", least: int = 1) -> tuple[dict[str, Any], int]:
+    """The value of each setting in `ANNOUNCED` that more than half of the serving peers, and `least` of them at
+    least, announce (none where they are split), and how many peers serve; the record of peer `exclude` (the
+    newcomer's own, from before a restart) is not counted."""
     serving = {r.peer_id: r for r in records if r.state == SERVING and r.peer_id != exclude}.values()
     settings: dict[str, Any] = {}
     for name in ANNOUNCED:
         values = Counter(getattr(r, name) for r in serving if getattr(r, name) != UNANNOUNCED.get(name))
         if values:
             value, count = values.most_common(1)[0]
-            if 2 * count > sum(values.values()):
+            if 2 * count > sum(values.values()) and count >= least:
                 settings[name] = value
     return settings, len(serving)
 
 
 def differing_settings(config: ModelConfig, records: Iterable[StageRecord], exclude: str = "") -> str | None:
     """The error a newcomer with `config` stops with, naming each setting where most of the swarm's serving peers
-    announce another value and the value to use; None if nothing differs."""
-    swarm, serving = swarm_settings(records, exclude)
+    (`REFUSING_PEERS` of them at least: one identity alone stops no process) announce another value and the value
+    to use; None if nothing differs."""
+    swarm, serving = swarm_settings(records, exclude, least=REFUSING_PEERS)
     mine = {
         "model": (config.model, config.model),
         "num_stages": (config.num_stages, config.num_stages),
