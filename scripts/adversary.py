@@ -13,7 +13,9 @@ Attacks (the insider holds a valid key and signed record; see scripts/harness/ho
 - `inflate-samples`: a mate claims 4,096 made-up microbatches of 256 samples in every round;
 - `fake-progress`: a mate tells its mates it holds a target batch of made-up microbatches;
 - `unvouched-trainer`: a second trainer with no voucher feeds the swarm alongside the real one;
-- `foreign-voucher`: a second trainer signs receipts with a voucher of another root.
+- `foreign-voucher`: a second trainer signs receipts with a voucher of another root;
+- `wrong-outputs`: a peer adds noise to every forward it answers (stage 1 gets a third, honest peer for
+  the trainer's spot checks to side with, and the trainer checks a quarter of its forwards).
 
 Attacks the swarm does not bound yet are listed under `not_covered`, so the report never reads as
 more than it shows.
@@ -44,11 +46,17 @@ ATTACKS = {
     "fake-progress": ("peer", "samples without a receipt naming it; they do not count"),
     "unvouched-trainer": ("trainer", "needs its trainer's receipt"),
     "foreign-voucher": ("trainer", "signed by a key the trust root did not vouch for"),
+    "wrong-outputs": ("peer", "is accused by trainer"),
 }
+# what an attack needs beyond the common layout: a third peer of stage 1 to side with the honest one when the
+# trainer's spot check finds two answers disagreeing, and a share of checked forwards that finds the liar
+# within the few steps an attack runs (the default, 2%, takes about 20 steps here: see docs/operating.md)
+EXTRA_PEERS = {"wrong-outputs": ["peer1c"]}
+TRAINER_FLAGS = {"wrong-outputs": ["--spot-check-share", "0.25"]}
 NOT_COVERED = {
     "near-zero-gradient": "a mate's tiny gradient lowers the clip bound of two mates (robust aggregation is open)",
     "state-takeover": "two identities announcing a later step serve a crafted state to newcomers",
-    "wrong-outputs": "a peer computes wrong forwards or backwards (trainers' spot checks are open)",
+    "wrong-backwards": "a peer computes wrong backwards (spot checks compare forwards only)",
     "owner-lies": "a slice owner returns a wrong sum of its slice",
 }
 
@@ -69,18 +77,28 @@ def run_swarm(workdir: Path, keys: dict, steps: int, attack: str | None) -> dict
     with LocalSwarm(workdir) as swarm:
         swarm.start_bootstrap()
         peer = [*MODEL, "--target-batch-size", str(TARGET), "--lr", "3e-3", "--announce-period", "0.5", *root]
-        for stage, name in [(0, "peer0"), (1, "peer1a"), (1, "peer1b"), (2, "peer2")]:
+        layout = [
+            (0, "peer0"),
+            (1, "peer1a"),
+            (1, "peer1b"),
+            *((1, n) for n in EXTRA_PEERS.get(attack, [])),
+            (2, "peer2"),
+        ]
+        for stage, name in layout:
             flags = [*peer, "--checkpoint-dir", str(workdir / name)]
             if name == "peer1b" and attack is not None and ATTACKS[attack][0] == "peer":
                 pinned = ["--stage", "1", "--initial-peers", *swarm.initial_peers, "--rebalance-period", "0"]
                 swarm.spawn(name, "peer", [*pinned, *flags], prefix=[sys.executable, str(HOSTILE), attack, "--"])
             else:
                 swarm.start_peer(name, stage, flags)
-        wait_serving(swarm, ["peer0", "peer1a", "peer1b", "peer2"])
+        names = [name for _, name in layout]
+        wait_serving(swarm, names)
         trainer = [*MODEL, "--steps", str(steps), "--microbatch-size", "4", "--data", CORPUS, "--no-progress"]
         summary_file = workdir / "summary.json"
         honest = swarm.start_trainer(
-            "trainer", [*trainer, *root, "--voucher", keys["voucher"], "--summary-file", str(summary_file)]
+            "trainer",
+            [*trainer, *root, "--voucher", keys["voucher"], "--summary-file", str(summary_file)]
+            + TRAINER_FLAGS.get(attack, []),
         )
         if attack == "unvouched-trainer":
             swarm.start_trainer("intruder", [*trainer, "--data-seed", "11"])
@@ -89,7 +107,7 @@ def run_swarm(workdir: Path, keys: dict, steps: int, attack: str | None) -> dict
         code = honest.wait(600)
         if "intruder" in swarm.processes:
             swarm.processes["intruder"].wait(300)
-        for name in ("peer0", "peer1a", "peer1b", "peer2"):
+        for name in names:
             swarm.stop(name)
         summary = json.loads(summary_file.read_text()) if code == 0 else {}
         logs = {name: swarm.log_path(name).read_text(errors="replace") for name in swarm_names(swarm)}

@@ -5,14 +5,17 @@ from __future__ import annotations
 import json
 import logging
 import re
+import signal
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import peer_flags, trainer_flags, wait_for_records
+from conftest import metric, metrics_url, peer_flags, trainer_flags, wait_for_records
 
+from swarm.compression import get_codec
 from swarm.records.accusations import Accusation, AccusationBook, parse_records, sign_accusation
 from swarm.records.stage_records import SERVING
 from swarm.trainer.spot_checks import odd_one_out, outputs_agree, tolerance
@@ -45,6 +48,12 @@ def test_outputs_agree_within_the_nondeterminism_of_a_forward_not_beyond():
     half = hidden.to(torch.bfloat16)
     assert tolerance(half) > tolerance(hidden)
     assert outputs_agree([half], [(hidden * (1 + 2**-8)).to(torch.bfloat16)])  # a unit in bfloat16's last place
+    # both replies in 8bit: a hair apart before encoding may be a level apart after, never more
+    codec = get_codec("8bit")
+    a, b = (codec.decode(codec.encode(t), t.shape, t.dtype) for t in (hidden, hidden + 1e-6 * torch.randn_like(hidden)))
+    assert outputs_agree([a], [b], "8bit")
+    noisy = hidden + 0.1 * torch.randn_like(hidden)
+    assert not outputs_agree([a], [codec.decode(codec.encode(noisy), noisy.shape, noisy.dtype)], "8bit")
 
 
 def test_the_odd_one_out_needs_two_agreeing_answers():
@@ -110,19 +119,27 @@ def start_swarm(local_swarm, tmp_path, public: str, stage1: list[str], hostile: 
                 pinned = ["--stage", "1", "--initial-peers", *local_swarm.initial_peers, "--rebalance-period", "0"]
                 local_swarm.spawn(name, "peer", [*pinned, *flags], prefix=prefix)
             else:
-                faults = ["--faults", "before_contribution@2=die"] if name == "peer1a" and hostile is None else []
-                local_swarm.start_peer(name, stage, [*flags, *faults])
+                metrics = ["--metrics-port", "0"] if name == "peer1a" and hostile is None else []
+                local_swarm.start_peer(name, stage, [*flags, *metrics])
     serving = [lambda r, s=s: sum(p.state == SERVING for p in r[s]) for s in range(3)]
     wait_for_records(local_swarm.initial_peers, lambda r: [count(r) for count in serving] == [1, len(stage1), 1])
 
 
-def train(local_swarm, tmp_path, organizer, steps: int, share: float) -> dict:
+def start_trainer(local_swarm, tmp_path, organizer, steps: int, share: float, *extra: str):
     public, voucher_file = organizer
-    summary_file = tmp_path / "summary.json"
-    flags = [*trainer_flags(steps, summary_file, 4), "--trust-root", public, "--voucher", str(voucher_file)]
-    trainer = local_swarm.start_trainer("trainer", [*flags, "--spot-check-share", str(share)])
+    flags = [
+        *trainer_flags(steps, tmp_path / "summary.json", 4),
+        "--trust-root",
+        public,
+        "--voucher",
+        str(voucher_file),
+    ]
+    return local_swarm.start_trainer("trainer", [*flags, "--spot-check-share", str(share), *extra])
+
+
+def finish(local_swarm, tmp_path, trainer) -> dict:
     assert trainer.wait(400) == 0, local_swarm.log_path("trainer").read_text()[-3000:]
-    return json.loads(summary_file.read_text())
+    return json.loads((tmp_path / "summary.json").read_text())
 
 
 @pytest.mark.timeout(600)
@@ -133,13 +150,14 @@ def test_a_peer_answering_wrong_forwards_is_accused_and_left_out(local_swarm, tm
     public, _ = organizer
     start_swarm(local_swarm, tmp_path, public, ["peer1a", "peer1b", "peer1c"], hostile="peer1b")
     steps = 12
-    summary = train(local_swarm, tmp_path, organizer, steps, share=0.25)
+    summary = finish(local_swarm, tmp_path, start_trainer(local_swarm, tmp_path, organizer, steps, share=0.25))
     assert summary["steps"] == steps and summary["spot_checks"]["accusations"] >= 1, summary["spot_checks"]
     liar = peer_id(local_swarm, "peer1b")
     for name in ("trainer", "peer1a", "peer1c"):
         found = ACCUSED_LINE.search(local_swarm.log_path(name).read_text())
         assert found, f"{name} did not take the accusation in"
         assert found.groups() == (liar, "1", found.group(3)) and int(found.group(3)) <= 10, found.group(0)
+    print(f"spot checks {summary['spot_checks']}; accused at step {found.group(3)}")
     accused_by_trainer = {m.group(1) for m in ACCUSED_LINE.finditer(local_swarm.log_path("trainer").read_text())}
     assert accused_by_trainer == {liar}
 
@@ -150,13 +168,21 @@ def peer_id(local_swarm, name: str) -> str:
 
 @pytest.mark.timeout(600)
 def test_honest_peers_are_never_accused_under_churn(local_swarm, tmp_path, organizer):
-    """Three honest peers on stage 1, one dying in its round of step 2; half of all forwards are checked:
-    answers are compared across peers at the same step, and no one is accused."""
+    """Three honest peers on stage 1, one SIGKILLed mid-step while it holds samples; half of all forwards
+    are checked: answers are compared across peers at the same step, and no one is accused."""
     public, _ = organizer
     start_swarm(local_swarm, tmp_path, public, ["peer1a", "peer1b", "peer1c"])
-    summary = train(local_swarm, tmp_path, organizer, 8, share=0.5)
+    trainer = start_trainer(local_swarm, tmp_path, organizer, 10, 0.5, "--emulate-latency-ms", "20")
+    url = metrics_url(local_swarm, "peer1a")
+    deadline = time.monotonic() + 150
+    while metric(url, "swarm_peer_step") < 3 or metric(url, "swarm_peer_samples_accumulated") < 1:
+        assert time.monotonic() < deadline and trainer.poll() is None, "peer1a never held samples at step 3"
+        time.sleep(0.05)
+    local_swarm.stop("peer1a", signal.SIGKILL)
+    summary = finish(local_swarm, tmp_path, trainer)
     counts = summary["spot_checks"]
-    assert counts["compared"] >= 10 and counts["mismatches"] == 0 and counts["accusations"] == 0, counts
-    assert "Fault injected at before_contribution" in local_swarm.log_path("peer1a").read_text()
+    print(f"spot checks {counts}")
+    assert summary["steps"] == 10 and counts["compared"] >= 10, counts
+    assert counts["mismatches"] == 0 and counts["accusations"] == 0, counts
     for log in local_swarm.workdir.glob("*.log"):
         assert "is accused by trainer" not in log.read_text(errors="replace"), log.name

@@ -3,9 +3,9 @@
 Peers of a stage at the same step hold bit-identical parameters (their averaging rounds apply the same
 sum), so the same inputs give the same outputs up to the nondeterminism of how a peer batches and which
 kernels it runs. A check sends a forward already answered by peer A, with the same inputs, microbatch
-and step, to another serving peer B, and compares the outputs within `tolerance`. Only forwards whose
-reply came uncompressed are checked (a lossy codec's error would hide in the tolerance or raise false
-alarms), and only answers computed at the same step are compared (a peer that moved on answers at its
+and step, to another serving peer B, and compares the outputs within `tolerance`. Both replies come in the codec
+A's did, and the tolerance widens by that codec's gap between levels (4bit's is too wide: such forwards
+are not checked), and only answers computed at the same step are compared (a peer that moved on answers at its
 own step). Forwards only: checking a backward would make a second peer accumulate its gradient.
 
 When A and B disagree, nothing says which lied: a third serving peer C at that step decides, and the one
@@ -46,25 +46,31 @@ logger = logging.getLogger(__name__)
 # and far below a change anyone would make to steer training (scripts/harness/hostile_peer.py: 0.1).
 RTOL = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 ATOL = 1e-4
+# A reply in a lossy codec: two peers' outputs a hair apart may land one level apart, so the bound widens by the
+# codec's largest gap between levels, relative to the largest value (measured over [-1, 1]: fp16 4.9e-4, bf16
+# 3.9e-3, 8bit 1.4e-2), with room to spare. 4bit's gap (0.24) would hide any lie worth the name: not checked.
+CODEC_GAP = {"none": 0.0, "fp16": 1e-3, "bf16": 8e-3, "8bit": 2e-2}
 INFO_TIMEOUT = 5.0
 RENEW_PERIOD = 60.0  # seconds between renewals of this trainer's accusations (their TTL is longer)
 MAX_TASKS = 8  # checks under way at once: past this, a drawn check is skipped
 
 
-def tolerance(reference: torch.Tensor) -> float:
-    """How far another same-step peer's outputs may be from `reference` (max abs difference)."""
-    rtol = RTOL.get(reference.dtype, RTOL[torch.float16])
+def tolerance(reference: torch.Tensor, codec: str = "none") -> float:
+    """How far another same-step peer's outputs may be from `reference` (max abs difference), both replies
+    in `codec` (one of CODEC_GAP's)."""
+    rtol = RTOL.get(reference.dtype, RTOL[torch.float16]) + CODEC_GAP[codec]
     return ATOL + rtol * float(reference.detach().abs().max()) if reference.numel() else ATOL
 
 
-def outputs_agree(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    """Whether two peers' outputs of the same forward agree within `tolerance` (same shapes and dtypes first)."""
+def outputs_agree(a: list[torch.Tensor], b: list[torch.Tensor], codec: str = "none") -> bool:
+    """Whether two peers' outputs of the same forward, both in `codec`, agree within `tolerance` (same shapes
+    and dtypes first)."""
     if len(a) != len(b):
         return False
     for x, y in zip(a, b):
         if x.shape != y.shape or x.dtype != y.dtype:
             return False
-        if x.numel() and float((x.float() - y.float()).abs().max()) > tolerance(x):
+        if x.numel() and float((x.float() - y.float()).abs().max()) > tolerance(x, codec):
             return False
     return True
 
@@ -77,15 +83,15 @@ def digest(tensors: list[torch.Tensor]) -> str:
     return h.hexdigest()[:16]
 
 
-def odd_one_out(answers: dict[str, list[torch.Tensor]]) -> tuple[str, list[str]] | None:
+def odd_one_out(answers: dict[str, list[torch.Tensor]], codec: str = "none") -> tuple[str, list[str]] | None:
     """Of three or more answers, the one that disagrees with all others while those all agree with one
     another: (its peer, the others); None if the answers do not single out one peer."""
     peers = list(answers)
     for odd in peers:
         rest = [p for p in peers if p != odd]
-        if len(rest) < 2 or any(outputs_agree(answers[odd], answers[p]) for p in rest):
+        if len(rest) < 2 or any(outputs_agree(answers[odd], answers[p], codec) for p in rest):
             continue
-        if all(outputs_agree(answers[rest[0]], answers[p]) for p in rest[1:]):
+        if all(outputs_agree(answers[rest[0]], answers[p], codec) for p in rest[1:]):
             return odd, rest
     return None
 
@@ -138,7 +144,7 @@ class SpotChecker:
         """Called after each answered forward: draws it for a check with probability `share`."""
         if self.mine and time.monotonic() - self._published > RENEW_PERIOD:
             self._spawn(self.publish())
-        if self._random.random() >= self.share or codec.lossy or len(self._tasks) >= MAX_TASKS:
+        if self._random.random() >= self.share or codec.name not in CODEC_GAP or len(self._tasks) >= MAX_TASKS:
             return
         self.counts.drawn += 1
         self._spawn(self._check(record, tensors, microbatch_id, reply.step, list(outputs), codec))
@@ -188,11 +194,11 @@ class SpotChecker:
         if len(answers) < 2:
             return
         self.counts.compared += 1
-        if outputs_agree(*answers.values()):
+        if outputs_agree(*answers.values(), codec.name):
             return
         self.counts.mismatches += 1
         await self._gather(answers, others, 3, tensors, microbatch_id, step, codec)
-        verdict = odd_one_out(answers) if len(answers) >= 3 else None
+        verdict = odd_one_out(answers, codec.name) if len(answers) >= 3 else None
         if verdict is None or not await self._same_state([verdict[0], *verdict[1]]):
             self.counts.undecided += 1
             logger.warning(
