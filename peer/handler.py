@@ -19,7 +19,7 @@ import torch
 from swarm.compression import Codec, CodecError, get_codec
 from swarm.models import GPTStage
 from swarm.models.stage_io import StageInputError, check_stage_inputs, value_problem
-from swarm.net.request_limits import call_too_large
+from swarm.net.request_limits import call_too_large, undecoded_problem
 from swarm.net.wire import (
     INLINE_CODING_BYTES,
     Part,
@@ -164,6 +164,7 @@ class StageHandler:
         loop = asyncio.get_running_loop()
         backward = request.kind == BACKWARD
         receipts = self.mates.machine.receipts
+        dtype = self.runtime.dtype
         # before the tensors cost a decode: a backward counts only with a vouched trainer's receipt for this call
         if backward and receipts is not None:
             if (problem := receipts.check_backward(request, caller, request.receipt.samples)) is not None:
@@ -172,6 +173,9 @@ class StageHandler:
 
         def take() -> tuple[list[torch.Tensor], tuple[int, str] | None]:
             """The request's tensors, decoded and checked (a WireError if malformed), and what is wrong, if any."""
+            # shapes and sizes as the headers announce them first: nothing is decoded beyond the model's shapes
+            if (problem := undecoded_problem(self.stage, backward, parts, self.max_batch_samples, dtype)) is not None:
+                return [], problem
             tensors = decode_tensors(parts, self.limits)
             if tensors and tensors[0].ndim and (samples := tensors[0].shape[0]) > self.max_batch_samples:
                 return tensors, (ErrorCode.TOO_LARGE, call_too_large(samples, self.max_batch_samples))

@@ -165,7 +165,9 @@ def test_a_peer_is_timed_by_its_replies_not_by_the_wait_behind_this_trainers_own
 
     import swarm.trainer.stage_calls as stage_calls
 
-    caller = stage_calls.StageCaller(SimpleNamespace(resend_buffer_mb=1), None, "t", Router(), None, None, None, None)
+    caller = stage_calls.StageCaller(
+        SimpleNamespace(resend_buffer_mb=1, voucher=None), None, "t", Router(), None, None, None, None
+    )
     now = Clock()
     monkeypatch.setattr(stage_calls.time, "perf_counter", now)
     # three calls sent at once to a peer that serves one a second, in order: each took a second of its time
