@@ -15,7 +15,9 @@ Attacks (the insider holds a valid key and signed record; see scripts/harness/ho
 - `unvouched-trainer`: a second trainer with no voucher feeds the swarm alongside the real one;
 - `foreign-voucher`: a second trainer signs receipts with a voucher of another root;
 - `wrong-outputs`: a peer adds noise to every forward it answers (stage 1 gets a third, honest peer for
-  the trainer's spot checks to side with, and the trainer checks a quarter of its forwards).
+  the trainer's spot checks to side with, and the trainer checks a quarter of its forwards). The forwards
+  it answered before it was caught are trained on, so the loss moves: this attack has failed when the
+  honest processes logged the liar accused at step 10 at the latest, and stage 1 stepped on every sample.
 
 Attacks the swarm does not bound yet are listed under `not_covered`, so the report never reads as
 more than it shows.
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 import tempfile
 import time
@@ -51,6 +54,9 @@ ATTACKS = {
 # what an attack needs beyond the common layout: a third peer of stage 1 to side with the honest one when the
 # trainer's spot check finds two answers disagreeing, and a share of checked forwards that finds the liar
 # within the few steps an attack runs (the default, 2%, takes about 20 steps here: see docs/operating.md)
+# attacks found only after their harm is trained on (a spot check samples answers already used): the run's loss
+# moves, so the bound is the step at which the honest processes logged the liar accused, at most this one
+DETECTED_AFTER_USE = {"wrong-outputs": 10}
 EXTRA_PEERS = {"wrong-outputs": ["peer1c"]}
 TRAINER_FLAGS = {"wrong-outputs": ["--spot-check-share", "0.25"]}
 NOT_COVERED = {
@@ -153,7 +159,9 @@ def main() -> int:
             where, needle = ATTACKS[attack]
             proof = evidence(run["logs"], needle, where)
             unchanged = run["code"] == 0 and run["samples"] == honest["samples"]
-            close = abs(run["loss"] - honest["loss"]) <= args.loss_spread
+            close = abs(run["loss"] - honest["loss"]) <= args.loss_spread or attack in DETECTED_AFTER_USE
+            if attack in DETECTED_AFTER_USE:  # bounded in time instead: accused within its steps
+                close = bool(proof) and int(re.search(r"at step (\d+)", proof).group(1)) <= DETECTED_AFTER_USE[attack]
             results.append(
                 {
                     "attack": attack,
