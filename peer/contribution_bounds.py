@@ -23,19 +23,22 @@ CLIP_FACTOR = 5.0
 
 
 def clip_scales(
-    per_sample_norms: list[float], samples: list[int] | None = None, factor: float = CLIP_FACTOR
+    per_sample_norms: list[float],
+    samples: list[int] | None = None,
+    factor: float = CLIP_FACTOR,
+    by_samples: bool = False,
 ) -> list[float]:
     """The factor each contribution is multiplied by (1.0: taken as it is), in the order given.
 
     `samples` are the contributions' sample counts (all alike if not given). With one contribution there
     is nothing to compare with; a bound of zero (an all-zero gradient in the lower half) clips nothing,
-    since it says nothing about the others' size.
+    since it says nothing about the others' size. `by_samples`: the bound is set by the median sample
+    rather than the median contribution (`reference`), for counts that vouched trainers' receipts prove.
     """
     if len(per_sample_norms) < 2:
         return [1.0] * len(per_sample_norms)
     counts = samples if samples is not None else [1] * len(per_sample_norms)
-    order = sorted(range(len(per_sample_norms)), key=lambda i: per_sample_norms[i])
-    reference = order[(len(order) - 1) // 2]  # the lower median: one outlier cannot raise it
+    reference = _reference(per_sample_norms, counts, by_samples)
     bound = factor * per_sample_norms[reference]
     if not math.isfinite(bound) or bound <= 0:
         return [1.0] * len(per_sample_norms)
@@ -44,3 +47,21 @@ def clip_scales(
         own_bound = bound * math.sqrt(max(1.0, counts[reference] / max(count, 1)))
         scales.append(own_bound / norm if norm > own_bound else 1.0)
     return scales
+
+
+def _reference(per_sample_norms: list[float], counts: list[int], by_samples: bool) -> int:
+    """The contribution whose norm sets the bound.
+
+    The lower median contribution: one outlier cannot raise it, but with two members either can lower it
+    (a near-zero gradient would clip the other's). With `by_samples`, the contribution holding the median
+    sample, ordered by norm: lowering the bound then takes more than half of the samples the round sums,
+    so a member moves it only with more than half of the stage's vouched work."""
+    order = sorted(range(len(per_sample_norms)), key=lambda i: per_sample_norms[i])
+    if not by_samples:
+        return order[(len(order) - 1) // 2]
+    total, seen = sum(max(c, 0) for c in counts), 0
+    for index in order:
+        seen += max(counts[index], 0)
+        if 2 * seen > total:
+            return index
+    return order[-1]

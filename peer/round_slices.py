@@ -76,14 +76,16 @@ def contributors_digest(step: int, attempt: int, contributors: Sequence[str]) ->
     return hashlib.blake2b(text.encode(), digest_size=16).digest()
 
 
-def owner_scales(claimed_norms: list[float], slice_norms: list[float], samples: list[int]) -> list[float]:
+def owner_scales(
+    claimed_norms: list[float], slice_norms: list[float], samples: list[int], by_samples: bool = False
+) -> list[float]:
     """Per contribution, the factor its slice is multiplied by (see `contribution_bounds`).
 
     The bound rests on each contribution's whole-gradient norm, which its sender states; an honest
     statement is never smaller than any slice's norm. Where a slice shows more than its sender stated,
     the slice's own norm is taken instead, so understating cannot escape the bound."""
     norms = [seen if seen > claim * (1 + CLAIM_TOLERANCE) else claim for claim, seen in zip(claimed_norms, slice_norms)]
-    return clip_scales([norm / max(count, 1) for norm, count in zip(norms, samples)], samples)
+    return clip_scales([norm / max(count, 1) for norm, count in zip(norms, samples)], samples, by_samples=by_samples)
 
 
 def reduce_slice(pieces: list[torch.Tensor], scales: list[float]) -> torch.Tensor:

@@ -174,7 +174,9 @@ class SliceExchange:
             squares = squared_norms(taken)
             claims = [box[p].norm for p in contributing]
             seen = [math.sqrt(s) for s in squares]
-            scales = owner_scales(claims, seen, [box[p].samples for p in contributing])
+            # with a trust root the sample counts are vouched for: the bound is the median sample's
+            by_samples = machine.receipts is not None
+            scales = owner_scales(claims, seen, [box[p].samples for p in contributing], by_samples)
             self._note_bounds(step, contributing, claims, seen, scales)
             total = reduce_slice(taken, scales)
             if self.codec.lossy:  # every member must hold the bits the others decode

@@ -38,3 +38,16 @@ def test_honest_contributions_of_few_and_many_samples_are_not_clipped():
     # a hostile one is still scaled down, few samples or many
     hostile = clip_scales([*norms, 1e6], [*counts, 1])
     assert hostile[:-1] == [1.0] * len(counts) and hostile[-1] < 1e-3
+
+
+def test_with_vouched_counts_a_near_zero_gradient_sets_the_bound_only_with_most_of_the_samples():
+    honest, tiny = 1.0, 1e-6  # per-sample norms
+    # two members: by contribution, the near-zero one sets the bound and the honest gradient is cut a million-fold
+    assert clip_scales([honest, tiny], [14, 10])[0] < 1e-4
+    # by sample, it takes more than half of the samples to set it: with fewer, nothing is clipped
+    assert clip_scales([honest, tiny], [14, 10], by_samples=True) == [1.0, 1.0]
+    assert clip_scales([honest, tiny], [12, 12], by_samples=True) == [1.0, 1.0]
+    assert clip_scales([honest, tiny], [11, 13], by_samples=True)[0] < 1e-4
+    # a huge gradient of few samples is still clipped to the bound the median sample sets
+    big, small = clip_scales([1e6, 2.0], [2, 22], by_samples=True)
+    assert small == 1.0 and big == pytest.approx(CLIP_FACTOR * 2.0 * (22 / 2) ** 0.5 / 1e6)
