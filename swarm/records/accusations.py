@@ -13,6 +13,7 @@ no accusation counts (anyone could make one). An accused peer stays accused for 
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import hashlib
@@ -219,9 +220,11 @@ class AccusationBook:
                 )
         return new
 
-    def read(self, dht: DHT) -> list[str]:
-        """Reads the run's accusations from the DHT and takes them in; blocking. Returns the newly accused."""
-        return self.take(fetch_accusations(dht, self.run_id))
+    async def read(self, dht: DHT) -> list[str]:
+        """Reads the run's accusations from the DHT (off the loop) and takes them in (on it, where the book is
+        read); returns the newly accused."""
+        found = await asyncio.get_running_loop().run_in_executor(None, fetch_accusations, dht, self.run_id)
+        return self.take(found)
 
 
 def accusation_book(trust_root: str | None, run_id: str, reader: str) -> AccusationBook | None:

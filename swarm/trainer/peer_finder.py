@@ -77,7 +77,7 @@ class PeerFinder:
         if self.accusations is None:
             return set()
         try:
-            await asyncio.get_running_loop().run_in_executor(None, self.accusations.read, self.dht)
+            await self.accusations.read(self.dht)
         except Exception as e:
             logger.debug(f"Could not read the run's accusations: {e}")
         return set(self.accusations.accused)

@@ -125,7 +125,7 @@ class SpotChecker:
         seed: int | None = None,
     ) -> None:
         self.share = share
-        self.send = send  # StageCaller._send: one attempt at a peer, its reply checked for shape and values
+        self.send = send  # StageCaller.attempt: one attempt at a peer, its reply checked for shape and values
         self.router = router
         self.signer = signer
         self.book = book  # this trainer's view of the accused: its own accusations go in at once
@@ -150,7 +150,15 @@ class SpotChecker:
         self._spawn(self._check(record, tensors, microbatch_id, reply.step, list(outputs), codec))
 
     def _spawn(self, coroutine) -> None:
-        task = asyncio.ensure_future(coroutine)
+        async def guarded() -> None:  # a check that breaks is one check lost, never the trainer's business
+            try:
+                await coroutine
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                logger.warning(f"A spot check failed: {type(e).__name__}: {e}")
+
+        task = asyncio.ensure_future(guarded())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -194,11 +202,12 @@ class SpotChecker:
         if len(answers) < 2:
             return
         self.counts.compared += 1
-        if outputs_agree(*answers.values(), codec.name):
+        # off the event loop: a large model's boundary tensors take a while to compare
+        if await asyncio.to_thread(outputs_agree, *answers.values(), codec.name):
             return
         self.counts.mismatches += 1
         await self._gather(answers, others, 3, tensors, microbatch_id, step, codec)
-        verdict = odd_one_out(answers, codec.name) if len(answers) >= 3 else None
+        verdict = await asyncio.to_thread(odd_one_out, answers, codec.name) if len(answers) >= 3 else None
         if verdict is None or not await self._same_state([verdict[0], *verdict[1]]):
             self.counts.undecided += 1
             logger.warning(
