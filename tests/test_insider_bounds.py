@@ -36,7 +36,7 @@ from swarm.policy.claim_bounds import CLAIM_MULTIPLE, bounded_claims, lower_medi
 from swarm.policy.router import Router
 from swarm.proto import PROTOCOL_VERSION, ErrorCode, MateProgress, MateReply, SampleId, Tensor
 from swarm.records.announced_settings import differing_settings, disagreements, used_settings
-from swarm.records.stage_records import SERVING, StageRecord, announce
+from swarm.records.stage_records import JOINING, SERVING, StageRecord, announce
 from swarm.records.trainer_records import TrainerRecord, fetch_trainer_records, publish, sound_trainer_records
 
 PEERS = [f"12D3KooW{c * 44}" for c in "ABCDEFGH"]  # distinct well-formed peer ids
@@ -70,7 +70,7 @@ def test_a_disagreeing_record_is_named_with_what_it_said_and_what_is_used():
     assert (found.peer_id, found.setting, found.announced, found.used) == (PEERS[3], "target_batch_size", 64, 16)
     assert found.describe() == (
         f"Ignoring peer {PEERS[3]} of stage 0: it announces target_batch_size 64, this process uses 16 "
-        "(as 3 of 4 peers announce)"
+        "(as 3 of 4 serving peers announce)"
     )
     # this process's own setting decides where it has one, however many peers say otherwise
     own = disagreements(records, {"target_batch_size": 64})
@@ -97,7 +97,8 @@ def test_on_a_tie_no_single_identity_decides():
     assert "target_batch_size" not in used_settings(tie, {}) and disagreements(tie, {}) == []
     # whatever its peer id: a tie is a tie in either order
     assert "target_batch_size" not in used_settings(tie[::-1], {})
-    assert used_settings([*tie, record(PEERS[2], 2)], {})["target_batch_size"] == (16, "as 2 of 3 peers announce")
+    majority = used_settings([*tie, record(PEERS[2], 2)], {})
+    assert majority["target_batch_size"] == (16, "as 2 of 3 serving peers announce")
 
 
 @pytest.mark.timeout(300)
@@ -338,3 +339,9 @@ def test_the_refusal_before_decoding_says_what_the_check_after_decoding_says(ten
     code, before = undecoded_problem(MIDDLE, backward, parts_of(*tensors), 8)
     assert code == ErrorCode.BAD_REQUEST
     assert before == str(after.value) or before.split(" of ")[0] == str(after.value).split(" of ")[0]
+
+
+def test_joining_records_count_for_nothing_in_the_majority():
+    # any identity may publish a joining record: three of them do not outvote two serving peers
+    joining = [record(peer, state=JOINING, target_batch_size=1) for peer in PEERS[2:5]]
+    assert used_settings([record(PEERS[0]), record(PEERS[1], 1), *joining], {})["target_batch_size"][0] == 16

@@ -111,9 +111,13 @@ class Disagreement:
 
 def used_settings(records: Iterable[StageRecord], own: Mapping[str, Any]) -> dict[str, tuple[Any, str]]:
     """For each setting in `ANNOUNCED`: the value this process uses and why: its own where `own` has it, else the
-    value more than half of the distinct peers of `records` announce (none on a tie, or with no announcement)."""
+    value more than half of the distinct serving peers of `records` announce (none on a tie, or with no
+    announcement). A joining record counts for nothing: any identity may publish one, and a peer that serves
+    has shown its settings work."""
     values: dict[str, dict[str, Any]] = {name: {} for name in ANNOUNCED}
     for r in records:
+        if r.state != SERVING:
+            continue
         for name in ANNOUNCED:
             value = getattr(r, name)
             if value != UNANNOUNCED.get(name):
@@ -128,7 +132,7 @@ def used_settings(records: Iterable[StageRecord], own: Mapping[str, Any]) -> dic
             value, count = counts.most_common(1)[0]
             total = sum(counts.values())
             if 2 * count > total:
-                used[name] = (value, f"as {count} of {total} peers announce")
+                used[name] = (value, f"as {count} of {total} serving peers announce")
     return used
 
 
