@@ -201,14 +201,14 @@ def test_samples_lost_after_a_trainers_last_step_are_sent_again_before_it_exits(
     """peer1a dies on the spot as the round of the trainer's last step starts, holding backwards of that
     step. The trainer has had every backward answered, yet it does not exit until stage 1 steps past its
     last step: it hears that the stage is short, sends them again, and the stage loses nothing."""
-    steps = 2
+    steps = 1  # one step: its round is the trainer's last, and the first where peer1a holds samples
     start_swarm(
         local_swarm,
         tmp_path,
         {0: ["peer0"], 1: ["peer1a", "peer1b"], 2: ["peer2"]},
         {
             # a long wait: without the resend the stage would step short long after the trainer exited
-            "peer1a": ["--faults", f"before_contribution@{steps}=die", "--short-wait", "60"],
+            "peer1a": ["--faults", "before_contribution@1=die", "--short-wait", "60"],
             "peer1b": ["--short-wait", "60"],
         },
     )

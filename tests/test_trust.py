@@ -198,7 +198,7 @@ def test_a_mate_dying_with_receipted_work_loses_nothing(local_swarm, tmp_path, o
     local_swarm.start_bootstrap()
     for stage, names in {0: ["peer0"], 1: ["peer1a", "peer1b"], 2: ["peer2"]}.items():
         for name in names:
-            faults = ["--faults", "before_contribution@2=die"] if name == "peer1a" else []
+            faults = ["--faults", "before_contribution@1=die"] if name == "peer1a" else []
             flags = peer_flags(tmp_path / name, "--trust-root", public, "--short-wait", "60", *faults)
             local_swarm.start_peer(name, stage, flags)
     serving = [lambda r, s=s: sum(p.state == SERVING for p in r[s]) for s in range(3)]
