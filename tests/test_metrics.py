@@ -12,7 +12,7 @@ from collections import defaultdict
 
 import pytest
 import torch
-from conftest import SMALL_CORPUS, model_flags, run_p2p_client
+from conftest import SMALL_CORPUS, metrics_url, model_flags, run_p2p_client
 from hivemind.p2p import PeerID
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -101,17 +101,6 @@ def curl(url: str) -> Scrape:
     result = subprocess.run(["curl", "-sS", "--fail", "--max-time", "10", url], capture_output=True, text=True)
     assert result.returncode == 0, f"curl {url} failed ({result.returncode}): {result.stderr}"
     return Scrape(result.stdout)
-
-
-def metrics_url(local_swarm, name: str, timeout: float = 60.0) -> str:
-    """The endpoint a process started with --metrics-port 0 logged it serves on."""
-    process, log = local_swarm.processes[name], local_swarm.log_path(name)
-    deadline = time.monotonic() + timeout
-    while not (found := METRICS_LINE.search(log.read_text(errors="replace") if log.exists() else "")):
-        assert process.poll() is None, f"{name} exited:\n{log.read_text(errors='replace')[-3000:]}"
-        assert time.monotonic() < deadline, f"{name} logged no metrics address:\n{log.read_text()[-3000:]}"
-        time.sleep(0.2)
-    return found.group(1)
 
 
 def poll(url: str, ready, what: str, process: subprocess.Popen, timeout: float = 60.0) -> Scrape:

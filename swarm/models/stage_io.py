@@ -49,7 +49,8 @@ def _dtype_hint(tensor: torch.Tensor, dtype: torch.dtype) -> str:
 
 
 def expected_inputs(stage: GPTStage, backward: bool) -> list[str]:
-    """Names of the tensors a forward or backward call to `stage` carries, in order."""
+    """Names of the tensors a forward or backward call to `stage` carries, in order (any object with the stage's
+    `is_first`, `takes_tokens` and `is_last` will do)."""
     names = ["tokens" if stage.is_first else "hidden"]
     if stage.takes_tokens:
         names.append("tokens")

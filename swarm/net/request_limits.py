@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 
 from swarm.models.precision import flag_value
+from swarm.models.stage_io import expected_inputs
 from swarm.net.wire import CHUNK_BYTES, Announced, Part, WireError, WireLimits, announced_tensors
 from swarm.proto import ErrorCode
 
@@ -177,17 +178,6 @@ def call_too_large(samples: int, max_call_samples: int) -> str:
     )
 
 
-def call_inputs(stage: StageShape, backward: bool) -> list[str]:
-    """Names of the tensors a forward or backward call to `stage` carries, in order (as
-    `swarm.models.stage_io.expected_inputs` names them)."""
-    names = ["tokens" if stage.is_first else "hidden"]
-    if stage.takes_tokens:
-        names.append("tokens")
-    if backward:
-        names.append("targets" if stage.is_last else "grad_outputs")
-    return names
-
-
 def undecoded_problem(
     stage: StageShape, backward: bool, parts: list[Part], max_batch: int, dtype: torch.dtype = torch.float32
 ) -> tuple[int, str] | None:
@@ -199,7 +189,7 @@ def undecoded_problem(
         announced = announced_tensors(parts)
     except WireError as e:
         return e.code, str(e)
-    names = call_inputs(stage, backward)
+    names = expected_inputs(stage, backward)
     if len(announced) != len(names):
         kind = "backward" if backward else "forward"
         return ErrorCode.BAD_REQUEST, (
