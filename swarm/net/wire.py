@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, TypeVar
 
@@ -168,42 +168,39 @@ class Announced(NamedTuple):
     wire_bytes: int  # the bytes its parts carry, which the codec would decode
 
 
-def announced_tensors(parts: Sequence[Part]) -> list[Announced]:
-    """What the tensors in `parts` claim to be (shape, dtype, codec, bytes on the wire), read from their headers
-    alone, so that a receiver can check them before decoding; raises WireError on a malformed header."""
-    announced, index = [], 0
+def _tensor_spans(parts: Sequence[Part]) -> Iterator[tuple[int, int, Announced]]:
+    """Each tensor of `parts`: the span of its parts (start, end) and what its header announces; raises
+    WireError on a malformed header."""
+    index = count = 0
     while index < len(parts):
         head = parts[index].head
         num_parts = max(1, head.num_parts)
         if index + num_parts > len(parts):
-            raise WireError(ErrorCode.BAD_REQUEST, f"tensor {len(announced)} is truncated: {num_parts} parts announced")
+            raise WireError(ErrorCode.BAD_REQUEST, f"tensor {count} is truncated: {num_parts} parts announced")
         shape = tuple(head.shape)
         if len(shape) > MAX_TENSOR_DIMS or any(size < 0 for size in shape):
-            raise WireError(ErrorCode.BAD_REQUEST, f"tensor {len(announced)} has an invalid shape {list(shape)}")
+            raise WireError(ErrorCode.BAD_REQUEST, f"tensor {count} has an invalid shape {list(shape)}")
         try:
             dtype = dtype_from_name(head.dtype)
         except CodecError as e:
-            raise WireError(ErrorCode.BAD_REQUEST, f"tensor {len(announced)}: {e}") from None
+            raise WireError(ErrorCode.BAD_REQUEST, f"tensor {count}: {e}") from None
         wire_bytes = sum(len(part.buffer) for part in parts[index : index + num_parts])
-        announced.append(Announced(shape, dtype, head.codec or "none", wire_bytes))
-        index += num_parts
-    return announced
+        yield index, index + num_parts, Announced(shape, dtype, head.codec or "none", wire_bytes)
+        index, count = index + num_parts, count + 1
+
+
+def announced_tensors(parts: Sequence[Part]) -> list[Announced]:
+    """What the tensors in `parts` claim to be (shape, dtype, codec, bytes on the wire), read from their headers
+    alone, so that a receiver can check them before decoding; raises WireError on a malformed header."""
+    return [announced for _, _, announced in _tensor_spans(parts)]
 
 
 def decode_tensors(parts: Sequence[Part], limits: WireLimits) -> list[torch.Tensor]:
     """Reassembles and decodes the tensors in `parts`; raises WireError on anything malformed."""
-    tensors, index = [], 0
-    while index < len(parts):
-        head = parts[index].head
-        num_parts = max(1, head.num_parts)
-        if index + num_parts > len(parts):
-            raise WireError(ErrorCode.BAD_REQUEST, f"tensor {len(tensors)} is truncated: {num_parts} parts announced")
-        shape = tuple(head.shape)
-        if len(shape) > MAX_TENSOR_DIMS or any(size < 0 for size in shape):
-            raise WireError(ErrorCode.BAD_REQUEST, f"tensor {len(tensors)} has an invalid shape {list(shape)}")
+    tensors = []
+    for start, end, (shape, dtype, codec_name, _) in _tensor_spans(parts):
         try:
-            dtype = dtype_from_name(head.dtype)
-            codec = get_codec(head.codec or "none")
+            codec = get_codec(codec_name)
         except CodecError as e:
             raise WireError(ErrorCode.BAD_REQUEST, f"tensor {len(tensors)}: {e}") from None
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
@@ -215,21 +212,20 @@ def decode_tensors(parts: Sequence[Part], limits: WireLimits) -> list[torch.Tens
                     f"over this peer's limit of {limits.max_tensor_bytes / 2**20:.1f} MiB"
                 ),
             )
-        continuation = parts[index + 1 : index + num_parts]
+        continuation = parts[start + 1 : end]
         if any(p.head.shape or p.head.dtype or p.head.codec or p.head.num_parts for p in continuation):
             raise WireError(ErrorCode.BAD_REQUEST, f"tensor {len(tensors)} has a malformed continuation part")
         # a bytearray: the one copy of the payload, which the codec may then wrap without copying again (a
         # tensor read whole from shared memory is one already)
-        own = parts[index].buffer
-        if num_parts == 1 and type(own) is bytearray:
+        own = parts[start].buffer
+        if end - start == 1 and type(own) is bytearray:
             buffer = own
         else:
-            buffer = bytearray().join(part.buffer for part in parts[index : index + num_parts])
+            buffer = bytearray().join(part.buffer for part in parts[start:end])
         try:
             tensors.append(codec.decode(buffer, shape, dtype))
         except CodecError as e:
             raise WireError(ErrorCode.BAD_REQUEST, f"tensor {len(tensors)}: {e}") from None
-        index += num_parts
     return tensors
 
 

@@ -21,6 +21,7 @@ from swarm.trust.vouchers import KEY_BYTES, TrustRoot
 RECEIPT_DOMAIN = b"swarm-receipt-v1\0"
 MAX_ID = 128  # characters in a peer id or run id a receipt may name: far above a libp2p peer id's
 KEY_CACHE = 1024  # public key objects kept: one per vouched trainer key
+VERIFIED_CACHE = 65536  # receipts whose signature held, remembered: many steps' worth of microbatches
 
 
 def receipt_message(run_id: str, receipt: Receipt) -> bytes:
@@ -60,6 +61,7 @@ class ReceiptChecker:
         self.root = root
         self.run_id = run_id
         self._keys: OrderedDict[bytes, Ed25519PublicKey] = OrderedDict()  # keys of vouchers found good
+        self._verified: OrderedDict[tuple[bytes, bytes, bytes], None] = OrderedDict()  # receipts found good
 
     def vouched(self, voucher: Voucher) -> bool:
         """Whether `voucher` is the root's; its key is then remembered for the receipts it signs."""
@@ -81,8 +83,15 @@ class ReceiptChecker:
             voucher = vouchers.get(key)
             if voucher is None or not self.vouched(voucher):
                 return "a receipt signed by a key the trust root did not vouch for"
+        message = receipt_message(self.run_id, receipt)
+        proven = (key, bytes(receipt.signature), message)
+        if proven in self._verified:  # shown again (in progress, then in every offer): checked once
+            return None
         try:
-            self._keys[key].verify(receipt.signature, receipt_message(self.run_id, receipt))
+            self._keys[key].verify(receipt.signature, message)
         except InvalidSignature:
             return "a receipt whose signature does not hold"
+        self._verified[proven] = None
+        while len(self._verified) > VERIFIED_CACHE:
+            self._verified.popitem(last=False)
         return None
