@@ -31,6 +31,8 @@ RECENT_ROUNDS = 8
 # a mate's holdings at one step count up to this many target batches (two trainers' overlapping steps reach a
 # peer during its round), and one microbatch over: a peer steps as soon as it holds its target
 HELD_BATCHES = 2
+# steps per mate whose progress a peer without a current state (joining, resyncing) keeps until it has one
+PARKED_STEPS = 2
 
 
 def progress_refusal(step: int, current: int, held_samples: int, target: int, max_batch: int) -> str | None:
@@ -65,6 +67,8 @@ class ProgressExchange:
         self._elsewhere: frozenset[SampleKey] = frozenset()
         self.refused: Counter[str] = Counter()  # progress messages refused, per sender
         self._named: set[tuple[str, bool]] = set()  # (sender, refused for its step) named in a warning
+        # per mate, its progress toward steps past this peer's own while it takes a state: step -> holdings
+        self._parked: dict[str, dict[int, Held]] = {}
         self.handle = protocol_handler(MateProgress, self._new_reply, self._answer)
 
     def on_local_progress(self, step: int, held: Held) -> None:
@@ -149,30 +153,63 @@ class ProgressExchange:
         if (error := error or check_ids(machine.runtime.max_batch_samples, message.held)) is not None:
             reply.error.CopyFrom(error)
         elif message.step >= machine.runtime.step:  # older progress no longer matters
-            # within a step a peer's holdings only grow, and progress messages may arrive out of order:
-            # an older, shorter one must not make this peer forget microbatches the sender holds
-            runtime = machine.runtime
-            known = machine.steps[message.step].progress if message.step in machine.steps else {}
-            incoming = ids_from_wire(message.held)
-            if machine.receipts is not None:  # a new microbatch counts with a vouched trainer's receipt only
-                already = known.get(sender, {})
-                incoming = machine.receipts.screen_progress(
-                    sender, message.step, incoming, already, message.receipts, message.vouchers
-                )
-            merged = {**known.get(sender, {}), **incoming}
-            refusal = progress_refusal(
-                message.step, runtime.step, sum(merged.values()), runtime.target_batch_size, runtime.max_batch_samples
+            self._take(sender, message, reply)
+        return [reply]
+
+    def _take(self, sender: str, message: MateProgress, reply: MateReply) -> None:
+        """Takes a mate's progress toward the current step or a later one (refused, with the reason, past
+        the bounds). Within a step a peer's holdings only grow, and progress messages may arrive out of
+        order: an older, shorter one must not make this peer forget microbatches the sender holds."""
+        machine = self.machine
+        runtime = machine.runtime
+        # a peer taking a state is behind its mates: their progress counts from the step it will take
+        parking = message.step > runtime.step + 1 and (not machine.serving or machine.resyncing)
+        if parking:
+            before = self._parked.get(sender, {}).get(message.step, {})
+        else:
+            before = machine.steps[message.step].progress.get(sender, {}) if message.step in machine.steps else {}
+        incoming = ids_from_wire(message.held)
+        if machine.receipts is not None:  # a new microbatch counts with a vouched trainer's receipt only
+            incoming = machine.receipts.screen_progress(
+                sender, message.step, incoming, before, message.receipts, message.vouchers
             )
-            if refusal is not None:
-                self._refuse(sender, refusal, reply)
-                return [reply]
+        merged = {**before, **incoming}
+        refusal = progress_refusal(
+            message.step,
+            message.step if parking else runtime.step,
+            sum(merged.values()),
+            runtime.target_batch_size,
+            runtime.max_batch_samples,
+        )
+        if refusal is not None:
+            self._refuse(sender, refusal, reply)
+        elif parking:
+            self._park(sender, message.step, merged)
+        else:
             machine.steps[message.step].progress.setdefault(sender, {}).update(incoming)
             self.note_holdings()
             if message.fingerprint:
                 self.fingerprints[sender] = (message.step, message.fingerprint)
                 self.compare_fingerprints()
             machine.advance(message.step)
-        return [reply]
+
+    def _park(self, sender: str, step: int, held: Held) -> None:
+        """Keeps `sender`'s holdings toward `step`, past this peer's own, until it has taken a state: only the
+        latest `PARKED_STEPS` steps per mate, so what one mate can make it keep stays bounded."""
+        steps = self._parked.setdefault(sender, {})
+        steps[step] = held
+        for old in sorted(steps)[:-PARKED_STEPS]:
+            del steps[old]
+
+    def took_state(self, step: int) -> None:
+        """This peer now holds the state of `step`: the mates' progress it kept meanwhile toward `step` and the
+        next one counts (a mate that dies holding it is then found to have lost exactly that)."""
+        parked, self._parked = self._parked, {}
+        for sender, steps in parked.items():
+            for at, held in steps.items():
+                if step <= at <= step + 1 and sender != self.machine.peer_id:
+                    self.machine.steps[at].progress.setdefault(sender, {}).update(held)
+        self.note_holdings()
 
     def _refuse(self, sender: str, refusal: str, reply: MateReply) -> None:
         """Answers a refused progress message with the reason; counted per sender, each kind logged once per sender."""

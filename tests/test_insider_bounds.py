@@ -5,6 +5,7 @@ up to a bound, and a request's tensors are checked by their headers before any i
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import random
@@ -25,12 +26,17 @@ from hivemind.utils import get_dht_time
 import swarm.records.trainer_records as trainer_records
 from swarm.compression import get_codec
 from swarm.models import build_stage, get_model_spec
+from swarm.models.optimizer import OptimizerSettings, build_optimizer
 from swarm.models.stage_io import StageInputError, check_stage_inputs
 from swarm.net.dht_node import TetheredDHT
 from swarm.net.request_limits import undecoded_problem
 from swarm.net.transport import PROGRESS_PROTOCOL, exchange
 from swarm.net.wire import Part, WireLimits, encode_tensor
-from swarm.peer.mate_progress import HELD_BATCHES, progress_refusal
+from swarm.peer.faults import FaultPlan
+from swarm.peer.mate_membership import MateMembership
+from swarm.peer.mate_progress import HELD_BATCHES, ProgressExchange, progress_refusal
+from swarm.peer.runtime import StageRuntime
+from swarm.peer.step_machine import StepMachine
 from swarm.policy.balance import PeerLoad, loads_from_records, plan_moves
 from swarm.policy.claim_bounds import CLAIM_MULTIPLE, bounded_claims, lower_median
 from swarm.policy.router import Router
@@ -244,6 +250,34 @@ def test_progress_counts_for_the_current_and_the_next_step_and_within_a_bound():
     bound = HELD_BATCHES * 16 + 8
     assert progress_refusal(5, 5, bound, 16, 8) is None
     assert "a mate holds at most 40" in progress_refusal(5, 5, bound + 1, 16, 8)
+
+
+def test_a_peer_taking_a_state_keeps_its_mates_later_progress_for_the_step_it_takes():
+    # a newcomer is at step 0 until its state loads: the progress its mates send meanwhile is toward their
+    # step, far past its own. Refused, it would not know what a mate held there, and should that mate die,
+    # nobody would find its samples lost. Kept for the latest two steps per mate, it counts once loaded.
+    module = build_stage(SPEC, 1, 3, seed=0)
+    runtime = StageRuntime(module, build_optimizer(module, OptimizerSettings()), target_batch_size=16)
+    machine = StepMachine(runtime, PEERS[0], "gpt-tiny", FaultPlan())
+    progress = ProgressExchange(machine, MateMembership(machine))
+    mate, trainer = PEERS[1], PEERS[2]
+
+    def send(step: int, *microbatches: int, samples: int = 2) -> MateReply:
+        message = MateProgress(protocol_version=PROTOCOL_VERSION, model="gpt-tiny", stage=1, step=step)
+        message.held.extend(SampleId(trainer=trainer, microbatch=m, samples=samples) for m in microbatches)
+        reply = MateReply()
+        asyncio.run(progress._answer(mate, message, [], reply))
+        return reply
+
+    assert send(7, 1).error.code == send(8, 2).error.code == send(8, 3).error.code == ErrorCode.OK
+    assert send(9, 4).error.code == ErrorCode.OK  # the mate stepped meanwhile: step 7 is no longer kept
+    assert "a mate holds at most" in send(9, *range(10, 30), samples=20).error.message  # the bound still holds
+    assert 8 not in machine.steps and 9 not in machine.steps  # nothing counts before the state is taken
+    progress.took_state(8)
+    assert machine.steps[8].progress[mate] == {(trainer, 2): 2, (trainer, 3): 2}
+    assert machine.steps[9].progress[mate] == {(trainer, 4): 2} and 7 not in machine.steps
+    machine.serving = True  # a serving peer at its own current step refuses what is far past it
+    assert "only 0 and 1 count" in send(7, 5).error.message
 
 
 @pytest.mark.timeout(300)
