@@ -341,7 +341,7 @@ class StageHandler:
 
     def info(self) -> PeerInfo:
         step, fingerprint = self.runtime.version  # changed together: a step is never paired with another's hash
-        return PeerInfo(
+        info = PeerInfo(
             protocol_version=PROTOCOL_VERSION,
             model=self.model_name,
             stage=self.stage.stage,
@@ -367,3 +367,8 @@ class StageHandler:
             unconfirmed_states=self.mates.unconfirmed_states,
             busy_seconds=self.runtime.busy_seconds,
         )
+        if (receipts := self.mates.machine.receipts) is not None:  # what lets a newcomer take this peer's state
+            shown, vouchers = receipts.latest_own()
+            info.receipts.extend(shown)
+            info.vouchers.extend(vouchers)
+        return info

@@ -21,6 +21,7 @@ from swarm.peer.mate_messages import PROGRESS_TIMEOUT, Held, check_header, check
 from swarm.peer.protocol_handler import protocol_handler
 from swarm.peer.runtime import SampleKey
 from swarm.peer.step_machine import ACCUMULATING, StepMachine
+from swarm.peer.work_receipts import STATE_RECEIPT_STEPS
 from swarm.proto import PROTOCOL_VERSION, Error, ErrorCode, MateProgress, MateReply
 
 logger = logging.getLogger(__name__)
@@ -229,6 +230,9 @@ class ProgressExchange:
         if not mine or not machine.serving or machine.resyncing or machine.steps[step].phase != ACCUMULATING:
             return  # (no fingerprint yet: its hash is under way, and compares once done)
         table = {p: fp for p, (s, fp) in self.fingerprints.items() if s == step and p in self.membership.mates}
+        if machine.receipts is not None:  # with a trust root: only mates vouched trainers gave work to lately
+            since = step - STATE_RECEIPT_STEPS
+            table = {p: fp for p, fp in table.items() if machine.receipts.receipted_since(p, since)}
         if not table:
             return
         table[machine.peer_id] = mine

@@ -54,6 +54,7 @@ from swarm.peer.state_transfer import (
     request_state,
     state_handler,
 )
+from swarm.peer.work_receipts import WorkReceipts, work_receipts
 from swarm.proto import PROTOCOL_VERSION, Error, ErrorCode, StateReply, StateRequest
 from swarm.records.sample_ledger import SampleLedger, restore_record
 from swarm.records.stage_records import JOINING, LEAVING, SERVING, StageRecord
@@ -192,6 +193,7 @@ class StandbyKeeper:
         self.standbys: dict[int, Standby] = {}
         self.fetching: set[int] = set()
         self.templates: dict[int, torch.nn.Module] = {}  # per stage: its shapes, on the meta device
+        self.receipts: dict[int, WorkReceipts | None] = {}  # per stage, with a trust root: whose copies count
         self.empty_since: dict[int, float] = {}
         self.left_on_request: set[int] = set()  # lost stages whose last peers left on request: not restored
         self.last_step: dict[int, int] = {}  # the highest step seen announced per stage
@@ -321,8 +323,13 @@ class StandbyKeeper:
         return WireLimits(max_message_bytes=state_bytes, max_tensor_bytes=state_bytes)
 
     async def _versions(self, stage: int, peers: list[str]) -> dict[str, Version]:
-        """Each of `peers`' (step, fingerprint) as it answers now, for `stage` (the silent ones left out)."""
-        return await peer_versions(self.peer.mates.p2p, peers, self.peer.config.model, stage, INFO_TIMEOUT)
+        """Each of `peers`' (step, fingerprint) as it answers now, for `stage` (the silent ones left out; with a
+        trust root, those that show no recent receipt naming them too)."""
+        if stage not in self.receipts:
+            self.receipts[stage] = work_receipts(self.peer.config, self.peer.mates.machine.peer_id, stage)
+        receipts = self.receipts[stage]
+        vouched = receipts.vouches_for if receipts is not None else None
+        return await peer_versions(self.peer.mates.p2p, peers, self.peer.config.model, stage, INFO_TIMEOUT, vouched)
 
     async def refresh(self, stage: int, serving: list[str]) -> None:
         """Downloads `stage`'s state from one of its serving peers, taking only a confirmed version."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -106,8 +107,17 @@ async def load_into_runtime(
     )
 
 
-async def peer_versions(p2p: P2P, peers: list[str], model: str, stage: int, timeout: float) -> dict[str, Version]:
-    """Each of `peers`' (step, fingerprint) for `stage`, as it answers now (the silent ones left out)."""
+async def peer_versions(
+    p2p: P2P,
+    peers: list[str],
+    model: str,
+    stage: int,
+    timeout: float,
+    vouched: Callable[[str, PeerInfo], bool] | None = None,
+) -> dict[str, Version]:
+    """Each of `peers`' (step, fingerprint) for `stage`, as it answers now (the silent ones left out, and with
+    `vouched`, those whose answer it does not vouch for: in a swarm with a trust root, the peers that show no
+    recent receipt from a vouched trainer)."""
     infos = await asyncio.gather(
         *(get_peer_info(p2p, PeerID.from_base58(p), timeout=timeout) for p in peers), return_exceptions=True
     )
@@ -119,6 +129,7 @@ async def peer_versions(p2p: P2P, peers: list[str], model: str, stage: int, time
         and info.stage == stage
         and info.state == SERVING
         and info.fingerprint
+        and (vouched is None or vouched(peer_id, info))
     }
 
 

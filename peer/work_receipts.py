@@ -13,11 +13,12 @@ import logging
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import islice
 
 from swarm.config import PeerConfig
 from swarm.peer.mate_messages import Held
 from swarm.peer.runtime import SampleKey, StageRuntime
-from swarm.proto import Receipt, StageRequest, Voucher
+from swarm.proto import PeerInfo, Receipt, StageRequest, Voucher
 from swarm.trust.receipts import ReceiptChecker
 from swarm.trust.vouchers import TrustRoot
 
@@ -26,6 +27,10 @@ logger = logging.getLogger(__name__)
 BOOK_SIZE = 65536  # receipts kept: many steps' worth of microbatches
 RECEIPT_STEPS_BEHIND = 2  # a backward's forward may run this many steps before the round it counts in
 MAX_VOUCHERS = 64  # distinct trainer keys one contribution may show
+# a peer gives its state (or counts in the fingerprint majority) only with a receipt naming it this recent: honest
+# peers of a stage get work every step or so; one that did none lately has no say over the stage's state
+STATE_RECEIPT_STEPS = 8
+SHOWN_IN_INFO = 2  # receipts a peer shows with its (step, fingerprint): checking one costs a signature
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,8 @@ class WorkReceipts:
         self._heard: OrderedDict[SampleKey, dict[str, tuple[Receipt, Voucher]]] = OrderedDict()
         self._acked: dict[tuple[str, int], set[SampleKey]] = {}  # (mate, step): microbatches its progress took
         self._progress_liars: dict[str, int] = {}  # per mate: progress messages that named unreceipted work
+        self._latest: dict[str, int] = {}  # per peer: the latest step a good receipt naming it was for
+        self._unvouched_states: set[str] = set()  # peers whose state did not count, named once each
         self.refused_backwards = 0  # backwards without a good receipt for this peer
         self.unreceipted_samples = 0  # samples mates claimed in rounds without a good receipt
 
@@ -82,6 +89,7 @@ class WorkReceipts:
         """Keeps the receipt of a backward this peer applied, for the round that steps on it."""
         self._book[key] = (request.receipt, request.voucher)
         self._book.move_to_end(key)
+        self._noted(request.receipt)
         while len(self._book) > BOOK_SIZE:
             self._book.popitem(last=False)
 
@@ -95,6 +103,7 @@ class WorkReceipts:
         """Keeps a good receipt of a mate's holding (from its progress), to show with this peer's offers."""
         key = (receipt.trainer, int(receipt.microbatch))
         self._heard.setdefault(key, {})[receipt.peer] = (receipt, voucher or Voucher())
+        self._noted(receipt)
         self._heard.move_to_end(key)
         while len(self._heard) > BOOK_SIZE:
             self._heard.popitem(last=False)
@@ -175,12 +184,57 @@ class WorkReceipts:
             if receipt.peer in holders.get(key, ()) or self.checker.problem(receipt, by_key) is not None:
                 continue
             holders.setdefault(key, set()).add(receipt.peer)
+            self._noted(receipt)
             if receipt.peer == sender and key in held:
                 counted_held[key] = receipt.samples
         counted_known = {key: n for key, n in known.items() if key in holders}
         if len(counted_held) < len(held):
             self._left_out(sender, step, held, counted_held)
         return Screened(counted_held, counted_known, {key: frozenset(peers) for key, peers in holders.items()})
+
+    def _noted(self, receipt: Receipt) -> None:
+        if len(self._latest) < BOOK_SIZE or receipt.peer in self._latest:
+            self._latest[receipt.peer] = max(self._latest.get(receipt.peer, 0), int(receipt.step))
+
+    def receipted_since(self, peer_id: str, step: int) -> bool:
+        """Whether a good receipt naming `peer_id`, for `step` or later, reached this peer (its own or shown)."""
+        return self._latest.get(peer_id, -1) >= step
+
+    def latest_own(self) -> tuple[list[Receipt], list[Voucher]]:
+        """The receipts of this peer's latest backwards: what it shows with its (step, fingerprint)."""
+        entries = list(islice(reversed(self._book.values()), SHOWN_IN_INFO))
+        vouchers = {bytes(v.public_key): v for _, v in entries if v.public_key}
+        return [receipt for receipt, _ in entries], list(vouchers.values())
+
+    def proves(self, peer_id: str, step: int, receipts: Iterable[Receipt], vouchers: Iterable[Voucher]) -> bool:
+        """Whether `receipts` hold one from a vouched trainer naming `peer_id` on this stage, for a step at most
+        `STATE_RECEIPT_STEPS` before `step`: the peer worked for a trainer lately, so its state at `step` may count."""
+        by_key = {bytes(v.public_key): v for _, v in zip(range(MAX_VOUCHERS), vouchers)}
+        for _, receipt in zip(range(SHOWN_IN_INFO), receipts):
+            recent = step - STATE_RECEIPT_STEPS <= receipt.step <= step + 1
+            if receipt.peer == peer_id and receipt.stage == self.stage and recent:
+                if self.checker.problem(receipt, by_key) is None:
+                    self._noted(receipt)
+                    return True
+        return False
+
+    def vouches_for(self, peer_id: str, info: PeerInfo, initial: tuple[int, str] | None = None) -> bool:
+        """Whether `peer_id`'s answered (step, fingerprint) may count toward taking its state: it shows a recent
+        receipt naming it (`proves`), or it is `initial`, the state this peer starts from itself (before any
+        work, nobody holds a receipt)."""
+        if initial is not None and (int(info.step), info.fingerprint) == initial:
+            return True
+        if self.proves(peer_id, int(info.step), info.receipts, info.vouchers):
+            return True
+        level = logging.DEBUG if peer_id in self._unvouched_states else logging.WARNING
+        self._unvouched_states.add(peer_id)
+        logger.log(
+            level,
+            f"Stage {self.stage}: the state of {peer_id} (step {info.step}, fingerprint {info.fingerprint}) does not "
+            f"count: it shows no receipt from a vouched trainer naming it for step {info.step - STATE_RECEIPT_STEPS} "
+            "or later",
+        )
+        return False
 
     def _left_out(self, sender: str, step: int, held: Held, counted: Held) -> None:
         left_out = sum(held.values()) - sum(counted.values())

@@ -183,7 +183,7 @@ class PeerInfoRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ...) -> None: ...
 
 class PeerInfo(_message.Message):
-    __slots__ = ("protocol_version", "error", "model", "stage", "num_stages", "step", "throughput", "queue_length", "state", "samples_accumulated", "target_batch_size", "stale_gradients", "requests_served", "resyncs", "samples_stepped", "abandoned_calls", "fingerprint", "samples_lost", "samples_doubled", "divergences", "step_state", "refused_outsiders", "unconfirmed_states", "busy_seconds", "duplicate_backwards")
+    __slots__ = ("protocol_version", "error", "model", "stage", "num_stages", "step", "throughput", "queue_length", "state", "samples_accumulated", "target_batch_size", "stale_gradients", "requests_served", "resyncs", "samples_stepped", "abandoned_calls", "fingerprint", "samples_lost", "samples_doubled", "divergences", "step_state", "refused_outsiders", "unconfirmed_states", "busy_seconds", "duplicate_backwards", "receipts", "vouchers")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -209,6 +209,8 @@ class PeerInfo(_message.Message):
     UNCONFIRMED_STATES_FIELD_NUMBER: _ClassVar[int]
     BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DUPLICATE_BACKWARDS_FIELD_NUMBER: _ClassVar[int]
+    RECEIPTS_FIELD_NUMBER: _ClassVar[int]
+    VOUCHERS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     error: Error
     model: str
@@ -234,7 +236,9 @@ class PeerInfo(_message.Message):
     unconfirmed_states: int
     busy_seconds: float
     duplicate_backwards: int
-    def __init__(self, protocol_version: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., step: _Optional[int] = ..., throughput: _Optional[float] = ..., queue_length: _Optional[int] = ..., state: _Optional[str] = ..., samples_accumulated: _Optional[int] = ..., target_batch_size: _Optional[int] = ..., stale_gradients: _Optional[int] = ..., requests_served: _Optional[int] = ..., resyncs: _Optional[int] = ..., samples_stepped: _Optional[int] = ..., abandoned_calls: _Optional[int] = ..., fingerprint: _Optional[str] = ..., samples_lost: _Optional[int] = ..., samples_doubled: _Optional[int] = ..., divergences: _Optional[int] = ..., step_state: _Optional[str] = ..., refused_outsiders: _Optional[int] = ..., unconfirmed_states: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., duplicate_backwards: _Optional[int] = ...) -> None: ...
+    receipts: _containers.RepeatedCompositeFieldContainer[Receipt]
+    vouchers: _containers.RepeatedCompositeFieldContainer[Voucher]
+    def __init__(self, protocol_version: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., step: _Optional[int] = ..., throughput: _Optional[float] = ..., queue_length: _Optional[int] = ..., state: _Optional[str] = ..., samples_accumulated: _Optional[int] = ..., target_batch_size: _Optional[int] = ..., stale_gradients: _Optional[int] = ..., requests_served: _Optional[int] = ..., resyncs: _Optional[int] = ..., samples_stepped: _Optional[int] = ..., abandoned_calls: _Optional[int] = ..., fingerprint: _Optional[str] = ..., samples_lost: _Optional[int] = ..., samples_doubled: _Optional[int] = ..., divergences: _Optional[int] = ..., step_state: _Optional[str] = ..., refused_outsiders: _Optional[int] = ..., unconfirmed_states: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., duplicate_backwards: _Optional[int] = ..., receipts: _Optional[_Iterable[_Union[Receipt, _Mapping]]] = ..., vouchers: _Optional[_Iterable[_Union[Voucher, _Mapping]]] = ...) -> None: ...
 
 class MateProgress(_message.Message):
     __slots__ = ("protocol_version", "model", "stage", "step", "samples", "held", "fingerprint", "receipts", "vouchers")

@@ -18,6 +18,9 @@ Attacks (the insider holds a valid key and signed record; see scripts/harness/ho
   the trainer's spot checks to side with, and the trainer checks a quarter of its forwards). The forwards
   it answered before it was caught are trained on, so the loss moves: this attack has failed when the
   honest processes logged the liar accused at step 10 at the latest, and stage 1 stepped on every sample.
+- `state-takeover`: two peers of stage 1 (peer1b, peer1c) answer a crafted state 1,000 steps ahead, each
+  confirming the other's; once training ends, an honest newcomer (peer1d) joins stage 1. It has failed
+  when the newcomer took the state of the step the swarm trained to.
 
 Attacks the swarm does not bound yet are listed under `not_covered`, so the report never reads as
 more than it shows.
@@ -50,6 +53,7 @@ ATTACKS = {
     "unvouched-trainer": ("trainer", "needs its trainer's receipt"),
     "foreign-voucher": ("trainer", "signed by a key the trust root did not vouch for"),
     "wrong-outputs": ("peer", "is accused by trainer"),
+    "state-takeover": ("peer", "shows no receipt from a vouched trainer naming it"),
 }
 # what an attack needs beyond the common layout: a third peer of stage 1 to side with the honest one when the
 # trainer's spot check finds two answers disagreeing, and a share of checked forwards that finds the liar
@@ -57,11 +61,16 @@ ATTACKS = {
 # attacks found only after their harm is trained on (a spot check samples answers already used): the run's loss
 # moves, so the bound is the step at which the honest processes logged the liar accused, at most this one
 DETECTED_AFTER_USE = {"wrong-outputs": 10}
-EXTRA_PEERS = {"wrong-outputs": ["peer1c"]}
+EXTRA_PEERS = {"wrong-outputs": ["peer1c"], "state-takeover": ["peer1c"]}
+HOSTILE_PEERS = {"state-takeover": ["peer1b", "peer1c"]}  # the insiders of each attack, peer1b where not named
+NEWCOMER = {"state-takeover": "peer1d"}  # an honest peer that joins stage 1 once training has ended
 TRAINER_FLAGS = {"wrong-outputs": ["--spot-check-share", "0.25"]}
 NOT_COVERED = {
     "near-zero-gradient": "a mate's tiny gradient lowers the clip bound of two mates (robust aggregation is open)",
-    "state-takeover": "two identities announcing a later step serve a crafted state to newcomers",
+    "near-state-takeover": (
+        "two identities that a vouched trainer gave work lately announcing a crafted state at most 8 steps "
+        "ahead: the most advanced version two vouched peers confirm is taken"
+    ),
     "wrong-backwards": "a peer computes wrong backwards (spot checks compare forwards only)",
     "owner-lies": "a slice owner returns a wrong sum of its slice",
 }
@@ -92,7 +101,7 @@ def run_swarm(workdir: Path, keys: dict, steps: int, attack: str | None) -> dict
         ]
         for stage, name in layout:
             flags = [*peer, "--checkpoint-dir", str(workdir / name)]
-            if name == "peer1b" and attack is not None and ATTACKS[attack][0] == "peer":
+            if attack is not None and ATTACKS[attack][0] == "peer" and name in hostile_peers(attack):
                 pinned = ["--stage", "1", "--initial-peers", *swarm.initial_peers, "--rebalance-period", "0"]
                 swarm.spawn(name, "peer", [*pinned, *flags], prefix=[sys.executable, str(HOSTILE), attack, "--"])
             else:
@@ -113,6 +122,10 @@ def run_swarm(workdir: Path, keys: dict, steps: int, attack: str | None) -> dict
         code = honest.wait(600)
         if "intruder" in swarm.processes:
             swarm.processes["intruder"].wait(300)
+        if newcomer := NEWCOMER.get(attack):
+            swarm.start_peer(newcomer, 1, [*peer, "--checkpoint-dir", str(workdir / newcomer)])
+            wait_serving(swarm, [newcomer])
+            names.append(newcomer)
         for name in names:
             swarm.stop(name)
         summary = json.loads(summary_file.read_text()) if code == 0 else {}
@@ -122,14 +135,19 @@ def run_swarm(workdir: Path, keys: dict, steps: int, attack: str | None) -> dict
     return {"code": code, "loss": loss, "samples": checkpoint.samples_stepped, "logs": logs}
 
 
+def hostile_peers(attack: str | None) -> list[str]:
+    """The insiders of `attack` (none in the honest run)."""
+    return HOSTILE_PEERS.get(attack, ["peer1b"]) if attack is not None else []
+
+
 def swarm_names(swarm: LocalSwarm) -> list[str]:
     return sorted(path.stem for path in swarm.workdir.glob("*.log"))
 
 
-def evidence(logs: dict[str, str], needle: str, where: str) -> str | None:
+def evidence(logs: dict[str, str], needle: str, where: str, attack: str) -> str | None:
     """The first log line holding `needle` in an honest process's log (the trainers' for a trainer attack)."""
     for name, text in logs.items():
-        honest = name.startswith("intruder") if where == "trainer" else name not in ("peer1b",)
+        honest = name.startswith("intruder") if where == "trainer" else name not in hostile_peers(attack)
         for line in text.splitlines() if honest else ():
             if needle in line:
                 return f"{name}: {line.strip()[:300]}"
@@ -157,8 +175,10 @@ def main() -> int:
         for attack in attacks:
             run = run_swarm(tmp / attack, keys, args.steps, attack)
             where, needle = ATTACKS[attack]
-            proof = evidence(run["logs"], needle, where)
+            proof = evidence(run["logs"], needle, where, attack)
             unchanged = run["code"] == 0 and run["samples"] == honest["samples"]
+            if newcomer := NEWCOMER.get(attack):  # it took the state the swarm trained to, not the crafted one
+                unchanged = unchanged and f"Took stage 1 state at step {args.steps} " in run["logs"][newcomer]
             close = abs(run["loss"] - honest["loss"]) <= args.loss_spread or attack in DETECTED_AFTER_USE
             if attack in DETECTED_AFTER_USE:  # bounded in time instead: accused within its steps
                 close = bool(proof) and int(re.search(r"at step (\d+)", proof).group(1)) <= DETECTED_AFTER_USE[attack]
@@ -171,6 +191,9 @@ def main() -> int:
                     "final_loss": round(run["loss"], 4),
                 }
             )
+            if newcomer := NEWCOMER.get(attack):
+                took = evidence({newcomer: run["logs"][newcomer]}, "Took stage 1 state", where, attack)
+                results[-1]["newcomer"] = took
     report = {
         "honest": {"stage1_samples": honest["samples"], "final_loss": round(honest["loss"], 4)},
         "attacks": results,

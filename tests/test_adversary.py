@@ -12,17 +12,29 @@ import pytest
 SCRIPT = Path(__file__).parents[1] / "scripts" / "adversary.py"
 
 
-@pytest.mark.timeout(420)
-def test_a_trainer_signing_with_another_roots_voucher_changes_nothing():
+def adversary_report(attack: str, steps: int = 2) -> dict:
+    """scripts/adversary.py's report of one attack against a swarm training `steps` steps (and its honest run)."""
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--attacks", "foreign-voucher", "--steps", "2"],
+        [sys.executable, str(SCRIPT), "--attacks", attack, "--steps", str(steps)],
         capture_output=True,
         text=True,
         timeout=400,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    report = json.loads(result.stdout)
+    return json.loads(result.stdout)
+
+
+@pytest.mark.timeout(420)
+def test_a_trainer_signing_with_another_roots_voucher_changes_nothing():
+    report = adversary_report("foreign-voucher")
     (attack,) = report["attacks"]
     assert attack["failed"] and "did not vouch for" in attack["evidence"], attack
     assert attack["stage1_samples"] == report["honest"]["stage1_samples"] == 2 * 24
     assert report["not_covered"], "the report names the attacks it does not cover"
+
+
+@pytest.mark.timeout(420)
+def test_two_insiders_serving_a_crafted_later_state_are_not_taken_up_by_a_newcomer():
+    (attack,) = adversary_report("state-takeover")["attacks"]
+    assert attack["failed"] and "does not count: it shows no receipt" in attack["evidence"], attack
+    assert "Took stage 1 state at step 2 from mate" in attack["newcomer"], attack

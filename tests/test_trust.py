@@ -21,8 +21,8 @@ from conftest import (
 
 from swarm.config import ConfigError, TrainerConfig, load_config
 from swarm.peer.checkpoint import load_checkpoint
-from swarm.peer.work_receipts import WorkReceipts, lost_with_the_dead
-from swarm.proto import BACKWARD, StageRequest, Voucher
+from swarm.peer.work_receipts import STATE_RECEIPT_STEPS, WorkReceipts, lost_with_the_dead
+from swarm.proto import BACKWARD, PeerInfo, StageRequest, Voucher
 from swarm.records.stage_records import SERVING
 from swarm.trust.receipts import ReceiptChecker, ReceiptSigner
 from swarm.trust.vouchers import TrustError, TrustRoot, load_root_key, load_voucher, make_root_key, make_voucher
@@ -110,6 +110,26 @@ def test_a_backward_is_served_only_with_a_receipt_for_this_very_call(organizer):
     receipts.keep((TRAINER, 9), request)
     shown, vouchers = receipts.shown([(TRAINER, 9), (TRAINER, 10)])
     assert [r.microbatch for r in shown] == [9] and vouchers == [signer.voucher]
+
+
+def test_a_state_counts_only_from_a_peer_a_vouched_trainer_gave_work_lately(organizer, caplog):
+    signer, checker = signer_and_checker(organizer)
+    receipts = WorkReceipts(checker, PEER_B, stage=1)
+    worked = signer.sign(TRAINER, PEER_A, 1, 1, 4, 3)  # PEER_A's backward of step 3
+
+    def info(step: int, *shown, fingerprint: str = "f") -> PeerInfo:
+        return PeerInfo(step=step, fingerprint=fingerprint, receipts=shown, vouchers=[signer.voucher])
+
+    assert receipts.vouches_for(PEER_A, info(3 + STATE_RECEIPT_STEPS, worked))
+    assert receipts.receipted_since(PEER_A, 3) and not receipts.receipted_since(PEER_A, 4)
+    with caplog.at_level(logging.WARNING):
+        assert not receipts.vouches_for(PEER_A, info(4 + STATE_RECEIPT_STEPS, worked))  # too far past its work
+        assert not receipts.vouches_for(PEER_B, info(3, worked))  # another peer's receipt
+        assert not receipts.vouches_for(PEER_A, info(3))  # none shown
+    assert f"the state of {PEER_A} (step {4 + STATE_RECEIPT_STEPS}, fingerprint f) does not count" in caplog.text
+    # before any work nobody holds a receipt: the state a peer starts from itself counts
+    assert receipts.vouches_for(PEER_A, info(0, fingerprint="init"), initial=(0, "init"))
+    assert not receipts.vouches_for(PEER_A, info(0, fingerprint="crafted"), initial=(0, "init"))
 
 
 def test_a_trainer_in_a_swarm_with_a_trust_root_needs_a_voucher_of_that_root(organizer, tmp_path):

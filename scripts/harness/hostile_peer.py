@@ -11,6 +11,9 @@ method of its round replaced by the attack named first on its command line:
   for "lost" samples no trainer can send.
 - `wrong-outputs`: every forward it answers has its outputs moved by noise (`WRONG_OUTPUT_NOISE`); its
   parameters, backwards and rounds stay honest, so only the trainers' spot checks can tell.
+- `state-takeover`: asked for its step and fingerprint, or for its state, it answers with a crafted
+  state (every parameter `CRAFTED_VALUE`) `CRAFTED_LEAD` steps past its own: two of them confirm each
+  other's version, the most advanced, to a newcomer. Its work and rounds stay honest.
 
 Started through LocalSwarm's `prefix` (it runs the command line that follows it, in this process):
 
@@ -25,6 +28,8 @@ import sys
 FAKE_MICROBATCHES = 4096
 FAKE_SAMPLES = 256
 WRONG_OUTPUT_NOISE = 0.1  # standard deviation added to each output of a forward: about 5% of a hidden state's scale
+CRAFTED_LEAD = 1000  # steps a state-takeover peer claims past its own
+CRAFTED_VALUE = 0.01  # every parameter of its crafted state: two such peers craft the same one
 FAKE_TRAINER = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"  # a well-formed peer id no trainer has
 
 
@@ -77,7 +82,43 @@ def wrong_outputs() -> None:
     StageHandler._answer = wrong
 
 
-ATTACKS = {"inflate-samples": inflate_samples, "fake-progress": fake_progress, "wrong-outputs": wrong_outputs}
+def state_takeover() -> None:
+    """Answers info and state requests with a crafted state `CRAFTED_LEAD` steps past its own."""
+    import torch
+
+    from swarm.net.wire import pack_frames
+    from swarm.peer.handler import StageHandler
+    from swarm.peer.stage_state import state_fingerprint
+    from swarm.peer.state_handover import StateHandOver
+    from swarm.peer.state_transfer import encode_state
+    from swarm.proto import PROTOCOL_VERSION, StateReply
+
+    def crafted(module) -> list:
+        return [torch.full_like(p.detach(), CRAFTED_VALUE) for p in module.parameters()]
+
+    honest_info = StageHandler.info
+
+    def info(self):
+        answer = honest_info(self)
+        answer.step += CRAFTED_LEAD
+        answer.fingerprint = state_fingerprint(crafted(self.runtime.module))
+        return answer
+
+    async def give(self, requester, request, _parts, reply):
+        runtime = self.machine.runtime
+        given = StateReply(protocol_version=PROTOCOL_VERSION, step=runtime.step + CRAFTED_LEAD)
+        return pack_frames(given, await encode_state(crafted(runtime.module)))
+
+    StageHandler.info = info
+    StateHandOver._answer = give
+
+
+ATTACKS = {
+    "inflate-samples": inflate_samples,
+    "fake-progress": fake_progress,
+    "wrong-outputs": wrong_outputs,
+    "state-takeover": state_takeover,
+}
 
 
 def main(argv: list[str]) -> int:
