@@ -140,6 +140,10 @@ def confirmed_versions(versions: dict[str, Version]) -> set[Version]:
 
 
 def confirmed_holders(versions: dict[str, Version], minimum_step: int = 0) -> list[str]:
-    """Mates holding a confirmed version at `minimum_step` or later: the most advanced version first."""
-    good = sorted((v for v in confirmed_versions(versions) if v[0] >= minimum_step), reverse=True)
+    """Mates holding a confirmed version at `minimum_step` or later: first the version most of them hold, the most
+    advanced among equals, so that a crafted version ahead is taken only from as many insiders as honest peers."""
+    counts = Counter(versions.values())
+    good = sorted(
+        (v for v in confirmed_versions(versions) if v[0] >= minimum_step), key=lambda v: (counts[v], v), reverse=True
+    )
     return [peer_id for version in good for peer_id, held in sorted(versions.items()) if held == version]

@@ -21,6 +21,10 @@ Attacks (the insider holds a valid key and signed record; see scripts/harness/ho
 - `state-takeover`: two peers of stage 1 (peer1b, peer1c) answer a crafted state 1,000 steps ahead, each
   confirming the other's; once training ends, an honest newcomer (peer1d) joins stage 1. It has failed
   when the newcomer took the state of the step the swarm trained to.
+- `near-state-takeover`: the same crafted state one step ahead, where the insiders' recent receipts vouch
+  for them, against three honest peers of stage 1 (peer1a, peer1e, peer1f): the version more vouched peers
+  hold wins, so it fails where more honest peers than insiders had work within the last 8 steps (over a
+  short run, routing may give an honest peer none: run it with --steps 4 or more).
 
 Attacks the swarm does not bound yet are listed under `not_covered`, so the report never reads as
 more than it shows.
@@ -54,6 +58,7 @@ ATTACKS = {
     "foreign-voucher": ("trainer", "signed by a key the trust root did not vouch for"),
     "wrong-outputs": ("peer", "is accused by trainer"),
     "state-takeover": ("peer", "shows no receipt from a vouched trainer naming it"),
+    "near-state-takeover": ("peer", "Took stage 1 state at step"),
 }
 # what an attack needs beyond the common layout: a third peer of stage 1 to side with the honest one when the
 # trainer's spot check finds two answers disagreeing, and a share of checked forwards that finds the liar
@@ -61,15 +66,20 @@ ATTACKS = {
 # attacks found only after their harm is trained on (a spot check samples answers already used): the run's loss
 # moves, so the bound is the step at which the honest processes logged the liar accused, at most this one
 DETECTED_AFTER_USE = {"wrong-outputs": 10}
-EXTRA_PEERS = {"wrong-outputs": ["peer1c"], "state-takeover": ["peer1c"]}
-HOSTILE_PEERS = {"state-takeover": ["peer1b", "peer1c"]}  # the insiders of each attack, peer1b where not named
-NEWCOMER = {"state-takeover": "peer1d"}  # an honest peer that joins stage 1 once training has ended
+EXTRA_PEERS = {
+    "wrong-outputs": ["peer1c"],
+    "state-takeover": ["peer1c"],
+    "near-state-takeover": ["peer1c", "peer1e", "peer1f"],
+}
+TWO_INSIDERS = ["peer1b", "peer1c"]
+HOSTILE_PEERS = {"state-takeover": TWO_INSIDERS, "near-state-takeover": TWO_INSIDERS}  # else peer1b alone
+NEWCOMER = {"state-takeover": "peer1d", "near-state-takeover": "peer1d"}  # honest, joins once training ended
 TRAINER_FLAGS = {"wrong-outputs": ["--spot-check-share", "0.25"]}
 NOT_COVERED = {
     "near-zero-gradient": "a mate's tiny gradient lowers the clip bound of two mates (robust aggregation is open)",
-    "near-state-takeover": (
-        "two identities that a vouched trainer gave work lately announcing a crafted state at most 8 steps "
-        "ahead: the most advanced version two vouched peers confirm is taken"
+    "state-takeover-majority": (
+        "as many identities that a vouched trainer gave work lately as honest peers on a stage, announcing a "
+        "crafted state at most 8 steps ahead: the most advanced of the versions most vouched peers hold is taken"
     ),
     "wrong-backwards": "a peer computes wrong backwards (spot checks compare forwards only)",
     "owner-lies": "a slice owner returns a wrong sum of its slice",
@@ -175,9 +185,10 @@ def main() -> int:
         for attack in attacks:
             run = run_swarm(tmp / attack, keys, args.steps, attack)
             where, needle = ATTACKS[attack]
-            proof = evidence(run["logs"], needle, where, attack)
+            newcomer = NEWCOMER.get(attack)
+            proof = evidence({newcomer: run["logs"][newcomer]} if newcomer else run["logs"], needle, where, attack)
             unchanged = run["code"] == 0 and run["samples"] == honest["samples"]
-            if newcomer := NEWCOMER.get(attack):  # it took the state the swarm trained to, not the crafted one
+            if newcomer:  # it took the state the swarm trained to, not the crafted one
                 unchanged = unchanged and f"Took stage 1 state at step {args.steps} " in run["logs"][newcomer]
             close = abs(run["loss"] - honest["loss"]) <= args.loss_spread or attack in DETECTED_AFTER_USE
             if attack in DETECTED_AFTER_USE:  # bounded in time instead: accused within its steps
@@ -191,7 +202,7 @@ def main() -> int:
                     "final_loss": round(run["loss"], 4),
                 }
             )
-            if newcomer := NEWCOMER.get(attack):
+            if newcomer:
                 took = evidence({newcomer: run["logs"][newcomer]}, "Took stage 1 state", where, attack)
                 results[-1]["newcomer"] = took
     report = {

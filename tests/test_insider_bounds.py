@@ -36,6 +36,7 @@ from swarm.peer.faults import FaultPlan
 from swarm.peer.mate_membership import MateMembership
 from swarm.peer.mate_progress import HELD_BATCHES, ProgressExchange, progress_refusal
 from swarm.peer.runtime import StageRuntime
+from swarm.peer.state_transfer import confirmed_holders
 from swarm.peer.step_machine import StepMachine
 from swarm.policy.balance import PeerLoad, loads_from_records, plan_moves
 from swarm.policy.claim_bounds import CLAIM_MULTIPLE, bounded_claims, lower_median
@@ -315,6 +316,15 @@ def test_a_peer_refuses_far_future_and_inflated_progress_and_names_the_sender(lo
     while local_swarm.log_path("peer1").read_text().count(f"Refused progress from mate {sender}") < 2:
         assert time.monotonic() < deadline, local_swarm.log_path("peer1").read_text()[-3000:]
         time.sleep(0.2)
+
+
+def test_a_newcomer_takes_the_version_most_mates_hold_then_the_most_advanced():
+    a, b, c, d, e = PEERS[:5]
+    crafted_ahead = {a: (4, "crafted"), b: (4, "crafted")}
+    assert confirmed_holders({**crafted_ahead, c: (3, "h"), d: (3, "h"), e: (3, "h")}) == [c, d, e, a, b]
+    assert confirmed_holders({**crafted_ahead, c: (3, "h"), d: (3, "h")}) == [a, b, c, d]  # a tie: ahead first
+    assert confirmed_holders({**crafted_ahead, c: (3, "h"), d: (3, "h"), e: (3, "h")}, minimum_step=4) == [a, b]
+    assert confirmed_holders({c: (3, "h"), d: (5, "lone")}) == []  # two answered: a version needs both
 
 
 # --- 5. a request's tensors, checked before decoding ------------------------------------------------------------

@@ -14,6 +14,7 @@ method of its round replaced by the attack named first on its command line:
 - `state-takeover`: asked for its step and fingerprint, or for its state, it answers with a crafted
   state (every parameter `CRAFTED_VALUE`) `CRAFTED_LEAD` steps past its own: two of them confirm each
   other's version, the most advanced, to a newcomer. Its work and rounds stay honest.
+- `near-state-takeover`: the same, one step past its own, where its recent receipts vouch for it.
 
 Started through LocalSwarm's `prefix` (it runs the command line that follows it, in this process):
 
@@ -24,11 +25,12 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from functools import partial
 
 FAKE_MICROBATCHES = 4096
 FAKE_SAMPLES = 256
 WRONG_OUTPUT_NOISE = 0.1  # standard deviation added to each output of a forward: about 5% of a hidden state's scale
-CRAFTED_LEAD = 1000  # steps a state-takeover peer claims past its own
+CRAFTED_LEAD = {"state-takeover": 1000, "near-state-takeover": 1}  # steps past its own it claims
 CRAFTED_VALUE = 0.01  # every parameter of its crafted state: two such peers craft the same one
 FAKE_TRAINER = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"  # a well-formed peer id no trainer has
 
@@ -82,8 +84,8 @@ def wrong_outputs() -> None:
     StageHandler._answer = wrong
 
 
-def state_takeover() -> None:
-    """Answers info and state requests with a crafted state `CRAFTED_LEAD` steps past its own."""
+def state_takeover(lead: int) -> None:
+    """Answers info and state requests with a crafted state `lead` steps past its own."""
     import torch
 
     from swarm.net.wire import pack_frames
@@ -100,13 +102,13 @@ def state_takeover() -> None:
 
     def info(self):
         answer = honest_info(self)
-        answer.step += CRAFTED_LEAD
+        answer.step += lead
         answer.fingerprint = state_fingerprint(crafted(self.runtime.module))
         return answer
 
     async def give(self, requester, request, _parts, reply):
         runtime = self.machine.runtime
-        given = StateReply(protocol_version=PROTOCOL_VERSION, step=runtime.step + CRAFTED_LEAD)
+        given = StateReply(protocol_version=PROTOCOL_VERSION, step=runtime.step + lead)
         return pack_frames(given, await encode_state(crafted(runtime.module)))
 
     StageHandler.info = info
@@ -117,7 +119,7 @@ ATTACKS = {
     "inflate-samples": inflate_samples,
     "fake-progress": fake_progress,
     "wrong-outputs": wrong_outputs,
-    "state-takeover": state_takeover,
+    **{name: partial(state_takeover, lead) for name, lead in CRAFTED_LEAD.items()},
 }
 
 
