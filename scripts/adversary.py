@@ -1,12 +1,14 @@
 """Named insider attacks against real processes: one JSON object saying which failed, and by what.
 
-Each attack runs on its own local swarm with a trust root (3 stages of gpt-tiny; stage 1 has two
-peers, peer1a honest and peer1b the insider where the attack needs one; a vouched trainer), next to
-one honest run of the same training. An attack has failed when the training ends as the honest run
-does (the same steps and samples on stage 1, the final loss within `--loss-spread` of the honest
-one) and the honest processes logged the refusal that stopped it, which is reported as evidence.
+Each attack runs on its own local swarm with a trust root (3 stages of gpt-tiny, a vouched trainer),
+next to one honest run of the same training. An insider attack runs on each stage of `--stages` in
+turn: that stage has two peers, peer{stage}a honest and peer{stage}b the insider, and every other stage
+one. An attack has failed when the training ends as the honest run does (the same steps and samples on
+the attacked stage, the final loss within `--loss-spread` of the honest one) and the honest processes
+logged the refusal that stopped it, which is reported as evidence.
 
-    python scripts/adversary.py                       # every attack
+    python scripts/adversary.py                       # every attack, insiders on stage 1
+    python scripts/adversary.py --stages 0,1,2        # every attack, an insider on each stage in turn
     python scripts/adversary.py --attacks fake-progress --steps 4
 
 Attacks (the insider holds a valid key and signed record; see scripts/harness/hostile_peer.py):
@@ -14,15 +16,16 @@ Attacks (the insider holds a valid key and signed record; see scripts/harness/ho
 - `fake-progress`: a mate tells its mates it holds a target batch of made-up microbatches;
 - `unvouched-trainer`: a second trainer with no voucher feeds the swarm alongside the real one;
 - `foreign-voucher`: a second trainer signs receipts with a voucher of another root;
-- `wrong-outputs`: a peer adds noise to every forward it answers (stage 1 gets a third, honest peer for
+- `wrong-outputs`: a peer adds noise to every forward it answers (its stage gets a third, honest peer for
   the trainer's spot checks to side with, and the trainer checks a quarter of its forwards). The forwards
   it answered before it was caught are trained on, so the loss moves: this attack has failed when the
-  honest processes logged the liar accused at step 10 at the latest, and stage 1 stepped on every sample.
-- `state-takeover`: two peers of stage 1 (peer1b, peer1c) answer a crafted state 1,000 steps ahead, each
-  confirming the other's; once training ends, an honest newcomer (peer1d) joins stage 1. It has failed
-  when the newcomer took the state of the step the swarm trained to.
+  honest processes logged the liar accused at step 10 at the latest, and its stage stepped on every
+  sample. Not on the last stage, which answers no forward alone;
+- `state-takeover`: two insiders (peer1b, peer1c on stage 1) answer a crafted state 1,000 steps ahead,
+  each confirming the other's; once training ends, an honest newcomer (peer1d) joins their stage. It has
+  failed when the newcomer took the state of the step the swarm trained to.
 - `near-state-takeover`: the same crafted state one step ahead, where the insiders' recent receipts vouch
-  for them, against three honest peers of stage 1 (peer1a, peer1e, peer1f): the version more vouched peers
+  for them, against three honest peers (peer1a, peer1e, peer1f on stage 1): the version more vouched peers
   hold wins, so it fails where more honest peers than insiders had work within the last 8 steps (over a
   short run, routing may give an honest peer none: run it with --steps 4 or more).
 
@@ -58,23 +61,22 @@ ATTACKS = {
     "foreign-voucher": ("trainer", "signed by a key the trust root did not vouch for"),
     "wrong-outputs": ("peer", "is accused by trainer"),
     "state-takeover": ("peer", "shows no receipt from a vouched trainer naming it"),
-    "near-state-takeover": ("peer", "Took stage 1 state at step"),
+    "near-state-takeover": ("peer", "Took stage"),
 }
-# what an attack needs beyond the common layout: a third peer of stage 1 to side with the honest one when the
-# trainer's spot check finds two answers disagreeing, and a share of checked forwards that finds the liar
-# within the few steps an attack runs (the default, 2%, takes about 20 steps here: see docs/operating.md)
+# what an attack needs beyond the common layout (letters after `peer{stage}`, on the attacked stage): a third peer
+# to side with the honest one when the trainer's spot check finds two answers disagreeing, and a share of
+# checked forwards that finds the liar within the few steps an attack runs (the default, 2%, takes about 20
+# steps here: see docs/operating.md); a second insider; an honest newcomer that joins once training ended
+EXTRA_PEERS = {"wrong-outputs": "c", "state-takeover": "c", "near-state-takeover": "cef"}
+INSIDERS = {"state-takeover": "bc", "near-state-takeover": "bc"}  # else `b` alone
+NEWCOMER = {"state-takeover": "d", "near-state-takeover": "d"}
+TRAINER_FLAGS = {"wrong-outputs": ["--spot-check-share", "0.25"]}
 # attacks found only after their harm is trained on (a spot check samples answers already used): the run's loss
 # moves, so the bound is the step at which the honest processes logged the liar accused, at most this one
 DETECTED_AFTER_USE = {"wrong-outputs": 10}
-EXTRA_PEERS = {
-    "wrong-outputs": ["peer1c"],
-    "state-takeover": ["peer1c"],
-    "near-state-takeover": ["peer1c", "peer1e", "peer1f"],
-}
-TWO_INSIDERS = ["peer1b", "peer1c"]
-HOSTILE_PEERS = {"state-takeover": TWO_INSIDERS, "near-state-takeover": TWO_INSIDERS}  # else peer1b alone
-NEWCOMER = {"state-takeover": "peer1d", "near-state-takeover": "peer1d"}  # honest, joins once training ended
-TRAINER_FLAGS = {"wrong-outputs": ["--spot-check-share", "0.25"]}
+# where an attack does not apply: the last stage answers one call (forward and backward) per microbatch,
+# which spot checks do not compare (see wrong-backwards below)
+NOT_ON_LAST_STAGE = {"wrong-outputs"}
 NOT_COVERED = {
     "near-zero-gradient": "a mate's tiny gradient lowers the clip bound of two mates (robust aggregation is open)",
     "state-takeover-majority": (
@@ -96,27 +98,28 @@ def wait_serving(swarm: LocalSwarm, names: list[str], timeout: float = 120.0) ->
             time.sleep(0.2)
 
 
-def run_swarm(workdir: Path, keys: dict, steps: int, attack: str | None) -> dict:
-    """One trusted swarm training `steps` steps, with `attack` in it (None: the honest run)."""
+def layout(attack: str | None, stage: int) -> list[tuple[int, str]]:
+    """(stage, name) of each peer: `peer{stage}` alone on its stage, but on the attacked `stage` an honest
+    `peer{stage}a`, the insider `peer{stage}b` and what the attack needs beyond."""
+    extra = EXTRA_PEERS.get(attack, "")
+    return [(t, f"peer{t}{letter}") for t in range(3) for letter in (f"ab{extra}" if t == stage else [""])]
+
+
+def run_swarm(workdir: Path, keys: dict, steps: int, attack: str | None, stage: int = 1) -> dict:
+    """One trusted swarm training `steps` steps, with `attack` on `stage` in it (None: the honest run)."""
     root = ["--trust-root", keys["public"]]
     with LocalSwarm(workdir) as swarm:
         swarm.start_bootstrap()
         peer = [*MODEL, "--target-batch-size", str(TARGET), "--lr", "3e-3", "--announce-period", "0.5", *root]
-        layout = [
-            (0, "peer0"),
-            (1, "peer1a"),
-            (1, "peer1b"),
-            *((1, n) for n in EXTRA_PEERS.get(attack, [])),
-            (2, "peer2"),
-        ]
-        for stage, name in layout:
+        peers = layout(attack, stage)
+        for on, name in peers:
             flags = [*peer, "--checkpoint-dir", str(workdir / name)]
-            if attack is not None and ATTACKS[attack][0] == "peer" and name in hostile_peers(attack):
-                pinned = ["--stage", "1", "--initial-peers", *swarm.initial_peers, "--rebalance-period", "0"]
+            if attack is not None and ATTACKS[attack][0] == "peer" and name in insiders(attack, stage):
+                pinned = ["--stage", str(on), "--initial-peers", *swarm.initial_peers, "--rebalance-period", "0"]
                 swarm.spawn(name, "peer", [*pinned, *flags], prefix=[sys.executable, str(HOSTILE), attack, "--"])
             else:
-                swarm.start_peer(name, stage, flags)
-        names = [name for _, name in layout]
+                swarm.start_peer(name, on, flags)
+        names = [name for _, name in peers]
         wait_serving(swarm, names)
         trainer = [*MODEL, "--steps", str(steps), "--microbatch-size", "4", "--data", CORPUS, "--no-progress"]
         summary_file = workdir / "summary.json"
@@ -132,47 +135,77 @@ def run_swarm(workdir: Path, keys: dict, steps: int, attack: str | None) -> dict
         code = honest.wait(600)
         if "intruder" in swarm.processes:
             swarm.processes["intruder"].wait(300)
-        if newcomer := NEWCOMER.get(attack):
-            swarm.start_peer(newcomer, 1, [*peer, "--checkpoint-dir", str(workdir / newcomer)])
+        if attack in NEWCOMER:
+            newcomer = f"peer{stage}{NEWCOMER[attack]}"
+            swarm.start_peer(newcomer, stage, [*peer, "--checkpoint-dir", str(workdir / newcomer)])
             wait_serving(swarm, [newcomer])
             names.append(newcomer)
         for name in names:
             swarm.stop(name)
         summary = json.loads(summary_file.read_text()) if code == 0 else {}
         logs = {name: swarm.log_path(name).read_text(errors="replace") for name in swarm_names(swarm)}
-    checkpoint = load_checkpoint(workdir / "peer1a", "gpt-tiny", 1, 3)
+    checkpoint = load_checkpoint(workdir / f"peer{stage}a", "gpt-tiny", stage, 3)
     loss = summary.get("last_loss", math.nan)
     return {"code": code, "loss": loss, "samples": checkpoint.samples_stepped, "logs": logs}
 
 
-def hostile_peers(attack: str | None) -> list[str]:
-    """The insiders of `attack` (none in the honest run)."""
-    return HOSTILE_PEERS.get(attack, ["peer1b"]) if attack is not None else []
+def insiders(attack: str | None, stage: int) -> list[str]:
+    """The insiders of `attack` on `stage` (none in the honest run)."""
+    return [f"peer{stage}{letter}" for letter in INSIDERS.get(attack, "b")] if attack is not None else []
 
 
 def swarm_names(swarm: LocalSwarm) -> list[str]:
     return sorted(path.stem for path in swarm.workdir.glob("*.log"))
 
 
-def evidence(logs: dict[str, str], needle: str, where: str, attack: str) -> str | None:
+def evidence(logs: dict[str, str], needle: str, where: str, hostile: list[str]) -> str | None:
     """The first log line holding `needle` in an honest process's log (the trainers' for a trainer attack)."""
     for name, text in logs.items():
-        honest = name.startswith("intruder") if where == "trainer" else name not in hostile_peers(attack)
+        honest = name.startswith("intruder") if where == "trainer" else name not in hostile
         for line in text.splitlines() if honest else ():
             if needle in line:
                 return f"{name}: {line.strip()[:300]}"
     return None
 
 
+def judge(run: dict, honest: dict, attack: str, stage: int, args: argparse.Namespace) -> dict:
+    """Whether `attack` on `stage` failed: the evidence that stopped it, and how its training compares."""
+    where, needle = ATTACKS[attack]
+    hostile = insiders(attack, stage)
+    newcomer = f"peer{stage}{NEWCOMER[attack]}" if attack in NEWCOMER else None
+    proof = evidence({newcomer: run["logs"][newcomer]} if newcomer else run["logs"], needle, where, hostile)
+    unchanged = run["code"] == 0 and run["samples"] == honest["samples"]
+    if newcomer:  # it took the state the swarm trained to, not the crafted one
+        unchanged = unchanged and f"Took stage {stage} state at step {args.steps} " in run["logs"][newcomer]
+    close = abs(run["loss"] - honest["loss"]) <= args.loss_spread
+    if attack in DETECTED_AFTER_USE:  # bounded in time instead: accused within its steps
+        close = bool(proof) and int(re.search(r"at step (\d+)", proof).group(1)) <= DETECTED_AFTER_USE[attack]
+    result = {
+        "attack": attack,
+        "stage": stage,
+        "failed": bool(proof and unchanged and close),
+        "evidence": proof,
+        "samples": run["samples"],
+        "final_loss": round(run["loss"], 4),
+    }
+    if newcomer:
+        result["newcomer"] = evidence({newcomer: run["logs"][newcomer]}, f"Took stage {stage} state", where, [])
+    return result
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
     parser.add_argument("--attacks", default=",".join(ATTACKS), help="comma-separated attacks to run")
+    parser.add_argument("--stages", default="1", help="comma-separated stages each insider attack runs on, in turn")
     parser.add_argument("--steps", type=int, default=4, help="steps each swarm trains")
     parser.add_argument("--loss-spread", type=float, default=0.02, help="how far the final loss may be from honest")
     args = parser.parse_args()
     attacks = [a for a in args.attacks.split(",") if a]
     if unknown := [a for a in attacks if a not in ATTACKS]:
         parser.error(f"unknown attacks {unknown}; known: {sorted(ATTACKS)}")
+    stages = [int(s) for s in args.stages.split(",") if s.strip().isdigit()]
+    if not stages or any(s > 2 for s in stages) or len(stages) != len(args.stages.split(",")):
+        parser.error(f"--stages {args.stages!r}: comma-separated stages of the 3, e.g. 0,1,2")
     with tempfile.TemporaryDirectory(prefix="swarm-adversary-") as tmp:
         tmp = Path(tmp)
         keys = {"public": make_root_key(tmp / "root.key")}
@@ -183,30 +216,12 @@ def main() -> int:
         honest = run_swarm(tmp / "honest", keys, args.steps, None)
         results = []
         for attack in attacks:
-            run = run_swarm(tmp / attack, keys, args.steps, attack)
-            where, needle = ATTACKS[attack]
-            newcomer = NEWCOMER.get(attack)
-            proof = evidence({newcomer: run["logs"][newcomer]} if newcomer else run["logs"], needle, where, attack)
-            unchanged = run["code"] == 0 and run["samples"] == honest["samples"]
-            if newcomer:  # it took the state the swarm trained to, not the crafted one
-                unchanged = unchanged and f"Took stage 1 state at step {args.steps} " in run["logs"][newcomer]
-            close = abs(run["loss"] - honest["loss"]) <= args.loss_spread or attack in DETECTED_AFTER_USE
-            if attack in DETECTED_AFTER_USE:  # bounded in time instead: accused within its steps
-                close = bool(proof) and int(re.search(r"at step (\d+)", proof).group(1)) <= DETECTED_AFTER_USE[attack]
-            results.append(
-                {
-                    "attack": attack,
-                    "failed": bool(proof and unchanged and close),
-                    "evidence": proof,
-                    "stage1_samples": run["samples"],
-                    "final_loss": round(run["loss"], 4),
-                }
-            )
-            if newcomer:
-                took = evidence({newcomer: run["logs"][newcomer]}, "Took stage 1 state", where, attack)
-                results[-1]["newcomer"] = took
+            on = stages if ATTACKS[attack][0] == "peer" else [1]
+            for stage in [s for s in on if not (s == 2 and attack in NOT_ON_LAST_STAGE)]:
+                run = run_swarm(tmp / f"{attack}-{stage}", keys, args.steps, attack, stage)
+                results.append(judge(run, honest, attack, stage, args))
     report = {
-        "honest": {"stage1_samples": honest["samples"], "final_loss": round(honest["loss"], 4)},
+        "honest": {"samples": honest["samples"], "final_loss": round(honest["loss"], 4)},
         "attacks": results,
         "all_failed": all(r["failed"] for r in results),
         "not_covered": NOT_COVERED,

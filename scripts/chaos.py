@@ -60,6 +60,7 @@ from swarm.net.dht_node import TetheredDHT
 from swarm.net.transport import get_peer_info
 from swarm.records.sample_ledger import account, read_ledger
 from swarm.records.stage_records import LEAVING, SERVING, fetch_stage_records
+from swarm.trust.vouchers import load_root_key, make_root_key, make_voucher
 
 NUM_STAGES = 3
 MODEL_FLAGS = ["--model", "gpt-tiny", "--num-stages", str(NUM_STAGES)]
@@ -296,7 +297,8 @@ class TrainerRun:
 def start_trainer(
     swarm: LocalSwarm, name: str, steps: int, workdir: Path, ledger_dir: Path | None, data: list[str]
 ) -> TrainerRun:
-    """Starts `swarm train` for `steps` steps with a summary file (and a ledger, if `ledger_dir`)."""
+    """Starts `swarm train` for `steps` steps with a summary file (and a ledger, if `ledger_dir`); `data` holds
+    its flags beyond the common ones."""
     summary_file = workdir / f"{name}.json"
     ledger = ledger_dir / f"{name}.jsonl" if ledger_dir else None
     flags = [*TRAINER_FLAGS, "--steps", str(steps), "--summary-file", str(summary_file), *data]
@@ -317,13 +319,17 @@ def run_trainers(
     timeout: float,
     meanwhile: Callable[[float], None] | None = None,
     sharded: bool = True,
+    extra: tuple[str, ...] = (),
 ) -> list[TrainerRun]:
     """Runs `count` trainers at once, `steps` steps each, calling `meanwhile(seconds since start)` as they go.
 
-    Each trainer reads its own shard of the data, unless not `sharded` (all read the default corpus).
+    Each trainer reads its own shard of the data, unless not `sharded` (all read the default corpus), and
+    takes the `extra` flags.
     """
     runs = [
-        start_trainer(swarm, f"trainer-{phase}-{i}", steps, workdir, ledger_dir, shard(i) if sharded else [])
+        start_trainer(
+            swarm, f"trainer-{phase}-{i}", steps, workdir, ledger_dir, [*(shard(i) if sharded else []), *extra]
+        )
         for i in range(count)
     ]
     started = time.monotonic()
@@ -480,9 +486,11 @@ def one_run(args: argparse.Namespace, index: int, workdir: Path, report: dict[st
     with LocalSwarm(workdir) as swarm:
         swarm.start_bootstrap()
         dht = TetheredDHT(initial_peers=swarm.initial_peers, start=True)  # ends with this process
+        peer_trust, trainer_trust = trust_flags(args, workdir)
         try:
-            churn = Churn(swarm, dht, sig, rng, ledger_dir, spare_last_peer=args.spare_last_peer == "yes")
-            phases = RunPhases(args, swarm, churn, rng, workdir, ledger_dir, report)
+            spare = args.spare_last_peer == "yes"
+            churn = Churn(swarm, dht, sig, rng, ledger_dir, [*PEER_FLAGS, *peer_trust], spare_last_peer=spare)
+            phases = RunPhases(args, swarm, churn, rng, workdir, ledger_dir, report, trainer_trust)
             layout = phases.start_peers()
             before = phases.trainers("before", args.baseline_steps)
             before_rate, _ = concurrent_rate(before)
@@ -506,6 +514,32 @@ def one_run(args: argparse.Namespace, index: int, workdir: Path, report: dict[st
     # every process has stopped: the ledger files are complete
     if ledger_dir:
         report["ledger"] = ledger_report(ledger_dir)
+    if args.trust_root == "yes":
+        report["spot_checks"] = spot_check_report(workdir)
+
+
+def trust_flags(args: argparse.Namespace, workdir: Path) -> tuple[list[str], list[str]]:
+    """With --trust-root yes: the peers' and the trainers' flags for a trust root made in `workdir`, the trainers
+    with a voucher of it (and --spot-check-share where given); else none."""
+    if args.trust_root != "yes":
+        return [], []
+    public = make_root_key(workdir / "root.key")
+    make_voucher(load_root_key(workdir / "root.key"), "chaos-trainer", workdir / "trainer.voucher")
+    trainer = ["--trust-root", public, "--voucher", str(workdir / "trainer.voucher")]
+    if args.spot_check_share is not None:
+        trainer += ["--spot-check-share", str(args.spot_check_share)]
+    return ["--trust-root", public], trainer
+
+
+def spot_check_report(workdir: Path) -> dict[str, Any]:
+    """What the trainers' spot checks did (summed over their summaries), and every peer accused in a log."""
+    counts: Counter[str] = Counter()
+    for summary in workdir.glob("trainer-*.json"):
+        counts.update(json.loads(summary.read_text()).get("spot_checks", {}))
+    accused = set()
+    for log in workdir.glob("*.log"):
+        accused.update(re.findall(r"peer (\w+) of stage \d+ is accused by trainer", log.read_text(errors="replace")))
+    return {**counts, "peers_accused": sorted(accused)}
 
 
 class RunPhases:
@@ -520,9 +554,11 @@ class RunPhases:
         workdir: Path,
         ledger_dir: Path | None,
         report: dict[str, Any],
+        trainer_flags: list[str] | None = None,
     ) -> None:
         self.args, self.swarm, self.churn, self.rng = args, swarm, churn, rng
         self.workdir, self.ledger_dir, self.report = workdir, ledger_dir, report
+        self.trainer_flags = tuple(trainer_flags or ())  # beyond the common ones: a trust root's
         self.trace: list[tuple[float, int]] = []  # with --trace: (seconds, live peers wanted) still to replay
         self.next_kill = 0.0  # without: seconds into the churn of the next kill
 
@@ -562,6 +598,7 @@ class RunPhases:
             args.phase_timeout,
             meanwhile,
             sharded=args.trainers > 1,
+            extra=self.trainer_flags,
         )
 
     def under_churn(self, before_rate: float, before_summary: dict[str, Any]) -> tuple[list[TrainerRun], float]:
@@ -691,6 +728,16 @@ def main() -> None:
         default="no",
         help="yes: never kill a stage's last serving peer; no: kill as the trace or the dice say (stages die and "
         "come back from standby copies)",
+    )
+    parser.add_argument(
+        "--trust-root",
+        choices=["yes", "no"],
+        default="no",
+        help="yes: each run's swarm has a trust root and its trainers a voucher, so receipts count and spot checks "
+        "run; the report counts the checks and every peer accused (an honest run accuses none)",
+    )
+    parser.add_argument(
+        "--spot-check-share", type=float, help="with --trust-root yes: the share of forwards checked (trainer default)"
     )
     args = parser.parse_args()
     if not 1 <= args.trainers <= len(SHARDS) or args.runs < 1:

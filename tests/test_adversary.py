@@ -29,7 +29,7 @@ def test_a_trainer_signing_with_another_roots_voucher_changes_nothing():
     report = adversary_report("foreign-voucher")
     (attack,) = report["attacks"]
     assert attack["failed"] and "did not vouch for" in attack["evidence"], attack
-    assert attack["stage1_samples"] == report["honest"]["stage1_samples"] == 2 * 24
+    assert attack["samples"] == report["honest"]["samples"] == 2 * 24
     assert report["not_covered"], "the report names the attacks it does not cover"
 
 
