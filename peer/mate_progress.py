@@ -32,17 +32,24 @@ RECENT_ROUNDS = 8
 # a mate's holdings at one step count up to this many target batches (two trainers' overlapping steps reach a
 # peer during its round), and one microbatch over: a peer steps as soon as it holds its target
 HELD_BATCHES = 2
-# steps per mate whose progress a peer without a current state (joining, resyncing) keeps until it has one
+# steps past its own whose progress a peer takes: its current step and the next count at once; a mate that
+# stepped first may accumulate toward the step after next (during its round) while this peer still applies
+# its step, and that progress is kept until this peer reaches it
+LEAD_STEPS = 2
+# steps per mate whose progress a peer keeps until it reaches them (a peer taking a state: any step ahead)
 PARKED_STEPS = 2
 
 
 def progress_refusal(step: int, current: int, held_samples: int, target: int, max_batch: int) -> str | None:
     """Why a mate's progress toward `step` is refused by a peer at step `current`, where it would then hold
-    `held_samples` samples there; None where it is taken. Only the current and the next step are taken (older
-    progress no longer matters and is passed over by the caller), and at most `HELD_BATCHES` target batches
-    and one microbatch at each: no peer holds more, so a claim beyond is no honest peer's."""
-    if step > current + 1:
-        return f"progress toward step {step}, this peer is at step {current}: only {current} and {current + 1} count"
+    `held_samples` samples there; None where it is taken. Only the current step and the next `LEAD_STEPS` are
+    taken (older progress no longer matters and is passed over by the caller), and at most `HELD_BATCHES`
+    target batches and one microbatch at each: no peer holds more, so a claim beyond is no honest peer's."""
+    if step > current + LEAD_STEPS:
+        return (
+            f"progress toward step {step}, this peer is at step {current}: only {current} to "
+            f"{current + LEAD_STEPS} count"
+        )
     bound = HELD_BATCHES * target + max_batch
     if held_samples > bound:
         return (
@@ -163,8 +170,10 @@ class ProgressExchange:
         order: an older, shorter one must not make this peer forget microbatches the sender holds."""
         machine = self.machine
         runtime = machine.runtime
-        # a peer taking a state is behind its mates: their progress counts from the step it will take
-        parking = message.step > runtime.step + 1 and (not machine.serving or machine.resyncing)
+        # past the next step, progress is kept until this peer reaches its step; a peer taking a state is
+        # behind its mates by any number of steps: their progress counts from the step it will take
+        taking_state = not machine.serving or machine.resyncing
+        parking = message.step > runtime.step + 1
         if parking:
             before = self._parked.get(sender, {}).get(message.step, {})
         else:
@@ -177,7 +186,7 @@ class ProgressExchange:
         merged = {**before, **incoming}
         refusal = progress_refusal(
             message.step,
-            message.step if parking else runtime.step,
+            message.step if taking_state and parking else runtime.step,
             sum(merged.values()),
             runtime.target_batch_size,
             runtime.max_batch_samples,
@@ -195,21 +204,25 @@ class ProgressExchange:
             machine.advance(message.step)
 
     def _park(self, sender: str, step: int, held: Held) -> None:
-        """Keeps `sender`'s holdings toward `step`, past this peer's own, until it has taken a state: only the
+        """Keeps `sender`'s holdings toward `step`, past this peer's next, until this peer reaches it: only the
         latest `PARKED_STEPS` steps per mate, so what one mate can make it keep stays bounded."""
         steps = self._parked.setdefault(sender, {})
         steps[step] = held
         for old in sorted(steps)[:-PARKED_STEPS]:
             del steps[old]
 
-    def took_state(self, step: int) -> None:
-        """This peer now holds the state of `step`: the mates' progress it kept meanwhile toward `step` and the
-        next one counts (a mate that dies holding it is then found to have lost exactly that)."""
-        parked, self._parked = self._parked, {}
-        for sender, steps in parked.items():
-            for at, held in steps.items():
-                if step <= at <= step + 1 and sender != self.machine.peer_id:
+    def reached(self, step: int) -> None:
+        """This peer stepped to `step`, or took a state of it: the mates' progress it kept toward `step` and the
+        next one counts now (a mate that dies holding it is then found to have lost exactly that); progress
+        toward earlier steps no longer matters, and toward later ones stays kept."""
+        for sender in list(self._parked):
+            steps = self._parked[sender]
+            for at in [at for at in steps if at <= step + 1]:
+                held = steps.pop(at)
+                if at >= step and sender != self.machine.peer_id:
                     self.machine.steps[at].progress.setdefault(sender, {}).update(held)
+            if not steps:
+                del self._parked[sender]
         self.note_holdings()
 
     def _refuse(self, sender: str, refusal: str, reply: MateReply) -> None:

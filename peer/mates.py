@@ -165,6 +165,7 @@ class StageMates:
         self.averaging.departed.clear()
         for old in [s for s in machine.steps if s < step]:
             del machine.steps[old]
+        self.progress.reached(step)  # what the mates told of steps ahead of this peer's counts from here
         if result is not None:
             self.progress.remember_summed(frozenset((trainer, mb) for trainer, mb, _ in result.ids))
             record = step_record(

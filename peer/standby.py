@@ -522,7 +522,7 @@ class StandbyKeeper:
         if (reply.step, fingerprint) != version:
             raise StageStateError(f"sent step {reply.step}, fingerprint {fingerprint}; its record says {version}")
         await load_into_runtime(runtime, reply.step, tensors, reply.has_optimizer_state, reply.samples_stepped)
-        peer.mates.progress.took_state(reply.step)
+        peer.mates.progress.reached(reply.step)
         return reply.step, fingerprint
 
     async def _answer_standby(self, requester: str, request: StateRequest, _parts, reply: StateReply) -> list:

@@ -156,7 +156,7 @@ class StateHandOver:
         # here (its reply was lost, or this peer had asked for it as lost before it took this state)
         if given.recently_summed:
             self.progress.remember_summed(given.recently_summed)
-        self.progress.took_state(step)
+        self.progress.reached(step)
         # tell every member this peer is one now, so that each sends it its progress before answering
         # backwards: otherwise this peer could not tell that the stage has its batch and should wait
         members = ({peer_id, *given.held, *membership.mates}) - {machine.peer_id}

@@ -245,15 +245,15 @@ def test_a_flood_of_malformed_signed_records_on_a_real_dht_leaves_the_sound_one_
 # --- 4. progress between stage-mates ----------------------------------------------------------------------------
 
 
-def test_progress_counts_for_the_current_and_the_next_step_and_within_a_bound():
-    assert progress_refusal(5, 5, 16, 16, 8) is None and progress_refusal(6, 5, 16, 16, 8) is None
-    assert progress_refusal(7, 5, 16, 16, 8) == "progress toward step 7, this peer is at step 5: only 5 and 6 count"
+def test_progress_counts_for_the_current_and_the_next_two_steps_and_within_a_bound():
+    assert all(progress_refusal(step, 5, 16, 16, 8) is None for step in (5, 6, 7))
+    assert progress_refusal(8, 5, 16, 16, 8) == "progress toward step 8, this peer is at step 5: only 5 to 7 count"
     bound = HELD_BATCHES * 16 + 8
     assert progress_refusal(5, 5, bound, 16, 8) is None
     assert "a mate holds at most 40" in progress_refusal(5, 5, bound + 1, 16, 8)
 
 
-def test_a_peer_taking_a_state_keeps_its_mates_later_progress_for_the_step_it_takes():
+def test_a_peer_keeps_its_mates_progress_ahead_of_it_until_it_gets_there():
     # a newcomer is at step 0 until its state loads: the progress its mates send meanwhile is toward their
     # step, far past its own. Refused, it would not know what a mate held there, and should that mate die,
     # nobody would find its samples lost. Kept for the latest two steps per mate, it counts once loaded.
@@ -274,11 +274,16 @@ def test_a_peer_taking_a_state_keeps_its_mates_later_progress_for_the_step_it_ta
     assert send(9, 4).error.code == ErrorCode.OK  # the mate stepped meanwhile: step 7 is no longer kept
     assert "a mate holds at most" in send(9, *range(10, 30), samples=20).error.message  # the bound still holds
     assert 8 not in machine.steps and 9 not in machine.steps  # nothing counts before the state is taken
-    progress.took_state(8)
+    progress.reached(8)
     assert machine.steps[8].progress[mate] == {(trainer, 2): 2, (trainer, 3): 2}
     assert machine.steps[9].progress[mate] == {(trainer, 4): 2} and 7 not in machine.steps
-    machine.serving = True  # a serving peer at its own current step refuses what is far past it
-    assert "only 0 and 1 count" in send(7, 5).error.message
+    # a serving peer keeps the step after next (a mate that stepped first accumulates toward it during its
+    # round while this peer still applies its step) until it gets there, and refuses what is further
+    machine.serving = True
+    assert send(2, 5).error.code == ErrorCode.OK and 2 not in machine.steps
+    assert "only 0 to 2 count" in send(3, 6).error.message
+    progress.reached(1)
+    assert machine.steps[2].progress[mate] == {(trainer, 5): 2}
 
 
 @pytest.mark.timeout(300)
