@@ -19,6 +19,7 @@ import torch
 from swarm.compression import Codec, CodecError, get_codec
 from swarm.models import GPTStage
 from swarm.models.stage_io import StageInputError, check_stage_inputs, value_problem
+from swarm.net.request_budget import RequestBudget
 from swarm.net.request_limits import call_too_large, undecoded_problem
 from swarm.net.wire import (
     INLINE_CODING_BYTES,
@@ -88,6 +89,7 @@ class StageHandler:
         step_wait: float = 40.0,
         faults: FaultPlan | None = None,
         metrics: StageCallMetrics | None = None,
+        budget: RequestBudget | None = None,
     ) -> None:
         self.runtime = runtime
         self.stage: GPTStage = runtime.module
@@ -99,6 +101,8 @@ class StageHandler:
         self.step_wait = step_wait
         self.faults = faults or FaultPlan()
         self.metrics = metrics  # None unless --metrics-port
+        # bytes of requests held at once over every caller (--request-memory-mb); by default two of the largest
+        self.budget = budget or RequestBudget(0, limits.max_message_bytes)
         self.requests_served = 0
         self.requests_refused = 0
         self._step_changed = asyncio.Event()
@@ -131,7 +135,8 @@ class StageHandler:
     async def handle_stage(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Entry point of one stage call stream (registered with the P2P daemon)."""
         try:
-            frames = await self._serve(reader, str(stream_info.peer_id))
+            with self.budget.ticket() as ticket:
+                frames = await self._serve(reader, str(stream_info.peer_id), ticket.take)
         except DropReply:
             with contextlib.suppress(Exception):
                 writer.close()
@@ -152,8 +157,10 @@ class StageHandler:
         # a caller gone away before the reply is worth a warning: it had work under way
         await send_reply(reader, writer, frames, str(stream_info.peer_id), logging.WARNING)
 
-    async def _serve(self, reader: asyncio.StreamReader, caller: str) -> list[StageReply]:
-        request, parts = await read_frames(reader, StageRequest, self.limits)
+    async def _serve(
+        self, reader: asyncio.StreamReader, caller: str, reserve: Callable[[int], None]
+    ) -> list[StageReply]:
+        request, parts = await read_frames(reader, StageRequest, self.limits, reserve)
         started = time.perf_counter()
         if self.metrics is not None:
             self.metrics.stage_request(parts)

@@ -22,6 +22,7 @@ from swarm.net.allowlist import StreamGate
 from swarm.net.dht_node import connect_to_daemon, start_dht
 from swarm.net.direct_plane import DirectPlane, announce_host, listen_host
 from swarm.net.reachability import REACH_PROTOCOL, check_before_start, report_reachability, serve_reachability
+from swarm.net.request_budget import RequestBudget
 from swarm.net.request_limits import StageLimits, stage_limits
 from swarm.net.transport import INFO_PROTOCOL, STAGE_PROTOCOL
 from swarm.peer.announcer import Announcer
@@ -160,6 +161,7 @@ class Peer:
             step_wait=config.averaging_timeout + 10,
             faults=self.faults,
             metrics=self.metrics,
+            budget=RequestBudget(int(config.request_memory_mb * 2**20), self.limits.wire.max_message_bytes),
         )
         if self.metrics is not None:
             self.metrics.host(self.runtime, self.mates)

@@ -49,6 +49,7 @@ from swarm.proto import (
     PeerInfoRequest,
     RoundCommit,
     SampleId,
+    StageReply,
     StateReply,
     StateRequest,
 )
@@ -283,12 +284,17 @@ def open_streams(url: str) -> float:
     return metric(url, "swarm_peer_open_streams")
 
 
+def lone_stage1_peer(local_swarm, *flags: str) -> PeerID:
+    """Starts a bootstrap and peer1 alone on stage 1 with `flags`; returns its peer id once it serves."""
+    local_swarm.start_bootstrap()
+    local_swarm.start_peer("peer1", 1, [*FLAGS, *flags])
+    (peer_id,) = stage1_peer_ids(local_swarm.initial_peers)
+    return PeerID.from_base58(peer_id)
+
+
 @pytest.mark.timeout(180)
 def test_a_caller_holding_too_many_streams_open_is_turned_away_and_served_again_once_it_closes_them(local_swarm):
-    local_swarm.start_bootstrap()
-    local_swarm.start_peer("peer1", 1, [*FLAGS, "--max-streams-per-caller", "3", "--metrics-port", "0"])
-    (peer_id,) = stage1_peer_ids(local_swarm.initial_peers)
-    peer = PeerID.from_base58(peer_id)
+    peer = lone_stage1_peer(local_swarm, "--max-streams-per-caller", "3", "--metrics-port", "0")
     log = local_swarm.log_path("peer1")
     url = METRICS_LINE.search(log.read_text()).group(1)  # logged before the record is announced
 
@@ -326,3 +332,39 @@ def test_a_caller_holding_too_many_streams_open_is_turned_away_and_served_again_
 
     assert run_p2p_client(local_swarm.initial_peers, go) == (ErrorCode.UNAVAILABLE, 1)
     assert "over --max-streams-per-caller" in log.read_text()
+
+
+@pytest.mark.timeout(180)
+def test_requests_held_over_all_callers_stay_within_the_budget_and_its_bytes_come_back(local_swarm):
+    # --max-request-mb 1: the budget is two of the largest requests (--request-memory-mb asks for less)
+    peer = lone_stage1_peer(local_swarm, "--max-request-mb", "1", "--request-memory-mb", "0.01")
+    frame = 2**20 - 64  # within one request's limit: the peer takes its bytes from the budget, then waits for them
+
+    async def announce_frame(p2p):
+        _, reader, writer = await p2p.call_binary_stream_handler(peer, STAGE_PROTOCOL)
+        writer.write(frame.to_bytes(8, "big"))
+        await writer.drain()
+        return reader, writer
+
+    async def go(p2p):
+        held = [await announce_frame(p2p) for _ in range(2)]  # two callers' worth: the whole budget
+        reader, writer = await announce_frame(p2p)
+        refused, _ = await asyncio.wait_for(read_frames(reader, StageReply, WireLimits()), 30)
+        writer.close()
+        for _, held_writer in held:  # their streams end: the bytes they held come back
+            held_writer.close()
+        deadline = asyncio.get_running_loop().time() + 30
+        while True:  # a request of the same size is taken again (its body then fails to parse: BAD_REQUEST)
+            reader, writer = await announce_frame(p2p)
+            writer.write(bytes(frame))
+            await writer.drain()
+            again, _ = await asyncio.wait_for(read_frames(reader, StageReply, WireLimits()), 30)
+            writer.close()
+            if again.error.code != ErrorCode.UNAVAILABLE or asyncio.get_running_loop().time() > deadline:
+                return refused.error, again.error
+            await asyncio.sleep(0.2)
+
+    refused, again = run_p2p_client(local_swarm.initial_peers, go)
+    assert refused.code == ErrorCode.UNAVAILABLE, refused
+    assert "this peer is busy: it holds 2.0 MiB of requests" in refused.message, refused
+    assert again.code == ErrorCode.BAD_REQUEST, again

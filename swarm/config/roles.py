@@ -82,6 +82,11 @@ class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig, TrustConfig):
     max_streams_per_caller: int = option(
         256, "streams one caller may hold open at once, over all protocols; more are closed unanswered"
     )
+    request_memory_mb: float = option(
+        1024.0,
+        "MiB of stage requests the peer holds at once over all its callers (at least two of its largest); a "
+        "request past that is answered busy (UNAVAILABLE) and its caller tries another peer",
+    )
     announce_period: float = option(2.0, "seconds between DHT announcements")
     record_ttl: float = option(10.0, "seconds an announcement stays valid if the peer vanishes")
     checkpoint_dir: str | None = option(None, "directory for the stage's checkpoints; resume from it if present")
@@ -223,6 +228,8 @@ class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig, TrustConfig):
                 "--max-microbatch must be 0 (--max-batch-samples) or at most --max-batch-samples (the most the peer "
                 f"runs at once, {self.max_batch_samples}), and --max-request-mb 0 (from the model) or positive"
             )
+        if self.request_memory_mb <= 0:
+            raise ConfigError("--request-memory-mb must be positive (it is raised to two of the largest requests)")
         if self.lr <= 0:
             raise ConfigError("--lr must be positive")
         if self.averaging_timeout <= 0:

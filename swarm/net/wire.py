@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import functools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, TypeVar
 
@@ -263,11 +263,17 @@ async def write_frames(writer: asyncio.StreamWriter, frames: Sequence[Frame | Me
         await writer.drain()
 
 
-async def read_frames(reader: asyncio.StreamReader, message_type: type[M], limits: WireLimits) -> tuple[M, list[Part]]:
+async def read_frames(
+    reader: asyncio.StreamReader,
+    message_type: type[M],
+    limits: WireLimits,
+    reserve: Callable[[int], None] | None = None,
+) -> tuple[M, list[Part]]:
     """Reads one message: its first frame (the header) and the tensor parts of all its frames.
 
     Raises WireError for a frame or message over the limits, a malformed frame, or a stream that
     ends mid-message; asyncio.TimeoutError if the sender stalls for longer than frame_timeout.
+    `reserve(size)` is called with each frame's size before its bytes are read (it raises to refuse).
     """
     header: M | None = None
     parts: list[Part] = []
@@ -287,6 +293,8 @@ async def read_frames(reader: asyncio.StreamReader, message_type: type[M], limit
                     ErrorCode.TOO_LARGE,
                     limits.refusal(f"message exceeds this peer's limit of {limits.max_message_bytes / 2**20:.1f} MiB"),
                 )
+            if reserve is not None:
+                reserve(size)
             data = await asyncio.wait_for(reader.readexactly(size), limits.frame_timeout)
         except asyncio.IncompleteReadError:
             raise StreamEnded() from None
