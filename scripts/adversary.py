@@ -199,6 +199,7 @@ def main() -> int:
     parser.add_argument("--stages", default="1", help="comma-separated stages each insider attack runs on, in turn")
     parser.add_argument("--steps", type=int, default=4, help="steps each swarm trains")
     parser.add_argument("--loss-spread", type=float, default=0.02, help="how far the final loss may be from honest")
+    parser.add_argument("--workdir", help="keep every swarm's logs and checkpoints here (default: a temporary one)")
     args = parser.parse_args()
     attacks = [a for a in args.attacks.split(",") if a]
     if unknown := [a for a in attacks if a not in ATTACKS]:
@@ -207,7 +208,8 @@ def main() -> int:
     if not stages or any(s > 2 for s in stages) or len(stages) != len(args.stages.split(",")):
         parser.error(f"--stages {args.stages!r}: comma-separated stages of the 3, e.g. 0,1,2")
     with tempfile.TemporaryDirectory(prefix="swarm-adversary-") as tmp:
-        tmp = Path(tmp)
+        tmp = Path(args.workdir or tmp)
+        tmp.mkdir(parents=True, exist_ok=True)
         keys = {"public": make_root_key(tmp / "root.key")}
         make_voucher(load_root_key(tmp / "root.key"), "trainer", tmp / "trainer.voucher")
         make_root_key(tmp / "foreign.key")
