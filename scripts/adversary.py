@@ -51,6 +51,8 @@ from swarm.peer.checkpoint import load_checkpoint  # noqa: E402
 from swarm.trust.vouchers import load_root_key, make_root_key, make_voucher  # noqa: E402
 
 HOSTILE = Path(__file__).parent / "harness" / "hostile_peer.py"
+FLOOD = Path(__file__).parent / "harness" / "record_flood.py"
+FLOOD_IDENTITIES = 4
 CORPUS = str(Path(argparse.__file__))
 MODEL = ["--model", "gpt-tiny", "--num-stages", "3", "--seed", "7"]
 TARGET = 24
@@ -62,13 +64,14 @@ ATTACKS = {
     "wrong-outputs": ("peer", "is accused by trainer"),
     "state-takeover": ("peer", "shows no receipt from a vouched trainer naming it"),
     "near-state-takeover": ("peer", "Took stage"),
+    "record-flood": ("flood", "unreachable"),
 }
 # what an attack needs beyond the common layout (letters after `peer{stage}`, on the attacked stage): a third peer
 # to side with the honest one when the trainer's spot check finds two answers disagreeing, and a share of
 # checked forwards that finds the liar within the few steps an attack runs (the default, 2%, takes about 20
 # steps here: see docs/operating.md); a second insider; an honest newcomer that joins once training ended
 EXTRA_PEERS = {"wrong-outputs": "c", "state-takeover": "c", "near-state-takeover": "cef"}
-INSIDERS = {"state-takeover": "bc", "near-state-takeover": "bc"}  # else `b` alone
+INSIDERS = {"state-takeover": "bc", "near-state-takeover": "bc", "record-flood": ""}  # else `b` alone
 NEWCOMER = {"state-takeover": "d", "near-state-takeover": "d"}
 TRAINER_FLAGS = {"wrong-outputs": ["--spot-check-share", "0.25"]}
 # attacks found only after their harm is trained on (a spot check samples answers already used): the run's loss
@@ -132,9 +135,14 @@ def run_swarm(workdir: Path, keys: dict, steps: int, attack: str | None, stage: 
             swarm.start_trainer("intruder", [*trainer, "--data-seed", "11"])
         if attack == "foreign-voucher":
             swarm.start_trainer("intruder", [*trainer, "--voucher", keys["foreign"], "--data-seed", "11"])
+        if attack == "record-flood":
+            flood = [sys.executable, str(FLOOD), "--initial-peers", *swarm.initial_peers, "--stage", str(stage)]
+            swarm.spawn("flood", "dht", [], prefix=[*flood, "--identities", str(FLOOD_IDENTITIES), "--"])
         code = honest.wait(600)
         if "intruder" in swarm.processes:
             swarm.processes["intruder"].wait(300)
+        if "flood" in swarm.processes:
+            swarm.stop("flood")
         if attack in NEWCOMER:
             newcomer = f"peer{stage}{NEWCOMER[attack]}"
             swarm.start_peer(newcomer, stage, [*peer, "--checkpoint-dir", str(workdir / newcomer)])
@@ -171,7 +179,7 @@ def evidence(logs: dict[str, str], needle: str, where: str, hostile: list[str]) 
 def judge(run: dict, honest: dict, attack: str, stage: int, args: argparse.Namespace) -> dict:
     """Whether `attack` on `stage` failed: the evidence that stopped it, and how its training compares."""
     where, needle = ATTACKS[attack]
-    hostile = insiders(attack, stage)
+    hostile = [*insiders(attack, stage), "flood"]
     newcomer = f"peer{stage}{NEWCOMER[attack]}" if attack in NEWCOMER else None
     proof = evidence({newcomer: run["logs"][newcomer]} if newcomer else run["logs"], needle, where, hostile)
     unchanged = run["code"] == 0 and run["samples"] == honest["samples"]
@@ -218,7 +226,7 @@ def main() -> int:
         honest = run_swarm(tmp / "honest", keys, args.steps, None)
         results = []
         for attack in attacks:
-            on = stages if ATTACKS[attack][0] == "peer" else [1]
+            on = stages if ATTACKS[attack][0] in ("peer", "flood") else [1]
             for stage in [s for s in on if not (s == 2 and attack in NOT_ON_LAST_STAGE)]:
                 run = run_swarm(tmp / f"{attack}-{stage}", keys, args.steps, attack, stage)
                 results.append(judge(run, honest, attack, stage, args))
