@@ -328,8 +328,8 @@ class StandbyKeeper:
         if stage not in self.receipts:
             self.receipts[stage] = work_receipts(self.peer.config, self.peer.mates.machine.peer_id, stage)
         receipts = self.receipts[stage]
-        vouched = receipts.vouches_for if receipts is not None else None
-        return await peer_versions(self.peer.mates.p2p, peers, self.peer.config.model, stage, INFO_TIMEOUT, vouched)
+        sources = receipts.state_sources if receipts is not None else None
+        return await peer_versions(self.peer.mates.p2p, peers, self.peer.config.model, stage, INFO_TIMEOUT, sources)
 
     async def refresh(self, stage: int, serving: list[str]) -> None:
         """Downloads `stage`'s state from one of its serving peers, taking only a confirmed version."""

@@ -213,8 +213,8 @@ class StateHandOver:
         """Each serving mate's (step, parameter fingerprint), as it answers now (the silent ones left out)."""
         machine = self.machine
         mates = list(self.membership.mates)
-        vouched = None
+        sources = None
         if (receipts := machine.receipts) is not None:  # only mates vouched trainers gave work to lately count
             initial = machine.runtime.version if machine.runtime.step == 0 else None
-            vouched = partial(receipts.vouches_for, initial=initial)
-        return await peer_versions(machine.p2p, mates, machine.model, machine.stage, PROGRESS_TIMEOUT, vouched)
+            sources = partial(receipts.state_sources, initial=initial)
+        return await peer_versions(machine.p2p, mates, machine.model, machine.stage, PROGRESS_TIMEOUT, sources)

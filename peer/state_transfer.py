@@ -113,24 +113,26 @@ async def peer_versions(
     model: str,
     stage: int,
     timeout: float,
-    vouched: Callable[[str, PeerInfo], bool] | None = None,
+    sources: Callable[[dict[str, PeerInfo]], dict[str, PeerInfo]] | None = None,
 ) -> dict[str, Version]:
     """Each of `peers`' (step, fingerprint) for `stage`, as it answers now (the silent ones left out, and with
-    `vouched`, those whose answer it does not vouch for: in a swarm with a trust root, the peers that show no
-    recent receipt from a vouched trainer)."""
+    `sources`, those it leaves out of the answers: in a swarm with a trust root, the peers that show no recent
+    receipt from a vouched trainer)."""
     infos = await asyncio.gather(
         *(get_peer_info(p2p, PeerID.from_base58(p), timeout=timeout) for p in peers), return_exceptions=True
     )
-    return {
-        peer_id: (int(info.step), info.fingerprint)
+    answered = {
+        peer_id: info
         for peer_id, info in zip(peers, infos)
         if isinstance(info, PeerInfo)
         and info.model == model
         and info.stage == stage
         and info.state == SERVING
         and info.fingerprint
-        and (vouched is None or vouched(peer_id, info))
     }
+    if sources is not None:
+        answered = sources(answered)
+    return {peer_id: (int(info.step), info.fingerprint) for peer_id, info in answered.items()}
 
 
 def confirmed_versions(versions: dict[str, Version]) -> set[Version]:

@@ -64,6 +64,7 @@ class WorkReceipts:
         self._progress_liars: dict[str, int] = {}  # per mate: progress messages that named unreceipted work
         self._latest: dict[str, int] = {}  # per peer: the latest step a good receipt naming it was for
         self._unvouched_states: set[str] = set()  # peers whose state did not count, named once each
+        self._fell_back = False  # the last look found no vouched peer (said once per spell)
         self.refused_backwards = 0  # backwards without a good receipt for this peer
         self.unreceipted_samples = 0  # samples mates claimed in rounds without a good receipt
 
@@ -224,17 +225,35 @@ class WorkReceipts:
         work, nobody holds a receipt)."""
         if initial is not None and (int(info.step), info.fingerprint) == initial:
             return True
-        if self.proves(peer_id, int(info.step), info.receipts, info.vouchers):
-            return True
-        level = logging.DEBUG if peer_id in self._unvouched_states else logging.WARNING
-        self._unvouched_states.add(peer_id)
-        logger.log(
-            level,
-            f"Stage {self.stage}: the state of {peer_id} (step {info.step}, fingerprint {info.fingerprint}) does not "
-            f"count: it shows no receipt from a vouched trainer naming it for step {info.step - STATE_RECEIPT_STEPS} "
-            "or later",
-        )
-        return False
+        return self.proves(peer_id, int(info.step), info.receipts, info.vouchers)
+
+    def state_sources(self, infos: dict[str, PeerInfo], initial: tuple[int, str] | None = None) -> dict[str, PeerInfo]:
+        """Of the peers that answered their (step, fingerprint), those whose state may count: the ones
+        `vouches_for` holds, the others named once each. Where none does (every peer of the stage joined since
+        a trainer last gave it work, as after an idle spell with churn), all of them, as in an open swarm:
+        insiders take a stage over then only where no peer a vouched trainer worked with is left to answer."""
+        vouched = {p: info for p, info in infos.items() if self.vouches_for(p, info, initial)}
+        if not vouched:
+            if infos and not self._fell_back:
+                logger.warning(
+                    f"Stage {self.stage}: none of the {len(infos)} peers that answered shows a recent receipt "
+                    "from a vouched trainer (none has worked since it joined); their state counts as in a swarm "
+                    "without a trust root, until a trainer gives them work"
+                )
+            self._fell_back = bool(infos)
+            return infos
+        self._fell_back = False
+        for peer_id, info in infos.items():
+            if peer_id not in vouched:
+                level = logging.DEBUG if peer_id in self._unvouched_states else logging.WARNING
+                self._unvouched_states.add(peer_id)
+                logger.log(
+                    level,
+                    f"Stage {self.stage}: the state of {peer_id} (step {info.step}, fingerprint {info.fingerprint}) "
+                    f"does not count: it shows no receipt from a vouched trainer naming it for step "
+                    f"{info.step - STATE_RECEIPT_STEPS} or later",
+                )
+        return vouched
 
     def _left_out(self, sender: str, step: int, held: Held, counted: Held) -> None:
         left_out = sum(held.values()) - sum(counted.values())
