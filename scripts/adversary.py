@@ -24,6 +24,9 @@ Attacks (the insider holds a valid key and signed record; see scripts/harness/ho
 - `state-takeover`: two insiders (peer1b, peer1c on stage 1) answer a crafted state 1,000 steps ahead,
   each confirming the other's; once training ends, an honest newcomer (peer1d) joins their stage. It has
   failed when the newcomer took the state of the step the swarm trained to.
+- `record-flood`: four identities each sign a copy of an honest serving record on the attacked stage,
+  renew it, and hold every call to them open unanswered (scripts/harness/record_flood.py). It slows
+  rather than steers: it has failed only where training took at most 3 times as long as the honest run.
 - `near-state-takeover`: the same crafted state one step ahead, where the insiders' recent receipts vouch
   for them, against three honest peers (peer1a, peer1e, peer1f on stage 1): the version more vouched peers
   hold wins, so it fails where more honest peers than insiders had work within the last 8 steps (over a
@@ -77,6 +80,8 @@ TRAINER_FLAGS = {"wrong-outputs": ["--spot-check-share", "0.25"]}
 # attacks found only after their harm is trained on (a spot check samples answers already used): the run's loss
 # moves, so the bound is the step at which the honest processes logged the liar accused, at most this one
 DETECTED_AFTER_USE = {"wrong-outputs": 10}
+# attacks that slow training rather than steer it: failed only where it took at most this many times as long
+SLOWING = {"record-flood": 3.0}
 # where an attack does not apply: the last stage answers one call (forward and backward) per microbatch,
 # which spot checks do not compare (see wrong-backwards below)
 NOT_ON_LAST_STAGE = {"wrong-outputs"}
@@ -108,6 +113,15 @@ def layout(attack: str | None, stage: int) -> list[tuple[int, str]]:
     return [(t, f"peer{t}{letter}") for t in range(3) for letter in (f"ab{extra}" if t == stage else [""])]
 
 
+def wait_logged(swarm: LocalSwarm, name: str, needle: str, timeout: float = 120.0) -> None:
+    """Waits until process `name` logged `needle`."""
+    deadline = time.monotonic() + timeout
+    while needle not in swarm.log_path(name).read_text(errors="replace"):
+        if swarm.processes[name].poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{name} never logged {needle!r}:\n{swarm.log_path(name).read_text()[-2000:]}")
+        time.sleep(0.2)
+
+
 def run_swarm(workdir: Path, keys: dict, steps: int, attack: str | None, stage: int = 1) -> dict:
     """One trusted swarm training `steps` steps, with `attack` on `stage` in it (None: the honest run)."""
     root = ["--trust-root", keys["public"]]
@@ -124,6 +138,10 @@ def run_swarm(workdir: Path, keys: dict, steps: int, attack: str | None, stage: 
                 swarm.start_peer(name, on, flags)
         names = [name for _, name in peers]
         wait_serving(swarm, names)
+        if attack == "record-flood":  # its records up before training starts
+            flood = [sys.executable, str(FLOOD), "--initial-peers", *swarm.initial_peers, "--stage", str(stage)]
+            swarm.spawn("flood", "dht", [], prefix=[*flood, "--identities", str(FLOOD_IDENTITIES), "--"])
+            wait_logged(swarm, "flood", "renewed")
         trainer = [*MODEL, "--steps", str(steps), "--microbatch-size", "4", "--data", CORPUS, "--no-progress"]
         summary_file = workdir / "summary.json"
         honest = swarm.start_trainer(
@@ -135,9 +153,6 @@ def run_swarm(workdir: Path, keys: dict, steps: int, attack: str | None, stage: 
             swarm.start_trainer("intruder", [*trainer, "--data-seed", "11"])
         if attack == "foreign-voucher":
             swarm.start_trainer("intruder", [*trainer, "--voucher", keys["foreign"], "--data-seed", "11"])
-        if attack == "record-flood":
-            flood = [sys.executable, str(FLOOD), "--initial-peers", *swarm.initial_peers, "--stage", str(stage)]
-            swarm.spawn("flood", "dht", [], prefix=[*flood, "--identities", str(FLOOD_IDENTITIES), "--"])
         code = honest.wait(600)
         if "intruder" in swarm.processes:
             swarm.processes["intruder"].wait(300)
@@ -154,7 +169,8 @@ def run_swarm(workdir: Path, keys: dict, steps: int, attack: str | None, stage: 
         logs = {name: swarm.log_path(name).read_text(errors="replace") for name in swarm_names(swarm)}
     checkpoint = load_checkpoint(workdir / f"peer{stage}a", "gpt-tiny", stage, 3)
     loss = summary.get("last_loss", math.nan)
-    return {"code": code, "loss": loss, "samples": checkpoint.samples_stepped, "logs": logs}
+    seconds = summary.get("seconds", math.inf)
+    return {"code": code, "loss": loss, "samples": checkpoint.samples_stepped, "logs": logs, "seconds": seconds}
 
 
 def insiders(attack: str | None, stage: int) -> list[str]:
@@ -186,6 +202,8 @@ def judge(run: dict, honest: dict, attack: str, stage: int, args: argparse.Names
     if newcomer:  # it took the state the swarm trained to, not the crafted one
         unchanged = unchanged and f"Took stage {stage} state at step {args.steps} " in run["logs"][newcomer]
     close = abs(run["loss"] - honest["loss"]) <= args.loss_spread
+    if attack in SLOWING:  # what it is after is time: the training must take about as long as the honest one
+        close = close and run["seconds"] <= max(SLOWING[attack] * honest["seconds"], honest["seconds"] + 30)
     if attack in DETECTED_AFTER_USE:  # bounded in time instead: accused within its steps
         close = bool(proof) and int(re.search(r"at step (\d+)", proof).group(1)) <= DETECTED_AFTER_USE[attack]
     result = {
@@ -195,6 +213,7 @@ def judge(run: dict, honest: dict, attack: str, stage: int, args: argparse.Names
         "evidence": proof,
         "samples": run["samples"],
         "final_loss": round(run["loss"], 4),
+        "train_seconds": round(run["seconds"], 1),
     }
     if newcomer:
         result["newcomer"] = evidence({newcomer: run["logs"][newcomer]}, f"Took stage {stage} state", where, [])
@@ -231,7 +250,11 @@ def main() -> int:
                 run = run_swarm(tmp / f"{attack}-{stage}", keys, args.steps, attack, stage)
                 results.append(judge(run, honest, attack, stage, args))
     report = {
-        "honest": {"samples": honest["samples"], "final_loss": round(honest["loss"], 4)},
+        "honest": {
+            "samples": honest["samples"],
+            "final_loss": round(honest["loss"], 4),
+            "train_seconds": round(honest["seconds"], 1),
+        },
         "attacks": results,
         "all_failed": all(r["failed"] for r in results),
         "not_covered": NOT_COVERED,

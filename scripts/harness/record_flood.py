@@ -54,13 +54,16 @@ async def flood(args: argparse.Namespace) -> None:
         for protocol in PROTOCOLS:
             await p2p.add_binary_stream_handler(protocol, stall)
     ids = {node: str(node.peer_id) for node in nodes}
-    print(f"flooding stage {args.stage} with {len(nodes)} identities", flush=True)
+    renewals = 0
     while True:
         records = await asyncio.to_thread(fetch_stage_records, nodes[0], args.run_id, args.num_stages, args.stage)
         honest = [r for r in records[args.stage] if r.state == SERVING and r.peer_id not in ids.values()]
         for node in nodes if honest else ():
             record = copy_of(max(honest, key=lambda r: r.step), ids[node])
             await asyncio.to_thread(announce, node, args.run_id, record, args.ttl)
+        renewals += bool(honest)
+        if renewals == 2:  # every identity's record is out, renewed once
+            print(f"stage {args.stage}: {len(nodes)} identities' records renewed, every call to them held", flush=True)
         await asyncio.sleep(args.period)
 
 
