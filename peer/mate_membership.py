@@ -31,6 +31,9 @@ logger = logging.getLogger(__name__)
 MEMBER_MEMORY = 60.0  # seconds a peer seen with a record on the stage may still speak as a mate without one
 REFRESH_INTERVAL = 1.0  # an unknown sender makes the peer re-read its stage's records at most this often
 ACCUSATIONS_PERIOD = 2.0  # seconds between reads of the run's accusations
+# seconds a mate found unreachable a second time stays out of rounds whatever it sends, doubling each time after
+UNREACHABLE_HOLD = 10.0
+UNREACHABLE_HOLD_MAX = 600.0
 HOLDERS_REFRESH_INTERVAL = 5.0  # an unknown asker for state makes it re-read every stage at most this often
 
 
@@ -51,10 +54,13 @@ class MateMembership:
         # re-reads every stage's records, for standby holders (None: this peer keeps no standby copies)
         self.refresh_holders: Callable[[], Awaitable[None]] | None = None
         self.refused_outsiders = 0  # mate messages from peers no record puts on this stage
-        # mates a round could not reach, and the expiration of the record they had then: such a mate is
-        # left out of rounds until it announces itself again or sends something, so that a dead mate
-        # costs one failed round, not one per step until its record expires
+        # mates a round could not reach, and until when (loop time) a sign of life does not bring them back:
+        # such a mate is left out of rounds until it sends something, so that a dead mate costs one failed
+        # round, not one per step until its record expires. A renewed record is no sign of life: an identity
+        # that renews a record and answers nothing (any key can) would cost a failed round every step. Each
+        # time a mate is found unreachable again, it stays out longer (UNREACHABLE_HOLD, doubling)
         self.unreachable: dict[str, float] = {}
+        self._unreachable_marks: dict[str, int] = {}
         # peers this peer gave its state to, until they announce themselves serving: they are members
         # from the step they took, and must hear this peer's progress before its backwards are answered
         self.newcomers: set[str] = set()
@@ -126,26 +132,36 @@ class MateMembership:
             and r.model == machine.model
             and r.num_stages == machine.num_stages
         }
-        for peer_id, expiration in list(self.unreachable.items()):
-            if peer_id in mates and mates[peer_id].expiration <= expiration:
-                del mates[peer_id]  # the record it had when it could not be reached: not a sign of life
-            else:
-                del self.unreachable[peer_id]  # it announced itself since, or its record is gone
+        for peer_id in list(self.unreachable):
+            if peer_id in mates:
+                del mates[peer_id]  # its record, renewed or not, is no sign of life
+            elif peer_id not in self.stage_peers:
+                del self.unreachable[peer_id]  # its record is gone: a peer that comes back is a newcomer
+                self._unreachable_marks.pop(peer_id, None)
         new = set(mates) - set(self.mates)
         self.mates = mates
         self.newcomers -= set(mates)  # they hear progress as mates from now on
         return new
 
     def mark_unreachable(self, peer_id: str) -> None:
-        """Leaves a mate that could not be reached out of later rounds until it shows a sign of life."""
-        record = self.mates.pop(peer_id, None)
-        if record is not None:
-            self.unreachable[peer_id] = record.expiration
+        """Leaves a mate that could not be reached out of later rounds until it shows a sign of life (once it
+        has been found unreachable before, not before a hold that doubles each time)."""
         self.newcomers.discard(peer_id)
+        if self.mates.pop(peer_id, None) is None:
+            return
+        marks = self._unreachable_marks.get(peer_id, 0) + 1
+        self._unreachable_marks[peer_id] = marks
+        hold = 0.0 if marks == 1 else min(UNREACHABLE_HOLD * 2 ** (marks - 2), UNREACHABLE_HOLD_MAX)
+        now = self.machine.loop.time() if self.machine.loop is not None else 0.0
+        self.unreachable[peer_id] = now + hold
 
     def heard_from(self, peer_id: str) -> None:
-        """A mate sent something: it is reachable (it rejoins the rounds with its next record)."""
-        self.unreachable.pop(peer_id, None)
+        """A mate sent something: it is reachable (it rejoins the rounds with the next read of the records),
+        unless it is still held out for having been unreachable again and again."""
+        until = self.unreachable.get(peer_id)
+        now = self.machine.loop.time() if self.machine.loop is not None else 0.0
+        if until is not None and now >= until:
+            del self.unreachable[peer_id]
 
     def is_member(self, peer_id: str) -> bool:
         """Whether `peer_id` belongs to the stage as this peer knows it now (no read of the records)."""

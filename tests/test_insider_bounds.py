@@ -33,7 +33,7 @@ from swarm.net.request_limits import undecoded_problem
 from swarm.net.transport import PROGRESS_PROTOCOL, exchange
 from swarm.net.wire import Part, WireLimits, encode_tensor
 from swarm.peer.faults import FaultPlan
-from swarm.peer.mate_membership import MateMembership
+from swarm.peer.mate_membership import UNREACHABLE_HOLD, MateMembership
 from swarm.peer.mate_progress import HELD_BATCHES, ProgressExchange, progress_refusal
 from swarm.peer.runtime import StageRuntime
 from swarm.peer.state_transfer import confirmed_holders
@@ -284,6 +284,27 @@ def test_a_peer_keeps_its_mates_progress_ahead_of_it_until_it_gets_there():
     assert "only 0 to 2 count" in send(3, 6).error.message
     progress.reached(1)
     assert machine.steps[2].progress[mate] == {(trainer, 5): 2}
+
+
+def test_a_mate_renewing_its_record_but_answering_nothing_stays_out_of_rounds():
+    # any key can sign a serving record and renew it: a renewal is no sign of life, or every step's round
+    # would wait for such a mate again. A message from it is one; found unreachable again, it is held out
+    module = build_stage(SPEC, 1, 3, seed=0)
+    runtime = StageRuntime(module, build_optimizer(module, OptimizerSettings()), target_batch_size=16)
+    membership = MateMembership(StepMachine(runtime, PEERS[0], "gpt-tiny", FaultPlan()))
+    silent = PEERS[1]
+    membership.take_records([record(silent, stage=1, expiration=1e12)])
+    assert silent in membership.mates
+    membership.mark_unreachable(silent)
+    membership.take_records([record(silent, stage=1, expiration=2e12)])  # renewed
+    assert silent not in membership.mates
+    membership.heard_from(silent)  # it sent something: back at the next read
+    membership.take_records([record(silent, stage=1, expiration=3e12)])
+    assert silent in membership.mates
+    membership.mark_unreachable(silent)  # a second time: held out for a while whatever it sends
+    membership.heard_from(silent)
+    membership.take_records([record(silent, stage=1, expiration=4e12)])
+    assert silent not in membership.mates and membership.unreachable[silent] == UNREACHABLE_HOLD
 
 
 @pytest.mark.timeout(300)
