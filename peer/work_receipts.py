@@ -64,7 +64,6 @@ class WorkReceipts:
         self._progress_liars: dict[str, int] = {}  # per mate: progress messages that named unreceipted work
         self._latest: dict[str, int] = {}  # per peer: the latest step a good receipt naming it was for
         self._unvouched_states: set[str] = set()  # peers whose state did not count, named once each
-        self._fell_back = False  # the last look found no vouched peer (said once per spell)
         self.refused_backwards = 0  # backwards without a good receipt for this peer
         self.unreceipted_samples = 0  # samples mates claimed in rounds without a good receipt
 
@@ -229,20 +228,10 @@ class WorkReceipts:
 
     def state_sources(self, infos: dict[str, PeerInfo], initial: tuple[int, str] | None = None) -> dict[str, PeerInfo]:
         """Of the peers that answered their (step, fingerprint), those whose state may count: the ones
-        `vouches_for` holds, the others named once each. Where none does (every peer of the stage joined since
-        a trainer last gave it work, as after an idle spell with churn), all of them, as in an open swarm:
-        insiders take a stage over then only where no peer a vouched trainer worked with is left to answer."""
+        `vouches_for` holds; the others are named once each. None counts where none is vouched, even when every
+        peer of the stage joined since a trainer last gave it work (as after an idle spell with churn): taking
+        unvouched states then would hand a fresh stage to any two identities announcing a later step."""
         vouched = {p: info for p, info in infos.items() if self.vouches_for(p, info, initial)}
-        if not vouched:
-            if infos and not self._fell_back:
-                logger.warning(
-                    f"Stage {self.stage}: none of the {len(infos)} peers that answered shows a recent receipt "
-                    "from a vouched trainer (none has worked since it joined); their state counts as in a swarm "
-                    "without a trust root, until a trainer gives them work"
-                )
-            self._fell_back = bool(infos)
-            return infos
-        self._fell_back = False
         for peer_id, info in infos.items():
             if peer_id not in vouched:
                 level = logging.DEBUG if peer_id in self._unvouched_states else logging.WARNING
