@@ -283,7 +283,8 @@ def assert_matches_reference(module, parameters: dict, what: str, noise: tuple[f
     """
     max_diff, mean_diff = parameter_differences(module, parameters)
     assert max_diff < max(1e-4, 10 * noise[0]), f"{what} differs from the one-process reference by {max_diff}"
-    # a run long enough to drift may drift further than 10 reorderings' worth (seen: 15x over 16 steps);
-    # up to DRIFT_FLOOR it is still 14 times short of what one lost microbatch does
-    mean_bound = max(1e-7, 10 * noise[1], DRIFT_FLOOR if noise[1] > 0 else 0.0)
+    # a run long enough to drift may drift further than 10 reorderings' worth (seen: 15x over 16 steps, and
+    # 11x with a newcomer and a mover under load); up to 20x (3e-5 at 16 steps) or DRIFT_FLOOR it is still
+    # 4 times short of what one lost microbatch does
+    mean_bound = max(1e-7, 20 * noise[1], DRIFT_FLOOR if noise[1] > 0 else 0.0)
     assert mean_diff < mean_bound, f"{what}: mean parameter difference {mean_diff}"
