@@ -19,19 +19,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parents[1]))
 
 from swarm.net.dht_node import TetheredDHT  # noqa: E402
-from swarm.net.transport import (  # noqa: E402
-    COMMIT_PROTOCOL,
-    GRAD_PROTOCOL,
-    INFO_PROTOCOL,
-    PROGRESS_PROTOCOL,
-    SLICE_PROTOCOL,
-    STAGE_PROTOCOL,
-    STATE_PROTOCOL,
-)
+from swarm.net.transport import INFO_PROTOCOL, STAGE_PROTOCOL  # noqa: E402
+from swarm.peer.mates import MATE_PROTOCOLS  # noqa: E402
 from swarm.records.stage_records import SERVING, StageRecord, announce, fetch_stage_records  # noqa: E402
 
-PROTOCOLS = [STAGE_PROTOCOL, INFO_PROTOCOL, PROGRESS_PROTOCOL, GRAD_PROTOCOL, STATE_PROTOCOL, COMMIT_PROTOCOL]
-PROTOCOLS.append(SLICE_PROTOCOL)
+PROTOCOLS = [STAGE_PROTOCOL, INFO_PROTOCOL, *MATE_PROTOCOLS]
 
 
 async def stall(_info, _reader, writer) -> None:
