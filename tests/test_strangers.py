@@ -347,11 +347,15 @@ def test_requests_held_over_all_callers_stay_within_the_budget_and_its_bytes_com
         return reader, writer
 
     async def go(p2p):
-        held = [await announce_frame(p2p) for _ in range(2)]  # two callers' worth: the whole budget
-        reader, writer = await announce_frame(p2p)
-        refused, _ = await asyncio.wait_for(read_frames(reader, StageReply, WireLimits()), 30)
-        writer.close()
-        for _, held_writer in held:  # their streams end: the bytes they held come back
+        # three callers' frames, two of which fill the budget: whichever the peer reads last is refused at once
+        streams = [await announce_frame(p2p) for _ in range(3)]
+        replies = [asyncio.ensure_future(read_frames(reader, StageReply, WireLimits())) for reader, _ in streams]
+        done, pending = await asyncio.wait(replies, timeout=30, return_when=asyncio.FIRST_COMPLETED)
+        assert len(done) == 1, f"{len(done)} of the 3 streams answered within 30 s"
+        refused, _ = done.pop().result()
+        for task in pending:
+            task.cancel()
+        for _, held_writer in streams:  # their streams end: the bytes they held come back
             held_writer.close()
         deadline = asyncio.get_running_loop().time() + 30
         while True:  # a request of the same size is taken again (its body then fails to parse: BAD_REQUEST)
