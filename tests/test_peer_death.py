@@ -58,7 +58,7 @@ def trainer_exit_code(local_swarm, trainer, timeout: float) -> int:
 
 @pytest.mark.timeout(300)
 def test_killed_peer_loses_no_microbatch(local_swarm, tmp_path):
-    steps, micro, kill_at = 8, 1, 2
+    steps, micro, kill_at = 12, 1, 2  # steps enough that a loaded machine still sees peer1a hold 2 samples
     # one sample per microbatch, many in flight, 100 ms each way: a kill lands between forwards and backwards
     trainer, summary_file = start_two_mates_and_trainer(local_swarm, tmp_path, steps, 8, peer1a=("--metrics-port", "0"))
     url = metrics_url(local_swarm, "peer1a")
