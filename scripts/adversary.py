@@ -97,13 +97,10 @@ NOT_COVERED = {
 
 
 def wait_serving(swarm: LocalSwarm, names: list[str], timeout: float = 120.0) -> None:
-    """Waits until each named peer logged that it serves."""
+    """Waits until each named peer logged that it serves (all within `timeout`)."""
     deadline = time.monotonic() + timeout
     for name in names:
-        while "Serving stage" not in swarm.log_path(name).read_text(errors="replace"):
-            if swarm.processes[name].poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{name} did not start:\n{swarm.log_path(name).read_text()[-2000:]}")
-            time.sleep(0.2)
+        wait_logged(swarm, name, "Serving stage", max(0.0, deadline - time.monotonic()))
 
 
 def layout(attack: str | None, stage: int) -> list[tuple[int, str]]:
