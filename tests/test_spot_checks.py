@@ -7,13 +7,12 @@ import logging
 import re
 import signal
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import metric, metrics_url, peer_flags, trainer_flags, wait_for_records
+from conftest import peer_flags, trainer_flags, wait_for_records
 
 from swarm.compression import get_codec
 from swarm.records.accusations import Accusation, AccusationBook, parse_records, sign_accusation
@@ -108,8 +107,11 @@ def test_a_record_carries_only_its_own_signer_s_accusations(organizer):
     assert parse_records([(b"x", SimpleNamespace(value={"accusations": [signed.to_value()] * 33}))]) == []
 
 
-def start_swarm(local_swarm, tmp_path, public: str, stage1: list[str], hostile: str | None = None) -> None:
-    """Stages 0 and 2 with one peer each, stage 1 with `stage1` (`hostile` runs the wrong-outputs attack)."""
+def start_swarm(
+    local_swarm, tmp_path, public: str, stage1: list[str], hostile: str | None = None, faults: str = ""
+) -> None:
+    """Stages 0 and 2 with one peer each, stage 1 with `stage1` (`hostile` runs the wrong-outputs attack,
+    peer1a is started with `faults`)."""
     local_swarm.start_bootstrap()
     for stage, names in {0: ["peer0"], 1: stage1, 2: ["peer2"]}.items():
         for name in names:
@@ -119,8 +121,8 @@ def start_swarm(local_swarm, tmp_path, public: str, stage1: list[str], hostile: 
                 pinned = ["--stage", "1", "--initial-peers", *local_swarm.initial_peers, "--rebalance-period", "0"]
                 local_swarm.spawn(name, "peer", [*pinned, *flags], prefix=prefix)
             else:
-                metrics = ["--metrics-port", "0"] if name == "peer1a" and hostile is None else []
-                local_swarm.start_peer(name, stage, [*flags, *metrics])
+                injected = ["--faults", faults] if name == "peer1a" and faults else []
+                local_swarm.start_peer(name, stage, [*flags, *injected])
     serving = [lambda r, s=s: sum(p.state == SERVING for p in r[s]) for s in range(3)]
     wait_for_records(local_swarm.initial_peers, lambda r: [count(r) for count in serving] == [1, len(stage1), 1])
 
@@ -168,21 +170,18 @@ def peer_id(local_swarm, name: str) -> str:
 
 @pytest.mark.timeout(600)
 def test_honest_peers_are_never_accused_under_churn(local_swarm, tmp_path, organizer):
-    """Three honest peers on stage 1, one SIGKILLed mid-step while it holds samples; half of all forwards
-    are checked: answers are compared across peers at the same step, and no one is accused."""
+    """Three honest peers on stage 1; one is SIGKILLed (with its daemons) as it holds the samples of its
+    sixth backward, before answering it; half of all forwards are checked: answers are compared across
+    peers at the same step, and no one is accused."""
     public, _ = organizer
-    start_swarm(local_swarm, tmp_path, public, ["peer1a", "peer1b", "peer1c"])
+    # ~2 backwards of each step reach each mate of stage 1: the sixth lands around step 3, mid-step
+    start_swarm(local_swarm, tmp_path, public, ["peer1a", "peer1b", "peer1c"], faults="after_backward@6=die")
     trainer = start_trainer(local_swarm, tmp_path, organizer, 10, 0.5, "--emulate-latency-ms", "20")
-    url = metrics_url(local_swarm, "peer1a")
-    deadline = time.monotonic() + 150
-    while metric(url, "swarm_peer_step") < 3 or metric(url, "swarm_peer_samples_accumulated") < 1:
-        assert time.monotonic() < deadline and trainer.poll() is None, "peer1a never held samples at step 3"
-        time.sleep(0.05)
-    local_swarm.stop("peer1a", signal.SIGKILL)
     summary = finish(local_swarm, tmp_path, trainer)
     counts = summary["spot_checks"]
     print(f"spot checks {counts}")
     assert summary["steps"] == 10 and counts["compared"] >= 10, counts
     assert counts["mismatches"] == 0 and counts["accusations"] == 0, counts
+    assert local_swarm.processes["peer1a"].poll() == -signal.SIGKILL, "peer1a never reached its sixth backward"
     for log in local_swarm.workdir.glob("*.log"):
         assert "is accused by trainer" not in log.read_text(errors="replace"), log.name
