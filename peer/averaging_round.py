@@ -254,13 +254,21 @@ class AveragingRound:
         A member that no longer announces itself serving is given `ABSENT_GRACE` seconds, one that does
         the whole `averaging_timeout`: a peer that has just died can leave a connection that hangs
         rather than fails, and its expired record says it is gone long before the timeout would.
+        With a trust root, so is a serving mate that no receipt ever named: it holds nothing that
+        counts, and identities that announce themselves serving and answer nothing are free to make.
         """
         now = self.machine.loop.time()
-        mates = set(self.membership.mates)
+        mates = {p for p in self.membership.mates if self._worked(p)}
         limit = self.averaging_timeout if missing & mates else min(ABSENT_GRACE, self.averaging_timeout)
         remaining = started + limit - now
         # wake up at least every second: the DHT view may drop the member meanwhile
         return 0.0 if remaining <= 0 else max(0.01, min(remaining, 1.0))
+
+    def _worked(self, peer_id: str) -> bool:
+        """Whether mate `peer_id` may hold work that counts: always without a trust root; with one, once a good
+        receipt named it."""
+        receipts = self.machine.receipts
+        return receipts is None or receipts.receipted_since(peer_id, 0)
 
     # --- first phase: the contributions -------------------------------------------------------------------
 
@@ -288,6 +296,8 @@ class AveragingRound:
                     f"Stage {machine.stage} step {step}: no gradients from {len(missing)} mate(s) within "
                     f"{loop.time() - started:.0f}s; averaging without them"
                 )
+                for peer_id in missing - {p for p in missing if self._worked(p)}:
+                    self.membership.mark_unreachable(peer_id)  # until it says something: it never worked
                 return
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(machine.changed.wait(), wait)
@@ -325,7 +335,9 @@ class AveragingRound:
         parts = []
         if handover and own.grad_sum is not None:  # a leaving peer sends its whole gradient: it owns no slice
             parts = await loop.run_in_executor(None, encode_tensor, own.grad_sum, self.codec)
-        reply = await machine.call_mate(peer_id, GRAD_PROTOCOL, pack_frames(header, parts), self.averaging_timeout)
+        # a mate that never worked is waited for briefly (see _wait_for): its call is given up as soon
+        timeout = self.averaging_timeout if self._worked(peer_id) else min(ABSENT_GRACE, self.averaging_timeout)
+        reply = await machine.call_mate(peer_id, GRAD_PROTOCOL, pack_frames(header, parts), timeout)
         if isinstance(reply, Exception):
             logger.warning(f"Stage {machine.stage} step {step}: mate {peer_id} is unreachable ({reply}); dropping it")
             self.membership.mark_unreachable(peer_id)

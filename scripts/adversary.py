@@ -26,7 +26,8 @@ Attacks (the insider holds a valid key and signed record; see scripts/harness/ho
   failed when the newcomer took the state of the step the swarm trained to.
 - `record-flood`: four identities each sign a copy of an honest serving record on the attacked stage,
   renew it, and hold every call to them open unanswered (scripts/harness/record_flood.py). It slows
-  rather than steers: it has failed only where training took at most 3 times as long as the honest run.
+  rather than steers: it has failed only where training took at most 3 times as long as the honest run,
+  or 10 s longer (one round waits a few seconds for mates that never worked, once).
 - `near-state-takeover`: the same crafted state one step ahead, where the insiders' recent receipts vouch
   for them, against three honest peers (peer1a, peer1e, peer1f on stage 1): the version more vouched peers
   hold wins, so it fails where more honest peers than insiders had work within the last 8 steps (over a
@@ -67,7 +68,7 @@ ATTACKS = {
     "wrong-outputs": ("peer", "is accused by trainer"),
     "state-takeover": ("peer", "shows no receipt from a vouched trainer naming it"),
     "near-state-takeover": ("peer", "Took stage"),
-    "record-flood": ("flood", "unreachable"),
+    "record-flood": ("flood", "get work once they answer one"),
 }
 # what an attack needs beyond the common layout (letters after `peer{stage}`, on the attacked stage): a third peer
 # to side with the honest one when the trainer's spot check finds two answers disagreeing, and a share of
@@ -200,7 +201,7 @@ def judge(run: dict, honest: dict, attack: str, stage: int, args: argparse.Names
         unchanged = unchanged and f"Took stage {stage} state at step {args.steps} " in run["logs"][newcomer]
     close = abs(run["loss"] - honest["loss"]) <= args.loss_spread
     if attack in SLOWING:  # what it is after is time: the training must take about as long as the honest one
-        close = close and run["seconds"] <= max(SLOWING[attack] * honest["seconds"], honest["seconds"] + 30)
+        close = close and run["seconds"] <= max(SLOWING[attack] * honest["seconds"], honest["seconds"] + 10)
     if attack in DETECTED_AFTER_USE:  # bounded in time instead: accused within its steps
         close = bool(proof) and int(re.search(r"at step (\d+)", proof).group(1)) <= DETECTED_AFTER_USE[attack]
     result = {

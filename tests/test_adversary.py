@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -40,3 +41,16 @@ def test_two_insiders_serving_a_crafted_later_state_are_not_taken_up_by_a_newcom
     (attack,) = adversary_report("state-takeover")["attacks"]
     assert attack["failed"] and "does not count: it shows no receipt" in attack["evidence"], attack
     assert "Took stage 1 state at step 2 from mate" in attack["newcomer"], attack
+
+
+@pytest.mark.timeout(420)
+def test_identities_that_announce_themselves_serving_and_answer_nothing_cost_one_short_wait():
+    # four of them on stage 1 beside two honest peers: the trainer gives them trial forwards only, and the
+    # honest peers' first round waits a few seconds for them (they never worked), then no more
+    report = adversary_report("record-flood", steps=4)
+    (attack,) = report["attacks"]
+    # training began once each stage had a peer that answered: the silent four are among the others
+    silent = re.search(r"the other (\d+) get work once they answer one", attack["evidence"] or "")
+    assert attack["failed"] and silent and int(silent.group(1)) >= 4, attack
+    assert attack["samples"] == report["honest"]["samples"] == 4 * 24
+    assert attack["train_seconds"] <= report["honest"]["train_seconds"] + 10, (attack, report["honest"])

@@ -181,3 +181,32 @@ def test_a_peer_is_timed_by_its_replies_not_by_the_wait_behind_this_trainers_own
     now.now = 10.0
     assert caller._service_seconds("p", started=8.5) == 1.5
     assert caller._service_seconds("q", started=8.0) == 2.0  # peers are timed apart
+
+
+def test_on_probation_a_peer_that_never_answered_gets_trials_not_work():
+    router = Router(rng=random.Random(0), probation=True)
+    router.update({0: [record("honest"), record("silent-1"), record("silent-2"), record("silent-3")]}, now=0.0)
+    # before any peer answered, every peer takes work: a fresh stage has no one else to give it to
+    assert {router.choose(0).peer_id for _ in range(40)} == {"honest", "silent-1", "silent-2", "silent-3"}
+    router.report_success("honest", samples=8, seconds=0.1)
+    assert {router.choose(0).peer_id for _ in range(40)} == {"honest"}
+    # trials go to the silent ones, two at a time per stage, each peer once until its trial ends
+    first, second = router.trial_candidate(0), router.trial_candidate(0)
+    assert {first.peer_id, second.peer_id} < {"silent-1", "silent-2", "silent-3"} and first != second
+    assert router.trial_candidate(0) is None
+    router.trial_done(first.peer_id)
+    router.report_failure(first.peer_id)  # a failed trial bans it: the next trial goes to another
+    third = router.trial_candidate(0)
+    assert third.peer_id not in (first.peer_id, second.peer_id)
+    router.trial_done(second.peer_id)
+    router.report_success(second.peer_id, samples=8, seconds=0.1)  # an answered trial ends its probation
+    assert {router.choose(0).peer_id for _ in range(400)} == {"honest", second.peer_id}
+
+
+def test_on_probation_peers_take_work_when_no_peer_that_answered_is_live():
+    router = Router(rng=random.Random(0), clock=lambda: 0.0, probation=True)
+    router.update({0: [record("answered"), record("newcomer")]}, now=0.0)
+    router.report_success("answered", samples=8, seconds=0.1)
+    router.report_failure("answered")  # banned: the newcomer is all the stage has
+    assert router.choose(0).peer_id == "newcomer"
+    assert router.trial_candidate(0) is None  # no trial needed: it takes work as it is

@@ -15,6 +15,12 @@ a record claiming 1e9 samples/s draws no more calls before its first reply than 
 
 A peer that fails is banned for a time that doubles with every consecutive failure and resets on
 success. Each call's deadline follows the peer's observed latency, between a floor and a ceiling.
+
+With `probation`, a peer earns work by answering: while a stage has a live peer that answered this
+router, peers that never did get no calls of the training's own. They are tried with trial calls
+instead (`trial_candidate`, a copy of a forward already answered elsewhere), at most a few at a time
+per stage. A record is free to publish, so without it any number of identities that announce
+themselves serving and never answer would each hold up a share of every step until its call timed out.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ class _Ban:
     failures: int
 
 
+MAX_TRIALS = 2  # trial calls in flight per stage: identities that never answer hold up no more streams than that
 # a backward recomputes the forward, then backpropagates: about three forwards' work
 FORWARD_SHARE_OF_BACKWARD = 1 / 3
 EWMA = 0.2
@@ -51,6 +58,7 @@ class Router:
         deadline_floor: float = 15.0,
         deadline_ceiling: float = 60.0,
         deadline_factor: float = 4.0,
+        probation: bool = False,
     ) -> None:
         self.rng = rng or random.Random()
         self.clock = clock
@@ -68,6 +76,9 @@ class Router:
         self.finish: dict[int, dict[str, float]] = {}
         self.measured: dict[int, float] = {}  # per stage: the fastest backward speed timed there, samples/s
         self._live_before: dict[int, set[str]] = {}
+        self.probation = probation
+        self.answered: set[str] = set()  # peers that answered a call of this router: work goes to them first
+        self.trials: dict[str, int] = {}  # peers under a trial call now, and their stage
 
     def update(self, records: dict[int, list[StageRecord]], now: float) -> None:
         """Merges fresh records into the known ones and forgets those expired at DHT time `now`.
@@ -129,6 +140,8 @@ class Router:
         excluded = set(exclude)
         live = self.live_peers(stage)
         fitting = [r for r in live if not 0 < r.max_microbatch < samples] or live
+        if self.probation:  # peers on probation take work only where no peer that answered is live
+            fitting = [r for r in fitting if r.peer_id in self.answered] or fitting
         candidates = [r for r in fitting if r.peer_id not in excluded] or fitting
         if not candidates:
             return None
@@ -153,6 +166,42 @@ class Router:
         finish[chosen.peer_id] = ends[chosen.peer_id]
         return chosen
 
+    def trial_candidate(self, stage: int) -> StageRecord | None:
+        """A live peer of `stage` on probation to try now, marked as under trial until `trial_done`; None if the
+        stage has no live peer that answered (its peers on probation get real calls), none on probation, or
+        `MAX_TRIALS` trials under way."""
+        if not self.probation:
+            return None
+        live = self.live_peers(stage)
+        if not self.has_answered(stage):
+            return None
+        if sum(s == stage for s in self.trials.values()) >= MAX_TRIALS:
+            return None
+        waiting = [r for r in live if r.peer_id not in self.answered and r.peer_id not in self.trials]
+        if not waiting:
+            return None
+        chosen = self.rng.choice(waiting)
+        self.trials[chosen.peer_id] = stage
+        return chosen
+
+    def first_trials(self, stage: int, limit: int) -> list[StageRecord]:
+        """Up to `limit` live peers of `stage` on probation, at random, marked as under trial: the trainer's first
+        contact, before any work (so that its first step does not wait on identities that answer nothing)."""
+        if not self.probation:
+            return []
+        waiting = [r for r in self.live_peers(stage) if r.peer_id not in self.answered and r.peer_id not in self.trials]
+        chosen = self.rng.sample(waiting, min(limit, len(waiting)))
+        self.trials.update((r.peer_id, stage) for r in chosen)
+        return chosen
+
+    def has_answered(self, stage: int) -> bool:
+        """Whether a live peer of `stage` answered this router."""
+        return any(r.peer_id in self.answered for r in self.live_peers(stage))
+
+    def trial_done(self, peer_id: str) -> None:
+        """The trial call to `peer_id` ended (its outcome is reported as any call's)."""
+        self.trials.pop(peer_id, None)
+
     def deadline(self, record: StageRecord, backward: bool, samples: int) -> float:
         """Seconds to wait for a call before giving up on the peer: a multiple of its expected time, bounded.
 
@@ -166,8 +215,9 @@ class Router:
         return min(self.deadline_ceiling, max(self.deadline_floor, self.deadline_factor * expected))
 
     def report_success(self, peer_id: str, backward: bool = False, samples: int = 0, seconds: float = 0.0) -> None:
-        """Lifts any ban and folds the call's duration into the peer's expected service time."""
+        """Lifts any ban, ends any probation and folds the call's duration into the peer's expected service time."""
         self.bans.pop(peer_id, None)
+        self.answered.add(peer_id)
         if samples > 0:
             key = (peer_id, backward)
             per_sample = seconds / samples

@@ -51,3 +51,5 @@ class TrainingSummary:
     settled: bool = False
     # forwards drawn for a spot check, compared, found disagreeing, left undecided, and accusations made
     spot_checks: dict[str, int] = field(default_factory=dict)
+    # copies of answered forwards sent to peers that never answered this trainer: answered, and failed
+    trial_forwards: dict[str, int] = field(default_factory=dict)

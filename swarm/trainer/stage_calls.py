@@ -37,6 +37,7 @@ from swarm.trainer.outcome import TrainingError, TrainingSummary
 from swarm.trainer.peer_finder import PeerFinder
 from swarm.trainer.resend_buffer import ResendBuffer
 from swarm.trainer.spot_checks import SpotChecker
+from swarm.trainer.trial_calls import TrialCalls
 from swarm.trust.receipts import ReceiptSigner
 from swarm.trust.vouchers import load_voucher
 
@@ -112,6 +113,8 @@ class StageCaller:
         self.dtype: torch.dtype | None = torch.float32
         self.receipts = receipt_signer(config)  # in a swarm with a trust root: signs each backward's receipt
         self.spot_checks: SpotChecker | None = None  # with a voucher and --spot-check-share: set by the trainer
+        # peers on probation (never answered this trainer) are tried with copies of answered forwards
+        self.trials = TrialCalls(router, self.attempt, self._codec_for)
 
     async def call(
         self,
@@ -139,7 +142,7 @@ class StageCaller:
                 await self.peers.wait_for_stage(stage, before_first_step=not self.summary.steps)
                 continue
             tries.attempts += 1
-            codec = self.chooser.codec_for(record.peer_id) if self.chooser else self.config.compression
+            codec = self._codec_for(record.peer_id)
             stats = CallStats()
             started = time.perf_counter()
             try:
@@ -152,14 +155,19 @@ class StageCaller:
             service = self._service_seconds(record.peer_id, started)
             self.router.report_success(record.peer_id, backward, samples, service)
             self._answered(record, stage, backward, tensors, microbatch_id, reply, codec, stats, started)
-            if not backward and self.spot_checks is not None:
-                self.spot_checks.after_forward(record, tensors, microbatch_id, reply, outputs, get_codec(codec))
+            if not backward:
+                self.trials.after_forward(stage, tensors, microbatch_id, tries.step)
+                if self.spot_checks is not None:
+                    self.spot_checks.after_forward(record, tensors, microbatch_id, reply, outputs, get_codec(codec))
             return reply, outputs
         raise TrainingError(
             f"stage {stage} completed no call for {self.config.stage_wait_timeout:.0f}s; microbatch "
             f"{microbatch_id} failed {self.config.max_retries} attempts, {tries.requeues + 1} times over: "
             f"{tries.last_error}"
         )
+
+    def _codec_for(self, peer_id: str) -> str:
+        return self.chooser.codec_for(peer_id) if self.chooser else self.config.compression
 
     def _service_seconds(self, peer_id: str, started: float) -> float:
         """What the call just answered by `peer_id` took of the peer's time: from when it was sent, or from the
@@ -234,7 +242,7 @@ class StageCaller:
         self._check_reply(stage, backward, tensors, reply, outputs, record.peer_id)
         return reply, outputs
 
-    attempt = _send  # one attempt at a peer, no retry: what a spot check asks of a second peer
+    attempt = _send  # one attempt at a peer, no retry: what a spot check or a trial asks of a second peer
 
     async def _failed(
         self, record: StageRecord, stage: int, backward: bool, microbatch_id: int, e: StageCallError, tries: _Attempts

@@ -78,7 +78,9 @@ class Trainer:
         shaper = None
         if config.emulate_bandwidth_mbit or config.emulate_latency_ms:
             shaper = LinkShaper(LinkShape(config.emulate_bandwidth_mbit, config.emulate_latency_ms))
-        self.router = Router(deadline_floor=config.call_timeout_floor, deadline_ceiling=config.call_timeout)
+        self.router = Router(
+            deadline_floor=config.call_timeout_floor, deadline_ceiling=config.call_timeout, probation=True
+        )
         self.summary = TrainingSummary()
         # the DHT forks: create it before the corpus or anything else starts threads
         self.dht = start_dht(config)
@@ -330,6 +332,7 @@ class Trainer:
             )
             summary.first_step = self.step
             self._split_plan()  # before the first call: a microbatch larger than some peer accepts is said now
+            await self.calls.trials.first_contact(self._probe, config.num_stages, self.step)
             start = time.perf_counter()
             self.progress.begin()
             bar = tqdm(total=config.steps, desc="training", unit="step", disable=not config.progress, mininterval=1.0)
@@ -344,6 +347,8 @@ class Trainer:
                 await steps.aclose()
             refreshing.cancel()
             publishing.cancel()
+            await self.calls.trials.stop()
+            self.summary.trial_forwards = {"passed": self.calls.trials.passed, "failed": self.calls.trials.failed}
             if self.calls.spot_checks is not None:
                 await self.calls.spot_checks.stop()
                 self.summary.spot_checks = asdict(self.calls.spot_checks.counts)
