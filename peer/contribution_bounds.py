@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 CLIP_FACTOR = 5.0
 
 
@@ -65,3 +67,83 @@ def _reference(per_sample_norms: list[float], counts: list[int], by_samples: boo
         if 2 * seen > total:
             return index
     return order[-1]
+
+
+# --- direction: a minority of contributions cannot pull the sum far ------------------------------------------
+
+CENTER_FACTOR = 4.0  # a contribution this many typical spreads from the others' is an outlier, clipped toward them
+CENTER_ITERATIONS = 4
+MIN_CENTERED = 3  # below this many contributions there is no majority to compare with
+CHUNK = 1 << 20  # coordinates handled at once: the work's memory stays a few chunks, whatever the slice
+
+
+def centered_sum(pieces: list[torch.Tensor], samples: list[int], factor: float = CENTER_FACTOR):
+    """The sum of the contributions' `pieces` (each a sum over its `samples`), robust to a minority pulling it away.
+
+    Norm clipping bounds a contribution's size, not its direction: one of the usual norm that points
+    elsewhere (a flipped or made-up gradient) goes into the sum whole. Each contribution's mean per sample
+    is compared with every other's, their distance scaled to the noise two honest means of those sample
+    counts show (which shrinks like the square root of the samples); a contribution's score is the lower
+    median of its distances. One that scores more than `factor` times the typical (lower median) score is
+    an outlier, and the sum is then CenteredClip's (Karimireddy et al., 2021): from the mean of the others,
+    each contribution pulls the center by at most `factor` typical spreads, weighted by its samples, a few
+    times over.
+
+    Returns (None, []) where no contribution stands out, as in honest training: the plain sum is exact
+    then and is the caller's to take. Otherwise (the robust sum, the indices of the outliers).
+    """
+    used = [i for i, n in enumerate(samples) if n > 0]
+    if len(used) < MIN_CENTERED:
+        return None, []
+    rows = [pieces[i] for i in used]
+    counts = torch.tensor([float(samples[i]) for i in used], dtype=torch.float64)
+    weights = (counts / counts.sum()).float()
+    gram = torch.zeros(len(rows), len(rows), dtype=torch.float64)
+    for lo in range(0, rows[0].numel(), CHUNK):
+        means = _means(rows, counts, lo)
+        deviations = means - weights @ means  # about the mean: the products below lose no precision to it
+        gram += (deviations @ deviations.T).double()
+    squares = gram.diagonal()
+    distances = ((squares[:, None] + squares[None, :] - 2 * gram).clamp_min(0) / _noise(counts)).sqrt().tolist()
+    scores = [_lower_median([d for j, d in enumerate(row) if j != i]) for i, row in enumerate(distances)]
+    typical = _lower_median(scores)
+    outliers = [i for i, score in enumerate(scores) if score > factor * typical]
+    if not math.isfinite(typical) or typical <= 0 or not outliers:
+        return None, []
+    radii = factor * typical / counts.sqrt()
+    center = _clipped_center(rows, counts, weights, radii, outliers)
+    total = (center * float(counts.sum())).to(rows[0].dtype)
+    return total, [used[i] for i in outliers]
+
+
+def _means(rows: list[torch.Tensor], counts: torch.Tensor, lo: int) -> torch.Tensor:
+    """The contributions' means per sample over one chunk of coordinates from `lo`, float32, a row each."""
+    return torch.stack([row[lo : lo + CHUNK].float() / float(n) for row, n in zip(rows, counts)])
+
+
+def _noise(counts: torch.Tensor) -> torch.Tensor:
+    """Per pair, how the squared distance of two honest means grows with their noise: 1/n_i + 1/n_j."""
+    inverse = 1 / counts
+    return inverse[:, None] + inverse[None, :]
+
+
+def _lower_median(values: list[float]) -> float:
+    return sorted(values)[(len(values) - 1) // 2]
+
+
+def _clipped_center(rows, counts, weights, radii, outliers: list[int]) -> torch.Tensor:
+    """CenteredClip: from the weighted mean of the contributions not among `outliers`, each pulls the center
+    toward its own mean by at most its radius, a few times over."""
+    kept = torch.tensor([0.0 if i in outliers else float(w) for i, w in enumerate(weights)])
+    kept = kept / kept.sum()
+    size = rows[0].numel()
+    center = torch.cat([kept @ _means(rows, counts, lo) for lo in range(0, size, CHUNK)])
+    for _ in range(CENTER_ITERATIONS):
+        squares = torch.zeros(len(rows), dtype=torch.float64)
+        for lo in range(0, size, CHUNK):
+            squares += (_means(rows, counts, lo) - center[lo : lo + CHUNK]).double().square().sum(1)
+        pull = weights * torch.clamp(radii / squares.sqrt().clamp_min(1e-30), max=1.0).float()
+        for lo in range(0, size, CHUNK):
+            part = center[lo : lo + CHUNK]
+            part += pull @ (_means(rows, counts, lo) - part)
+    return center

@@ -87,6 +87,7 @@ class StageMates:
         faults: FaultPlan | None = None,
         ledger: SampleLedger | None = None,
         receipts: WorkReceipts | None = None,
+        robust_sum: str = "exact",
     ) -> None:
         self.runtime = runtime
         self.peer_id = peer_id
@@ -101,6 +102,7 @@ class StageMates:
         self.averaging = AveragingRound(
             self.machine, self.membership, self.progress, averaging_timeout, short_wait, codec or get_codec("none")
         )
+        self.averaging.slices.centered = robust_sum == "centered-clip"
         self.handover = StateHandOver(self.machine, self.membership, self.progress, self.averaging)
 
     async def start(self, p2p: P2P, admit: Callable[[Handler, str], Handler] = lambda handler, _: handler) -> None:

@@ -149,6 +149,7 @@ class Peer:
             faults=self.faults,
             ledger=self.ledger,
             receipts=work_receipts(config, self.peer_id, module.stage),
+            robust_sum=config.robust_sum,
         )
         self.limits = stage_limits(module, config.max_call_samples, int(config.max_request_mb * 2**20))
         self.handler = StageHandler(

@@ -28,6 +28,7 @@ from hivemind.p2p import PeerID
 from swarm.compression import Codec
 from swarm.net.transport import SLICE_PROTOCOL, exchange
 from swarm.net.wire import decode_tensors, encode_tensor, pack_frames
+from swarm.peer.contribution_bounds import centered_sum
 from swarm.peer.mate_membership import MateMembership
 from swarm.peer.mate_messages import MAX_MEMBERS, check_header
 from swarm.peer.protocol_handler import protocol_handler
@@ -79,6 +80,9 @@ class SliceExchange:
         self.bytes_received = 0
         self.false_norms = 0  # contributions whose slices held more than their sender stated
         self.clipped_slices = 0
+        # --robust-sum centered-clip: this peer's slices are summed with `centered_sum` (exact otherwise)
+        self.centered = False
+        self.centered_slices = 0  # slices summed robustly: a contribution stood out from the others
         # (step, attempt, digest) -> summed slices this peer holds, by index
         self.kept: OrderedDict[tuple[int, int, bytes], dict[int, torch.Tensor]] = OrderedDict()
         self.handle = protocol_handler(
@@ -176,9 +180,17 @@ class SliceExchange:
             seen = [math.sqrt(s) for s in squares]
             # with a trust root the sample counts are vouched for: the bound is the median sample's
             by_samples = machine.receipts is not None
-            scales = owner_scales(claims, seen, [box[p].samples for p in contributing], by_samples)
+            counts = [box[p].samples for p in contributing]
+            scales = owner_scales(claims, seen, counts, by_samples)
             self._note_bounds(step, contributing, claims, seen, scales)
             total = reduce_slice(taken, scales)
+            # with three or more, a contribution far from the others pulls the sum only so far
+            robust, outliers = None, []
+            if self.centered:
+                robust, outliers = centered_sum([p if s == 1.0 else p * s for p, s in zip(taken, scales)], counts)
+            if robust is not None:
+                total = robust
+                self._note_outliers(step, [contributing[i] for i in outliers])
             if self.codec.lossy:  # every member must hold the bits the others decode
                 total = decode_tensors(encode_tensor(total, self.codec), machine.limits)[0]
             return total, squares
@@ -201,6 +213,13 @@ class SliceExchange:
                     f"Stage {self.machine.stage} step {step}: the gradient of {sender} is {1 / scale:.3g} times "
                     f"the group's bound; scaled down to it ({self.clipped_slices} slices clipped so far)"
                 )
+
+    def _note_outliers(self, step: int, senders: list[str]) -> None:
+        self.centered_slices += 1
+        logger.warning(
+            f"Stage {self.machine.stage} step {step}: the gradient of {', '.join(senders) or 'a mate'} lies far "
+            f"from the others'; summed with CenteredClip ({self.centered_slices} slices so far)"
+        )
 
     # --- gather: every owner's slice --------------------------------------------------------------------
 

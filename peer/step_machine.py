@@ -191,8 +191,10 @@ class StepMachine:
         # one mate's record alone is no proof: where two or more serve, another must be as far ahead
         steps = sorted((r.step for r in mates.values()), reverse=True)
         ahead = (steps[1] if len(steps) >= 2 else steps[0] if steps else step) - step
-        self.behind_checks = self.behind_checks + 1 if ahead >= 1 else 0
-        # one step ahead for a moment is normal (a mate finishing a round first); longer is not
+        # one step ahead for a moment is normal (a mate finishing a round first); longer is not, unless this
+        # peer is in that round still (taking a dead owner's sum from a mate, say): it ends, or fails, itself
+        in_round = self.steps[step].phase == AVERAGING if step in self.steps else False
+        self.behind_checks = self.behind_checks + 1 if ahead >= 1 and not in_round else 0
         if ahead >= 2 or self.behind_checks >= 2:
             self.schedule_resync(f"mates announce step {step + ahead}, this peer is at {step}")
 

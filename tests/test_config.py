@@ -60,6 +60,7 @@ def test_flag_typo_is_an_error(capsys):
         ({"cli": {"initial_peers": ["/ip4/10.0.0/tcp/31337"]}}, "--initial-peers: '/ip4/10.0.0/tcp/31337' is not a"),
         ({"cli": {"initial_peers": ["/ip4/10.0.0.1/tcp/31337"]}}, "names no peer"),
         ({"cli": {"host_maddrs": ["0.0.0.0:31337"]}}, "--host-maddrs: '0.0.0.0:31337' is not a multiaddr"),
+        ({"env": {"SWARM_ROBUST_SUM": "median"}}, "--robust-sum must be one of ['exact', 'centered-clip']"),
     ],
 )
 def test_bad_settings_are_clear_errors(tmp_path, source, message):

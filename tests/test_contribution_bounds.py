@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from swarm.peer.contribution_bounds import CLIP_FACTOR, clip_scales
+from swarm.peer import contribution_bounds
+from swarm.peer.contribution_bounds import CLIP_FACTOR, centered_sum, clip_scales
 
 
 def test_contributions_of_one_size_are_taken_as_they_are():
@@ -51,3 +52,60 @@ def test_with_vouched_counts_a_near_zero_gradient_sets_the_bound_only_with_most_
     # a huge gradient of few samples is still clipped to the bound the median sample sets
     big, small = clip_scales([1e6, 2.0], [2, 22], by_samples=True)
     assert small == 1.0 and big == pytest.approx(CLIP_FACTOR * 2.0 * (22 / 2) ** 0.5 / 1e6)
+
+
+def honest_pieces(
+    counts: list[int], size: int = 4000, seed: int = 0, noise: float = 3.0
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Sums of `counts` samples' gradients: a common direction plus per-sample noise `noise` times as large;
+    and the direction."""
+    generator = torch.Generator().manual_seed(seed)
+    direction = torch.randn(size, generator=generator)
+    pieces = [n * direction + torch.randn(size, generator=generator) * n**0.5 * noise for n in counts]
+    return pieces, direction
+
+
+def test_honest_contributions_are_left_to_the_plain_sum():
+    for seed, counts in enumerate([[1, 1, 1], [1, 8, 30], [5, 5, 5, 5, 5, 5, 5, 5], [1, 2, 3, 4, 50]]):
+        pieces, _ = honest_pieces(counts, seed=seed)
+        assert centered_sum(pieces, counts) == (None, [])
+
+
+def test_a_flipped_contribution_among_three_or_more_pulls_the_sum_only_so_far():
+    # its pull is bounded by its share of the samples times a few honest spreads: small where the samples agree
+    for noise, bound in [(0.5, 0.3), (3.0, 1.5)]:
+        counts = [8, 8, 8, 8]
+        pieces, _ = honest_pieces(counts, noise=noise)
+        pieces[2] = -10 * pieces[2]  # the usual direction reversed, ten times over
+        total, outliers = centered_sum(pieces, counts)
+        assert outliers == [2]
+        honest_mean = sum(pieces[i] for i in (0, 1, 3)) / 24
+        plain_error = float((sum(pieces) / 32 - honest_mean).norm() / honest_mean.norm())
+        robust_error = float((total / 32 - honest_mean).norm() / honest_mean.norm())
+        assert plain_error > 2.5 and robust_error < bound, (noise, plain_error, robust_error)
+
+
+def test_the_outliers_are_those_far_from_most_others():
+    # two liars of five, each its own way: each is far from every other, the honest three are close
+    counts = [4, 4, 4, 4, 4]
+    pieces, _ = honest_pieces(counts, noise=0.5)
+    pieces[1], pieces[4] = -5 * pieces[1], pieces[4] + 40 * torch.randn(4000)
+    _, outliers = centered_sum(pieces, counts)
+    assert outliers == [1, 4]
+
+
+def test_fewer_than_three_contributions_or_empty_ones_are_not_centered():
+    pieces, _ = honest_pieces([8, 8])
+    assert centered_sum([pieces[0], -pieces[1] * 100], [8, 8]) == (None, [])
+    assert centered_sum([pieces[0], -pieces[1] * 100, torch.zeros(4000)], [8, 8, 0]) == (None, [])
+
+
+def test_chunks_of_coordinates_add_up_to_the_whole(monkeypatch):
+    counts = [3, 5, 8, 2]
+    pieces, _ = honest_pieces(counts, size=1000, noise=0.5)
+    pieces[0] = -8 * pieces[0]
+    whole, outliers = centered_sum(pieces, counts)
+    monkeypatch.setattr(contribution_bounds, "CHUNK", 7)  # 143 chunks, the last one short
+    chunked, chunked_outliers = centered_sum(pieces, counts)
+    assert outliers == chunked_outliers == [0]
+    assert torch.allclose(whole, chunked, rtol=1e-5, atol=1e-5)

@@ -13,6 +13,8 @@ from swarm.config.preemption_flag import PreemptionSourceError, parse_notice_sou
 from swarm.config.shared import MetricsConfig, ModelConfig, NetworkConfig
 from swarm.config.trust_settings import TrustConfig, VoucherConfig
 
+ROBUST_SUMS = ("exact", "centered-clip")  # --robust-sum: see swarm.peer.contribution_bounds
+
 
 @dataclass
 class DHTConfig(NetworkConfig):
@@ -114,6 +116,12 @@ class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig, TrustConfig):
     preemption_poll: float = option(5.0, "seconds between checks for a preemption notice")
     averaging_timeout: float = option(30.0, "seconds a stage-mate averaging round waits for a silent mate")
     averaging_codec: str = option("none", "codec for gradients sent to stage-mates (none is exact)")
+    robust_sum: str = option(
+        "exact",
+        "how this peer sums its slice of its stage's gradients: exact (the plain sum, as one process trains) or "
+        "centered-clip (with 3 or more mates, a gradient far from the others pulls the sum a few honest spreads "
+        "at most; an honest mate's gradient of a few unusual samples is sometimes clipped too)",
+    )
     max_staleness: int = option(
         1, "apply a backward whose forward ran up to N steps ago (counted as stale); refuse older ones"
     )
@@ -248,6 +256,8 @@ class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig, TrustConfig):
             raise ConfigError(f"--faults: {e}") from None
         from swarm.compression import CODECS
 
+        if self.robust_sum not in ROBUST_SUMS:
+            raise ConfigError(f"--robust-sum must be one of {list(ROBUST_SUMS)}, got {self.robust_sum!r}")
         if self.averaging_codec not in CODECS:
             raise ConfigError(f"--averaging-codec must be one of {sorted(CODECS)}, got {self.averaging_codec!r}")
 
