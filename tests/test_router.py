@@ -210,3 +210,15 @@ def test_on_probation_peers_take_work_when_no_peer_that_answered_is_live():
     router.report_failure("answered")  # banned: the newcomer is all the stage has
     assert router.choose(0).peer_id == "newcomer"
     assert router.trial_candidate(0) is None  # no trial needed: it takes work as it is
+
+
+def test_every_peer_gets_its_first_call_of_each_kind_before_any_gets_a_second():
+    # speeds measured at start beside others loading: a peer that started slow is still tried, and timed
+    router = Router(rng=random.Random(0))
+    claims = {"a": 369.0, "b": 223.0, "c": 200.0, "e": 43.0, "f": 20.0}
+    router.update({0: [record(peer, throughput) for peer, throughput in claims.items()]}, now=0.0)
+    for backward in (False, True):
+        assert {router.choose(0, backward=backward, samples=4).peer_id for _ in range(5)} == set(claims)
+    # then the claims route, until the calls' timings take over
+    later = Counter(router.choose(0, backward=True, samples=4).peer_id for _ in range(200))
+    assert later["a"] > later["c"] > later["f"], later

@@ -9,6 +9,9 @@ could: without the clock, a slow peer idle for a while held credit, took one of 
 microbatches and made the whole step wait for it. Expected times are moving averages of what the
 calls to a peer took, kept apart for forward and backward; a peer never called yet is costed from
 the throughput and queue it announces, and starts at the stage's current minimum so it is tried at once.
+Its first call of each kind costs nothing, so that it goes ahead of the others' next: a peer measures
+its speed at start beside others loading too (five on one machine announce 20 to 370 samples/s), and
+costed only by that claim, a peer that started slow would get no call, and so no timing, for steps.
 An announced throughput is a claim: one far above its stage's (`swarm.policy.claim_bounds`: its peers'
 claims, and the fastest speed this router timed there) costs the peer as a typical one of the stage, so
 a record claiming 1e9 samples/s draws no more calls before its first reply than an honest newcomer would.
@@ -74,6 +77,7 @@ class Router:
         # observed seconds per sample, per (peer, backward), and when each peer is expected to finish what it was sent
         self.service: dict[tuple[str, bool], float] = {}
         self.finish: dict[int, dict[str, float]] = {}
+        self.chosen: set[tuple[str, bool]] = set()  # (peer, backward) chosen once: its claim costs it from then on
         self.measured: dict[int, float] = {}  # per stage: the fastest backward speed timed there, samples/s
         self._live_before: dict[int, set[str]] = {}
         self.probation = probation
@@ -157,14 +161,25 @@ class Router:
                 finish[r.peer_id] = start - self.expected_seconds(r, backward, samples)
         # a peer's charge starts no earlier than now: idle time is no credit toward later calls
         now = self.clock()
-        ends = {
-            r.peer_id: max(finish[r.peer_id], now) + self.expected_seconds(r, backward, samples) for r in candidates
-        }
+        ends = {r.peer_id: max(finish[r.peer_id], now) + self._cost(r, backward, samples) for r in candidates}
         best = min(ends.values())
         # ties within rounding; finish times can be negative (a newcomer starts below the minimum)
         chosen = self.rng.choice([r for r in candidates if ends[r.peer_id] <= best + 1e-12 * max(1.0, abs(best))])
         finish[chosen.peer_id] = ends[chosen.peer_id]
+        if self._untried(chosen.peer_id, backward):
+            self.chosen.add((chosen.peer_id, backward))
+            finish[chosen.peer_id] += self.expected_seconds(chosen, backward, samples)
         return chosen
+
+    def _untried(self, peer_id: str, backward: bool) -> bool:
+        return (peer_id, backward) not in self.chosen and (peer_id, backward) not in self.service
+
+    def _cost(self, record: StageRecord, backward: bool, samples: int) -> float:
+        """What a call adds to the peer's charge when choosing: nothing for its first of the kind, before any
+        timing of it (see above)."""
+        if self._untried(record.peer_id, backward):
+            return 0.0
+        return self.expected_seconds(record, backward, samples)
 
     def trial_candidate(self, stage: int) -> StageRecord | None:
         """A live peer of `stage` on probation to try now, marked as under trial until `trial_done`; None if the
