@@ -214,10 +214,10 @@ def test_on_probation_peers_take_work_when_no_peer_that_answered_is_live():
 
 def test_every_peer_gets_its_first_call_of_each_kind_before_any_gets_a_second():
     # speeds measured at start beside others loading: a peer that started slow is still tried, and timed
-    router = Router(rng=random.Random(0))
     claims = {"a": 369.0, "b": 223.0, "c": 200.0, "e": 43.0, "f": 20.0}
-    router.update({0: [record(peer, throughput) for peer, throughput in claims.items()]}, now=0.0)
     for backward in (False, True):
+        router = Router(rng=random.Random(0))
+        router.update({0: [record(peer, throughput) for peer, throughput in claims.items()]}, now=0.0)
         assert {router.choose(0, backward=backward, samples=4).peer_id for _ in range(5)} == set(claims)
     # then the claims route, until the calls' timings take over
     later = Counter(router.choose(0, backward=True, samples=4).peer_id for _ in range(200))
