@@ -189,8 +189,10 @@ def evidence(logs: dict[str, str], needle: str, where: str, hostile: list[str]) 
     for name, text in logs.items():
         honest = name.startswith("intruder") if where == "trainer" else name not in hostile
         for line in text.splitlines() if honest else ():
-            if needle in line:
-                return f"{name}: {line.strip()[:300]}"
+            if needle in line:  # a long line (a traceback's, say) is cut around the needle, never through it
+                line = line.strip()
+                start = max(0, min(line.index(needle) - 150, len(line) - 300))
+                return f"{name}: {'...' if start else ''}{line[start : start + 300]}"
     return None
 
 

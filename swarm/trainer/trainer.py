@@ -177,11 +177,11 @@ class Trainer:
                     admitted.set()
                 # a microbatch larger than some peer accepts goes as parts, each a microbatch of its own
                 parts = tokens.split(part_size)
-                losses = await asyncio.gather(*(self.run_microbatch(part) for part in parts))
+                losses = await gather_or_cancel([self.run_microbatch(part) for part in parts])
                 gate.completed(len(tokens), sent)
                 return sum(loss * len(part) for loss, part in zip(losses, parts)) / len(tokens), len(tokens)
 
-        results = await asyncio.gather(*(limited(mb) for mb in microbatches))
+        results = await gather_or_cancel([limited(mb) for mb in microbatches])
         # the next step's forwards ask each stage for the step after the one these backwards reached: a
         # stage that has its batch waits to get there, one still short of it serves at once
         for stage, reached in self.calls.reached.items():
@@ -416,6 +416,19 @@ class Trainer:
     def shutdown(self) -> None:
         """Stops the trainer's DHT (and its daemon)."""
         self.dht.shutdown()
+
+
+async def gather_or_cancel(coroutines: list) -> list:
+    """Their results, in order; where one fails, the others are cancelled and awaited before its error is
+    raised, so that none is left running, or failing later with nobody to hear it."""
+    tasks = [asyncio.ensure_future(c) for c in coroutines]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 def run_trainer(config: TrainerConfig) -> TrainingSummary:
