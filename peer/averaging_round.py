@@ -28,6 +28,7 @@ import torch
 from swarm.compression import Codec
 from swarm.net.transport import COMMIT_PROTOCOL, GRAD_PROTOCOL
 from swarm.net.wire import decode_tensors, encode_tensor, pack_frames
+from swarm.peer.contribution_bounds import left_out
 from swarm.peer.mate_membership import MateMembership
 from swarm.peer.mate_messages import (
     Held,
@@ -90,6 +91,7 @@ class AveragingRound:
         self.dropped_members = 0
         self.samples_lost = 0
         self.samples_doubled = 0
+        self.samples_left_out = 0  # of two mates' contributions, samples of one beyond the bound (`_left_out`)
         self.failed_rounds = 0  # rounds whose slices could not all be summed: retried without the dead
         # peers that asked for this peer's state: they will not contribute to the round under way
         self.departed: set[str] = set()
@@ -170,12 +172,33 @@ class AveragingRound:
         if lost and not any(c.give_up for c in contributions):
             self._go_short(step, state, attempt, agreed, box, lost)
             return None
+        refused = self._left_out(step, box, agreed)
+        # a contribution left out stays a member (it steps on the sum too) that sends no slices and counts no samples
+        taken = {**box, **{p: dataclasses.replace(box[p], samples=0, grad_sum=None, held={}) for p in refused}}
         try:
-            grad = await self.slices.run(step, attempt, state, sorted(agreed), box)
+            grad = await self.slices.run(step, attempt, state, sorted(agreed), taken)
         except SlicesFailed as e:
             self._retry(step, state, attempt, box, e)
             return None
-        return self._account(step, contributions, grad, expected, summed, lost)
+        left = {key: n for peer in refused for key, n in box[peer].held.items()}
+        return self._account(step, [taken[p] for p in sorted(agreed)], grad, expected, lost, left)
+
+    def _left_out(self, step: int, box: dict[str, Contribution], agreed: set[str]) -> list[str]:
+        """The peers whose contributions this round leaves out: of two, one beyond the bound (`left_out`)."""
+        giving = [p for p in sorted(agreed) if box[p].samples > 0]
+        per_sample = [box[p].norm / box[p].samples for p in giving]
+        by_samples = self.machine.receipts is not None  # vouched counts: the bound is the median sample's
+        refused = [giving[i] for i in left_out(per_sample, [box[p].samples for p in giving], by_samples)]
+        for peer in refused:
+            other = min(per_sample[i] for i, p in enumerate(giving) if p != peer)
+            ratio = box[peer].norm / box[peer].samples / other if other > 0 else math.inf
+            self.samples_left_out += box[peer].samples
+            logger.warning(
+                f"Stage {self.machine.stage} step {step}: the gradient of {peer} is {ratio:.3g} times the other "
+                f"mate's per sample, beyond the bound; left out of the round with its {box[peer].samples} samples "
+                f"(two mates: none to scale it toward; {self.samples_left_out} samples left out so far)"
+            )
+        return refused
 
     def _account(
         self,
@@ -183,15 +206,17 @@ class AveragingRound:
         contributions: list[Contribution],
         grad: torch.Tensor | None,
         expected: Held,
-        summed: Counter[SampleKey],
         lost: Held,
+        left: Held,
     ) -> RoundResult:
-        """The round's result: its summed gradient, its samples by id, and what it doubled or lost."""
+        """The round's result: its summed gradient, its samples by id, and what it doubled, lost or left out."""
         stage = self.machine.stage
         total = sum(c.samples for c in contributions)
         ids: list[tuple[str, int, int]] = []
+        summed: Counter[SampleKey] = Counter()
         for contribution in contributions:
             ids += as_triples(contribution.held)
+            summed.update(contribution.held.keys())
         doubled = sum(expected.get(key, 0) * (count - 1) for key, count in summed.items() if count > 1)
         if doubled:
             self.samples_doubled += doubled
@@ -208,7 +233,9 @@ class AveragingRound:
             )
         if len(contributions) > 1:
             logger.debug(f"Stage {stage} step {step}: averaged {total} samples over {len(contributions)} peers")
-        return RoundResult(grad, total, ids, as_triples(lost))
+        # samples left out are given up by id too, as the lost are; one a kept contribution holds as well counts there
+        given_up = {**lost, **{key: n for key, n in left.items() if key not in summed}}
+        return RoundResult(grad, total, ids, as_triples(given_up))
 
     def _retry(
         self, step: int, state: StepState, attempt: int, box: dict[str, Contribution], failure: SlicesFailed

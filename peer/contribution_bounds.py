@@ -3,7 +3,7 @@
 A stranger in a public swarm can send a finite but huge gradient sum; summed in as it is, it would
 steer every replica of the stage. Each contribution's gradient per sample is compared with the
 group's: one whose norm exceeds `CLIP_FACTOR` times the lower median of the group's norms is scaled
-down to that bound.
+down to that bound; with only two contributions, it is left out of the round instead (`left_out`).
 
 A contribution of few samples is allowed a larger gradient per sample: early in training, and
 whenever the noise between samples outweighs their common direction, the norm of a sum of n
@@ -51,20 +51,35 @@ def clip_scales(
     return scales
 
 
+def left_out(
+    per_sample_norms: list[float], samples: list[int], by_samples: bool = False, factor: float = CLIP_FACTOR
+) -> list[int]:
+    """With exactly two contributions, the one beyond the bound (`clip_scales`), to be left out of the round.
+
+    Three or more have a majority to scale an outlier toward; two have none, and a gradient scaled down to
+    the bound still pulls the sum its way with the full weight of the samples it claims. So it is not
+    averaged in at all: the round steps on the other contribution alone and reports the one left out."""
+    if len(per_sample_norms) != 2:
+        return []
+    scales = clip_scales(per_sample_norms, samples, factor, by_samples)
+    return [index for index, scale in enumerate(scales) if scale < 1.0]
+
+
 def _reference(per_sample_norms: list[float], counts: list[int], by_samples: bool) -> int:
     """The contribution whose norm sets the bound.
 
     The lower median contribution: one outlier cannot raise it, but with two members either can lower it
-    (a near-zero gradient would clip the other's). With `by_samples`, the contribution holding the median
-    sample, ordered by norm: lowering the bound then takes more than half of the samples the round sums,
-    so a member moves it only with more than half of the stage's vouched work."""
+    (a near-zero gradient would clip the other's). With `by_samples`, the contribution holding the lower
+    median sample, ordered by norm: raising the bound takes more than half of the samples the round sums,
+    lowering it half of them. Where two members hold half each the smaller gradient sets it, since a step
+    too small costs a step while one too large (reversed, say) steers every replica."""
     order = sorted(range(len(per_sample_norms)), key=lambda i: per_sample_norms[i])
     if not by_samples:
         return order[(len(order) - 1) // 2]
     total, seen = sum(max(c, 0) for c in counts), 0
     for index in order:
         seen += max(counts[index], 0)
-        if 2 * seen > total:
+        if 2 * seen >= total:
             return index
     return order[-1]
 

@@ -314,6 +314,10 @@ class StageMates:
         return self.averaging.clipped_contributions
 
     @property
+    def samples_left_out(self) -> int:
+        return self.averaging.samples_left_out
+
+    @property
     def failed_rounds(self) -> int:
         return self.averaging.failed_rounds
 

@@ -34,6 +34,11 @@ STAGE_TALLIES: list[tuple[str, str, Callable[[StageRuntime, StageMates], int]]] 
     ("swarm_peer_averaging_rounds", "averaging rounds with the stage-mates", lambda r, m: m.rounds),
     ("swarm_peer_samples_lost", "samples a step went without (lost with a mate)", lambda r, m: m.samples_lost),
     ("swarm_peer_samples_doubled", "samples a step counted twice", lambda r, m: m.samples_doubled),
+    (
+        "swarm_peer_samples_left_out",
+        "samples of a mate's gradient beyond the bound, left out of a two-mate round",
+        lambda r, m: m.samples_left_out,
+    ),
     ("swarm_peer_divergences", "times this replica's parameters differed from its mates'", lambda r, m: m.divergences),
     ("swarm_peer_resyncs", "times this peer took a mate's state", lambda r, m: m.resyncs),
     (

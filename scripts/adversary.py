@@ -88,9 +88,10 @@ SLOWING = {"record-flood": 3.0}
 NOT_ON_LAST_STAGE = {"wrong-outputs"}
 NOT_COVERED = {
     "majority-gradient": (
-        "a member holding half or more of a round's vouched samples sets its norm bound, so its gradient (tiny, "
-        "reversed or inflated) goes in whole; with --robust-sum centered-clip, a minority's pull is bounded "
-        "instead (scripts/bench_robust_sum.py), not a majority's"
+        "a member holding more than half of a round's vouched samples sets its norm bound, so its gradient "
+        "(reversed or inflated) goes in whole, and one holding half does so for a tiny gradient (of two mates, the "
+        "other's is then left out); below the bound, a minority's reversed gradient still pulls the sum by its "
+        "share times the bound, unless --robust-sum centered-clip (scripts/bench_robust_sum.py) bounds it"
     ),
     "state-takeover-majority": (
         "as many identities that a vouched trainer gave work lately as honest peers on a stage, announcing a "

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from swarm.peer import contribution_bounds
-from swarm.peer.contribution_bounds import CLIP_FACTOR, centered_sum, clip_scales
+from swarm.peer.contribution_bounds import CLIP_FACTOR, centered_sum, clip_scales, left_out
 
 
 def test_contributions_of_one_size_are_taken_as_they_are():
@@ -45,13 +45,28 @@ def test_with_vouched_counts_a_near_zero_gradient_sets_the_bound_only_with_most_
     honest, tiny = 1.0, 1e-6  # per-sample norms
     # two members: by contribution, the near-zero one sets the bound and the honest gradient is cut a million-fold
     assert clip_scales([honest, tiny], [14, 10])[0] < 1e-4
-    # by sample, it takes more than half of the samples to set it: with fewer, nothing is clipped
+    # by sample, it takes half of the samples to set it: with fewer, nothing is clipped
     assert clip_scales([honest, tiny], [14, 10], by_samples=True) == [1.0, 1.0]
-    assert clip_scales([honest, tiny], [12, 12], by_samples=True) == [1.0, 1.0]
+    assert clip_scales([honest, tiny], [12, 12], by_samples=True)[0] < 1e-4
     assert clip_scales([honest, tiny], [11, 13], by_samples=True)[0] < 1e-4
+    # and a huge one more than half: where two hold half each, the smaller gradient sets the bound
+    assert clip_scales([1e6 * honest, honest], [12, 12], by_samples=True)[0] < 1e-4
+    assert clip_scales([1e6 * honest, honest], [13, 11], by_samples=True) == [1.0, 1.0]
     # a huge gradient of few samples is still clipped to the bound the median sample sets
     big, small = clip_scales([1e6, 2.0], [2, 22], by_samples=True)
     assert small == 1.0 and big == pytest.approx(CLIP_FACTOR * 2.0 * (22 / 2) ** 0.5 / 1e6)
+
+
+def test_of_two_a_contribution_beyond_the_bound_is_left_out_not_scaled():
+    # of two, the one a round would scale down is left out whole; the one that sets the bound stays
+    assert left_out([1.0, 1e6], [8, 8]) == [1]
+    assert left_out([1e-6, 1.0], [8, 8]) == [1]  # without vouched counts the smaller sets it, whoever lies
+    assert left_out([1.0, 1e6], [8, 8], by_samples=True) == [1]
+    assert left_out([1.0, 1e6], [7, 9], by_samples=True) == []  # more than half the samples set the bound
+    # honest gradients of few and many samples stay in; three or more are scaled instead (`clip_scales`)
+    assert left_out([3.0, 1.0], [1, 9]) == []
+    assert left_out([1.0, 1e6, 1.1], [8, 8, 8]) == []
+    assert left_out([1.0], [8]) == []
 
 
 def honest_pieces(

@@ -51,6 +51,7 @@ PEER_METRICS = {
     "swarm_peer_averaging_rounds_total": "counter",
     "swarm_peer_samples_lost_total": "counter",
     "swarm_peer_samples_doubled_total": "counter",
+    "swarm_peer_samples_left_out_total": "counter",
     "swarm_peer_divergences_total": "counter",
     "swarm_peer_resyncs_total": "counter",
     "swarm_peer_failed_rounds_total": "counter",

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import signal
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import (
     TARGET,
     assert_matches_reference,
@@ -150,13 +152,13 @@ def test_a_trainer_in_a_swarm_with_a_trust_root_needs_a_voucher_of_that_root(org
     assert load_config(TrainerConfig, {"trust_root": public, "voucher": str(voucher_file)}).voucher
 
 
-def start_trusted_swarm(local_swarm, tmp_path, public: str, hostile: str | None = None) -> None:
+def start_trusted_swarm(local_swarm, tmp_path, public: str | None, hostile: str | None = None) -> None:
     """Stages 0 and 2 with one peer each, stage 1 with peer1a and peer1b (`hostile`: running that attack),
-    every peer with the trust root."""
+    every peer with the trust root (none: an open swarm)."""
     local_swarm.start_bootstrap()
     for stage, names in {0: ["peer0"], 1: ["peer1a", "peer1b"], 2: ["peer2"]}.items():
         for name in names:
-            flags = peer_flags(tmp_path / name, "--trust-root", public)
+            flags = peer_flags(tmp_path / name, *(["--trust-root", public] if public else []))
             if name == "peer1b" and hostile is not None:
                 prefix = [sys.executable, str(HOSTILE), hostile, "--"]
                 pinned = ["--stage", "1", "--initial-peers", *local_swarm.initial_peers, "--rebalance-period", "0"]
@@ -197,6 +199,32 @@ def test_a_mate_claiming_made_up_work_changes_nothing_where_receipts_count(
     assert checkpoint.step == steps and checkpoint.samples_stepped == steps * TARGET
     noise = reordering_noise(steps, 1, micro)
     assert_matches_reference(reference_run(steps, micro).stages[1], checkpoint.parameters, "stage 1", noise)
+
+
+@pytest.mark.timeout(300)
+def test_of_two_mates_a_gradient_beyond_the_bound_is_left_out_not_averaged_in(local_swarm, tmp_path):
+    """peer1b offers its gradient reversed and 100 times larger, its norm stated truly. Its mate leaves it out
+    of every round (scaled down to the bound it would still pull the sum its way), and both step on peer1a's
+    samples alone: stage 1 moves the way one process moves it, and the samples left out are counted."""
+    steps, micro = 3, 4
+    start_trusted_swarm(local_swarm, tmp_path, None, hostile="reversed-gradient")
+    summary_file = tmp_path / "summary.json"
+    trainer = local_swarm.start_trainer("trainer", trainer_flags(steps, summary_file, micro))
+    assert trainer.wait(240) == 0, local_swarm.log_path("trainer").read_text()[-3000:]
+    for name in ("peer0", "peer1a", "peer1b", "peer2"):
+        assert local_swarm.stop(name) == 0
+    log = local_swarm.log_path("peer1a").read_text()
+    left = [int(n) for n in re.findall(r"left out of the round with its \d+ samples .*?(\d+) samples left out", log)]
+    assert left, log[-3000:]
+    honest = load_checkpoint(tmp_path / "peer1a", "gpt-tiny", 1, 3)
+    hostile = load_checkpoint(tmp_path / "peer1b", "gpt-tiny", 1, 3)
+    assert honest.step == hostile.step == steps
+    assert honest.samples_stepped == steps * TARGET - left[-1]
+    assert all(torch.equal(hostile.parameters[name], t) for name, t in honest.parameters.items())  # replicas equal
+    start, end = (reference_run(n, micro).stages[1].state_dict() for n in (0, steps))
+    moved = torch.cat([(honest.parameters[name] - start[name]).flatten() for name in start])
+    expected = torch.cat([(end[name] - start[name]).flatten() for name in start])
+    assert float(torch.nn.functional.cosine_similarity(moved, expected, dim=0)) > 0.5
 
 
 @pytest.mark.timeout(240)

@@ -6,6 +6,9 @@ method of its round replaced by the attack named first on its command line:
 - `inflate-samples`: each contribution it offers its mates names, beside the microbatches it holds,
   `FAKE_MICROBATCHES` made-up ones of `FAKE_SAMPLES` samples each. Its gradient and its own view of the
   round stay honest, so any difference in what its mates step on comes from believing the claim.
+- `reversed-gradient`: every contribution it offers holds its gradient sum reversed and `REVERSED_MULTIPLE`
+  times larger, its norm stated truly; its work, samples and receipts stay honest, so only the round's
+  bound on a contribution's size can keep it out.
 - `fake-progress`: each progress message it sends names, beside what it holds, made-up microbatches
   (as many samples as the stage's target batch): mates that believe it start rounds early, and wait
   for "lost" samples no trainer can send.
@@ -29,6 +32,7 @@ from functools import partial
 
 FAKE_MICROBATCHES = 4096
 FAKE_SAMPLES = 256
+REVERSED_MULTIPLE = 100.0
 WRONG_OUTPUT_NOISE = 0.1  # standard deviation added to each output of a forward: about 5% of a hidden state's scale
 CRAFTED_LEAD = {"state-takeover": 1000, "near-state-takeover": 1}  # steps past its own it claims
 CRAFTED_VALUE = 0.01  # every parameter of its crafted state: two such peers craft the same one
@@ -48,6 +52,18 @@ def inflate_samples() -> None:
         return await honest(self, peer_id, step, lie, *args, **kwargs)
 
     AveragingRound._send_contribution = inflated
+
+
+def reversed_gradient() -> None:
+    """Offers mates its gradient sum reversed and `REVERSED_MULTIPLE` times larger (its norm stated truly)."""
+    from swarm.peer.averaging_round import AveragingRound
+
+    honest = AveragingRound.round
+
+    async def reversed_round(self, step, grad_sum, held):
+        return await honest(self, step, None if grad_sum is None else grad_sum * -REVERSED_MULTIPLE, held)
+
+    AveragingRound.round = reversed_round
 
 
 def fake_progress() -> None:
@@ -117,6 +133,7 @@ def state_takeover(lead: int) -> None:
 
 ATTACKS = {
     "inflate-samples": inflate_samples,
+    "reversed-gradient": reversed_gradient,
     "fake-progress": fake_progress,
     "wrong-outputs": wrong_outputs,
     **{name: partial(state_takeover, lead) for name, lead in CRAFTED_LEAD.items()},
