@@ -17,9 +17,10 @@ holder whose own stage keeps another serving peer; a movable one first; ties by 
 leaves its stage as on a move and builds the lost stage from its copy, at the copy's step, and says
 how many steps of progress were lost. A stage whose last peers left on request (a stop, a preemption
 notice) is not taken over: whoever stops a swarm one peer at a time does not want its stages
-shuffled. A peer that joins an empty stage (a newcomer with `--stage auto` picks one first) takes
-the freshest copy from a holder over `STANDBY_PROTOCOL`, which answers only a peer whose
-signed record is on that stage.
+shuffled. Where no holder restores a lost stage within `FILL_PERIODS` more announce periods, a peer
+of the stage with the most to spare moves there (`swarm.policy.empty_stages`). A peer that joins an
+empty stage (a newcomer with `--stage auto` picks one first) takes the freshest copy from a holder
+over `STANDBY_PROTOCOL`, which answers only a peer whose signed record is on that stage.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from swarm.peer.state_transfer import (
     state_handler,
 )
 from swarm.peer.work_receipts import WorkReceipts, work_receipts
+from swarm.policy.empty_stages import choose_filler, on_the_way
 from swarm.proto import PROTOCOL_VERSION, Error, ErrorCode, StateReply, StateRequest
 from swarm.records.sample_ledger import SampleLedger, restore_record
 from swarm.records.stage_records import JOINING, LEAVING, SERVING, StageRecord
@@ -66,6 +68,7 @@ logger = logging.getLogger(__name__)
 
 STANDBY_PROTOCOL = "/swarm/standby/state"
 LOST_GRACE = 2  # announce periods a stage shows no serving or joining record before it counts as lost
+FILL_PERIODS = 3  # announce periods after that in which a holder may restore it before another peer fills it
 INFO_TIMEOUT = 5.0
 STATE_TIMEOUT = 120.0
 JOIN_RESTORE_TIMEOUT = 90.0  # how long a peer on an empty stage tries for a standby copy before a fresh start
@@ -195,6 +198,7 @@ class StandbyKeeper:
         self.templates: dict[int, torch.nn.Module] = {}  # per stage: its shapes, on the meta device
         self.receipts: dict[int, WorkReceipts | None] = {}  # per stage, with a trust root: whose copies count
         self.empty_since: dict[int, float] = {}
+        self.seen_serving: set[int] = set()  # stages a record showed served: only those can be lost
         self.left_on_request: set[int] = set()  # lost stages whose last peers left on request: not restored
         self.last_step: dict[int, int] = {}  # the highest step seen announced per stage
         self.reads = 0  # announce periods so far, each with a read (see stages_to_read)
@@ -231,9 +235,9 @@ class StandbyKeeper:
     def stages_to_read(self) -> list[int] | None:
         """The stages this period's read needs (the peer's own and those it holds copies of), or None for every
         stage: every `WHOLE_SWARM_EVERY` periods (which peers hold copies of this peer's stage) and while a
-        held stage looks lost (its restorer is chosen from every holder's record)."""
+        stage looks lost (its restorer, or the peer that fills it, is chosen from every peer's record)."""
         self.reads += 1
-        if self.reads % WHOLE_SWARM_EVERY == 1 or any(s in self.empty_since for s in self.targets()):
+        if self.reads % WHOLE_SWARM_EVERY == 1 or self.empty_since:
             return None
         return [self.peer.stage, *self.targets()]
 
@@ -254,6 +258,8 @@ class StandbyKeeper:
         for stage, group in records.items():
             if group:
                 self.last_step[stage] = max([self.last_step.get(stage, 0), *(r.step for r in group)])
+            if any(r.state == SERVING for r in group):
+                self.seen_serving.add(stage)
             if stage in lost and stage not in self.empty_since:
                 self.empty_since[stage] = now
                 # its last peers said they were leaving on request (a stop, a preemption notice), not moving: not dead
@@ -287,6 +293,27 @@ class StandbyKeeper:
                 self.restore_pending = stage
                 peer.request_move(stage)
                 return
+        self._fill_empty(records, now)
+
+    def _fill_empty(self, records: dict[int, list[StageRecord]], now: float) -> None:
+        """Moves this peer to a stage left empty that no holder restores, if the records choose it."""
+        peer = self.peer
+        grace = (LOST_GRACE + FILL_PERIODS) * peer.config.announce_period
+        for stage, since in sorted(self.empty_since.items()):
+            # a stage never seen served is one whose peers are still starting, not one that lost them
+            waiting = now - since < grace or stage in self.left_on_request or stage not in self.seen_serving
+            if waiting or on_the_way(stage, records) or choose_filler(stage, records, self.accused()) != peer.peer_id:
+                continue
+            copy = self.standbys.get(stage)
+            logger.warning(
+                f"Stage {stage} has had no peer for {now - since:.0f}s and no holder of its copy is restoring it; "
+                f"moving there from stage {peer.stage} (the stage with the most to spare) "
+                + (f"with this peer's copy of step {copy.step}" if copy else "to take a copy, if one can still be had")
+            )
+            if copy is not None:
+                self.restore_pending = stage
+            peer.request_move(stage)
+            return
 
     def accused(self) -> set[str]:
         """Peers a vouched trainer's spot check accused: never a source of a copy (`swarm.records.accusations`)."""

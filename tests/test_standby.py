@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import signal
@@ -13,6 +14,7 @@ from conftest import SMALL_CORPUS, wait_for_records
 
 from swarm.config import PeerConfig
 from swarm.peer.standby import (
+    FILL_PERIODS,
     LOST_GRACE,
     WHOLE_SWARM_EVERY,
     Standby,
@@ -22,6 +24,7 @@ from swarm.peer.standby import (
     standby_holders,
     standby_targets,
 )
+from swarm.policy.empty_stages import choose_filler, on_the_way
 from swarm.records.sample_ledger import read_ledger
 from swarm.records.stage_records import JOINING, LEAVING, SERVING, StageRecord
 
@@ -100,6 +103,49 @@ def test_a_stage_whose_peers_died_is_restored_and_one_whose_peers_left_is_not():
         keeper.observe({**emptied, 1: []})
         assert moves == ([1] if restored else []), last_state
         assert keeper.restore_pending == (1 if restored else None)
+
+
+def test_the_filler_of_an_empty_stage_leaves_the_pipeline_fastest_and_its_stage_served():
+    fast = lambda peer, stage, speed, **kw: dataclasses.replace(record(peer, stage, **kw), throughput=speed)  # noqa: E731
+    records = {
+        0: [fast("peerA", 0, 10.0), fast("peerB", 0, 30.0), fast("peerC", 0, 25.0)],
+        1: [fast("peerD", 1, 90.0)],  # the last peer of its stage never moves
+        2: [],
+    }
+    # the lower of what moves and what stays: peerA 10 (55 stay), peerB 30 (35 stay), peerC 25 (40 stay)
+    assert choose_filler(2, records) == "peerB" * 4
+    # an accused peer never fills, nor counts for its stage: of 35, peerA and peerC leave 10 either way
+    assert choose_filler(2, records, barred={"peerB" * 4}) == "peerA" * 4
+    records[0] = [fast("peerA", 0, 10.0, movable=False), fast("peerB", 0, 10.0)]
+    assert choose_filler(2, records) == "peerB" * 4  # a pinned peer fills only where no movable one can
+    assert not on_the_way(2, records)
+    records[1].append(dataclasses.replace(record("peerE", 1, LEAVING), moving_to=2))
+    assert on_the_way(2, records)
+    assert choose_filler(2, {0: records[0][:1], 1: records[1][:1], 2: []}) is None  # no stage can spare one
+
+
+def test_a_stage_lost_with_its_copies_is_filled_after_the_holders_had_their_chance():
+    moves: list[int] = []
+    config = PeerConfig(model="gpt-tiny", num_stages=3, announce_period=1.0)
+    peer = SimpleNamespace(config=config, stage=0, state=SERVING, mates=None, peer_id="peerA" * 4)
+    peer.request_move = moves.append
+    keeper = StandbyKeeper(peer)  # it holds no copy of stage 2
+    stage0 = [record("peerA", 0), record("peerB", 0)]
+    keeper.observe({0: stage0, 1: [record("peerC", 1)], 2: [record("peerD", 2)]})
+    keeper.observe({0: stage0, 1: [record("peerC", 1)], 2: []})
+    keeper.empty_since[2] -= LOST_GRACE * 1.0  # lost now: a holder of a copy would restore it here
+    keeper.observe({0: stage0, 1: [record("peerC", 1)], 2: []})
+    assert moves == []
+    keeper.empty_since[2] -= FILL_PERIODS * 1.0
+    keeper.observe({0: stage0, 1: [record("peerC", 1)], 2: []})
+    assert moves == [2] and keeper.restore_pending is None
+    # a stage no record ever showed served is one whose peers are still starting: nobody fills it
+    moves.clear()
+    keeper = StandbyKeeper(peer)
+    keeper.observe({0: stage0, 1: [record("peerC", 1)], 2: []})
+    keeper.empty_since[2] -= (LOST_GRACE + FILL_PERIODS) * 1.0
+    keeper.observe({0: stage0, 1: [record("peerC", 1)], 2: []})
+    assert moves == []
 
 
 def test_a_keeper_reads_its_own_and_held_stages_and_every_stage_now_and_then():
@@ -216,3 +262,32 @@ def test_a_newcomer_on_a_stage_whose_every_peer_died_starts_from_a_copy_not_from
     assert int(serving.group(1)) >= min(copies) >= 2, f"b2 serves at step {serving.group(1)}; copies {copies}"
     assert trainer.wait(200) == 0, local_swarm.log_path("trainer").read_text()[-3000:]
     assert json.loads(summary_file.read_text())["steps"] == steps
+
+
+@pytest.mark.timeout(240)
+def test_a_stage_lost_before_any_copy_was_taken_is_filled_by_a_peer_of_another_stage(local_swarm, tmp_path):
+    """Stage 1's only peer dies before any copy of it was taken, so no holder can restore it: one of stage 0's two
+    peers moves there within seconds, saying so, and a trainer then trains through the two stages."""
+    local_swarm.start_bootstrap()
+    for stage, name in ((0, "a0"), (0, "a1"), (1, "b0")):
+        local_swarm.start_peer(name, stage, COMMON)
+    serving = [lambda r, s=s: sum(p.state == SERVING for p in r[s]) for s in range(2)]
+    wait_for_records(local_swarm.initial_peers, lambda r: [c(r) for c in serving] == [2, 1], num_stages=2)
+    local_swarm.signal("b0", signal.SIGKILL)
+    filling = r"Stage 1 has had no peer for \d+s and no holder of its copy is restoring it; moving there from stage 0"
+    deadline = time.monotonic() + RESTORE_BOUND
+    while not (found := [n for n in ("a0", "a1") if re.search(filling, local_swarm.log_path(n).read_text())]):
+        assert time.monotonic() < deadline, f"nobody filled stage 1 within {RESTORE_BOUND:.0f}s"
+        time.sleep(0.2)
+    (filler,) = found  # one peer moves, not both
+    wait_for_log(local_swarm, filler, r"Serving stage 1/2", deadline - time.monotonic())
+    summary_file = tmp_path / "summary.json"
+    trainer = local_swarm.start_trainer(
+        "trainer",
+        [*MODEL, "--steps", "3", "--microbatch-size", "4", "--data", SMALL_CORPUS, "--summary-file", str(summary_file)]
+        + ["--no-progress", "--compression", "none"],
+    )
+    assert trainer.wait(180) == 0, local_swarm.log_path("trainer").read_text()[-3000:]
+    assert json.loads(summary_file.read_text())["steps"] == 3
+    for name in ("a0", "a1"):
+        assert local_swarm.stop(name) == 0
