@@ -1,8 +1,15 @@
 """Runs a local swarm under failures and reports how training held up; prints one JSON object.
 
-Two kinds of churn:
+Three kinds of churn:
 - `--kill-every S`: every S seconds (randomised, exponential) a random peer gets SIGKILL (or
   SIGTERM with `--signal term`) and a replacement for its stage is started at once.
+- `--wave SHARE`: preemption waves. Every `--wave-every` seconds a random SHARE of the live peers
+  (rounded half up, at least one) is taken down together, every signal sent before any exit is
+  awaited; `--refill-after` seconds later as many peers start, each on the stage with the fewest. As
+  in kill mode, the swarm starts, and its baselines run, with `--peers-per-stage` peers per stage, and
+  the churn lasts as long as the trainers take for the steps the baseline would do in `--duration`.
+  The report counts the waves and, per wave, the live peers before it, those it killed and the
+  seconds its kills took.
 - `--trace FILE`: a spot availability trace (`time_ms,add|remove,node` lines, as in
   ../shared/traces) replayed compressed into `--trace-minutes`: the trace's live node count, scaled
   so that its peak is `--max-peers`, is followed by starting peers (on the stage with the fewest)
@@ -34,7 +41,6 @@ fingerprint, replicas of a stage at one step that differ counted as divergent.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import random
 import re
@@ -44,39 +50,25 @@ import sys
 import sysconfig
 import tempfile
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from hivemind import DHT
-from hivemind.p2p import P2P, PeerID
-
+from harness.chaos_report import end_state, ledger_report, spot_check_report, totals
+from harness.churn import MODEL_FLAGS, NUM_STAGES, PEER_FLAGS, Churn, RunFailed  # bench_trainers.py's too, from here
 from harness.spot_trace import live_peer_targets, mean_live_peers
 from swarm.config import PeerConfig, TrainerConfig
 from swarm.launch.local_swarm import LocalSwarm
 from swarm.net.dht_node import TetheredDHT
-from swarm.net.transport import get_peer_info
-from swarm.records.sample_ledger import account, read_ledger
-from swarm.records.stage_records import LEAVING, SERVING, fetch_stage_records
 from swarm.trust.vouchers import load_root_key, make_root_key, make_voucher
 
-NUM_STAGES = 3
-MODEL_FLAGS = ["--model", "gpt-tiny", "--num-stages", str(NUM_STAGES)]
-PEER_FLAGS = [*MODEL_FLAGS, "--announce-period", "1", "--record-ttl", "6"]
 TRAINER_FLAGS = [*MODEL_FLAGS, "--compression", "none", "--stage-wait-timeout", "300", "--no-progress"]
 STALL_BOUND = 30.0  # seconds between two steps: a run with a longer gap is counted
 # disjoint corners of the standard library, one per trainer, each large enough for gpt-tiny
 SHARDS = ["asyncio", "email", "unittest", "xml", "multiprocessing", "tkinter", "idlelib", "http"]
 READY = re.compile(r"Found all \d+ stages")  # the trainer's log line just before its clock starts
 POLL = 0.2  # seconds between looks at the processes: short against a step (about a second)
-IDS_SHOWN = 20  # microbatch ids listed per stage and kind in the report; the counts cover them all
-RESTORED = re.compile(r"^(\S+) .*Restored stage (\d+) from a standby at step (\d+) \(lost (\d+) steps\)", re.M)
-
-
-class RunFailed(RuntimeError):
-    """A run could not go on: a trainer failed, or the swarm did not come up in time."""
 
 
 def supports_ledger() -> bool:
@@ -89,165 +81,6 @@ def shard(index: int) -> list[str]:
     if index >= len(SHARDS):
         raise SystemExit(f"at most {len(SHARDS)} trainers (one data shard each)")
     return ["--data", str(Path(sysconfig.get_paths()["stdlib"]) / SHARDS[index])]
-
-
-class Churn:
-    """Kills and starts peers of a LocalSwarm, keeping a count of what it did."""
-
-    def __init__(
-        self,
-        swarm: LocalSwarm,
-        dht: DHT,
-        sig: int,
-        rng: random.Random,
-        ledger_dir: Path | None,
-        peer_flags: list[str] = PEER_FLAGS,
-        spare_last_peer: bool = False,
-    ) -> None:
-        self.swarm, self.dht, self.sig, self.rng, self.ledger_dir = swarm, dht, sig, rng, ledger_dir
-        self.peer_flags = peer_flags
-        self.spare_last_peer = spare_last_peer
-        self.dead_ids: set[str] = set()  # peer ids killed: their records linger until they expire
-        self.lost: dict[int, float] = {}  # stage -> when (time.monotonic) its last serving peer was killed
-        # per stage death: the stage, seconds until one served it again, and the steps of progress lost
-        self.losses: list[dict[str, Any]] = []
-        self.died_at_step: dict[int, list[int]] = {}  # per stage, the step at each of its deaths
-        self.serial = 0
-        self.stage_of: dict[str, int] = {}
-        self.process: dict[str, subprocess.Popen] = {}
-        self.peer_ids: dict[str, str] = {}
-        self.kills = self.starts = self.skipped = self.died = self.retired = 0
-        self.events: list[tuple[float, str, int]] = []  # (wall clock, "start" or "kill", stage)
-
-    def start(self, stage: int) -> str:
-        self.serial += 1
-        name = f"peer{stage}-{self.serial}"
-        ledger = ["--ledger", str(self.ledger_dir / f"{name}.jsonl")] if self.ledger_dir else []
-        self.process[name] = self.swarm.start_peer(name, stage, [*self.peer_flags, *ledger])
-        self.stage_of[name] = stage
-        self.starts += 1
-        self.events.append((round(time.time(), 3), "start", stage))
-        return name
-
-    def peer_id(self, name: str) -> str | None:
-        if name not in self.peer_ids:  # read once found: logs grow, and this is asked every poll
-            found = re.search(r"peer id (\w+)", self.swarm.log_path(name).read_text(errors="replace"))
-            if not found:
-                return None
-            self.peer_ids[name] = found.group(1)
-        return self.peer_ids[name]
-
-    def forget_dead(self) -> None:
-        """Drops peers that exited unasked (a crash is a finding: counted, and the stage left one short),
-        and follows peers that moved to another stage (to restore a lost stage, or to rebalance)."""
-        for name in [n for n in self.stage_of if self.process[n].poll() is not None]:
-            del self.stage_of[name]
-            self.died += 1
-        records = fetch_stage_records(self.dht, "swarm", NUM_STAGES)
-        now_on = {r.peer_id: stage for stage, group in records.items() for r in group if r.state != LEAVING}
-        for name in self.stage_of:
-            if (peer_id := self.peer_id(name)) in now_on:
-                self.stage_of[name] = now_on[peer_id]
-
-    def watch_lost(self) -> None:
-        """Notes when each lost stage has a (live) serving peer again."""
-        for stage, since in list(self.lost.items()):
-            records = fetch_stage_records(self.dht, "swarm", NUM_STAGES, only=stage)[stage]
-            live = [r for r in records if r.state == SERVING and r.peer_id not in self.dead_ids]
-            if live:
-                # the step it serves at again, against the step it died at: the progress the restore lost
-                # (a stage that came back from scratch, with no "Restored" line, counts here too)
-                died_at = self.died_at_step[stage][-1]
-                back_at = max(r.step for r in live)
-                self.losses.append(
-                    {
-                        "stage": stage,
-                        "seconds_to_serving": round(time.monotonic() - since, 1),
-                        "died_at_step": died_at,
-                        "back_at_step": back_at,
-                        "steps_lost": max(0, died_at - back_at),
-                    }
-                )
-                del self.lost[stage]
-
-    def serving(self, stage: int) -> list[str]:
-        """Names of this stage's live processes whose record says serving (a fresh record, not a dead one's)."""
-        records = fetch_stage_records(self.dht, "swarm", NUM_STAGES, only=stage)[stage]
-        serving = {r.peer_id for r in records if r.state == SERVING}
-        alive = [n for n, s in self.stage_of.items() if s == stage and self.process[n].poll() is None]
-        return [n for n in alive if self.peer_id(n) in serving]
-
-    def layout(self) -> list[int]:
-        return [sum(s == stage for s in self.stage_of.values()) for stage in range(NUM_STAGES)]
-
-    def kill(self, name: str) -> bool:
-        stage = self.stage_of[name]
-        serving = self.serving(stage)
-        if self.spare_last_peer and (name not in serving or len(serving) < 2):
-            self.skipped += 1  # never the stage's last serving peer, nor one still joining
-            return False
-        if self.peer_id(name):
-            self.dead_ids.add(self.peer_id(name))
-        self.swarm.stop(name, self.sig, timeout=30)
-        del self.stage_of[name]
-        self.kills += 1
-        self.events.append((round(time.time(), 3), "kill", stage))
-        if serving == [name] and stage not in self.lost:
-            self.lost[stage] = time.monotonic()  # its last serving peer: the stage's state lives on in standbys
-            self.events.append((round(time.time(), 3), "stage lost", stage))
-            # the step it died at, as its (lingering) records say: what a restore from a copy falls short of
-            records = fetch_stage_records(self.dht, "swarm", NUM_STAGES, only=stage)[stage]
-            self.died_at_step.setdefault(stage, []).append(max((r.step for r in records), default=0))
-        return True
-
-    def restores(self) -> list[dict[str, Any]]:
-        """Every "Restored stage" line in the peers' logs, in time order: the stage, the step it came back at,
-        the steps lost as that peer saw them, and the peer. The report's steps lost come from the records
-        (`losses`): a line is one peer's view, and a stage brought back from scratch logs none."""
-        found = []
-        for name in self.process:
-            text = self.swarm.log_path(name).read_text(errors="replace")
-            for clock, stage, step, lost in RESTORED.findall(text):
-                found.append((clock, int(stage), int(step), int(lost), name))
-        return [
-            {"stage": stage, "step": step, "steps_lost_logged": logged, "peer": name}
-            for _, stage, step, logged, name in sorted(found)
-        ]
-
-    def kill_random(self) -> None:
-        if self.stage_of:
-            name = self.rng.choice(sorted(self.stage_of))
-            stage = self.stage_of[name]
-            if self.kill(name):
-                self.start(stage)
-
-    def least_served_stage(self) -> int:
-        return min(range(NUM_STAGES), key=lambda stage: sum(s == stage for s in self.stage_of.values()))
-
-    def wait_serving(self, timeout: float) -> None:
-        """Waits until every live peer serves (none still joining) and every stage has one."""
-        deadline = time.monotonic() + timeout
-        while True:
-            self.forget_dead()
-            layout = self.layout()
-            if all(len(self.serving(stage)) == layout[stage] > 0 for stage in range(NUM_STAGES)):
-                return
-            if time.monotonic() > deadline:
-                raise RunFailed(f"peers not all serving after {timeout:.0f}s (layout {layout})")
-            time.sleep(0.5)
-
-    def restore(self, layout: list[int], timeout: float) -> None:
-        """Brings every stage back to `layout`'s peer count (extra peers leave gracefully), all serving."""
-        self.forget_dead()
-        for stage, wanted in enumerate(layout):
-            for _ in range(wanted - self.layout()[stage]):
-                self.start(stage)
-        self.wait_serving(timeout)
-        for stage, wanted in enumerate(layout):
-            for name in sorted(self.serving(stage))[: max(0, self.layout()[stage] - wanted)]:
-                self.swarm.stop(name, signal.SIGTERM, timeout=30)
-                del self.stage_of[name]
-                self.retired += 1
 
 
 @dataclass
@@ -385,96 +218,6 @@ def samples_over_time(runs: list[TrainerRun], window: float = 10.0) -> list[floa
     ]
 
 
-async def _peer_infos(initial_peers: list[str], peer_ids: dict[str, str]) -> dict[str, Any]:
-    p2p = await P2P.create(initial_peers=initial_peers)
-    try:
-        infos = {}
-        for name, peer_id in peer_ids.items():
-            try:
-                infos[name] = await get_peer_info(p2p, PeerID.from_base58(peer_id))
-            except Exception:
-                continue  # gone or busy: it is not counted among the replicas checked
-        return infos
-    finally:
-        await p2p.shutdown()
-
-
-def end_state(churn: Churn, initial_peers: list[str], timeout: float) -> dict[str, Any]:
-    """Every live peer's step and parameter fingerprint once the swarm is quiet, and the replicas that differ.
-
-    The last steps' averaging rounds finish just after the trainers' last replies, so this asks
-    again (up to `timeout`) until no peer holds samples and every stage's replicas are at one step.
-    """
-    deadline = time.monotonic() + timeout
-    while True:
-        churn.forget_dead()
-        ids = {name: pid for name in churn.stage_of if (pid := churn.peer_id(name))}
-        infos = asyncio.run(_peer_infos(initial_peers, ids))
-        by_stage: dict[int, list[Any]] = {}
-        for info in infos.values():
-            by_stage.setdefault(info.stage, []).append(info)
-        settled = all(info.samples_accumulated == 0 for info in infos.values()) and all(
-            len({info.step for info in group}) == 1 for group in by_stage.values()
-        )
-        if settled or time.monotonic() > deadline:
-            break
-        time.sleep(1.0)
-    divergent = behind = 0
-    for group in by_stage.values():
-        top = max(info.step for info in group)
-        behind += sum(info.step < top for info in group)
-        for step in {info.step for info in group}:
-            fingerprints = Counter(info.fingerprint for info in group if info.step == step)
-            divergent += sum(fingerprints.values()) - max(fingerprints.values())  # all but the majority
-    return {
-        "settled": settled,
-        "replicas_checked": len(infos),
-        "fingerprints_missing": sum(not info.fingerprint for info in infos.values()),
-        "divergent_replicas": divergent,
-        "replicas_behind": behind,
-        "steps_per_stage": {stage: sorted({i.step for i in g}) for stage, g in sorted(by_stage.items())},
-        "samples_stepped_per_stage": {
-            stage: max(i.samples_stepped for i in g) for stage, g in sorted(by_stage.items())
-        },
-        "peer_counters": {
-            name: sum(getattr(info, name) for info in infos.values())
-            for name in ("samples_lost", "samples_doubled", "divergences", "resyncs", "stale_gradients")
-        },
-    }
-
-
-def ledger_report(ledger_dir: Path) -> dict[str, Any]:
-    """The run's ledger accounted for (see swarm.records.sample_ledger.account), ids cut to the first few."""
-    records = read_ledger(sorted(ledger_dir.glob("*.jsonl")))
-    accounted = account(records, records)
-    stages = accounted["stages"]
-    return {
-        "samples_fed": accounted["totals"]["samples_fed"],
-        "totals": accounted["totals"],
-        **{
-            f"{name}_per_stage": {stage: counts[name] for stage, counts in stages.items()}
-            for name in (
-                "samples_stepped",
-                "samples_lost",
-                "samples_doubled",
-                "samples_orphaned",
-                "samples_silently_lost",
-                "samples_declared_lost",
-                "samples_rolled_back",
-                "samples_lost_with_stage",
-            )
-        },
-        "divergent_steps_per_stage": {stage: counts["divergent_steps"] for stage, counts in stages.items()},
-        "ids": {
-            stage: {
-                kind: counts[f"{kind}_ids"][:IDS_SHOWN]
-                for kind in ("lost", "doubled", "orphan", "rolled_back", "lost_with_stage")
-            }
-            for stage, counts in stages.items()
-        },
-    }
-
-
 def one_run(args: argparse.Namespace, index: int, workdir: Path, report: dict[str, Any]) -> None:
     """One fresh swarm: baseline, churn, baseline again, end state; fills `report` as it goes."""
     rng = random.Random(args.seed * 1_000_003 + index)
@@ -531,17 +274,6 @@ def trust_flags(args: argparse.Namespace, workdir: Path) -> tuple[list[str], lis
     return ["--trust-root", public], trainer
 
 
-def spot_check_report(workdir: Path) -> dict[str, Any]:
-    """What the trainers' spot checks did (summed over their summaries), and every peer accused in a log."""
-    counts: Counter[str] = Counter()
-    for summary in workdir.glob("trainer-*.json"):
-        counts.update(json.loads(summary.read_text()).get("spot_checks", {}))
-    accused = set()
-    for log in workdir.glob("*.log"):
-        accused.update(re.findall(r"peer (\w+) of stage \d+ is accused by trainer", log.read_text(errors="replace")))
-    return {**counts, "peers_accused": sorted(accused)}
-
-
 class RunPhases:
     """The steps of one run on its started swarm: the starting peers, the trainers of each phase, the churn."""
 
@@ -560,7 +292,9 @@ class RunPhases:
         self.workdir, self.ledger_dir, self.report = workdir, ledger_dir, report
         self.trainer_flags = tuple(trainer_flags or ())  # beyond the common ones: a trust root's
         self.trace: list[tuple[float, int]] = []  # with --trace: (seconds, live peers wanted) still to replay
-        self.next_kill = 0.0  # without: seconds into the churn of the next kill
+        self.next_kill = 0.0  # in kill mode: seconds into the churn of the next kill
+        self.next_wave = 0.0  # with --wave: seconds into the churn of the next wave
+        self.refills: list[tuple[float, int]] = []  # with --wave: (seconds into the churn, peers to start) due
 
     def start_peers(self) -> list[int]:
         """Starts the swarm's peers and waits until they serve; returns the layout (reported as the baseline's)."""
@@ -611,6 +345,7 @@ class RunPhases:
         steps = max(1, int(before_rate / args.trainers * duration / per_step))
         report["steps_requested"] = steps * args.trainers
         self.next_kill = self.rng.expovariate(1 / args.kill_every)
+        self.next_wave = args.wave_every
         churn_started = time.time()
         try:
             churned = self.trainers("churn", steps, self._churn_step)
@@ -630,12 +365,21 @@ class RunPhases:
                 trace_targets_not_replayed=len(self.trace) if args.trace else None,
                 churn_events=[e for e in churn.events if e[0] >= churn_started],
             )
+            if args.wave:
+                report.update(
+                    waves=len(churn.waves),
+                    peers_killed_per_wave=[wave["killed"] for wave in churn.waves],
+                    peers_live_before_wave=[wave["live_before"] for wave in churn.waves],
+                    seconds_per_wave=[wave["seconds"] for wave in churn.waves],
+                    refills_not_started=sum(count for _, count in self.refills),
+                )
         # with a trace, only its window is churn: after it the trainers finish with the swarm left as it is
         window_end = churned[0].launched + duration if args.trace else None
         return churned, self._report_churned(churned, window_end)
 
     def _churn_step(self, now: float) -> None:
-        """What the churn does `now` seconds in: the trace's next targets, or the next random kill."""
+        """What the churn does `now` seconds in: the trace's next targets, the next wave and refill, or the next
+        random kill."""
         churn, trace = self.churn, self.trace
         churn.watch_lost()
         if self.args.trace:  # once the trace is all replayed, the swarm stays as it is
@@ -647,9 +391,26 @@ class RunPhases:
                     if len(churn.stage_of) <= wanted:
                         break
                     churn.kill(name)
+        elif self.args.wave:
+            self._wave_step(now)
         elif now >= self.next_kill:
             churn.kill_random()
             self.next_kill = now + self.rng.expovariate(1 / self.args.kill_every)
+
+    def _wave_step(self, now: float) -> None:
+        """Starts the replacements whose time has come, each on the stage with the fewest peers, then the wave
+        whose time has come."""
+        churn = self.churn
+        while self.refills and self.refills[0][0] <= now:
+            _, count = self.refills.pop(0)
+            for _ in range(count):
+                churn.start(churn.least_served_stage())
+        if now >= self.next_wave:
+            killed = churn.wave(self.args.wave)
+            # times from after the wave: on a loaded machine its kills take a moment, and the refill waits them out
+            done = now + churn.waves[-1]["seconds"]
+            self.refills.append((done + self.args.refill_after, killed))
+            self.next_wave = done + self.args.wave_every
 
     def _report_churned(self, churned: list[TrainerRun], window_end: float | None) -> float:
         """Reports how the trainers fared under churn; returns their samples/s together (before `window_end`)."""
@@ -675,38 +436,8 @@ class RunPhases:
         return churn_rate
 
 
-def totals(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The runs summed up: counts added, the worst stall, throughput fractions' mean and minimum."""
-    done = [run for run in runs if "error" not in run]
-    ledgers = [run["ledger"]["totals"] for run in done if "ledger" in run]
-    fractions = [run["throughput_fraction"] for run in done]
-    total: dict[str, Any] = {
-        "runs": len(runs),
-        "runs_failed": len(runs) - len(done),
-        "runs_with_gap_over_30s": sum(run.get("stall_over_30s", False) for run in runs),
-        "longest_stall_s": max((run.get("longest_stall_s", 0.0) for run in runs), default=0.0),
-        **{
-            name: sum(run.get(name, 0) for run in runs)
-            for name in ("kills", "steps", "steps_requested", "stages_lost", "stages_restored_from_standby")
-        },
-        "steps_lost_per_restore": [n for run in runs for n in run.get("steps_lost_per_restore", [])],
-        "seconds_to_serving_again": [s for run in runs for s in run.get("seconds_to_serving_again", [])],
-        "throughput_fraction_mean": round(sum(fractions) / len(fractions), 3) if fractions else None,
-        "throughput_fraction_min": min(fractions, default=None),
-        "divergent_replicas_end": sum(run["end"]["divergent_replicas"] for run in done),
-        "replicas_checked_end": sum(run["end"]["replicas_checked"] for run in done),
-    }
-    if ledgers:
-        for name in ("samples_fed", "samples_lost", "samples_doubled", "samples_orphaned", "samples_silently_lost"):
-            total[name] = sum(ledger[name] for ledger in ledgers)
-        # a ledger has these only when a stage was restored from a standby
-        for name in ("steps_rolled_back", "samples_rolled_back", "samples_lost_with_stage"):
-            total[name] = sum(ledger.get(name, 0) for ledger in ledgers)
-        total["divergent_steps"] = sum(ledger["divergent_steps"] for ledger in ledgers)
-    return total
-
-
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (`argv`, or this process's), checked: a wrong combination ends with a usage error."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=1, help="runs back to back, each a fresh swarm")
     parser.add_argument("--trainers", type=int, default=1, help="trainers at once, each on its own data shard")
@@ -714,10 +445,24 @@ def main() -> None:
     parser.add_argument(
         "--baseline-steps", type=int, default=20, help="steps per trainer with no churn, before and after"
     )
-    parser.add_argument("--duration", type=float, default=90.0, help="seconds of churn (kill mode)")
+    parser.add_argument("--duration", type=float, default=90.0, help="seconds of churn (kill and wave modes)")
     parser.add_argument("--kill-every", type=float, default=8.0, help="mean seconds between kills (kill mode)")
     parser.add_argument("--signal", choices=["kill", "term"], default="kill", help="how peers are taken down")
     parser.add_argument("--trace", help="replay this spot trace instead of random kills")
+    parser.add_argument(
+        "--wave",
+        type=float,
+        metavar="SHARE",
+        help="wave mode instead of random kills: every --wave-every seconds, kill this share (in (0, 1]) of the live "
+        "peers at once, then refill",
+    )
+    parser.add_argument("--wave-every", type=float, default=30.0, help="seconds between waves (wave mode)")
+    parser.add_argument(
+        "--refill-after",
+        type=float,
+        default=5.0,
+        help="seconds after a wave before its replacements start, each on the stage with the fewest peers (wave mode)",
+    )
     parser.add_argument("--trace-minutes", type=float, default=10.0, help="compress the trace into this long")
     parser.add_argument("--max-peers", type=int, default=6, help="live peers at the trace's peak (scaled)")
     parser.add_argument("--phase-timeout", type=float, default=900.0, help="seconds one phase's trainers may take")
@@ -739,9 +484,30 @@ def main() -> None:
     parser.add_argument(
         "--spot-check-share", type=float, help="with --trust-root yes: the share of forwards checked (trainer default)"
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not 1 <= args.trainers <= len(SHARDS) or args.runs < 1:
         parser.error(f"--runs must be 1 or more and --trainers within 1..{len(SHARDS)} (one data shard each)")
+    if args.wave is not None:
+        if not 0 < args.wave <= 1:
+            parser.error(f"--wave takes the share of live peers each wave kills, in (0, 1]; got {args.wave}")
+        if args.trace:
+            parser.error("--wave and --trace are two kinds of churn: give one")
+        if args.wave_every <= 0 or args.refill_after < 0:
+            parser.error("--wave-every must be above 0 seconds and --refill-after 0 or more")
+    return args
+
+
+def mode(args: argparse.Namespace) -> str:
+    """The kind of churn, as the report names it."""
+    if args.trace:
+        return f"trace {args.trace} in {args.trace_minutes} min"
+    if args.wave:
+        return f"waves of {args.wave:g} of the peers every {args.wave_every}s, refilled after {args.refill_after}s"
+    return f"kill every {args.kill_every}s"
+
+
+def main() -> None:
+    args = parse_args()
     # a caller's timeout (or Ctrl-C) still stops every process this run started, on the way out of LocalSwarm
     signal.signal(signal.SIGTERM, signal.default_int_handler)
 
@@ -761,7 +527,7 @@ def main() -> None:
         if runs:
             runs[-1].setdefault("error", "interrupted")
     result = {
-        "mode": f"trace {args.trace} in {args.trace_minutes} min" if args.trace else f"kill every {args.kill_every}s",
+        "mode": mode(args),
         "signal": args.signal,
         "trainers": args.trainers,
         "ledger": supports_ledger(),
