@@ -537,18 +537,22 @@ class AveragingRound:
 
     # --- a leaving peer --------------------------------------------------------------------------------------
 
-    async def hand_over(self, timeout: float = 10.0) -> None:
-        """Sends this peer's un-averaged gradients to its mates before it leaves, so its samples still count."""
+    async def hand_over(self, timeout: float = 10.0) -> tuple[int, Held, int] | None:
+        """Sends this peer's un-averaged gradients to its mates before it leaves, so its samples still count.
+
+        Returns (step, the samples held, how many mates took them), or None if it held none."""
         machine, membership = self.machine, self.membership
-        if not machine.serving or not membership.mates:
-            return
+        if not machine.serving:
+            return None
         machine.serving = False  # no new rounds and no resyncs from here on
         runtime = machine.runtime
         step, grad_sum, held = await asyncio.wrap_future(
             runtime.run_exclusive(lambda: (runtime.step, runtime.flat_gradient(), dict(runtime.held)))
         )
         if not held:
-            return
+            return None
+        if not membership.mates:
+            return step, held, 0
         members = {machine.peer_id, *membership.mates}
         state = machine.steps[step]
         norm = float(grad_sum.norm()) if grad_sum is not None else 0.0
@@ -562,3 +566,4 @@ class AveragingRound:
             await asyncio.wait_for(asyncio.gather(*sends, return_exceptions=True), timeout)
         taken = len(membership.mates) - len(unreachable)
         logger.info(f"Handed {own.samples} samples of step {step} to {taken} of {len(membership.mates)} stage-mate(s)")
+        return step, held, taken

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 
@@ -56,14 +57,16 @@ from swarm.net.transport import COMMIT_PROTOCOL, GRAD_PROTOCOL, PROGRESS_PROTOCO
 from swarm.peer.averaging_round import AveragingRound
 from swarm.peer.faults import FaultPlan
 from swarm.peer.mate_membership import MateMembership
-from swarm.peer.mate_messages import Held
+from swarm.peer.mate_messages import Held, as_triples
 from swarm.peer.mate_progress import ProgressExchange
 from swarm.peer.runtime import RoundResult, SampleKey, StageRuntime
 from swarm.peer.state_handover import StateHandOver
 from swarm.peer.step_machine import StepMachine
 from swarm.peer.work_receipts import WorkReceipts
-from swarm.records.sample_ledger import SampleLedger, step_record
+from swarm.records.sample_ledger import SampleLedger, left_record, step_record
 from swarm.records.stage_records import StageRecord
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["StageMates"]
 
@@ -207,8 +210,18 @@ class StageMates:
         await self.progress.delivered()
 
     async def hand_over(self, timeout: float = 10.0) -> None:
-        """Sends this peer's un-averaged gradients to its mates before it leaves, so its samples still count."""
-        await self.averaging.hand_over(timeout)
+        """Sends this peer's un-averaged gradients to its mates before it leaves, so its samples still count;
+        the ledger names what it held, and whether any mate took it."""
+        handed = await self.averaging.hand_over(timeout)
+        if handed is None:
+            return
+        step, held, taken = handed
+        self.ledger.write(left_record(self.peer_id, self.stage, step, as_triples(held), taken))
+        if not taken:
+            logger.warning(
+                f"Leaving stage {self.stage} with {sum(held.values())} samples of step {step} ({len(held)} "
+                "microbatches) that no stage-mate could take: they are given up (named in the ledger)"
+            )
 
     async def download_state(
         self,

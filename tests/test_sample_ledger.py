@@ -6,7 +6,15 @@ import json
 
 import pytest
 
-from swarm.records.sample_ledger import SampleLedger, account, fed_record, read_ledger, restore_record, step_record
+from swarm.records.sample_ledger import (
+    SampleLedger,
+    account,
+    fed_record,
+    left_record,
+    read_ledger,
+    restore_record,
+    step_record,
+)
 
 
 def fed(*ids: tuple[str, int, int]) -> list[dict]:
@@ -258,6 +266,22 @@ def test_with_no_restore_line_the_new_counts_are_empty_and_the_totals_unchanged(
         "samples_orphaned",
         "divergent_steps",
     }
+
+
+def test_ids_a_peer_left_holding_and_no_step_summed_are_lost_with_the_leave_not_silently():
+    # the last peers of stage 0 stopped holding A3 of their unfinished step; stage 1 had summed it
+    steps = [step("p", 0, 0, [A1, A2]), step("q", 1, 0, [A1, A2, A3])]
+    silent = account(fed(A1, A2, A3), steps)
+    assert silent["stages"][0]["samples_silently_lost"] == 8 and "samples_lost_with_leave" not in silent["totals"]
+    left = [left_record("p", 0, 1, [A3], handed_to=0)]
+    report = account(fed(A1, A2, A3), [*steps, *left])
+    counts = report["stages"][0]
+    assert counts["samples_lost"] == counts["samples_lost_with_leave"] == 8
+    assert counts["lost_with_leave_ids"] == [["a", 3]] and counts["samples_silently_lost"] == 0
+    assert report["totals"]["samples_lost_with_leave"] == 8 and report["stages"][1]["samples_lost_with_leave"] == 0
+    # handed to a mate that summed it later: nothing lost at all
+    handed = account(fed(A1, A2, A3), [*steps, *left, step("r", 0, 1, [A3])])
+    assert handed["stages"][0]["samples_lost"] == handed["stages"][0]["samples_lost_with_leave"] == 0
 
 
 def test_the_records_say_when():

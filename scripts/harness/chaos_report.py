@@ -97,13 +97,14 @@ def ledger_report(ledger_dir: Path) -> dict[str, Any]:
                 "samples_declared_lost",
                 "samples_rolled_back",
                 "samples_lost_with_stage",
+                "samples_lost_with_leave",
             )
         },
         "divergent_steps_per_stage": {stage: counts["divergent_steps"] for stage, counts in stages.items()},
         "ids": {
             stage: {
                 kind: counts[f"{kind}_ids"][:IDS_SHOWN]
-                for kind in ("lost", "doubled", "orphan", "rolled_back", "lost_with_stage")
+                for kind in ("lost", "doubled", "orphan", "rolled_back", "lost_with_stage", "lost_with_leave")
             }
             for stage, counts in stages.items()
         },
@@ -148,8 +149,8 @@ def totals(runs: list[dict[str, Any]]) -> dict[str, Any]:
     if ledgers:
         for name in ("samples_fed", "samples_lost", "samples_doubled", "samples_orphaned", "samples_silently_lost"):
             total[name] = sum(ledger[name] for ledger in ledgers)
-        # a ledger has these only when a stage was restored from a standby
-        for name in ("steps_rolled_back", "samples_rolled_back", "samples_lost_with_stage"):
+        # a ledger has these only when a stage was restored from a standby, or a peer left holding samples
+        for name in ("steps_rolled_back", "samples_rolled_back", "samples_lost_with_stage", "samples_lost_with_leave"):
             total[name] = sum(ledger.get(name, 0) for ledger in ledgers)
         total["divergent_steps"] = sum(ledger["divergent_steps"] for ledger in ledgers)
     return total

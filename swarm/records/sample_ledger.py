@@ -4,7 +4,8 @@ A microbatch is named globally by (trainer id, microbatch id). With `--ledger FI
 appends one JSON line per microbatch whose backward reached stage 0 (`fed`), and a peer appends
 one JSON line per step it applies: the ids summed into that step, those it gave up as lost, and
 the fingerprint of the parameters after the step. A peer that brings back a stage whose every peer
-died, from a standby copy of an older step, appends a `restore` line. Tools such as
+died, from a standby copy of an older step, appends a `restore` line; one that leaves its stage holding
+samples it has not stepped on appends a `left` line naming them. Tools such as
 `scripts/chaos.py` read the lines back to count, by id and per stage, what was lost or counted
 twice, and which replicas differ.
 """
@@ -96,6 +97,20 @@ def restore_record(peer: str, stage: int, step: int, reached: int) -> dict[str, 
 # Reading the ledger back and accounting for every sample, by id and per stage.
 
 SampleKey = tuple[str, int]  # (trainer, microbatch): the identity of a microbatch, without its size
+
+
+def left_record(peer: str, stage: int, step: int, ids: list[tuple[str, int, int]], handed_to: int) -> dict[str, Any]:
+    """A peer's line: it left `stage` at `step` holding `ids` it had not stepped on, and `handed_to` mates took
+    them (0: none could, and they are given up). An id no later step sums was lost with the leave, said so."""
+    return {
+        "kind": "left",
+        "peer": peer,
+        "stage": stage,
+        "step": step,
+        "ids": [list(i) for i in ids],
+        "handed_to": handed_to,
+        "time": round(time.time(), 3),
+    }
 
 
 def read_ledger(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> list[dict[str, Any]]:
@@ -199,15 +214,19 @@ def account(fed_lines: Iterable[dict[str, Any]], step_lines: Iterable[dict[str, 
     - steps, and divergent_steps: steps whose replicas (of one history) wrote different fingerprints;
     - restores: the stage's restore lines; steps_rolled_back: steps of abandoned histories;
     - samples_rolled_back / rolled_back_ids: lost ids an abandoned history had summed;
-    - samples_lost_with_stage / lost_with_stage_ids: the other lost ids the stage held when it died.
+    - samples_lost_with_stage / lost_with_stage_ids: the other lost ids the stage held when it died;
+    - samples_lost_with_leave / lost_with_leave_ids: the other lost ids a peer held, unstepped, when it left
+      the stage (a `left` line): the last peers of a stage stopped together hold its unfinished step.
     Totals hold restores, steps_rolled_back, samples_rolled_back and samples_lost_with_stage only when
-    the ledger has a restore line.
+    the ledger has a restore line, and samples_lost_with_leave only when it has a `left` line.
     """
     ledger = _ReadLedger.of(fed_lines, step_lines)
     stages = {stage: _stage_counts(ledger, stage) for stage in ledger.stages()}
     summed_names = ["samples_lost", "samples_silently_lost", "samples_doubled", "samples_orphaned"]
     if ledger.restores:
         summed_names += ["restores", "steps_rolled_back", "samples_rolled_back", "samples_lost_with_stage"]
+    if ledger.left:
+        summed_names += ["samples_lost_with_leave"]
     totals = {
         "samples_fed": ledger.samples_fed,
         **{name: sum(counts[name] for counts in stages.values()) for name in summed_names},
@@ -225,6 +244,7 @@ class _ReadLedger:
     steps_seen: list[dict[str, Any]]
     restores: dict[int, list[dict[str, Any]]]
     restore_times: dict[int, list[float]]  # per stage, sorted
+    left: dict[int, dict[SampleKey, int]]  # per stage: ids peers held, unstepped, when they left it
     # kept history: (stage, step) -> peer -> line; abandoned ones: (stage, epoch, step) -> peer -> line
     replicas: dict[tuple[int, int], dict[str, dict[str, Any]]]
     abandoned: dict[tuple[int, int, int], dict[str, dict[str, Any]]]
@@ -241,11 +261,14 @@ class _ReadLedger:
                     fed_times[key] = float(line["time"])
         steps_seen: list[dict[str, Any]] = []
         restores: dict[int, list[dict[str, Any]]] = defaultdict(list)
+        left: dict[int, dict[SampleKey, int]] = defaultdict(dict)
         for line in step_lines:
             if line.get("kind") == "step":
                 steps_seen.append(line)
             elif line.get("kind") == "restore":
                 restores[int(line["stage"])].append(line)
+            elif line.get("kind") == "left":
+                left[int(line["stage"])].update((_key(entry), int(entry[2])) for entry in line["ids"])
         restore_times = {stage: sorted(float(r["time"]) for r in group) for stage, group in restores.items()}
         replicas: dict[tuple[int, int], dict[str, dict[str, Any]]] = defaultdict(dict)
         abandoned: dict[tuple[int, int, int], dict[str, dict[str, Any]]] = defaultdict(dict)
@@ -255,7 +278,7 @@ class _ReadLedger:
                 abandoned[stage, _epoch(line, restore_times[stage]), step][peer] = line
             else:
                 replicas[stage, step][peer] = line  # the peer's last line wins
-        return cls(fed_sizes, fed_times, steps_seen, restores, restore_times, replicas, abandoned)
+        return cls(fed_sizes, fed_times, steps_seen, restores, restore_times, left, replicas, abandoned)
 
     @property
     def samples_fed(self) -> int:
@@ -320,6 +343,7 @@ def _stage_counts(ledger: _ReadLedger, stage: int) -> dict[str, Any]:
     lost = set(ledger.fed_sizes) - set(summed)
     rolled_back = lost & tally.undone
     with_stage = _lost_with_stage(ledger, stage, lost - rolled_back)
+    with_leave = (lost - rolled_back - with_stage) & set(ledger.left.get(stage, {}))
     doubled = {key: count - 1 for key, count in summed.items() if count > 1}
     orphans = {key: count for key, count in summed.items() if key not in ledger.fed_sizes}
     return {
@@ -329,7 +353,9 @@ def _stage_counts(ledger: _ReadLedger, stage: int) -> dict[str, Any]:
         "samples_lost": sum(sizes[key] for key in lost),
         "lost_ids": _ids(lost),
         "samples_declared_lost": sum(sizes[key] for key in declared),
-        "samples_silently_lost": sum(sizes[key] for key in lost - declared - rolled_back - with_stage),
+        "samples_silently_lost": sum(sizes[key] for key in lost - declared - rolled_back - with_stage - with_leave),
+        "samples_lost_with_leave": sum(sizes[key] for key in with_leave - declared),
+        "lost_with_leave_ids": _ids(with_leave - declared),
         "samples_doubled": _samples(doubled, sizes),
         "doubled_ids": _ids(doubled),
         "samples_orphaned": _samples(orphans, sizes),
