@@ -24,9 +24,10 @@ import math
 from collections import Counter
 
 import torch
+from hivemind.p2p import PeerID
 
 from swarm.compression import Codec
-from swarm.net.transport import COMMIT_PROTOCOL, GRAD_PROTOCOL
+from swarm.net.transport import COMMIT_PROTOCOL, GRAD_PROTOCOL, StageCallError, get_peer_info
 from swarm.net.wire import decode_tensors, encode_tensor, pack_frames
 from swarm.peer.contribution_bounds import left_out
 from swarm.peer.mate_membership import MateMembership
@@ -59,6 +60,8 @@ from swarm.proto import (
 logger = logging.getLogger(__name__)
 
 ABSENT_GRACE = 5.0  # seconds a round waits for a member whose DHT record no longer says it serves
+PROBE_EVERY = 2.0  # seconds between a round's questions whether a member it waits for lives
+PROBE_TIMEOUT = 5.0
 
 
 def named_in(box: dict[str, Contribution]) -> set[str]:
@@ -305,7 +308,7 @@ class AveragingRound:
         machine = self.machine
         loop = asyncio.get_running_loop()
         unreachable: set[str] = set()
-        sent = {machine.peer_id}
+        sent, probed = {machine.peer_id}, {}
         started = loop.time()
         while True:
             for peer_id in members - sent:
@@ -316,6 +319,7 @@ class AveragingRound:
             missing = members - set(box) - unreachable - self.departed
             if not missing and not (members - sent):
                 return
+            self._probe_late(step, missing, probed, unreachable)
             wait = self._wait_for(missing, started)
             if wait <= 0:
                 self.dropped_members += len(missing)
@@ -328,6 +332,29 @@ class AveragingRound:
                 return
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(machine.changed.wait(), wait)
+
+    def _probe_late(self, step: int, missing: set[str], probed: dict[str, float], gone: set[str]) -> None:
+        """Probes the members a round phase waits for, every `PROBE_EVERY` seconds each (`probed`: when last):
+        a mate that died after taking this peer's message sends nothing, and its record outlives it by its TTL."""
+        now = self.machine.loop.time()
+        for peer_id in missing:
+            if now - probed.setdefault(peer_id, now) >= PROBE_EVERY:
+                probed[peer_id] = now
+                self.machine.spawn(self._probe(step, peer_id, gone))
+
+    async def _probe(self, step: int, peer_id: str, unreachable: set[str]) -> None:
+        """Asks a mate the round still waits for whether it lives: one that cannot be dialled is dropped at once
+        rather than at the timeout (a slow answer is no sign of death, and changes nothing)."""
+        machine = self.machine
+        try:
+            await get_peer_info(machine.p2p, PeerID.from_base58(peer_id), PROBE_TIMEOUT)
+        except StageCallError as e:
+            if e.code != ErrorCode.UNAVAILABLE or "no reply within" in e.detail:
+                return
+            logger.warning(f"Stage {machine.stage} step {step}: mate {peer_id} is gone ({e.detail}); dropping it")
+            self.membership.mark_unreachable(peer_id)
+            unreachable.add(peer_id)
+            machine.changed.set()
 
     async def _send_contribution(
         self,
@@ -486,10 +513,11 @@ class AveragingRound:
         )
         for peer_id in others:
             machine.spawn(self._send_commit(peer_id, message, gone))
-        started = loop.time()
+        started, probed = loop.time(), {}
         while True:
             machine.changed.clear()
             waiting = others - set(commits) - gone
+            self._probe_late(step, waiting, probed, gone)
             wait = self._wait_for(waiting, started) if waiting else 0.0
             if wait <= 0:
                 break

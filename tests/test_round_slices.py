@@ -118,3 +118,28 @@ def test_a_sum_whose_owner_died_is_taken_from_a_mate_that_holds_it(local_swarm, 
     first = [next(line for line in ledger if line["step"] == 0) for ledger in ledgers]
     assert first[0]["ids"] == first[1]["ids"] and not first[0]["lost"]  # both stepped on peer1a's samples too
     stage_1_matches_reference(local_swarm, tmp_path, steps, "peer1b")
+
+
+@pytest.mark.timeout(300)
+def test_a_mate_dying_mid_round_is_dropped_within_seconds_not_at_the_averaging_timeout(local_swarm, tmp_path):
+    """peer1a dies 4 s after it has the first round's offers, its own sent: its mates' commits reached it, and
+    they wait for its own, which never comes, while its record outlives it by a minute here. They ask whether
+    it lives, find it gone, and go on without it long before their 120 s averaging timeout; stage 1 ends as
+    one process would."""
+    steps = 3
+    patient = ["--averaging-timeout", "120", "--record-ttl", "60", "--short-wait", "20"]
+    dies_late = "after_contribution@1=delay:4,after_contribution@1=die"
+    start_swarm(
+        local_swarm,
+        tmp_path,
+        {0: ["peer0"], 1: ["peer1a", "peer1b", "peer1c"], 2: ["peer2"]},
+        {"peer1a": ["--faults", dies_late, *patient], "peer1b": patient, "peer1c": patient},
+    )
+    flags = [*trainer_flags(steps, tmp_path / "summary.json", microbatch_size=1, in_flight=8)]
+    trainer = local_swarm.start_trainer("trainer", [*flags, "--resend-buffer-mb", "64"])
+    assert trainer_exit_code(local_swarm, trainer, 100) == 0, local_swarm.log_path("trainer").read_text()[-3000:]
+    logs = [local_swarm.log_path(name).read_text() for name in ("peer1b", "peer1c")]
+    assert all("is gone" in log for log in logs), logs[0][-3000:]
+    survivors = peer_infos(local_swarm, 1)
+    assert len({(i.step, i.fingerprint) for i in survivors}) == 1, survivors
+    stage_1_matches_reference(local_swarm, tmp_path, steps, "peer1b")
