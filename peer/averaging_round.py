@@ -11,7 +11,8 @@ seconds, then steps without them and counts them as lost, by id. Every decision 
 agreed contributions alone, so every member takes the same one. Only then do gradients travel, in
 slices (`slice_exchange`: reduce-scatter, then all-gather), summed in the order of the contributors'
 peer ids, so all step on the same bits. A mate that cannot be reached is dropped from the round at
-once; one that stays silent is dropped when `averaging_timeout` runs out.
+once; one the round waits for is asked every `PROBE_EVERY` seconds whether it lives, and dropped as
+soon as it cannot be dialled; one that stays silent while alive is dropped when `averaging_timeout` runs out.
 """
 
 from __future__ import annotations
