@@ -523,6 +523,8 @@ class StandbyKeeper:
                 except Exception as e:
                     logger.warning(f"Could not take stage {stage}'s standby copy from {holder}: {e}")
                     continue
+                if await self._served_again(stage, step):
+                    return True
                 lost = reached_step(stage, records, step) - step
                 self.peer.ledger.write(restore_record(self.peer.peer_id, stage, step, step + lost))
                 logger.warning(
@@ -531,6 +533,18 @@ class StandbyKeeper:
                 )
                 return True
         return False
+
+    async def _served_again(self, stage: int, step: int) -> bool:
+        """Whether another peer serves `stage` again at `step` or later (a holder or a filler that restored it
+        while this peer took its copy): this peer then joins that history rather than starting one."""
+        peer = self.peer
+        records = await peer._fetch_records(only=stage)
+        live = [r for r in records[stage] if r.state in (SERVING, JOINING)]
+        # of two that took the same copy at once, the smaller peer id speaks for the restore
+        ahead = max((r for r in live if (r.step, peer.peer_id) > (step, r.peer_id)), key=lambda r: r.step, default=None)
+        if ahead is not None:
+            logger.info(f"Stage {stage} is served again by {ahead.peer_id} at step {ahead.step}: following it")
+        return ahead is not None
 
     async def _download_from_holder(self, holder: str, version: tuple[int, str]) -> tuple[int, str]:
         peer = self.peer
