@@ -535,16 +535,18 @@ class StandbyKeeper:
         return False
 
     async def _served_again(self, stage: int, step: int) -> bool:
-        """Whether another peer serves `stage` again at `step` or later (a holder or a filler that restored it
-        while this peer took its copy): this peer then joins that history rather than starting one."""
+        """Whether a live peer serves `stage` again past `step` (a holder or a filler restored it while this peer
+        took its copy): then this peer takes that peer's state and joins its history rather than starting one.
+        A record alone says nothing here: the dead peers' records outlive them."""
         peer = self.peer
         records = await peer._fetch_records(only=stage)
-        live = [r for r in records[stage] if r.state in (SERVING, JOINING)]
-        # of two that took the same copy at once, the smaller peer id speaks for the restore
-        ahead = max((r for r in live if (r.step, peer.peer_id) > (step, r.peer_id)), key=lambda r: r.step, default=None)
-        if ahead is not None:
-            logger.info(f"Stage {stage} is served again by {ahead.peer_id} at step {ahead.step}: following it")
-        return ahead is not None
+        if not any(r.step > step and r.state in (SERVING, JOINING) for r in records[stage]):
+            return False
+        peer.mates.update_records(records[stage])
+        source = await peer.mates.sync_from_mates(minimum_step=step + 1)
+        if source is not None:
+            logger.info(f"Stage {stage} is served again by {source}, past the copy of step {step}: took its state")
+        return source is not None
 
     async def _download_from_holder(self, holder: str, version: tuple[int, str]) -> tuple[int, str]:
         peer = self.peer
