@@ -126,7 +126,8 @@ def test_the_filler_of_an_empty_stage_leaves_the_pipeline_fastest_and_its_stage_
 
 def test_a_stage_lost_with_its_copies_is_filled_after_the_holders_had_their_chance():
     moves: list[int] = []
-    config = PeerConfig(model="gpt-tiny", num_stages=3, announce_period=1.0)
+    # no refresh of its copy of stage 1 falls due here: this keeper runs without an event loop
+    config = PeerConfig(model="gpt-tiny", num_stages=3, announce_period=1.0, standby_every=100)
     peer = SimpleNamespace(config=config, stage=0, state=SERVING, mates=None, peer_id="peerA" * 4)
     peer.request_move = moves.append
     keeper = StandbyKeeper(peer)  # it holds no copy of stage 2
