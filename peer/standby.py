@@ -476,11 +476,10 @@ class StandbyKeeper:
             copies = {p: c for p, c in copies.items() if c[0] > peer.runtime.step and p not in self.accused()}
             if await self._take_a_copy(copies, records):
                 return True
-            restorer_coming = any(r.state == LEAVING and r.moving_to == stage for g in records.values() for r in g)
             # stages step together: if any has stepped past this peer, so had this one; before concluding that
             # its copies died with it, read again a few times (a DHT read can come back short)
             trained = any(r.step > peer.runtime.step for group in records.values() for r in group)
-            if not copies and not restorer_coming:
+            if not copies and not on_the_way(stage, records):
                 if not trained:
                     return False
                 if reads >= SHORT_READ_RETRIES:
