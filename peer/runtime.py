@@ -20,11 +20,10 @@ from typing import Any, Protocol
 import torch
 
 from swarm.models import GPTStage
-from swarm.models.optimizer import apply_accumulated_step
 from swarm.models.precision import autocast
 from swarm.peer.device_copies import DeviceCopies
 from swarm.peer.faults import FaultPlan
-from swarm.peer.gradient_buffers import Accumulated, flat_gradient, gradients_finite, put, set_gradients, take
+from swarm.peer.gradient_buffers import Accumulated, flat_gradient, put, set_gradients, take
 from swarm.peer.request_queue import (
     CallAbandonedError,
     QueueFullError,
@@ -37,6 +36,7 @@ from swarm.peer.request_queue import (
 )
 from swarm.peer.stage_spilling import SpilledStage
 from swarm.peer.stage_state import parameter_fingerprint
+from swarm.peer.step_deltas import EMPTY, NONFINITE, STEPPED, DeltaRing, step_on_sum, step_outcome
 from swarm.peer.step_fingerprints import StepFingerprints
 from swarm.policy.throughput_average import ThroughputAverage
 
@@ -135,6 +135,7 @@ class StageRuntime:
         # after every step, from the thread that hashes the new parameters (`step_fingerprints`)
         self.on_step = on_step
         self.on_stepped: Callable[[int], None] | None = None  # at once after every step, on the runtime thread
+        self.deltas: DeltaRing | None = None  # what each step applied, kept for standby holders (never when spilling)
         self.fingerprints = StepFingerprints(module)
         self.coordinator: StepCoordinator | None = None  # None: step alone at the target batch
         self.max_staleness = max_staleness
@@ -527,28 +528,29 @@ class StageRuntime:
         total = result.samples
         self.held = {}
         self.samples_accumulated = 0
-        if total <= 0:
+        outcome = step_outcome(self.module, total)
+        if self.deltas is not None:
+            self.deltas.record(step, self.module, outcome, total)
+        if outcome == EMPTY:
             # the group steps together even on nothing, so that its replicas stay at one step
             logger.warning(f"Stage {self.module.stage}: the group had no samples at step {step}; skipping it")
-            self.module.zero_grad(set_to_none=True)
-        elif not gradients_finite(self.module):
+        elif outcome == NONFINITE:
             # every replica sums the same agreed contributions, so every replica skips alike
             self.nonfinite_steps += 1
             logger.error(
                 f"Stage {self.module.stage}: the summed gradient of step {step} is not finite; skipping its "
                 f"update ({self.nonfinite_steps} so far): a contribution was broken"
             )
-            self.module.zero_grad(set_to_none=True)
+        elif total != self.target_batch_size:
+            logger.info(
+                f"Stage {self.module.stage} steps on {total} samples, target is {self.target_batch_size}: "
+                "microbatches crossed the step boundary"
+            )
+        if self.spilling is not None and outcome == STEPPED:
+            self.spilling.step(self.optimizer, total)
         else:
-            if total != self.target_batch_size:
-                logger.info(
-                    f"Stage {self.module.stage} steps on {total} samples, target is {self.target_batch_size}: "
-                    "microbatches crossed the step boundary"
-                )
-            if self.spilling is not None:
-                self.spilling.step(self.optimizer, total)
-            else:
-                apply_accumulated_step(self.module, self.optimizer, total)
+            step_on_sum(self.module, self.optimizer, total, outcome)
+        if outcome == STEPPED:
             self.samples_stepped += total
         self.step += 1
         self.last_round = result
@@ -582,6 +584,8 @@ class StageRuntime:
         self.requests.forget([*self.held, *(key for a in set_aside for key in a.held)])
         self._in_round = self._overflow = None
         self.held = {}
+        if self.deltas is not None:
+            self.deltas.forget()
         apply()
         with self.requests.lock:
             self._step_requested = None

@@ -24,7 +24,7 @@ from swarm.net.direct_plane import DirectPlane, announce_host, listen_host
 from swarm.net.reachability import REACH_PROTOCOL, check_before_start, report_reachability, serve_reachability
 from swarm.net.request_budget import RequestBudget
 from swarm.net.request_limits import StageLimits, stage_limits
-from swarm.net.transport import INFO_PROTOCOL, STAGE_PROTOCOL
+from swarm.net.transport import INFO_PROTOCOL, STAGE_PROTOCOL, STANDBY_PROTOCOL
 from swarm.peer.announcer import Announcer
 from swarm.peer.checkpoint import checkpoint_path, load_checkpoint, restore, save_checkpoint
 from swarm.peer.direct_links import keep_direct_links
@@ -35,7 +35,9 @@ from swarm.peer.preemption import notice_source, watch_for_preemption
 from swarm.peer.rebalancing import Rebalancing
 from swarm.peer.runtime import StageRuntime
 from swarm.peer.stage_state import parameter_fingerprint
-from swarm.peer.standby import STANDBY_PROTOCOL, Standby, StandbyKeeper
+from swarm.peer.standby import StandbyKeeper
+from swarm.peer.standby_copy import Standby
+from swarm.peer.step_deltas import DeltaRing
 from swarm.peer.work_receipts import work_receipts
 from swarm.policy.balance import stage_costs
 from swarm.process.event_loop import run, stop_event_on_signals
@@ -151,6 +153,9 @@ class Peer:
             receipts=work_receipts(config, self.peer_id, module.stage),
             robust_sum=config.robust_sum,
         )
+        if config.standby_deltas and not config.offload:  # a spilled stage's optimizer steps in its own order
+            mates = self.mates
+            self.runtime.deltas = DeltaRing(config.standby_deltas, wanted=lambda: bool(mates.standby_holders))
         self.limits = stage_limits(module, config.max_call_samples, int(config.max_request_mb * 2**20))
         self.handler = StageHandler(
             self.runtime,

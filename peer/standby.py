@@ -29,27 +29,25 @@ import asyncio
 import logging
 import random
 import time
-from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
-from hivemind.p2p import PeerID
 
-from swarm.models import ModelSpec, build_stage
-from swarm.net.transport import exchange
-from swarm.net.wire import WireLimits, decode_tensors, pack_frames
-from swarm.peer.mates import StageMates
-from swarm.peer.runtime import StageRuntime
-from swarm.peer.stage_state import StageStateError, check_state_tensors, load_state_tensors, parameter_fingerprint
-from swarm.peer.state_file import StateFileError, read_tensor_list, write_tensor_list
+from swarm.models import build_stage
+from swarm.models.optimizer import OptimizerSettings
+from swarm.net.wire import WireLimits, pack_frames
+from swarm.peer.delta_transfer import request_deltas
+from swarm.peer.stage_state import StageStateError, check_state_tensors, parameter_fingerprint
+from swarm.peer.standby_copy import Standby
+from swarm.peer.standby_host import StandbyHost
+from swarm.peer.standby_newcomer import JOIN_RESTORE_TIMEOUT, STATE_TIMEOUT, NewcomerRestore
+from swarm.peer.state_file import write_tensor_list
 from swarm.peer.state_transfer import (
     Version,
     confirmed_holders,
     confirmed_versions,
     encode_state,
-    load_into_runtime,
     parameters_fingerprint,
     peer_versions,
     request_state,
@@ -57,128 +55,21 @@ from swarm.peer.state_transfer import (
 )
 from swarm.peer.work_receipts import WorkReceipts, work_receipts
 from swarm.policy.empty_stages import choose_filler, on_the_way
+from swarm.policy.lost_stages import choose_restorer, lost_stages, standby_holders, standby_targets
 from swarm.proto import PROTOCOL_VERSION, Error, ErrorCode, StateReply, StateRequest
-from swarm.records.sample_ledger import SampleLedger, restore_record
+from swarm.records.sample_ledger import restore_record
 from swarm.records.stage_records import JOINING, LEAVING, SERVING, StageRecord
 
 if TYPE_CHECKING:
-    from swarm.config import PeerConfig
+    pass
 
 logger = logging.getLogger(__name__)
 
-STANDBY_PROTOCOL = "/swarm/standby/state"
 LOST_GRACE = 2  # announce periods a stage shows no serving or joining record before it counts as lost
 FILL_PERIODS = 3  # announce periods after that in which a holder may restore it before another peer fills it
 INFO_TIMEOUT = 5.0
-STATE_TIMEOUT = 120.0
-JOIN_RESTORE_TIMEOUT = 90.0  # how long a peer on an empty stage tries for a standby copy before a fresh start
-JOIN_RETRY_S = 2.0
+MAX_DELTA_MISSES = 2  # catch-ups of a stage's copy no peer confirmed before its copy is only refreshed whole
 WHOLE_SWARM_EVERY = 5  # announce periods between a keeper's reads of every stage; in between, the ones it holds
-SHORT_READ_RETRIES = 3  # reads a peer on an empty stage makes when the swarm has trained but shows no copy of it
-
-
-class StandbyHost(Protocol):
-    """What a standby keeper reads of its peer (`swarm.peer.server.Peer`), and asks of it."""
-
-    config: PeerConfig
-    spec: ModelSpec
-    peer_id: str
-    stage: int
-    state: str
-    mates: StageMates | None  # the stage-mates of the stage hosted now (None before the first is built)
-    runtime: StageRuntime | None
-    ledger: SampleLedger
-
-    def request_move(self, stage: int) -> None:
-        """Asks the peer to move to `stage` (here: to restore it) at its next chance."""
-
-    async def _fetch_records(self, only: int | None = None) -> dict[int, list[StageRecord]]:
-        """The stages' records from the DHT (every stage's, or `only` that one's)."""
-
-
-def standby_targets(stage: int, num_stages: int, count: int) -> list[int]:
-    """The stages a peer of `stage` holds standby copies of: the next `count`, never its own."""
-    following = ((stage + i) % num_stages for i in range(1, count + 1))
-    return list(dict.fromkeys(s for s in following if s != stage))
-
-
-def lost_stages(records: dict[int, list[StageRecord]], num_stages: int) -> set[int]:
-    """Stages no record shows a peer serving or joining."""
-    return {s for s in range(num_stages) if not any(r.state in (SERVING, JOINING) for r in records.get(s, []))}
-
-
-def choose_restorer(stage: int, records: dict[int, list[StageRecord]]) -> tuple[str, int] | None:
-    """(peer id, step) of the holder that restores `stage`, or None if none may.
-
-    Every holder computes this from the records, so all agree where their views agree: the freshest
-    copy first (the least progress lost), then a movable peer before a pinned one, then the holder
-    whose own stage keeps the most serving peers, then the peer id. A stage's last serving peer never
-    restores another: that would only move the loss.
-    """
-    candidates = []
-    for own, group in records.items():
-        serving = [r for r in group if r.state == SERVING]
-        if own == stage or len(serving) < 2:
-            continue
-        for record in serving:
-            copy = record.standby_of(stage)
-            if copy is not None and copy[0] >= 0:
-                candidates.append((-copy[0], not record.movable, -len(serving), record.peer_id))
-    if not candidates:
-        return None
-    best = min(candidates)
-    return best[3], -best[0]
-
-
-def standby_copies(stage: int, records: dict[int, list[StageRecord]]) -> dict[str, tuple[int, str]]:
-    """The copies of `stage` that serving peers of other stages announce: holder -> (step, fingerprint)."""
-    return {
-        r.peer_id: r.standby_of(stage)
-        for own, group in records.items()
-        if own != stage
-        for r in group
-        if r.state == SERVING and r.standby_of(stage) is not None
-    }
-
-
-def standby_holders(stage: int, records: dict[int, list[StageRecord]]) -> set[str]:
-    """Peers whose serving records name them as holders of a standby copy of `stage`."""
-    return set(standby_copies(stage, records))
-
-
-def reached_step(stage: int, records: dict[int, list[StageRecord]], step: int) -> int:
-    """The furthest step `stage`'s records (maybe the last words of its dead peers) show, and at least `step`."""
-    return max([step, *(r.step for r in records.get(stage, []))])
-
-
-@dataclass
-class Standby:
-    """One stage's state as a holder keeps it: in host memory (`tensors`) or on local disk (`path`)."""
-
-    stage: int
-    step: int
-    samples_stepped: int
-    has_optimizer_state: bool
-    fingerprint: str  # of the parameters, as replicas announce it
-    nbytes: int
-    tensors: list[torch.Tensor] | None = None
-    path: Path | None = None
-
-    def load(self) -> list[torch.Tensor]:
-        """The state's tensors, read back from disk if they were spilled there."""
-        if self.tensors is not None:
-            return self.tensors
-        try:
-            return read_tensor_list(self.path)
-        except StateFileError as e:
-            raise StageStateError(
-                f"the standby copy of stage {self.stage} cannot be used ({e}); is the disk under --checkpoint-dir "
-                "full or failing?"
-            ) from None
-
-    def apply(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """Copies the state into a freshly built stage and its optimizer."""
-        load_state_tensors(module, optimizer, self.load(), self.has_optimizer_state)
 
 
 class StandbyKeeper:
@@ -206,6 +97,10 @@ class StandbyKeeper:
         self.restored: list[tuple[int, int, int]] = []  # (stage, step, steps lost) of each restore by this peer
         self.bytes_received = 0
         self.refreshes = 0
+        self.deltas = config.standby_deltas  # how many steps' deltas the stage's peers keep (0: refresh whole)
+        self.deltas_applied = 0
+        self.no_deltas: dict[int, int] = {}  # per stage: the copy's step its peers had no deltas from
+        self.delta_misses: dict[int, int] = {}  # per stage: catch-ups whose result no peer confirmed
         self.rng = random.Random()
         self._tasks: set[asyncio.Task] = set()
         self._warned_budget: set[int] = set()
@@ -228,7 +123,7 @@ class StandbyKeeper:
         return tuple(entries)
 
     def held_bytes(self) -> int:
-        return sum(copy.nbytes for copy in self.standbys.values() if copy.tensors is not None)
+        return sum(copy.nbytes for copy in self.standbys.values() if copy.in_memory)
 
     # --- every announce period ----------------------------------------------------------------------
 
@@ -274,7 +169,11 @@ class StandbyKeeper:
             newest = max((r.step for r in serving), default=-1)
             # a copy at step 0 would be worth nothing: a stage restarted from scratch has the same parameters
             due = newest >= (copy.step if copy else 0) + self.every and now >= self.next_refresh.get(stage, 0.0)
-            if serving and due and stage not in self.fetching and peer.state == SERVING:
+            if not serving or stage in self.fetching or peer.state != SERVING:
+                continue
+            if self._deltas_reach(copy, newest):
+                self._spawn(self.catch_up(stage, [r.peer_id for r in serving]))
+            elif due:
                 self._spawn(self.refresh(stage, [r.peer_id for r in serving]))
         if peer.state != SERVING or self.restore_pending is not None or not whole_swarm:
             return
@@ -388,9 +287,13 @@ class StandbyKeeper:
             self.refreshes += 1
             copy = Standby(stage, step, samples_stepped, has_optimizer_state, fingerprint, nbytes)
             old = self.standbys.get(stage)
-            in_memory = self.held_bytes() - (old.nbytes if old and old.tensors is not None else 0)
+            in_memory = self.held_bytes() - (old.nbytes if old and old.in_memory else 0)
             if in_memory + nbytes <= self.budget:
                 copy.tensors = tensors
+                if self.deltas:  # live, so that the stage's step deltas can catch it up
+                    config = self.peer.config
+                    settings = OptimizerSettings(config.lr, config.weight_decay, config.beta1, config.beta2)
+                    await asyncio.get_running_loop().run_in_executor(None, copy.make_live, template, settings)
             elif self.spill_dir is not None:
                 copy.path = (
                     self.spill_dir / f"standby-{model}-stage{stage}-of-{self.peer.config.num_stages}.safetensors"
@@ -420,6 +323,67 @@ class StandbyKeeper:
             self.fetching.discard(stage)
             # the copies' cost stays a bounded share of the time, whatever the step rate and state size
             self.next_refresh[stage] = time.monotonic() + (time.perf_counter() - started) / self.share
+
+    def _deltas_reach(self, copy: Standby | None, newest: int) -> bool:
+        """Whether `copy` can be caught up with its stage's step deltas, now at step `newest`."""
+        if copy is None or copy.module is None or not copy.step < newest <= copy.step + self.deltas:
+            return False
+        return self.no_deltas.get(copy.stage) != copy.step and self.delta_misses.get(copy.stage, 0) < MAX_DELTA_MISSES
+
+    async def catch_up(self, stage: int, serving: list[str]) -> None:
+        """Catches `stage`'s live copy up with the newest version two of its peers confirm, step delta by delta.
+
+        The copy's parameters must then show that version's fingerprint. If they do not (a source that lies,
+        or peers whose arithmetic differs from this host's), the copy is dropped and taken whole at once; after
+        `MAX_DELTA_MISSES` such misses, the stage's copy is only refreshed whole."""
+        self.fetching.add(stage)
+        copy = self.standbys[stage]
+        try:
+            versions = await self._versions(stage, serving)
+            holders = confirmed_holders(versions, minimum_step=copy.step + 1)
+            if not holders:
+                return
+            top = versions[holders[0]]
+            source = self.rng.choice([h for h in holders if versions[h] == top])
+            config, loop = self.peer.config, asyncio.get_running_loop()
+            start, nbytes = copy.step, 0
+            while copy.step < top[0]:
+                deltas = await request_deltas(
+                    self.peer.mates.p2p, source, config.model, stage, copy.step, copy.parameter_count(), INFO_TIMEOUT
+                )
+                deltas = [d for d in deltas if d.step < top[0]]  # the source stepped past the confirmed version
+                await loop.run_in_executor(None, copy.advance, deltas)
+                self.deltas_applied += len(deltas)
+                nbytes += sum(4 * d.grad_sum.numel() for d in deltas if d.grad_sum is not None)
+            self.bytes_received += nbytes
+            if (copy.step, copy.fingerprint) != top:
+                self._missed(stage, source, top)
+                return
+            logger.info(
+                f"Caught up the standby copy of stage {stage} to step {copy.step} (fingerprint {copy.fingerprint}) "
+                f"with {copy.step - start} step deltas from {source}: {nbytes} bytes "
+                f"({self.bytes_received} bytes over {self.refreshes} refreshes and {self.deltas_applied} deltas)"
+            )
+        except asyncio.CancelledError:
+            raise
+        except StageStateError as e:
+            self.no_deltas[stage] = copy.step  # the copy is refreshed whole, when due
+            logger.info(f"Could not catch up the standby copy of stage {stage} at step {copy.step}: {e}")
+        except Exception as e:
+            logger.info(f"Could not catch up the standby copy of stage {stage}: {type(e).__name__}: {e}")
+        finally:
+            self.fetching.discard(stage)
+
+    def _missed(self, stage: int, source: str, version: tuple[int, str]) -> None:
+        copy = self.standbys.pop(stage, None) or self.standbys.get(stage)
+        self.delta_misses[stage] = misses = self.delta_misses.get(stage, 0) + 1
+        self.next_refresh[stage] = 0.0  # taken whole at the next look
+        logger.warning(
+            f"The step deltas of stage {stage} from {source} brought its standby copy to fingerprint "
+            f"{copy.fingerprint} at step {copy.step}, not {version[1]} as two of its peers confirm (a source that "
+            "lies, or peers computing on other devices); dropped the copy to take it whole"
+            + (": from now on its copy is refreshed whole only" if misses >= MAX_DELTA_MISSES else "")
+        )
 
     @staticmethod
     def _spill(tensors: list[torch.Tensor], path: Path) -> None:
@@ -452,120 +416,8 @@ class StandbyKeeper:
     # --- a newcomer on an empty stage -------------------------------------------------------------------
 
     async def fetch_for_newcomer(self, timeout: float = JOIN_RESTORE_TIMEOUT) -> bool:
-        """Brings this peer's stage back, which no live mate could give state for; True if it did.
-
-        Tries the freshest standby copy first, then every other. While a copy is announced but cannot be had
-        yet (its holder does not see this peer's record yet, or refreshed it meanwhile), or a holder is on
-        its way to restore the stage, it tries again, up to `timeout`. If no copy is in sight but other
-        stages have stepped past this peer, it reads a few times more (a DHT read may come back short).
-        A peer that served the stage at a fresh start instead would throw away the stage's progress, and
-        the holders would see no lost stage to restore. In a new swarm it returns at once.
-        """
-        peer = self.peer
-        stage = peer.stage
-        deadline = time.monotonic() + timeout
-        reads = 0
-        while True:
-            records = await peer._fetch_records()
-            peer.mates.update_records(records[stage])
-            if any(r.step > peer.runtime.step for r in peer.mates.mates.values()):
-                # a mate serves the stage again (a holder that restored it): its state, as any joiner takes it
-                if await peer.mates.sync_from_mates(minimum_step=peer.runtime.step + 1) is not None:
-                    return True
-            copies = standby_copies(stage, records)
-            copies = {p: c for p, c in copies.items() if c[0] > peer.runtime.step and p not in self.accused()}
-            if await self._take_a_copy(copies, records):
-                return True
-            # stages step together: if any has stepped past this peer, so had this one; before concluding that
-            # its copies died with it, read again a few times (a DHT read can come back short)
-            trained = any(r.step > peer.runtime.step for group in records.values() for r in group)
-            if not copies and not on_the_way(stage, records):
-                if not trained:
-                    return False
-                if reads >= SHORT_READ_RETRIES:
-                    logger.error(
-                        f"Stage {stage}: other stages have trained, but no standby copy of this one is announced "
-                        f"(its holders died with it?); serving it from step {peer.runtime.step}"
-                    )
-                    return self._start_over(records)
-            reads += 1
-            if time.monotonic() > deadline:
-                logger.error(
-                    f"Stage {stage}: no standby copy could be had in {timeout:.0f}s; serving it from step "
-                    f"{peer.runtime.step}: its progress since is lost"
-                )
-                return self._start_over(records)
-            await asyncio.sleep(JOIN_RETRY_S)
-
-    def _start_over(self, records: dict[int, list[StageRecord]]) -> bool:
-        """The stage goes on from this peer's own state, with no copy: the ledger says so, as for a restore,
-        so that the progress thrown away is counted by id rather than as divergent replicas. Returns False."""
-        peer = self.peer
-        step = peer.runtime.step
-        reached = reached_step(peer.stage, records, step)
-        if reached <= step:  # the stage's own records are gone: the other stages say how far training went
-            reached = max((r.step for group in records.values() for r in group), default=step)
-        peer.ledger.write(restore_record(peer.peer_id, peer.stage, step, reached))
-        return False
-
-    async def _take_a_copy(self, copies: dict[str, tuple[int, str]], records: dict[int, list[StageRecord]]) -> bool:
-        """Downloads the freshest of `copies` (holder -> (step, fingerprint)) that a holder gives; True if one."""
-        stage = self.peer.stage
-        counts = Counter(copies.values())
-        # the freshest copy first (holders refresh at different moments, so copies rarely agree); at one
-        # step, the version more holders announce. Each holder took its copy only once two of the stage's
-        # peers confirmed it, and the state sent must match what the holder's signed record announces.
-        for version in sorted(counts, key=lambda v: (v[0], counts[v]), reverse=True):
-            for holder in sorted(p for p, c in copies.items() if c == version):
-                try:
-                    step, fingerprint = await self._download_from_holder(holder, version)
-                except Exception as e:
-                    logger.warning(f"Could not take stage {stage}'s standby copy from {holder}: {e}")
-                    continue
-                if await self._served_again(stage, step):
-                    return True
-                lost = reached_step(stage, records, step) - step
-                self.peer.ledger.write(restore_record(self.peer.peer_id, stage, step, step + lost))
-                logger.warning(
-                    f"Restored stage {stage} from a standby at step {step} (lost {lost} steps); "
-                    f"parameters {fingerprint}, taken from {holder}"
-                )
-                return True
-        return False
-
-    async def _served_again(self, stage: int, step: int) -> bool:
-        """Whether a live peer serves `stage` again past `step` (a holder or a filler restored it while this peer
-        took its copy): then this peer takes that peer's state and joins its history rather than starting one.
-        A record alone says nothing here: the dead peers' records outlive them."""
-        peer = self.peer
-        records = await peer._fetch_records(only=stage)
-        if not any(r.step > step and r.state in (SERVING, JOINING) for r in records[stage]):
-            return False
-        peer.mates.update_records(records[stage])
-        source = await peer.mates.sync_from_mates(minimum_step=step + 1)
-        if source is not None:
-            logger.info(f"Stage {stage} is served again by {source}, past the copy of step {step}: took its state")
-        return source is not None
-
-    async def _download_from_holder(self, holder: str, version: tuple[int, str]) -> tuple[int, str]:
-        peer = self.peer
-        stage, runtime = peer.stage, peer.runtime
-        limits = self.limits(stage)
-        request = StateRequest(protocol_version=PROTOCOL_VERSION, model=peer.config.model, stage=stage)
-        reply, parts = await asyncio.wait_for(
-            exchange(peer.mates.p2p, PeerID.from_base58(holder), STANDBY_PROTOCOL, [request], StateReply, limits),
-            STATE_TIMEOUT,
-        )
-        if reply.error.code != ErrorCode.OK:
-            raise StageStateError(f"{ErrorCode.Name(reply.error.code)}: {reply.error.message}")
-        tensors = await asyncio.get_running_loop().run_in_executor(None, decode_tensors, parts, limits)
-        check_state_tensors(runtime.module, tensors, reply.has_optimizer_state)
-        fingerprint = await parameters_fingerprint(runtime.module, tensors)
-        if (reply.step, fingerprint) != version:
-            raise StageStateError(f"sent step {reply.step}, fingerprint {fingerprint}; its record says {version}")
-        await load_into_runtime(runtime, reply.step, tensors, reply.has_optimizer_state, reply.samples_stepped)
-        peer.mates.progress.reached(reply.step)
-        return reply.step, fingerprint
+        """Brings this peer's stage back from a standby copy (see `NewcomerRestore.fetch`); True if it did."""
+        return await NewcomerRestore(self.peer, self.accused, self.limits).fetch(timeout)
 
     async def _answer_standby(self, requester: str, request: StateRequest, _parts, reply: StateReply) -> list:
         copy = self.standbys.get(request.stage)

@@ -17,6 +17,7 @@ from functools import partial
 
 from swarm.net.wire import pack_frames
 from swarm.peer.averaging_round import AveragingRound
+from swarm.peer.delta_transfer import answer_deltas
 from swarm.peer.mate_membership import MateMembership
 from swarm.peer.mate_messages import PROGRESS_TIMEOUT, check_header, ids_to_wire
 from swarm.peer.mate_progress import ProgressExchange
@@ -68,6 +69,8 @@ class StateHandOver:
             )
             return [reply]
         runtime = machine.runtime
+        if request.deltas:  # a standby holder catching its copy up
+            return await answer_deltas(runtime.deltas, request, runtime.step, reply)
         member = membership.joins_stage(requester)
         # it will not contribute to a round under way here: stop waiting for it
         if member and machine.phase() == AVERAGING:

@@ -337,17 +337,21 @@ class MateReply(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., step: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., more: _Optional[bool] = ...) -> None: ...
 
 class StateRequest(_message.Message):
-    __slots__ = ("protocol_version", "model", "stage")
+    __slots__ = ("protocol_version", "model", "stage", "deltas", "from_step")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
+    DELTAS_FIELD_NUMBER: _ClassVar[int]
+    FROM_STEP_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     model: str
     stage: int
-    def __init__(self, protocol_version: _Optional[int] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ...) -> None: ...
+    deltas: bool
+    from_step: int
+    def __init__(self, protocol_version: _Optional[int] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ..., deltas: _Optional[bool] = ..., from_step: _Optional[int] = ...) -> None: ...
 
 class StateReply(_message.Message):
-    __slots__ = ("protocol_version", "error", "step", "has_optimizer_state", "tensors", "more", "samples_stepped", "progress", "held", "attempt", "recently_summed")
+    __slots__ = ("protocol_version", "error", "step", "has_optimizer_state", "tensors", "more", "samples_stepped", "progress", "held", "attempt", "recently_summed", "delta_samples")
     class ProgressEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -366,6 +370,7 @@ class StateReply(_message.Message):
     HELD_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     RECENTLY_SUMMED_FIELD_NUMBER: _ClassVar[int]
+    DELTA_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     error: Error
     step: int
@@ -377,7 +382,8 @@ class StateReply(_message.Message):
     held: _containers.RepeatedCompositeFieldContainer[HeldSamples]
     attempt: int
     recently_summed: _containers.RepeatedCompositeFieldContainer[SampleId]
-    def __init__(self, protocol_version: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., step: _Optional[int] = ..., has_optimizer_state: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., more: _Optional[bool] = ..., samples_stepped: _Optional[int] = ..., progress: _Optional[_Mapping[str, int]] = ..., held: _Optional[_Iterable[_Union[HeldSamples, _Mapping]]] = ..., attempt: _Optional[int] = ..., recently_summed: _Optional[_Iterable[_Union[SampleId, _Mapping]]] = ...) -> None: ...
+    delta_samples: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, protocol_version: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., step: _Optional[int] = ..., has_optimizer_state: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., more: _Optional[bool] = ..., samples_stepped: _Optional[int] = ..., progress: _Optional[_Mapping[str, int]] = ..., held: _Optional[_Iterable[_Union[HeldSamples, _Mapping]]] = ..., attempt: _Optional[int] = ..., recently_summed: _Optional[_Iterable[_Union[SampleId, _Mapping]]] = ..., delta_samples: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DirectHello(_message.Message):
     __slots__ = ("protocol_version", "protocol", "nonce", "public_key", "ephemeral_key", "session", "shared_memory", "shared_token", "cipher")

@@ -3,8 +3,8 @@
 Each round starts a fresh local swarm (`--stages` stages of `--model`, `--peers-per-stage` peers
 each), trains `--steps` steps with `--standby-stages 0` and then with `--standby-stages K`
 (alternating which goes first from round to round, so that a machine warming up or cooling down
-favours neither), and reads from the peers' logs the bytes their standby refreshes took
-("Refreshed the standby copy ... (N bytes over M refreshes)"). Peers are pinned: nothing moves.
+favours neither), and reads from the peers' logs the bytes their standby copies took, whole refreshes and
+step deltas ("(N bytes over M refreshes and D deltas)"). Peers are pinned: nothing moves.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from swarm.launch.local_swarm import LocalSwarm
 from swarm.net.dht_node import TetheredDHT
 from swarm.records.stage_records import SERVING, fetch_stage_records
 
-TOTAL = re.compile(r"\((\d+) bytes over (\d+) refreshes\)")
+TOTAL = re.compile(r"\((\d+) bytes over (\d+) refreshes(?: and (\d+) deltas)?\)")
 
 
 def cpu_seconds_by_program(groups: set[int]) -> dict[str, float]:
@@ -81,17 +81,19 @@ def one_run(args: argparse.Namespace, workdir: Path, standby_stages: int) -> dic
             raise SystemExit(f"the trainer failed; see {swarm.log_path('trainer')}")
         cpu_after = cpu_seconds_by_program(groups)
         summary = json.loads(summary_file.read_text())
-        standby_bytes = refreshes = 0
+        standby_bytes = refreshes = deltas = 0
         for name in names:
             totals = TOTAL.findall(swarm.log_path(name).read_text(errors="replace"))
             if totals:
                 standby_bytes += int(totals[-1][0])
                 refreshes += int(totals[-1][1])
+                deltas += int(max((t[2] for t in totals), default="") or 0)
     return {
         "samples_per_s": round(summary["samples_per_second"], 2),
         "steps": summary["steps"],
         "standby_bytes": standby_bytes,
         "standby_refreshes": refreshes,
+        "standby_deltas": deltas,
         # peers' copies refresh in the background from the start: bytes over the steps the stages took
         "standby_bytes_per_step": round(standby_bytes / max(1, summary["steps"])),
         # where the peers' CPU went while the trainer ran

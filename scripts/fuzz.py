@@ -51,12 +51,12 @@ from swarm.net.transport import (
     PROGRESS_PROTOCOL,
     SLICE_PROTOCOL,
     STAGE_PROTOCOL,
+    STANDBY_PROTOCOL,
     STATE_PROTOCOL,
     call_stage,
     get_peer_info,
 )
 from swarm.net.wire import HEADER_BYTES, Part, WireError, WireLimits, encode_tensor, pack_frames, read_frames
-from swarm.peer.standby import STANDBY_PROTOCOL
 from swarm.proto import (
     BACKWARD,
     FORWARD,

@@ -13,18 +13,10 @@ import pytest
 from conftest import SMALL_CORPUS, wait_for_records
 
 from swarm.config import PeerConfig
-from swarm.peer.standby import (
-    FILL_PERIODS,
-    LOST_GRACE,
-    WHOLE_SWARM_EVERY,
-    Standby,
-    StandbyKeeper,
-    choose_restorer,
-    lost_stages,
-    standby_holders,
-    standby_targets,
-)
+from swarm.peer.standby import FILL_PERIODS, LOST_GRACE, WHOLE_SWARM_EVERY, StandbyKeeper
+from swarm.peer.standby_copy import Standby
 from swarm.policy.empty_stages import choose_filler, on_the_way
+from swarm.policy.lost_stages import choose_restorer, lost_stages, standby_holders, standby_targets
 from swarm.records.sample_ledger import read_ledger
 from swarm.records.stage_records import JOINING, LEAVING, SERVING, StageRecord
 
@@ -185,8 +177,9 @@ RESTORED = r"Restored stage 1 from a standby at step (\d+) \(lost (\d+) steps\);
 
 
 def train_then_kill_stage_1(local_swarm, tmp_path, steps: int):
-    """Two stages of two peers under a trainer; once a copy of stage 1 is past step 2, both of its peers are
-    SIGKILLed. Returns (trainer, summary file, holders' log lengths at the kill, time of the kill)."""
+    """Two stages of two peers under a trainer; once a copy of stage 1 taken past step 2 has followed the
+    stage's step deltas, both of its peers are SIGKILLed. Returns (trainer, summary file, holders' log lengths
+    at the kill, time of the kill)."""
     local_swarm.start_bootstrap()
     for stage, peers in ((0, HOLDERS), (1, DOOMED)):
         for name in peers:
@@ -199,10 +192,11 @@ def train_then_kill_stage_1(local_swarm, tmp_path, steps: int):
         [*MODEL, "--steps", str(steps), "--microbatch-size", "4", "--max-in-flight", "4", "--data", SMALL_CORPUS]
         + ["--summary-file", str(summary_file), "--no-progress", "--compression", "none"],
     )
-    refreshed = r"Refreshed the standby copy of stage 1 at step ([2-9]|\d\d+)"
+    # taken whole past step 2, then followed by the stage's step deltas
+    followed = r"Caught up the standby copy of stage 1 to step \d+"
     deadline = time.monotonic() + 150
-    while not any(re.search(refreshed, local_swarm.log_path(n).read_text(errors="replace")) for n in HOLDERS):
-        assert time.monotonic() < deadline, "no standby copy of stage 1 past step 2"
+    while not any(re.search(followed, local_swarm.log_path(n).read_text(errors="replace")) for n in HOLDERS):
+        assert time.monotonic() < deadline, "no standby copy of stage 1 followed its stage's step deltas"
         assert trainer.poll() is None, "the trainer finished before the kill"
         time.sleep(0.2)
     marks = {n: len(local_swarm.log_path(n).read_text(errors="replace")) for n in HOLDERS}

@@ -16,7 +16,8 @@ from swarm.models import build_stage, get_model_spec
 from swarm.models.optimizer import OptimizerSettings, apply_accumulated_step, build_optimizer
 from swarm.peer.checkpoint import CheckpointError, checkpoint_path, load_checkpoint, restore, save_checkpoint
 from swarm.peer.stage_state import StageStateError, state_tensors
-from swarm.peer.standby import Standby, StandbyKeeper
+from swarm.peer.standby import StandbyKeeper
+from swarm.peer.standby_copy import Standby
 from swarm.peer.state_file import read_state_file, write_state_file
 
 

@@ -98,6 +98,12 @@ class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig, TrustConfig):
         "hold a standby copy (parameters, optimizer state, step) of the next N stages, so that a stage whose "
         "every peer dies is restored from it (0: hold none)",
     )
+    standby_deltas: int = option(
+        8,
+        "keep the summed gradient of this stage's last N steps (N times the parameters' size, in host memory, "
+        "only while some peer holds a copy of the stage), so that holders catch their copies up step by step "
+        "instead of downloading the whole state (0: keep none; copies are refreshed whole)",
+    )
     standby_every: int = option(5, "refresh each standby copy once its stage is this many steps ahead of it")
     standby_share: float = option(
         0.01,
@@ -208,13 +214,14 @@ class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig, TrustConfig):
             raise ConfigError("--rebalance-period must be 0 (never move) or positive")
         if (
             self.standby_stages < 0
+            or self.standby_deltas < 0
             or self.standby_every < 1
             or self.standby_memory_mb < 0
             or not 0 < self.standby_share <= 1
         ):
             raise ConfigError(
-                "--standby-stages must be 0 or more, --standby-every at least 1, --standby-memory-mb 0 or more, "
-                "--standby-share above 0 and at most 1"
+                "--standby-stages and --standby-deltas must be 0 or more, --standby-every at least 1, "
+                "--standby-memory-mb 0 or more, --standby-share above 0 and at most 1"
             )
         if self.rebalance_margin < 0:
             raise ConfigError("--rebalance-margin must be 0 or more")

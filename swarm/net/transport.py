@@ -34,6 +34,8 @@ GRAD_PROTOCOL = "/swarm/mates/grad"
 STATE_PROTOCOL = "/swarm/mates/state"
 COMMIT_PROTOCOL = "/swarm/mates/commit"
 SLICE_PROTOCOL = "/swarm/mates/slice"
+# a standby copy, from its holder to a peer that restores its stage (see swarm.peer.standby)
+STANDBY_PROTOCOL = "/swarm/standby/state"
 
 # Codes worth retrying on another peer of the same stage; the rest mean the request itself is wrong.
 # WRONG_STAGE comes from a peer that has moved to another stage since the caller read its record.

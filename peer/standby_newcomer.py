@@ -1,0 +1,161 @@
+"""A newcomer on a stage that no live peer serves: it brings the stage back from a standby copy.
+
+A peer that joins an empty stage (a newcomer with `--stage auto` picks one first) takes the freshest copy
+from a holder over `STANDBY_PROTOCOL`, which answers only a peer whose signed record is on that stage, and
+whose copy must match what the holder's record announces. Where a live peer serves the stage again (a
+holder or a filler restored it meanwhile), the newcomer takes that peer's state instead; where no copy is
+left, it serves the stage from its own state and the sample ledger says what was thrown away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+
+from hivemind.p2p import PeerID
+
+from swarm.net.transport import STANDBY_PROTOCOL, exchange
+from swarm.net.wire import WireLimits, decode_tensors
+from swarm.peer.stage_state import StageStateError, check_state_tensors
+from swarm.peer.standby_host import StandbyHost
+from swarm.peer.state_transfer import load_into_runtime, parameters_fingerprint
+from swarm.policy.empty_stages import on_the_way
+from swarm.policy.lost_stages import reached_step, standby_copies
+from swarm.proto import PROTOCOL_VERSION, ErrorCode, StateReply, StateRequest
+from swarm.records.sample_ledger import restore_record
+from swarm.records.stage_records import JOINING, SERVING, StageRecord
+
+logger = logging.getLogger(__name__)
+
+STATE_TIMEOUT = 120.0
+JOIN_RESTORE_TIMEOUT = 90.0  # how long a peer on an empty stage tries for a standby copy before a fresh start
+JOIN_RETRY_S = 2.0
+SHORT_READ_RETRIES = 3  # reads a peer on an empty stage makes when the swarm has trained but shows no copy of it
+
+
+class NewcomerRestore:
+    """One newcomer's attempt to bring its empty stage back (`fetch`), for a standby keeper's peer."""
+
+    def __init__(self, peer: StandbyHost, accused: Callable[[], set[str]], limits: Callable[[int], WireLimits]) -> None:
+        self.peer = peer
+        self.accused = accused  # peers a vouched trainer accused: never a source
+        self.limits = limits  # per stage: the size limits of its state on the wire
+
+    async def fetch(self, timeout: float = JOIN_RESTORE_TIMEOUT) -> bool:
+        """Brings this peer's stage back, which no live mate could give state for; True if it did.
+
+        Tries the freshest standby copy first, then every other. While a copy is announced but cannot be had
+        yet (its holder does not see this peer's record yet, or refreshed it meanwhile), or a holder is on
+        its way to restore the stage, it tries again, up to `timeout`. If no copy is in sight but other
+        stages have stepped past this peer, it reads a few times more (a DHT read may come back short).
+        A peer that served the stage at a fresh start instead would throw away the stage's progress, and
+        the holders would see no lost stage to restore. In a new swarm it returns at once.
+        """
+        peer = self.peer
+        stage = peer.stage
+        deadline = time.monotonic() + timeout
+        reads = 0
+        while True:
+            records = await peer._fetch_records()
+            peer.mates.update_records(records[stage])
+            if any(r.step > peer.runtime.step for r in peer.mates.mates.values()):
+                # a mate serves the stage again (a holder that restored it): its state, as any joiner takes it
+                if await peer.mates.sync_from_mates(minimum_step=peer.runtime.step + 1) is not None:
+                    return True
+            copies = standby_copies(stage, records)
+            copies = {p: c for p, c in copies.items() if c[0] > peer.runtime.step and p not in self.accused()}
+            if await self._take_a_copy(copies, records):
+                return True
+            # stages step together: if any has stepped past this peer, so had this one; before concluding that
+            # its copies died with it, read again a few times (a DHT read can come back short)
+            trained = any(r.step > peer.runtime.step for group in records.values() for r in group)
+            if not copies and not on_the_way(stage, records):
+                if not trained:
+                    return False
+                if reads >= SHORT_READ_RETRIES:
+                    logger.error(
+                        f"Stage {stage}: other stages have trained, but no standby copy of this one is announced "
+                        f"(its holders died with it?); serving it from step {peer.runtime.step}"
+                    )
+                    return self._start_over(records)
+            reads += 1
+            if time.monotonic() > deadline:
+                logger.error(
+                    f"Stage {stage}: no standby copy could be had in {timeout:.0f}s; serving it from step "
+                    f"{peer.runtime.step}: its progress since is lost"
+                )
+                return self._start_over(records)
+            await asyncio.sleep(JOIN_RETRY_S)
+
+    def _start_over(self, records: dict[int, list[StageRecord]]) -> bool:
+        """The stage goes on from this peer's own state, with no copy: the ledger says so, as for a restore,
+        so that the progress thrown away is counted by id rather than as divergent replicas. Returns False."""
+        peer = self.peer
+        step = peer.runtime.step
+        reached = reached_step(peer.stage, records, step)
+        if reached <= step:  # the stage's own records are gone: the other stages say how far training went
+            reached = max((r.step for group in records.values() for r in group), default=step)
+        peer.ledger.write(restore_record(peer.peer_id, peer.stage, step, reached))
+        return False
+
+    async def _take_a_copy(self, copies: dict[str, tuple[int, str]], records: dict[int, list[StageRecord]]) -> bool:
+        """Downloads the freshest of `copies` (holder -> (step, fingerprint)) that a holder gives; True if one."""
+        stage = self.peer.stage
+        counts = Counter(copies.values())
+        # the freshest copy first (holders refresh at different moments, so copies rarely agree); at one
+        # step, the version more holders announce. Each holder took its copy only once two of the stage's
+        # peers confirmed it, and the state sent must match what the holder's signed record announces.
+        for version in sorted(counts, key=lambda v: (v[0], counts[v]), reverse=True):
+            for holder in sorted(p for p, c in copies.items() if c == version):
+                try:
+                    step, fingerprint = await self._download_from_holder(holder, version)
+                except Exception as e:
+                    logger.warning(f"Could not take stage {stage}'s standby copy from {holder}: {e}")
+                    continue
+                if await self._served_again(stage, step):
+                    return True
+                lost = reached_step(stage, records, step) - step
+                self.peer.ledger.write(restore_record(self.peer.peer_id, stage, step, step + lost))
+                logger.warning(
+                    f"Restored stage {stage} from a standby at step {step} (lost {lost} steps); "
+                    f"parameters {fingerprint}, taken from {holder}"
+                )
+                return True
+        return False
+
+    async def _served_again(self, stage: int, step: int) -> bool:
+        """Whether a live peer serves `stage` again past `step` (a holder or a filler restored it while this peer
+        took its copy): then this peer takes that peer's state and joins its history rather than starting one.
+        A record alone says nothing here: the dead peers' records outlive them."""
+        peer = self.peer
+        records = await peer._fetch_records(only=stage)
+        if not any(r.step > step and r.state in (SERVING, JOINING) for r in records[stage]):
+            return False
+        peer.mates.update_records(records[stage])
+        source = await peer.mates.sync_from_mates(minimum_step=step + 1)
+        if source is not None:
+            logger.info(f"Stage {stage} is served again by {source}, past the copy of step {step}: took its state")
+        return source is not None
+
+    async def _download_from_holder(self, holder: str, version: tuple[int, str]) -> tuple[int, str]:
+        peer = self.peer
+        stage, runtime = peer.stage, peer.runtime
+        limits = self.limits(stage)
+        request = StateRequest(protocol_version=PROTOCOL_VERSION, model=peer.config.model, stage=stage)
+        reply, parts = await asyncio.wait_for(
+            exchange(peer.mates.p2p, PeerID.from_base58(holder), STANDBY_PROTOCOL, [request], StateReply, limits),
+            STATE_TIMEOUT,
+        )
+        if reply.error.code != ErrorCode.OK:
+            raise StageStateError(f"{ErrorCode.Name(reply.error.code)}: {reply.error.message}")
+        tensors = await asyncio.get_running_loop().run_in_executor(None, decode_tensors, parts, limits)
+        check_state_tensors(runtime.module, tensors, reply.has_optimizer_state)
+        fingerprint = await parameters_fingerprint(runtime.module, tensors)
+        if (reply.step, fingerprint) != version:
+            raise StageStateError(f"sent step {reply.step}, fingerprint {fingerprint}; its record says {version}")
+        await load_into_runtime(runtime, reply.step, tensors, reply.has_optimizer_state, reply.samples_stepped)
+        peer.mates.progress.reached(reply.step)
+        return reply.step, fingerprint

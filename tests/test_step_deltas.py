@@ -1,0 +1,87 @@
+"""Step deltas: a standby copy fed what each step applied matches the stage bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from swarm.models import build_stage, get_model_spec
+from swarm.models.optimizer import OptimizerSettings, build_optimizer
+from swarm.peer.runtime import StageRuntime
+from swarm.peer.stage_state import StageStateError, parameter_fingerprint, state_tensors
+from swarm.peer.standby_copy import Standby
+from swarm.peer.step_deltas import DeltaRing, StepDelta
+
+SPEC = get_model_spec("gpt-tiny")
+TARGET = 4
+
+
+def backward_inputs(batch: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(batch, 16, SPEC.d_model, generator=g), torch.randn(batch, 16, SPEC.d_model, generator=g)]
+
+
+def live_copy(module: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> Standby:
+    tensors, has_optimizer_state = state_tensors(module, optimizer)
+    copy = Standby(1, step, 0, has_optimizer_state, parameter_fingerprint(module), 0, tensors=tensors)
+    with torch.device("meta"):
+        template = build_stage(SPEC, 1, 3, seed=1)
+    copy.make_live(template, OptimizerSettings())
+    return copy
+
+
+def test_a_copy_fed_the_step_deltas_of_a_stepping_stage_shows_its_fingerprint_at_every_step():
+    module = build_stage(SPEC, 1, 3, seed=1)
+    runtime = StageRuntime(module, build_optimizer(module, OptimizerSettings()), target_batch_size=TARGET)
+    runtime.deltas = DeltaRing(keep=3)
+    copy = live_copy(runtime.module, runtime.optimizer, 0)  # before the first step: no optimizer state yet
+    runtime.start()
+    try:
+        for step in range(5):
+            runtime.submit(True, backward_inputs(TARGET, step), key=("trainer", step)).result(30)
+            runtime.settle_fingerprint()
+            assert runtime.step == step + 1
+            deltas = runtime.deltas.since(copy.step)
+            assert [d.step for d in deltas] == [step] and deltas[0].samples == TARGET
+            assert copy.advance(deltas) == runtime.version
+        assert copy.samples_stepped == 5 * TARGET and copy.has_optimizer_state
+        # the copy gives what the stage would: its parameters and both moments, bit for bit
+        given, _ = state_tensors(runtime.module, runtime.optimizer)
+        assert all(torch.equal(a, b) for a, b in zip(copy.load(), given))
+        # only the last `keep` steps are kept: an older copy is refreshed whole
+        assert runtime.deltas.since(1) is None and [d.step for d in runtime.deltas.since(2)] == [2, 3, 4]
+    finally:
+        runtime.shutdown()
+
+
+def test_skipped_steps_travel_as_deltas_without_a_gradient_and_move_only_the_step():
+    module = build_stage(SPEC, 1, 3, seed=1)
+    optimizer = build_optimizer(module, OptimizerSettings())
+    copy = live_copy(module, optimizer, 7)
+    before = copy.fingerprint
+    assert copy.advance([StepDelta(7, 0, None), StepDelta(8, 0, None)]) == (9, before)
+    assert copy.samples_stepped == 0 and not copy.has_optimizer_state
+
+
+def test_deltas_that_do_not_start_at_the_copy_step_are_refused_untouched():
+    module = build_stage(SPEC, 1, 3, seed=1)
+    copy = live_copy(module, build_optimizer(module, OptimizerSettings()), 3)
+    count = sum(p.numel() for p in module.parameters())
+    with pytest.raises(StageStateError, match="do not fit"):
+        copy.advance([StepDelta(4, 8, torch.ones(count))])
+    assert copy.step == 3 and copy.fingerprint == parameter_fingerprint(module)
+
+
+def test_the_ring_forgets_when_a_state_is_loaded_between_steps_and_keeps_nothing_unwanted():
+    module = build_stage(SPEC, 1, 3, seed=1)
+    for p in module.parameters():
+        p.grad = torch.ones_like(p)
+    ring = DeltaRing(keep=4)
+    ring.record(3, module, "stepped", 8)
+    ring.record(4, module, "stepped", 8)
+    ring.record(9, module, "empty", 0)  # a mate's state at step 9 was loaded: 3 and 4 lead elsewhere
+    assert ring.since(3) is None and [(d.step, d.samples, d.grad_sum) for d in ring.since(9)] == [(9, 0, None)]
+    holders: list[str] = []
+    unwanted = DeltaRing(keep=4, wanted=lambda: bool(holders))
+    unwanted.record(0, module, "stepped", 8)
+    assert unwanted.since(0) is None
