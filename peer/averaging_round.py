@@ -11,8 +11,8 @@ seconds, then steps without them and counts them as lost, by id. Every decision 
 agreed contributions alone, so every member takes the same one. Only then do gradients travel, in
 slices (`slice_exchange`: reduce-scatter, then all-gather), summed in the order of the contributors'
 peer ids, so all step on the same bits. A mate that cannot be reached is dropped from the round at
-once; one the round waits for is asked every `PROBE_EVERY` seconds whether it lives, and dropped as
-soon as it cannot be dialled; one that stays silent while alive is dropped when `averaging_timeout` runs out.
+once; how long a phase waits for one, and how it learns that one died, is `round_waiting`'s. A member
+that gives an attempt up (its offer for the next attempt arrives) is followed, not waited for.
 """
 
 from __future__ import annotations
@@ -25,10 +25,9 @@ import math
 from collections import Counter
 
 import torch
-from hivemind.p2p import PeerID
 
 from swarm.compression import Codec
-from swarm.net.transport import COMMIT_PROTOCOL, GRAD_PROTOCOL, StageCallError, get_peer_info
+from swarm.net.transport import COMMIT_PROTOCOL, GRAD_PROTOCOL
 from swarm.net.wire import decode_tensors, encode_tensor, pack_frames
 from swarm.peer.contribution_bounds import left_out
 from swarm.peer.mate_membership import MateMembership
@@ -43,6 +42,7 @@ from swarm.peer.mate_messages import (
 )
 from swarm.peer.mate_progress import ProgressExchange
 from swarm.peer.protocol_handler import protocol_handler
+from swarm.peer.round_waiting import RoundWaiting
 from swarm.peer.runtime import RoundResult, SampleKey
 from swarm.peer.slice_exchange import SliceExchange, SlicesFailed
 from swarm.peer.step_machine import ACCUMULATING, AVERAGING, SHORT, Contribution, StepMachine, StepState
@@ -59,10 +59,6 @@ from swarm.proto import (
 )
 
 logger = logging.getLogger(__name__)
-
-ABSENT_GRACE = 5.0  # seconds a round waits for a member whose DHT record no longer says it serves
-PROBE_EVERY = 2.0  # seconds between a round's questions whether a member it waits for lives
-PROBE_TIMEOUT = 5.0
 
 
 def named_in(box: dict[str, Contribution]) -> set[str]:
@@ -107,7 +103,8 @@ class AveragingRound:
             failure="Failed to take gradients from {sender}",
         )
         self.handle_commit = protocol_handler(RoundCommit, self._new_reply, self._answer_commit)
-        self.slices = SliceExchange(machine, membership, codec, averaging_timeout, self._wait_for)
+        self.waiting = RoundWaiting(machine, membership, averaging_timeout)
+        self.slices = SliceExchange(machine, membership, codec, averaging_timeout, self.waiting)
 
     @property
     def clipped_contributions(self) -> int:
@@ -154,9 +151,12 @@ class AveragingRound:
         box[machine.peer_id] = own
         if held:  # a fault test means a peer that dies holding samples, not one with nothing to lose
             await machine.faults.hit("before_contribution")
-        await self._gather(step, attempt, box, members, own)
+        moved_on = not await self._gather(step, attempt, state, members, own)
         await machine.faults.hit("after_contribution")
-        agreed = await self._commit(step, attempt, state, set(box))
+        agreed = None if moved_on else await self._commit(step, attempt, state, set(box))
+        if agreed is None:  # a member gave this attempt up: what it has not sent will not come
+            self._retry(step, state, attempt, box, f"a mate gave attempt {attempt} up: following it")
+            return None
         contributions = [box[p] for p in sorted(agreed)]
         self.rounds += 1
         # everything below follows from the agreed contributions alone: every member decides alike
@@ -182,7 +182,9 @@ class AveragingRound:
         try:
             grad = await self.slices.run(step, attempt, state, sorted(agreed), taken)
         except SlicesFailed as e:
-            self._retry(step, state, attempt, box, e)
+            self._retry(
+                step, state, attempt, box, f"{e}; retrying it without {sorted(e.peers) or 'the mates that gave it up'}"
+            )
             return None
         left = {key: n for peer in refused for key, n in box[peer].held.items()}
         return self._account(step, [taken[p] for p in sorted(agreed)], grad, expected, lost, left)
@@ -241,19 +243,14 @@ class AveragingRound:
         given_up = {**lost, **{key: n for key, n in left.items() if key not in summed}}
         return RoundResult(grad, total, ids, as_triples(given_up))
 
-    def _retry(
-        self, step: int, state: StepState, attempt: int, box: dict[str, Contribution], failure: SlicesFailed
-    ) -> None:
-        """The round's slices could not all be summed: no member steps on it, and the stage tries again without
-        the mates that failed it (what they held is then found lost, and asked for again)."""
+    def _retry(self, step: int, state: StepState, attempt: int, box: dict[str, Contribution], why: str) -> None:
+        """The round cannot complete at this attempt (`why`): no member steps on it, and the stage tries again at
+        the next, without the mates that failed it (what they held is then found lost, and asked for again)."""
         self.failed_rounds += 1
         state.attempt = max(state.attempt, attempt + 1)
         for peer_id in self.machine.handed_over & set(box):
             state.mailbox[attempt + 1][peer_id] = box[peer_id]
-        logger.warning(
-            f"Stage {self.machine.stage} step {step}: the round failed ({failure}); retrying it without "
-            f"{sorted(failure.peers) or 'the mates that gave it up'}"
-        )
+        logger.warning(f"Stage {self.machine.stage} step {step}: the round failed ({why}); attempt {attempt + 1} next")
 
     def _go_short(
         self, step: int, state: StepState, attempt: int, agreed: set[str], box: dict[str, Contribution], lost: Held
@@ -279,34 +276,13 @@ class AveragingRound:
             "send them again"
         )
 
-    def _wait_for(self, missing: set[str], started: float) -> float:
-        """Seconds a round still waits for `missing` members (0: no longer).
-
-        A member that no longer announces itself serving is given `ABSENT_GRACE` seconds, one that does
-        the whole `averaging_timeout`: a peer that has just died can leave a connection that hangs
-        rather than fails, and its expired record says it is gone long before the timeout would.
-        With a trust root, so is a serving mate that no receipt ever named: it holds nothing that
-        counts, and identities that announce themselves serving and answer nothing are free to make.
-        """
-        now = self.machine.loop.time()
-        mates = {p for p in self.membership.mates if self._worked(p)}
-        limit = self.averaging_timeout if missing & mates else min(ABSENT_GRACE, self.averaging_timeout)
-        remaining = started + limit - now
-        # wake up at least every second: the DHT view may drop the member meanwhile
-        return 0.0 if remaining <= 0 else max(0.01, min(remaining, 1.0))
-
-    def _worked(self, peer_id: str) -> bool:
-        """Whether mate `peer_id` may hold work that counts: always without a trust root; with one, once a good
-        receipt named it."""
-        receipts = self.machine.receipts
-        return receipts is None or receipts.receipted_since(peer_id, 0)
-
     # --- first phase: the contributions -------------------------------------------------------------------
 
-    async def _gather(
-        self, step: int, attempt: int, box: dict[str, Contribution], members: set[str], own: Contribution
-    ) -> None:
+    async def _gather(self, step: int, attempt: int, state: StepState, members: set[str], own: Contribution) -> bool:
+        """First phase: offers this peer's contribution and waits for the members'; False if one moved on to the
+        next attempt meanwhile (this peer must follow it)."""
         machine = self.machine
+        box = state.mailbox[attempt]
         loop = asyncio.get_running_loop()
         unreachable: set[str] = set()
         sent, probed = {machine.peer_id}, {}
@@ -319,43 +295,22 @@ class AveragingRound:
             members |= named_in(box)
             missing = members - set(box) - unreachable - self.departed
             if not missing and not (members - sent):
-                return
-            self._probe_late(step, missing, probed, unreachable)
-            wait = self._wait_for(missing, started)
+                return True
+            if state.attempt > attempt or missing & set(state.mailbox.get(attempt + 1, {})):
+                return False
+            self.waiting.probe_late(step, missing, probed, unreachable)
+            wait = self.waiting.wait_for(missing, started)
             if wait <= 0:
                 self.dropped_members += len(missing)
                 logger.warning(
                     f"Stage {machine.stage} step {step}: no gradients from {len(missing)} mate(s) within "
                     f"{loop.time() - started:.0f}s; averaging without them"
                 )
-                for peer_id in missing - {p for p in missing if self._worked(p)}:
+                for peer_id in missing - {p for p in missing if self.waiting.worked(p)}:
                     self.membership.mark_unreachable(peer_id)  # until it says something: it never worked
-                return
+                return True
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(machine.changed.wait(), wait)
-
-    def _probe_late(self, step: int, missing: set[str], probed: dict[str, float], gone: set[str]) -> None:
-        """Probes the members a round phase waits for, every `PROBE_EVERY` seconds each (`probed`: when last):
-        a mate that died after taking this peer's message sends nothing, and its record outlives it by its TTL."""
-        now = self.machine.loop.time()
-        for peer_id in missing:
-            if now - probed.setdefault(peer_id, now) >= PROBE_EVERY:
-                probed[peer_id] = now
-                self.machine.spawn(self._probe(step, peer_id, gone))
-
-    async def _probe(self, step: int, peer_id: str, unreachable: set[str]) -> None:
-        """Asks a mate the round still waits for whether it lives: one that cannot be dialled is dropped at once
-        rather than at the timeout (a slow answer is no sign of death, and changes nothing)."""
-        machine = self.machine
-        try:
-            await get_peer_info(machine.p2p, PeerID.from_base58(peer_id), PROBE_TIMEOUT)
-        except StageCallError as e:
-            if e.code != ErrorCode.UNAVAILABLE or "no reply within" in e.detail:
-                return
-            logger.warning(f"Stage {machine.stage} step {step}: mate {peer_id} is gone ({e.detail}); dropping it")
-            self.membership.mark_unreachable(peer_id)
-            unreachable.add(peer_id)
-            machine.changed.set()
 
     async def _send_contribution(
         self,
@@ -390,8 +345,7 @@ class AveragingRound:
         parts = []
         if handover and own.grad_sum is not None:  # a leaving peer sends its whole gradient: it owns no slice
             parts = await loop.run_in_executor(None, encode_tensor, own.grad_sum, self.codec)
-        # a mate that never worked is waited for briefly (see _wait_for): its call is given up as soon
-        timeout = self.averaging_timeout if self._worked(peer_id) else min(ABSENT_GRACE, self.averaging_timeout)
+        timeout = self.waiting.call_timeout(peer_id)
         reply = await machine.call_mate(peer_id, GRAD_PROTOCOL, pack_frames(header, parts), timeout)
         if isinstance(reply, Exception):
             logger.warning(f"Stage {machine.stage} step {step}: mate {peer_id} is unreachable ({reply}); dropping it")
@@ -496,8 +450,9 @@ class AveragingRound:
 
     # --- second phase: the commits ------------------------------------------------------------------------
 
-    async def _commit(self, step: int, attempt: int, state: StepState, view: set[str]) -> set[str]:
-        """Second phase: tells the contributors which contributions this peer holds; returns those all hold."""
+    async def _commit(self, step: int, attempt: int, state: StepState, view: set[str]) -> set[str] | None:
+        """Second phase: tells the contributors which contributions this peer holds; returns those all hold (None:
+        a member it waits for moved on to the next attempt, and this peer must follow it)."""
         machine = self.machine
         loop = asyncio.get_running_loop()
         others = view - {machine.peer_id} - machine.handed_over
@@ -518,8 +473,10 @@ class AveragingRound:
         while True:
             machine.changed.clear()
             waiting = others - set(commits) - gone
-            self._probe_late(step, waiting, probed, gone)
-            wait = self._wait_for(waiting, started) if waiting else 0.0
+            if state.attempt > attempt or waiting & set(state.mailbox.get(attempt + 1, {})):
+                return None
+            self.waiting.probe_late(step, waiting, probed, gone)
+            wait = self.waiting.wait_for(waiting, started) if waiting else 0.0
             if wait <= 0:
                 break
             with contextlib.suppress(asyncio.TimeoutError):

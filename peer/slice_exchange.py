@@ -6,11 +6,12 @@ contribution in the contributors' order, and sends that sum to every member. A m
 receives about two gradient sizes per round however many mates there are, and holds one gradient and
 its slices rather than one gradient per mate.
 
-A mate that dies mid-round: a member missing an owner's sum asks the other members for their copy of
-it (every copy is the same bits), so an owner that died after sending its sum to one member costs
-nothing. An owner that cannot sum its slice (a contribution's slice never came) says so, and then no
-member can have that slice: the round fails alike for all, and the step machine retries it without
-the dead, whose samples the stage then asks for again (see `averaging_round`).
+A mate that dies mid-round (its probes fail, see `round_waiting`): a member missing an owner's sum
+asks the other members for their copy of it (every copy is the same bits), so an owner that died
+after sending its sum to one member costs nothing. An owner that cannot sum its slice (a contribution's
+slice never came) says so, and then no member can have that slice: the round fails alike for all,
+and the step machine retries it without the dead, whose samples the stage then asks for again (see
+`averaging_round`).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from swarm.peer.round_slices import (
     slice_owners,
     squared_norms,
 )
+from swarm.peer.round_waiting import RoundWaiting
 from swarm.peer.step_machine import Contribution, StepMachine, StepState
 from swarm.proto import PROTOCOL_VERSION, Error, ErrorCode, MateReply, RoundSlice, SliceKind
 
@@ -69,13 +71,13 @@ class SliceExchange:
         membership: MateMembership,
         codec: Codec,
         averaging_timeout: float,
-        wait_for: Callable[[set[str], float], float],
+        waiting: RoundWaiting,
     ) -> None:
         self.machine = machine
         self.membership = membership
         self.codec = codec
         self.averaging_timeout = averaging_timeout
-        self.wait_for = wait_for  # seconds still to wait for missing members (see AveragingRound._wait_for)
+        self.waiting = waiting  # how long to wait for missing members, and probing them
         self.bytes_sent = 0  # gradient bytes this peer sent in rounds, slices and sums
         self.bytes_received = 0
         self.false_norms = 0  # contributions whose slices held more than their sender stated
@@ -317,6 +319,8 @@ class SliceExchange:
         None once `patience` seconds have passed without either."""
         machine = self.machine
         started = machine.loop.time()
+        gone: set[str] = set()
+        probed: dict[str, float] = {}
         while True:
             machine.changed.clear()
             verdict = check()
@@ -326,7 +330,10 @@ class SliceExchange:
                 return None
             if state.attempt > attempt or any(p in state.mailbox.get(attempt + 1, {}) for p in missing()):
                 return False  # a member gave this attempt up: what it has not sent will not come
-            wait = self.wait_for(missing(), started)
+            if missing() & gone:
+                return False  # a member died: what it has not sent will not come
+            self.waiting.probe_late(step, missing(), probed, gone)
+            wait = self.waiting.wait_for(missing(), started)
             if patience is not None:
                 wait = min(wait, max(0.01, started + patience - machine.loop.time()))
             if wait <= 0:

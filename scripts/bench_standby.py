@@ -87,7 +87,7 @@ def one_run(args: argparse.Namespace, workdir: Path, standby_stages: int) -> dic
             if totals:
                 standby_bytes += int(totals[-1][0])
                 refreshes += int(totals[-1][1])
-                deltas += int(max((t[2] for t in totals), default="") or 0)
+                deltas += max((int(t[2]) for t in totals if t[2]), default=0)
     return {
         "samples_per_s": round(summary["samples_per_second"], 2),
         "steps": summary["steps"],

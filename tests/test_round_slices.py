@@ -121,14 +121,15 @@ def test_a_sum_whose_owner_died_is_taken_from_a_mate_that_holds_it(local_swarm, 
 
 
 @pytest.mark.timeout(300)
-def test_a_mate_dying_mid_round_is_dropped_within_seconds_not_at_the_averaging_timeout(local_swarm, tmp_path):
-    """peer1a dies 4 s after it has the first round's offers, its own sent: its mates' commits reached it, and
-    they wait for its own, which never comes, while its record outlives it by a minute here. They ask whether
-    it lives, find it gone, and go on without it long before their 120 s averaging timeout; stage 1 ends as
-    one process would."""
+@pytest.mark.parametrize("point", ["after_contribution", "before_slices"])
+def test_a_mate_dying_mid_round_is_dropped_within_seconds_not_at_the_averaging_timeout(local_swarm, tmp_path, point):
+    """peer1a dies 4 s into the first round, while its record outlives it by a minute here: after its offer
+    (its mates wait for its commit) or after the commits (they wait for its slices). Either way they never
+    come; the mates ask whether it lives, find it gone, and go on without it long before their 120 s
+    averaging timeout; stage 1 ends as one process would."""
     steps = 3
     patient = ["--averaging-timeout", "120", "--record-ttl", "60", "--short-wait", "20"]
-    dies_late = "after_contribution@1=delay:4,after_contribution@1=die"
+    dies_late = f"{point}@1=delay:4,{point}@1=die"
     start_swarm(
         local_swarm,
         tmp_path,

@@ -221,6 +221,16 @@ def test_a_restore_names_the_rolled_back_and_the_held_ids_and_leaves_no_divergen
     }
 
 
+def test_an_id_fed_just_before_the_last_line_and_served_after_it_is_lost_with_the_stage_not_silently():
+    # fed at 15.8, after the dead peers reached step 6 (line 5 at 15) and before their line 6 (at 16): its
+    # forward ran at step 6 and its backward, one step stale, at step 7, which died unfinished
+    crossed = ("b", 3, 8)
+    records = [*died_and_restored(), *timed_fed((crossed, 15.8))]
+    counts = account(records, records)["stages"][1]
+    assert counts["lost_with_stage_ids"] == [["b", 1], ["b", 3]] and counts["samples_lost_with_stage"] == 16
+    assert counts["samples_silently_lost"] == 2  # EARLY only, as before
+
+
 def test_without_its_restore_line_the_same_history_is_divergent_and_silent():
     counts = account(*[died_and_restored(restore=False)] * 2)["stages"][1]
     assert counts["divergent_steps"] == [5, 6]

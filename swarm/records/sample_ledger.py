@@ -197,10 +197,12 @@ def account(fed_lines: Iterable[dict[str, Any]], step_lines: Iterable[dict[str, 
     an abandoned history: they are not counted as stepped and do not vote against the new history's
     lines for the same step; they vote only among themselves (the replicas of one history, between two
     restores). Fed ids of theirs that the new history never sums are rolled back. Fed ids that the stage
-    never summed, in any history, and that were fed after the last step line the stage wrote before a
-    restore and before that restore, are lost with the stage: it was working on them when it died (a
-    microbatch is summed into the step the stage was at when it served it, and any step it was at
-    before the last line's step was summed by then). Both kinds are declared losses, not silent ones.
+    never summed, in any history, fed before that restore but after the stage reached the step of the
+    last line it wrote, are lost with the stage: it was working on them when it died. A microbatch is
+    summed into the step the stage was at when it served its backward, which may be one step past its
+    forward's (`--max-staleness`, 1 by default): one fed just before the last line can still be served
+    after it, while one fed before the stage reached that line's step was summed by it at the latest.
+    Both kinds are declared losses, not silent ones.
     Fed lines without a `time` are never placed before a restore.
 
     Returns {"stages": {stage: counts}, "totals": counts summed over stages}, where per stage:
@@ -327,11 +329,16 @@ def _tally(ledger: _ReadLedger, stage: int) -> _StageTally:
 
 
 def _lost_with_stage(ledger: _ReadLedger, stage: int, lost: set[SampleKey]) -> set[SampleKey]:
-    """Of `lost`, the ids fed between the last step line `stage` wrote before a restore and that restore."""
+    """Of `lost`, the ids fed between the moment `stage` reached the step of its last line before a restore and
+    that restore."""
     windows = []
     for restored_at in ledger.restore_times.get(stage, []):
-        before = [float(line["time"]) for line in ledger.steps_seen if _written_before(line, stage, restored_at)]
-        windows.append((max(before, default=float("-inf")), restored_at))
+        before = [line for line in ledger.steps_seen if _written_before(line, stage, restored_at)]
+        last = max((int(line["step"]) for line in before), default=0)
+        # the moment the stage reached its last line's step: a microbatch fed earlier ran its forward before
+        # then, so its backward (at most one step stale) was summed by that last line, or declared lost
+        reached = [float(line["time"]) for line in before if int(line["step"]) <= last - 1]
+        windows.append((max(reached, default=float("-inf")), restored_at))
     fed_times = ledger.fed_times
     return {key for key in lost if key in fed_times and any(start < fed_times[key] < end for start, end in windows)}
 

@@ -1,0 +1,80 @@
+"""How long a stage's averaging round waits for a member, and how it finds out that one died.
+
+A round phase (the offers, the commits, the slices) waits for the members it misses. A member that
+no longer announces itself serving is given `ABSENT_GRACE` seconds, one that does the whole averaging
+timeout: a peer that has just died can leave a connection that hangs rather than fails, and its
+expired record says it is gone long before the timeout would. With a trust root, so is a serving mate
+that no receipt ever named: it holds nothing that counts, and identities that announce themselves
+serving and answer nothing are free to make. Meanwhile each member waited for is asked every
+`PROBE_EVERY` seconds whether it lives: one that cannot be dialled is dropped at once, since a mate
+that died after taking this peer's message sends nothing and its record outlives it by its TTL.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from hivemind.p2p import PeerID
+
+from swarm.net.transport import StageCallError, get_peer_info
+from swarm.peer.mate_membership import MateMembership
+from swarm.peer.step_machine import StepMachine
+from swarm.proto import ErrorCode
+
+logger = logging.getLogger(__name__)
+
+ABSENT_GRACE = 5.0  # seconds a round waits for a member whose DHT record no longer says it serves
+PROBE_EVERY = 2.0  # seconds between a round's questions whether a member it waits for lives
+PROBE_TIMEOUT = 5.0
+
+
+class RoundWaiting:
+    """The waiting rules every phase of a stage's rounds shares (`averaging_round`, `slice_exchange`)."""
+
+    def __init__(self, machine: StepMachine, membership: MateMembership, averaging_timeout: float) -> None:
+        self.machine = machine
+        self.membership = membership
+        self.averaging_timeout = averaging_timeout
+
+    def wait_for(self, missing: set[str], started: float) -> float:
+        """Seconds a phase that began at `started` still waits for `missing` members (0: no longer)."""
+        now = self.machine.loop.time()
+        mates = {p for p in self.membership.mates if self.worked(p)}
+        limit = self.averaging_timeout if missing & mates else min(ABSENT_GRACE, self.averaging_timeout)
+        remaining = started + limit - now
+        # wake up at least every second: the DHT view may drop the member meanwhile
+        return 0.0 if remaining <= 0 else max(0.01, min(remaining, 1.0))
+
+    def call_timeout(self, peer_id: str) -> float:
+        """How long a call to a member may take: a mate that never worked is given up on as soon as it would be
+        no longer waited for."""
+        return self.averaging_timeout if self.worked(peer_id) else min(ABSENT_GRACE, self.averaging_timeout)
+
+    def worked(self, peer_id: str) -> bool:
+        """Whether mate `peer_id` may hold work that counts: always without a trust root; with one, once a good
+        receipt named it."""
+        receipts = self.machine.receipts
+        return receipts is None or receipts.receipted_since(peer_id, 0)
+
+    def probe_late(self, step: int, missing: set[str], probed: dict[str, float], gone: set[str]) -> None:
+        """Probes the members a phase waits for, every `PROBE_EVERY` seconds each (`probed`: when last); those
+        that cannot be dialled are added to `gone`, and the phase is woken."""
+        now = self.machine.loop.time()
+        for peer_id in missing:
+            if now - probed.setdefault(peer_id, now) >= PROBE_EVERY:
+                probed[peer_id] = now
+                self.machine.spawn(self._probe(step, peer_id, gone))
+
+    async def _probe(self, step: int, peer_id: str, gone: set[str]) -> None:
+        """Asks a member whether it lives: one that cannot be dialled is dropped at once rather than at the
+        timeout (a slow answer is no sign of death, and changes nothing)."""
+        machine = self.machine
+        try:
+            await get_peer_info(machine.p2p, PeerID.from_base58(peer_id), PROBE_TIMEOUT)
+        except StageCallError as e:
+            if e.code != ErrorCode.UNAVAILABLE or "no reply within" in e.detail:
+                return
+            logger.warning(f"Stage {machine.stage} step {step}: mate {peer_id} is gone ({e.detail}); dropping it")
+            self.membership.mark_unreachable(peer_id)
+            gone.add(peer_id)
+            machine.changed.set()
