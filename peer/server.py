@@ -37,7 +37,7 @@ from swarm.peer.runtime import StageRuntime
 from swarm.peer.stage_state import parameter_fingerprint
 from swarm.peer.standby import StandbyKeeper
 from swarm.peer.standby_copy import Standby
-from swarm.peer.step_deltas import DeltaRing
+from swarm.peer.step_deltas import DELTA_INTEREST, DeltaRing
 from swarm.peer.work_receipts import work_receipts
 from swarm.policy.balance import stage_costs
 from swarm.process.event_loop import run, stop_event_on_signals
@@ -155,7 +155,9 @@ class Peer:
         )
         if config.standby_deltas and not config.offload:  # a spilled stage's optimizer steps in its own order
             mates = self.mates
-            self.runtime.deltas = DeltaRing(config.standby_deltas, wanted=lambda: bool(mates.standby_holders))
+            self.runtime.deltas = DeltaRing(
+                config.standby_deltas, wanted=lambda: bool(mates.standby_holders), interest=DELTA_INTEREST
+            )
         self.limits = stage_limits(module, config.max_call_samples, int(config.max_request_mb * 2**20))
         self.handler = StageHandler(
             self.runtime,

@@ -68,6 +68,7 @@ logger = logging.getLogger(__name__)
 LOST_GRACE = 2  # announce periods a stage shows no serving or joining record before it counts as lost
 FILL_PERIODS = 3  # announce periods after that in which a holder may restore it before another peer fills it
 INFO_TIMEOUT = 5.0
+CHURN_MEMORY = 600.0  # seconds after a peer's death during which copies follow their stages step by step
 MAX_DELTA_MISSES = 2  # catch-ups of a stage's copy no peer confirmed before its copy is only refreshed whole
 WHOLE_SWARM_EVERY = 5  # announce periods between a keeper's reads of every stage; in between, the ones it holds
 
@@ -101,6 +102,9 @@ class StandbyKeeper:
         self.deltas_applied = 0
         self.no_deltas: dict[int, int] = {}  # per stage: the copy's step its peers had no deltas from
         self.delta_misses: dict[int, int] = {}  # per stage: catch-ups whose result no peer confirmed
+        self.present: dict[int, dict[str, str]] = {}  # per stage read: its peers and their states, at the last read
+        self.last_death = float("-inf")  # when a peer's record last vanished without its saying it was leaving
+        self.whole_now: set[int] = set()  # stages whose copy is refreshed whole at once (no deltas to follow with)
         self.rng = random.Random()
         self._tasks: set[asyncio.Task] = set()
         self._warned_budget: set[int] = set()
@@ -149,32 +153,8 @@ class StandbyKeeper:
         for stage in [s for s in self.standbys if s not in targets]:
             self._drop(stage)
         now = time.monotonic()
-        lost = lost_stages(records, peer.config.num_stages) & set(records)
-        for stage, group in records.items():
-            if group:
-                self.last_step[stage] = max([self.last_step.get(stage, 0), *(r.step for r in group)])
-            if any(r.state == SERVING for r in group):
-                self.seen_serving.add(stage)
-            if stage in lost and stage not in self.empty_since:
-                self.empty_since[stage] = now
-                # its last peers said they were leaving on request (a stop, a preemption notice), not moving: not dead
-                if any(r.state == LEAVING and r.moving_to < 0 for r in group):
-                    self.left_on_request.add(stage)
-            elif stage not in lost:
-                self.empty_since.pop(stage, None)
-                self.left_on_request.discard(stage)
-        for stage in targets:
-            serving = [r for r in records.get(stage, []) if r.state == SERVING and r.peer_id not in self.accused()]
-            copy = self.standbys.get(stage)
-            newest = max((r.step for r in serving), default=-1)
-            # a copy at step 0 would be worth nothing: a stage restarted from scratch has the same parameters
-            due = newest >= (copy.step if copy else 0) + self.every and now >= self.next_refresh.get(stage, 0.0)
-            if not serving or stage in self.fetching or peer.state != SERVING:
-                continue
-            if self._deltas_reach(copy, newest):
-                self._spawn(self.catch_up(stage, [r.peer_id for r in serving]))
-            elif due:
-                self._spawn(self.refresh(stage, [r.peer_id for r in serving]))
+        self._note_stages(records, now)
+        self._refresh_copies(records, now)
         if peer.state != SERVING or self.restore_pending is not None or not whole_swarm:
             return
         grace = LOST_GRACE * peer.config.announce_period
@@ -193,6 +173,52 @@ class StandbyKeeper:
                 peer.request_move(stage)
                 return
         self._fill_empty(records, now)
+
+    def _note_stages(self, records: dict[int, list[StageRecord]], now: float) -> None:
+        """Notes from the stages read this period how far each got, which look lost, and which peers died."""
+        lost = lost_stages(records, self.peer.config.num_stages) & set(records)
+        for stage, group in records.items():
+            if group:
+                self.last_step[stage] = max([self.last_step.get(stage, 0), *(r.step for r in group)])
+            if any(r.state == SERVING for r in group):
+                self.seen_serving.add(stage)
+            # a peer whose record vanished, not saying it was leaving, died: the swarm shows churn
+            present = {r.peer_id: r.state for r in group}
+            if any(p not in present and state != LEAVING for p, state in self.present.get(stage, {}).items()):
+                self.last_death = now
+            self.present[stage] = present
+            if stage in lost and stage not in self.empty_since:
+                self.empty_since[stage] = now
+                # its last peers said they were leaving on request (a stop, a preemption notice), not moving: not dead
+                if any(r.state == LEAVING and r.moving_to < 0 for r in group):
+                    self.left_on_request.add(stage)
+            elif stage not in lost:
+                self.empty_since.pop(stage, None)
+                self.left_on_request.discard(stage)
+
+    def following(self, now: float) -> bool:
+        """Whether copies follow their stages step by step: while a peer died within `CHURN_MEMORY` seconds."""
+        return now - self.last_death < CHURN_MEMORY
+
+    def _refresh_copies(self, records: dict[int, list[StageRecord]], now: float) -> None:
+        """Starts the refresh each held copy is due: its stage's step deltas while the swarm shows churn (whatever
+        `--standby-share`), else the whole state every `--standby-every` steps, within the share."""
+        if self.peer.state != SERVING:
+            return
+        for stage in self.targets():
+            serving = [r for r in records.get(stage, []) if r.state == SERVING and r.peer_id not in self.accused()]
+            copy = self.standbys.get(stage)
+            newest = max((r.step for r in serving), default=-1)
+            if not serving or stage in self.fetching:
+                continue
+            if self.following(now) and self._deltas_reach(copy, newest):
+                self._spawn(self.catch_up(stage, [r.peer_id for r in serving]))
+                continue
+            # a copy at step 0 would be worth nothing: a stage restarted from scratch has the same parameters
+            step = copy.step if copy is not None else 0
+            due = newest >= step + self.every or (stage in self.whole_now and newest > step)
+            if due and now >= self.next_refresh.get(stage, 0.0):
+                self._spawn(self.refresh(stage, [r.peer_id for r in serving]))
 
     def _fill_empty(self, records: dict[int, list[StageRecord]], now: float) -> None:
         """Moves this peer to a stage left empty that no holder restores, if the records choose it."""
@@ -260,6 +286,7 @@ class StandbyKeeper:
     async def refresh(self, stage: int, serving: list[str]) -> None:
         """Downloads `stage`'s state from one of its serving peers, taking only a confirmed version."""
         self.fetching.add(stage)
+        self.whole_now.discard(stage)
         started = time.perf_counter()
         try:
             versions = await self._versions(stage, serving)
@@ -290,10 +317,6 @@ class StandbyKeeper:
             in_memory = self.held_bytes() - (old.nbytes if old and old.in_memory else 0)
             if in_memory + nbytes <= self.budget:
                 copy.tensors = tensors
-                if self.deltas:  # live, so that the stage's step deltas can catch it up
-                    config = self.peer.config
-                    settings = OptimizerSettings(config.lr, config.weight_decay, config.beta1, config.beta2)
-                    await asyncio.get_running_loop().run_in_executor(None, copy.make_live, template, settings)
             elif self.spill_dir is not None:
                 copy.path = (
                     self.spill_dir / f"standby-{model}-stage{stage}-of-{self.peer.config.num_stages}.safetensors"
@@ -326,7 +349,7 @@ class StandbyKeeper:
 
     def _deltas_reach(self, copy: Standby | None, newest: int) -> bool:
         """Whether `copy` can be caught up with its stage's step deltas, now at step `newest`."""
-        if copy is None or copy.module is None or not copy.step < newest <= copy.step + self.deltas:
+        if copy is None or not copy.in_memory or not copy.step < newest <= copy.step + self.deltas:
             return False
         return self.no_deltas.get(copy.stage) != copy.step and self.delta_misses.get(copy.stage, 0) < MAX_DELTA_MISSES
 
@@ -338,6 +361,7 @@ class StandbyKeeper:
         `MAX_DELTA_MISSES` such misses, the stage's copy is only refreshed whole."""
         self.fetching.add(stage)
         copy = self.standbys[stage]
+        started = time.perf_counter()
         try:
             versions = await self._versions(stage, serving)
             holders = confirmed_holders(versions, minimum_step=copy.step + 1)
@@ -346,6 +370,9 @@ class StandbyKeeper:
             top = versions[holders[0]]
             source = self.rng.choice([h for h in holders if versions[h] == top])
             config, loop = self.peer.config, asyncio.get_running_loop()
+            if copy.module is None:  # live from the first catch-up on: the stage's step deltas advance it
+                settings = OptimizerSettings(config.lr, config.weight_decay, config.beta1, config.beta2)
+                await loop.run_in_executor(None, copy.make_live, self.template(stage), settings)
             start, nbytes = copy.step, 0
             while copy.step < top[0]:
                 deltas = await request_deltas(
@@ -361,13 +388,15 @@ class StandbyKeeper:
                 return
             logger.info(
                 f"Caught up the standby copy of stage {stage} to step {copy.step} (fingerprint {copy.fingerprint}) "
-                f"with {copy.step - start} step deltas from {source}: {nbytes} bytes "
-                f"({self.bytes_received} bytes over {self.refreshes} refreshes and {self.deltas_applied} deltas)"
+                f"with {copy.step - start} step deltas from {source}: {nbytes} bytes in "
+                f"{time.perf_counter() - started:.2f}s ({self.bytes_received} bytes over {self.refreshes} "
+                f"refreshes and {self.deltas_applied} deltas)"
             )
         except asyncio.CancelledError:
             raise
         except StageStateError as e:
-            self.no_deltas[stage] = copy.step  # the copy is refreshed whole, when due
+            self.no_deltas[stage] = copy.step  # none kept yet (the stage's peers keep them once asked): take it whole
+            self.whole_now.add(stage)
             logger.info(f"Could not catch up the standby copy of stage {stage} at step {copy.step}: {e}")
         except Exception as e:
             logger.info(f"Could not catch up the standby copy of stage {stage}: {type(e).__name__}: {e}")

@@ -13,6 +13,7 @@ result against the fingerprints the stage's peers announce, so a source that lie
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from torch import nn
 from swarm.models.optimizer import apply_accumulated_step
 from swarm.peer.gradient_buffers import flat_gradient, gradients_finite, set_gradients
 
+DELTA_INTEREST = 60.0  # seconds a stage's peers keep deltas after a holder last asked for some
 DELTAS_PER_CALL = 4  # the most steps one reply to a holder carries (`swarm.peer.delta_transfer`)
 
 # what `step_on_sum` did
@@ -62,15 +64,20 @@ class StepDelta:
 class DeltaRing:
     """The last `keep` steps' deltas of this peer's stage, recorded on the runtime thread, read on the loop."""
 
-    def __init__(self, keep: int, wanted: Callable[[], bool] = lambda: True) -> None:
+    def __init__(self, keep: int, wanted: Callable[[], bool] = lambda: True, interest: float | None = None) -> None:
         self.keep = keep
         self.wanted = wanted  # whether any peer holds a copy of the stage now: else nothing is kept
+        # with `interest`, deltas are kept only that many seconds after a holder last asked for some: copies
+        # follow their stage only while the swarm shows churn, and the calm costs no copy of every gradient
+        self.interest = interest
+        self.asked_at = float("-inf")
         self._deltas: OrderedDict[int, StepDelta] = OrderedDict()
         self._lock = threading.Lock()
 
     def record(self, step: int, module: nn.Module, outcome: str, samples: int) -> None:
         """Keeps what step `step` is about to apply (call with the summed gradients on the module)."""
-        if not self.wanted():
+        lapsed = self.interest is not None and time.monotonic() - self.asked_at > self.interest
+        if lapsed or not self.wanted():
             with self._lock:
                 self._deltas.clear()
             return
@@ -89,6 +96,7 @@ class DeltaRing:
 
     def since(self, step: int, limit: int = DELTAS_PER_CALL) -> list[StepDelta] | None:
         """The deltas from `step` on (at most `limit`), or None if `step`'s is no longer (or not yet) kept."""
+        self.asked_at = time.monotonic()
         with self._lock:
             if step not in self._deltas:
                 return None

@@ -19,6 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from swarm.config import PeerConfig
 from swarm.launch.local_swarm import LocalSwarm
 from swarm.net.dht_node import TetheredDHT
 from swarm.records.stage_records import SERVING, fetch_stage_records
@@ -113,7 +114,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32, help="target batch size")
     parser.add_argument("--microbatch", type=int, default=8)
     parser.add_argument("--standby-stages", type=int, default=1, help="K for the runs with standbys on")
-    parser.add_argument("--standby-every", type=int, default=5)
+    parser.add_argument("--standby-every", type=int, default=PeerConfig().standby_every, help="as the peers' flag")
     parser.add_argument("--rounds", type=int, default=1, help="pairs of runs (off and on)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one trainer may take")
     args = parser.parse_args()

@@ -176,10 +176,11 @@ HOLDERS, DOOMED = ["a0", "a1"], ["b0", "b1"]  # the peers of stage 0 (holders of
 RESTORED = r"Restored stage 1 from a standby at step (\d+) \(lost (\d+) steps\); parameters (\w+)"
 
 
-def train_then_kill_stage_1(local_swarm, tmp_path, steps: int):
-    """Two stages of two peers under a trainer; once a copy of stage 1 taken past step 2 has followed the
-    stage's step deltas, both of its peers are SIGKILLed. Returns (trainer, summary file, holders' log lengths
-    at the kill, time of the kill)."""
+def train_then_kill_stage_1(local_swarm, tmp_path, steps: int, follow: bool = False):
+    """Two stages of two peers under a trainer; once a copy of stage 1 is past step 2, both of its peers are
+    SIGKILLed. With `follow`, b1 dies first: the holders see the death and follow stage 1 by its step deltas,
+    and b0 dies once a copy has caught up that way. Returns (trainer, summary file, holders' log lengths at the
+    kill, time of the kill)."""
     local_swarm.start_bootstrap()
     for stage, peers in ((0, HOLDERS), (1, DOOMED)):
         for name in peers:
@@ -192,13 +193,10 @@ def train_then_kill_stage_1(local_swarm, tmp_path, steps: int):
         [*MODEL, "--steps", str(steps), "--microbatch-size", "4", "--max-in-flight", "4", "--data", SMALL_CORPUS]
         + ["--summary-file", str(summary_file), "--no-progress", "--compression", "none"],
     )
-    # taken whole past step 2, then followed by the stage's step deltas
-    followed = r"Caught up the standby copy of stage 1 to step \d+"
-    deadline = time.monotonic() + 150
-    while not any(re.search(followed, local_swarm.log_path(n).read_text(errors="replace")) for n in HOLDERS):
-        assert time.monotonic() < deadline, "no standby copy of stage 1 followed its stage's step deltas"
-        assert trainer.poll() is None, "the trainer finished before the kill"
-        time.sleep(0.2)
+    wait_for_holders(local_swarm, trainer, r"Refreshed the standby copy of stage 1 at step ([2-9]|\d\d+)")
+    if follow:
+        local_swarm.signal("b1", signal.SIGKILL)
+        wait_for_holders(local_swarm, trainer, r"Caught up the standby copy of stage 1 to step \d+")
     marks = {n: len(local_swarm.log_path(n).read_text(errors="replace")) for n in HOLDERS}
     for name in DOOMED:
         local_swarm.signal(name, signal.SIGKILL)
@@ -208,10 +206,23 @@ def train_then_kill_stage_1(local_swarm, tmp_path, steps: int):
     return trainer, summary_file, marks, killed_at
 
 
+def wait_for_holders(local_swarm, trainer, pattern: str, timeout: float = 150) -> None:
+    """Waits until a holder of stage 1's copy logged `pattern`, while the trainer still trains."""
+    deadline = time.monotonic() + timeout
+    while not any(re.search(pattern, local_swarm.log_path(n).read_text(errors="replace")) for n in HOLDERS):
+        assert time.monotonic() < deadline, f"no holder logged {pattern!r}"
+        assert trainer.poll() is None, "the trainer finished before the kill"
+        time.sleep(0.2)
+
+
 @pytest.mark.timeout(300)
-def test_a_stage_whose_every_peer_dies_is_restored_from_a_standby(local_swarm, tmp_path):
-    steps = 30  # a trainer that starts in 3 s did 14 steps before any copy got past step 2
-    trainer, summary_file, marks, killed_at = train_then_kill_stage_1(local_swarm, tmp_path, steps)
+@pytest.mark.parametrize("follow", [False, True], ids=["whole-copy", "followed-by-deltas"])
+def test_a_stage_whose_every_peer_dies_is_restored_from_a_standby(local_swarm, tmp_path, follow):
+    """The restored stage holds exactly the state its dead peers announced at the copy's step: a copy taken
+    whole, or one that followed the stage by its step deltas once a first death showed churn."""
+    # a trainer that starts in 3 s did 14 steps before any copy got past step 2; following takes a death first
+    steps = 80 if follow else 30
+    trainer, summary_file, marks, killed_at = train_then_kill_stage_1(local_swarm, tmp_path, steps, follow)
     names = {0: HOLDERS, 1: DOOMED}
     # one holder of the copy moves to stage 1 and serves it from the copy's step
     deadline = killed_at + RESTORE_BOUND

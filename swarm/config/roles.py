@@ -104,9 +104,13 @@ class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig, TrustConfig):
         "only while some peer holds a copy of the stage), so that holders catch their copies up step by step "
         "instead of downloading the whole state (0: keep none; copies are refreshed whole)",
     )
-    standby_every: int = option(5, "refresh each standby copy once its stage is this many steps ahead of it")
+    standby_every: int = option(
+        15,
+        "refresh each standby copy whole once its stage is this many steps ahead of it (while the swarm shows "
+        "churn, copies follow their stage step by step instead: see --standby-deltas)",
+    )
     standby_share: float = option(
-        0.01,
+        0.05,
         "the most of the time a standby copy's refreshes may take: after a refresh that took T seconds, "
         "the next waits T / this, however many steps go by",
     )
