@@ -23,6 +23,7 @@ import dataclasses
 import logging
 import math
 from collections import Counter
+from collections.abc import Callable
 
 import torch
 
@@ -103,6 +104,9 @@ class AveragingRound:
             failure="Failed to take gradients from {sender}",
         )
         self.handle_commit = protocol_handler(RoundCommit, self._new_reply, self._answer_commit)
+        # called when a round fails here that dead mates may have completed: this peer's history of `step` on
+        # may fork from theirs (`StageMates` writes it to the ledger)
+        self.on_fork: Callable[[int, set[str]], None] | None = None
         self.waiting = RoundWaiting(machine, membership, averaging_timeout)
         self.slices = SliceExchange(machine, membership, codec, averaging_timeout, self.waiting)
 
@@ -185,6 +189,8 @@ class AveragingRound:
             self._retry(
                 step, state, attempt, box, f"{e}; retrying it without {sorted(e.peers) or 'the mates that gave it up'}"
             )
+            if e.stepped_elsewhere and self.on_fork is not None:
+                self.on_fork(step, e.peers)
             return None
         left = {key: n for peer in refused for key, n in box[peer].held.items()}
         return self._account(step, [taken[p] for p in sorted(agreed)], grad, expected, lost, left)

@@ -63,7 +63,7 @@ from swarm.peer.runtime import RoundResult, SampleKey, StageRuntime
 from swarm.peer.state_handover import StateHandOver
 from swarm.peer.step_machine import StepMachine
 from swarm.peer.work_receipts import WorkReceipts
-from swarm.records.sample_ledger import SampleLedger, left_record, step_record
+from swarm.records.sample_ledger import SampleLedger, left_record, restore_record, step_record
 from swarm.records.stage_records import StageRecord
 
 logger = logging.getLogger(__name__)
@@ -106,6 +106,7 @@ class StageMates:
             self.machine, self.membership, self.progress, averaging_timeout, short_wait, codec or get_codec("none")
         )
         self.averaging.slices.centered = robust_sum == "centered-clip"
+        self.averaging.on_fork = self._forked
         self.handover = StateHandOver(self.machine, self.membership, self.progress, self.averaging)
 
     async def start(self, p2p: P2P, admit: Callable[[Handler, str], Handler] = lambda handler, _: handler) -> None:
@@ -153,6 +154,17 @@ class StageMates:
         self.progress.tell(new, step)  # a mate that has just appeared has not heard this peer's progress
         self.machine.check_behind(self.membership.mates)
         self.machine.advance(step)
+
+    def _forked(self, step: int, dead: set[str]) -> None:
+        """A round at `step` failed here that the dead owners in `dead` may have completed: if they stepped on it
+        before dying, their step differs from the one this peer takes next. The ledger says so as a restore of
+        the stage at `step` from this peer's own state, so that their line, if any, counts as an abandoned
+        history (its samples rolled back) rather than as a divergent replica."""
+        self.ledger.write(restore_record(self.peer_id, self.stage, step, step + 1))
+        logger.warning(
+            f"Stage {self.stage} step {step}: {sorted(dead)} died holding the round's sums and may have stepped on "
+            "it; this peer goes on from its own state (the ledger marks any such step as abandoned)"
+        )
 
     def start_serving(self) -> None:
         """Marks this peer as holding the stage's state; it may then start or join rounds."""

@@ -153,11 +153,7 @@ class Peer:
             receipts=work_receipts(config, self.peer_id, module.stage),
             robust_sum=config.robust_sum,
         )
-        if config.standby_deltas and not config.offload:  # a spilled stage's optimizer steps in its own order
-            mates = self.mates
-            self.runtime.deltas = DeltaRing(
-                config.standby_deltas, wanted=lambda: bool(mates.standby_holders), interest=DELTA_INTEREST
-            )
+        self.runtime.deltas = self._delta_ring()
         self.limits = stage_limits(module, config.max_call_samples, int(config.max_request_mb * 2**20))
         self.handler = StageHandler(
             self.runtime,
@@ -386,6 +382,13 @@ class Peer:
 
     async def _handle_stage(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await self.handler.handle_stage(stream_info, reader, writer)
+
+    def _delta_ring(self) -> DeltaRing | None:
+        """Where the stage keeps its last steps' deltas for standby holders (`--standby-deltas`), if it does."""
+        config, mates = self.config, self.mates
+        if not config.standby_deltas or config.offload:  # a spilled stage's optimizer steps in its own order
+            return None
+        return DeltaRing(config.standby_deltas, wanted=lambda: bool(mates.standby_holders), interest=DELTA_INTEREST)
 
     async def _handle_info(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await self.handler.handle_info(stream_info, reader, writer)

@@ -55,11 +55,14 @@ FETCH_AFTER = 1.0  # seconds a member waits for a late owner's sum before asking
 
 
 class SlicesFailed(Exception):
-    """No member can complete the round: a slice could not be summed. `peers` are the mates to blame."""
+    """This member cannot complete the round: a slice could not be summed or had. `peers` are the mates to blame;
+    `stepped_elsewhere`: they may have completed it themselves (an owner that died holding every sum, its own
+    included, may have stepped on the round before it died)."""
 
-    def __init__(self, message: str, peers: set[str]) -> None:
+    def __init__(self, message: str, peers: set[str], stepped_elsewhere: bool = False) -> None:
         super().__init__(message)
         self.peers = peers
+        self.stepped_elsewhere = stepped_elsewhere
 
 
 class SliceExchange:
@@ -266,7 +269,7 @@ class SliceExchange:
         for index in [i for i in range(count) if i not in pieces]:
             fetched = await self._fetch(step, attempt, digest, index, count, owners)
             if fetched is None:
-                raise SlicesFailed(f"no member holds the sum of slice {index}", {owners[index]})
+                raise SlicesFailed(f"no member holds the sum of slice {index}", {owners[index]}, stepped_elsewhere=True)
             pieces[index] = fetched
         return pieces
 

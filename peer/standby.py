@@ -69,7 +69,7 @@ LOST_GRACE = 2  # announce periods a stage shows no serving or joining record be
 FILL_PERIODS = 3  # announce periods after that in which a holder may restore it before another peer fills it
 INFO_TIMEOUT = 5.0
 CHURN_MEMORY = 600.0  # seconds after a peer's death during which copies follow their stages step by step
-MAX_DELTA_MISSES = 2  # catch-ups of a stage's copy no peer confirmed before its copy is only refreshed whole
+MAX_DELTA_MISSES = 2  # sources whose deltas led nowhere confirmed before a stage's copy is only refreshed whole
 WHOLE_SWARM_EVERY = 5  # announce periods between a keeper's reads of every stage; in between, the ones it holds
 
 
@@ -80,6 +80,7 @@ class StandbyKeeper:
         self.peer = peer
         config = peer.config
         self.count = config.standby_stages
+        self.churn_count = config.standby_stages_under_churn
         self.every = config.standby_every
         self.share = config.standby_share
         self.next_refresh: dict[int, float] = {}  # per stage: no refresh before (time.monotonic), see --standby-share
@@ -101,7 +102,7 @@ class StandbyKeeper:
         self.deltas = config.standby_deltas  # how many steps' deltas the stage's peers keep (0: refresh whole)
         self.deltas_applied = 0
         self.no_deltas: dict[int, int] = {}  # per stage: the copy's step its peers had no deltas from
-        self.delta_misses: dict[int, int] = {}  # per stage: catch-ups whose result no peer confirmed
+        self.delta_misses: dict[int, set[str]] = {}  # per stage: sources whose deltas led to no confirmed version
         self.present: dict[int, dict[str, str]] = {}  # per stage read: its peers and their states, at the last read
         self.last_death = float("-inf")  # when a peer's record last vanished without its saying it was leaving
         self.whole_now: set[int] = set()  # stages whose copy is refreshed whole at once (no deltas to follow with)
@@ -116,7 +117,11 @@ class StandbyKeeper:
     # --- what the record says -----------------------------------------------------------------------
 
     def targets(self) -> list[int]:
-        return standby_targets(self.peer.stage, self.peer.config.num_stages, self.count)
+        """The stages this peer holds copies of: the next `--standby-stages`, and while the swarm shows churn the
+        next `--standby-stages-under-churn`, so that a wave that takes a stage and the peers of the stage before
+        it leaves a copy on another stage."""
+        count = max(self.count, self.churn_count) if self.following(time.monotonic()) else self.count
+        return standby_targets(self.peer.stage, self.peer.config.num_stages, count)
 
     def announced(self) -> tuple[tuple[int, int, str], ...]:
         """The record's `standbys`: each target stage with the copy held (step -1 before the first)."""
@@ -283,6 +288,18 @@ class StandbyKeeper:
         sources = receipts.state_sources if receipts is not None else None
         return await peer_versions(self.peer.mates.p2p, peers, self.peer.config.model, stage, INFO_TIMEOUT, sources)
 
+    def _pick_source(
+        self, stage: int, versions: dict[str, Version], minimum_step: int = 0
+    ) -> tuple[str, Version] | None:
+        """A peer at the newest version two of `stage`'s peers confirm (from `minimum_step`), and that version; any
+        of them, so that the copies' cost is spread over the stage, but none whose deltas led nowhere confirmed."""
+        holders = confirmed_holders(versions, minimum_step)
+        if not holders:
+            return None
+        top = versions[holders[0]]
+        sources = [h for h in holders if versions[h] == top and h not in self.delta_misses.get(stage, ())]
+        return (self.rng.choice(sources), top) if sources else None
+
     async def refresh(self, stage: int, serving: list[str]) -> None:
         """Downloads `stage`'s state from one of its serving peers, taking only a confirmed version."""
         self.fetching.add(stage)
@@ -290,12 +307,9 @@ class StandbyKeeper:
         started = time.perf_counter()
         try:
             versions = await self._versions(stage, serving)
-            holders = confirmed_holders(versions)
-            if not holders:
+            if (picked := self._pick_source(stage, versions)) is None:
                 return
-            top = versions[holders[0]]
-            # any peer at the newest confirmed version: the copies' cost is spread over the stage
-            source = self.rng.choice([h for h in holders if versions[h] == top])
+            source = picked[0]
             model = self.peer.config.model
             given = await request_state(self.peer.mates.p2p, source, model, stage, self.limits(stage), STATE_TIMEOUT)
             step, tensors, has_optimizer_state = given.step, given.tensors, given.has_optimizer_state
@@ -351,24 +365,26 @@ class StandbyKeeper:
         """Whether `copy` can be caught up with its stage's step deltas, now at step `newest`."""
         if copy is None or not copy.in_memory or not copy.step < newest <= copy.step + self.deltas:
             return False
-        return self.no_deltas.get(copy.stage) != copy.step and self.delta_misses.get(copy.stage, 0) < MAX_DELTA_MISSES
+        return (
+            self.no_deltas.get(copy.stage) != copy.step
+            and len(self.delta_misses.get(copy.stage, ())) < MAX_DELTA_MISSES
+        )
 
     async def catch_up(self, stage: int, serving: list[str]) -> None:
         """Catches `stage`'s live copy up with the newest version two of its peers confirm, step delta by delta.
 
         The copy's parameters must then show that version's fingerprint. If they do not (a source that lies,
         or peers whose arithmetic differs from this host's), the copy is dropped and taken whole at once; after
-        `MAX_DELTA_MISSES` such misses, the stage's copy is only refreshed whole."""
+        such misses from `MAX_DELTA_MISSES` sources, the stage's copy is only refreshed whole (a source that missed
+        is not asked again: one liar cannot turn the following off)."""
         self.fetching.add(stage)
         copy = self.standbys[stage]
         started = time.perf_counter()
         try:
             versions = await self._versions(stage, serving)
-            holders = confirmed_holders(versions, minimum_step=copy.step + 1)
-            if not holders:
+            if (picked := self._pick_source(stage, versions, copy.step + 1)) is None:
                 return
-            top = versions[holders[0]]
-            source = self.rng.choice([h for h in holders if versions[h] == top])
+            source, top = picked
             config, loop = self.peer.config, asyncio.get_running_loop()
             if copy.module is None:  # live from the first catch-up on: the stage's step deltas advance it
                 settings = OptimizerSettings(config.lr, config.weight_decay, config.beta1, config.beta2)
@@ -405,7 +421,8 @@ class StandbyKeeper:
 
     def _missed(self, stage: int, source: str, version: tuple[int, str]) -> None:
         copy = self.standbys.pop(stage, None) or self.standbys.get(stage)
-        self.delta_misses[stage] = misses = self.delta_misses.get(stage, 0) + 1
+        self.delta_misses.setdefault(stage, set()).add(source)
+        misses = len(self.delta_misses[stage])
         self.next_refresh[stage] = 0.0  # taken whole at the next look
         logger.warning(
             f"The step deltas of stage {stage} from {source} brought its standby copy to fingerprint "

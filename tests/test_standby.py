@@ -97,6 +97,23 @@ def test_a_stage_whose_peers_died_is_restored_and_one_whose_peers_left_is_not():
         assert keeper.restore_pending == (1 if restored else None)
 
 
+def test_copies_follow_their_stages_once_a_peer_died_not_when_one_left():
+    stage0 = [record("peerA", 0), record("peerB", 0, standbys=[(1, 4, "0123456789abcdef")])]
+    for last_state, follows in ((SERVING, True), (LEAVING, False)):
+        keeper = keeper_on_stage_0([])
+        keeper.standbys[1].step = 5  # as far as stage 1: nothing to catch up here (no event loop)
+        keeper.observe({0: stage0, 1: [record("peerC", 1), record("peerE", 1)]})
+        assert not keeper.following(time.monotonic())  # the calm: copies are refreshed whole now and then
+        keeper.observe({0: stage0, 1: [record("peerC", 1), record("peerE", 1, last_state)]})
+        keeper.observe({0: stage0, 1: [record("peerC", 1)]})  # peerE's record is gone
+        assert keeper.following(time.monotonic()) == follows, last_state
+    # a read that left stage 1 out says nothing of its peers
+    keeper = keeper_on_stage_0([])
+    keeper.observe({0: stage0, 1: [record("peerC", 1), record("peerE", 1)]})
+    keeper.observe({0: stage0}, whole_swarm=False)
+    assert not keeper.following(time.monotonic())
+
+
 def test_the_filler_of_an_empty_stage_leaves_the_pipeline_fastest_and_its_stage_served():
     fast = lambda peer, stage, speed, **kw: dataclasses.replace(record(peer, stage, **kw), throughput=speed)  # noqa: E731
     records = {

@@ -98,6 +98,12 @@ class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig, TrustConfig):
         "hold a standby copy (parameters, optimizer state, step) of the next N stages, so that a stage whose "
         "every peer dies is restored from it (0: hold none)",
     )
+    standby_stages_under_churn: int = option(
+        2,
+        "while the swarm shows churn (a peer died within ten minutes), hold copies of this many next stages "
+        "instead (when more than --standby-stages): copies on peers of two stages survive a wave that takes a stage "
+        "with every peer of the stage before it",
+    )
     standby_deltas: int = option(
         8,
         "keep the summed gradient of this stage's last N steps (N times the parameters' size, in host memory, "
@@ -219,13 +225,14 @@ class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig, TrustConfig):
         if (
             self.standby_stages < 0
             or self.standby_deltas < 0
+            or self.standby_stages_under_churn < 0
             or self.standby_every < 1
             or self.standby_memory_mb < 0
             or not 0 < self.standby_share <= 1
         ):
             raise ConfigError(
-                "--standby-stages and --standby-deltas must be 0 or more, --standby-every at least 1, "
-                "--standby-memory-mb 0 or more, --standby-share above 0 and at most 1"
+                "--standby-stages, --standby-stages-under-churn and --standby-deltas must be 0 or more, "
+                "--standby-every at least 1, --standby-memory-mb 0 or more, --standby-share above 0 and at most 1"
             )
         if self.rebalance_margin < 0:
             raise ConfigError("--rebalance-margin must be 0 or more")
