@@ -105,7 +105,6 @@ class StandbyKeeper:
         self.delta_misses: dict[int, set[str]] = {}  # per stage: sources whose deltas led to no confirmed version
         self.present: dict[int, dict[str, str]] = {}  # per stage read: its peers and their states, at the last read
         self.last_death = float("-inf")  # when a peer's record last vanished without its saying it was leaving
-        self.whole_now: set[int] = set()  # stages whose copy is refreshed whole at once (no deltas to follow with)
         self.rng = random.Random()
         self._tasks: set[asyncio.Task] = set()
         self._warned_budget: set[int] = set()
@@ -221,7 +220,8 @@ class StandbyKeeper:
                 continue
             # a copy at step 0 would be worth nothing: a stage restarted from scratch has the same parameters
             step = copy.step if copy is not None else 0
-            due = newest >= step + self.every or (stage in self.whole_now and newest > step)
+            # a copy its stage's peers had no deltas for is taken whole at once, not every-so-many steps
+            due = newest >= step + self.every or (self.no_deltas.get(stage) == step and newest > step)
             if due and now >= self.next_refresh.get(stage, 0.0):
                 self._spawn(self.refresh(stage, [r.peer_id for r in serving]))
 
@@ -303,7 +303,6 @@ class StandbyKeeper:
     async def refresh(self, stage: int, serving: list[str]) -> None:
         """Downloads `stage`'s state from one of its serving peers, taking only a confirmed version."""
         self.fetching.add(stage)
-        self.whole_now.discard(stage)
         started = time.perf_counter()
         try:
             versions = await self._versions(stage, serving)
@@ -411,8 +410,7 @@ class StandbyKeeper:
         except asyncio.CancelledError:
             raise
         except StageStateError as e:
-            self.no_deltas[stage] = copy.step  # none kept yet (the stage's peers keep them once asked): take it whole
-            self.whole_now.add(stage)
+            self.no_deltas[stage] = copy.step  # none kept yet (the stage's peers keep them once asked): taken whole
             logger.info(f"Could not catch up the standby copy of stage {stage} at step {copy.step}: {e}")
         except Exception as e:
             logger.info(f"Could not catch up the standby copy of stage {stage}: {type(e).__name__}: {e}")
