@@ -6,7 +6,9 @@
   every time;
 - ACTION is `die` (the whole process group is SIGKILLed on the spot, daemons included: a machine
   that vanishes), `drop_reply` (the work is done but the caller gets no answer, as when a reply is
-  lost on the way), `delay:SECONDS` (the point is held up that long), `perturb` (at `after_step`
+  lost on the way), `delay:SECONDS` (the point is held up that long), `freeze:SECONDS` (the whole
+  process stops answering that long while its libp2p daemon still takes calls, as a hung peer or one
+  killed without its daemon), `perturb` (at `after_step`
   only: the parameters are nudged, a replica gone wrong that its mates must catch) or `nan` (at
   `reply` only: the reply's tensors are all NaN, a peer gone bad that its callers must catch).
 
@@ -52,7 +54,7 @@ class FaultPlan:
             logger.warning(f"Fault injected at {point} (hit {self.hits[point]}): {fault.action}")
             if fault.action == "die":
                 os.killpg(os.getpgrp(), signal.SIGKILL)
-            elif fault.action == "delay":
+            elif fault.action in ("delay", "freeze"):
                 time.sleep(fault.seconds)
 
     async def hit(self, point: str, act: Callable[[], Awaitable[None]] | None = None) -> None:
@@ -64,6 +66,8 @@ class FaultPlan:
                 os.killpg(os.getpgrp(), signal.SIGKILL)
             elif fault.action == "delay":
                 await asyncio.sleep(fault.seconds)
+            elif fault.action == "freeze":
+                time.sleep(fault.seconds)  # blocks the event loop on purpose: nothing of this peer answers
             elif fault.action in ONLY_AT:
                 if act is not None:
                     await act()

@@ -119,10 +119,13 @@ class StageHandler:
         step a trainer asks for may need other trainers' samples. One that has its batch waits for
         its step, so a lone trainer sees exactly the parameters one process would. Returns whether
         it may serve; None while the step is short of samples lost with a mate (see `StageMates.lost`).
+        A peer that stops serving (leaving, moving) answers its waiting calls at once: its step will not come.
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.step_wait
         while self.runtime.step < step and self.mates.is_full():
+            if self.state() != SERVING:
+                return False
             if self.mates.lost():
                 return None
             remaining = deadline - loop.time()
@@ -210,10 +213,11 @@ class StageHandler:
         if reached is None:
             return [self._short_reply()]
         if not reached:
+            leaving = f" and {self.state()}" if self.state() != SERVING else ""
             return [
                 self._error(
                     ErrorCode.UNAVAILABLE,
-                    f"this peer is at step {self.runtime.step}, behind the requested step {request.step}",
+                    f"this peer is at step {self.runtime.step}, behind the requested step {request.step}{leaving}",
                 )
             ]
         try:

@@ -8,6 +8,8 @@ that no receipt ever named: it holds nothing that counts, and identities that an
 serving and answer nothing are free to make. Meanwhile each member waited for is asked every
 `PROBE_EVERY` seconds whether it lives: one that cannot be dialled is dropped at once, since a mate
 that died after taking this peer's message sends nothing and its record outlives it by its TTL.
+A member that lets `SILENT_PROBES` probes in a row time out is dropped too: a peer killed at once can
+leave its libp2p daemon behind for a while, which takes the call and never answers it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ logger = logging.getLogger(__name__)
 ABSENT_GRACE = 5.0  # seconds a round waits for a member whose DHT record no longer says it serves
 PROBE_EVERY = 2.0  # seconds between a round's questions whether a member it waits for lives
 PROBE_TIMEOUT = 5.0
+SILENT_PROBES = 2  # probes in a row that time out before a member counts as dead
 
 
 class RoundWaiting:
@@ -35,6 +38,7 @@ class RoundWaiting:
         self.machine = machine
         self.membership = membership
         self.averaging_timeout = averaging_timeout
+        self._silent: dict[str, int] = {}  # member -> probes in a row it let time out
 
     def wait_for(self, missing: set[str], started: float) -> float:
         """Seconds a phase that began at `started` still waits for `missing` members (0: no longer)."""
@@ -66,15 +70,25 @@ class RoundWaiting:
                 self.machine.spawn(self._probe(step, peer_id, gone))
 
     async def _probe(self, step: int, peer_id: str, gone: set[str]) -> None:
-        """Asks a member whether it lives: one that cannot be dialled is dropped at once rather than at the
-        timeout (a slow answer is no sign of death, and changes nothing)."""
+        """Asks a member whether it lives: one that cannot be dialled, or that let `SILENT_PROBES` probes in a row
+        time out, is dropped at once rather than at the timeout (any other answer is a sign of life)."""
         machine = self.machine
         try:
             await get_peer_info(machine.p2p, PeerID.from_base58(peer_id), PROBE_TIMEOUT)
         except StageCallError as e:
-            if e.code != ErrorCode.UNAVAILABLE or "no reply within" in e.detail:
+            if e.code != ErrorCode.UNAVAILABLE:
+                self._silent.pop(peer_id, None)
                 return
-            logger.warning(f"Stage {machine.stage} step {step}: mate {peer_id} is gone ({e.detail}); dropping it")
+            why = e.detail
+            if "no reply within" in why:
+                self._silent[peer_id] = self._silent.get(peer_id, 0) + 1
+                if self._silent[peer_id] < SILENT_PROBES:
+                    return
+                why = f"{SILENT_PROBES} probes in a row had no reply within {PROBE_TIMEOUT:.0f}s"
+            self._silent.pop(peer_id, None)
+            logger.warning(f"Stage {machine.stage} step {step}: mate {peer_id} is gone ({why}); dropping it")
             self.membership.mark_unreachable(peer_id)
             gone.add(peer_id)
             machine.changed.set()
+        else:
+            self._silent.pop(peer_id, None)

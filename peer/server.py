@@ -423,6 +423,8 @@ class Peer:
     async def _leave_stage(self) -> None:
         """Stops taking work on this stage, finishes what is queued and hands un-averaged gradients to mates."""
         self.state = LEAVING
+        if self.handler is not None:
+            self.handler.notify_step()  # calls waiting for a step this peer will not take are answered now
         try:
             await asyncio.wait_for(self._announce(), timeout=5)
         except Exception as e:

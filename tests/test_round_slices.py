@@ -121,20 +121,28 @@ def test_a_sum_whose_owner_died_is_taken_from_a_mate_that_holds_it(local_swarm, 
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("point", ["after_contribution", "before_slices"])
-def test_a_mate_dying_mid_round_is_dropped_within_seconds_not_at_the_averaging_timeout(local_swarm, tmp_path, point):
+@pytest.mark.parametrize(
+    "faults",
+    [
+        "after_contribution@1=delay:4,after_contribution@1=die",
+        "before_slices@1=delay:4,before_slices@1=die",
+        "before_slices@1=delay:4,before_slices@1=freeze:100,before_slices@1=die",
+    ],
+    ids=["after_contribution", "before_slices", "frozen_before_slices"],
+)
+def test_a_mate_dying_mid_round_is_dropped_within_seconds_not_at_the_averaging_timeout(local_swarm, tmp_path, faults):
     """peer1a dies 4 s into the first round, while its record outlives it by a minute here: after its offer
     (its mates wait for its commit) or after the commits (they wait for its slices). Either way they never
     come; the mates ask whether it lives, find it gone, and go on without it long before their 120 s
-    averaging timeout; stage 1 ends as one process would."""
+    averaging timeout; stage 1 ends as one process would. Frozen, its daemon takes the mates' questions and
+    nothing answers them (a hung peer, or one killed without its daemon): two unanswered ones drop it."""
     steps = 3
     patient = ["--averaging-timeout", "120", "--record-ttl", "60", "--short-wait", "20"]
-    dies_late = f"{point}@1=delay:4,{point}@1=die"
     start_swarm(
         local_swarm,
         tmp_path,
         {0: ["peer0"], 1: ["peer1a", "peer1b", "peer1c"], 2: ["peer2"]},
-        {"peer1a": ["--faults", dies_late, *patient], "peer1b": patient, "peer1c": patient},
+        {"peer1a": ["--faults", faults, *patient], "peer1b": patient, "peer1c": patient},
     )
     flags = [*trainer_flags(steps, tmp_path / "summary.json", microbatch_size=1, in_flight=8)]
     trainer = local_swarm.start_trainer("trainer", [*flags, "--resend-buffer-mb", "64"])

@@ -4,8 +4,8 @@
 - POINT is one of `POINTS`: where in the peer's work the fault strikes;
 - `@N` makes it strike only the N-th time the point is reached (counting from 1); without it,
   every time;
-- ACTION is one of `ACTIONS`: `die`, `drop_reply`, `delay:SECONDS`, `perturb` (at `after_step`
-  only) or `nan` (at `reply` only); what each does is the peer's (`swarm.peer.faults`).
+- ACTION is one of `ACTIONS`: `die`, `drop_reply`, `delay:SECONDS`, `freeze:SECONDS`, `perturb` (at
+  `after_step` only) or `nan` (at `reply` only); what each does is the peer's (`swarm.peer.faults`).
 
 For example `after_backward@3=drop_reply,progress=delay:2`. Parsed here, below the peer, so that
 the peer's settings are checked before anything starts.
@@ -28,7 +28,8 @@ POINTS = {
     "after_step": "the stage has stepped",
     "reply": "a forward or backward was computed, before its reply is encoded",
 }
-ACTIONS = ("die", "drop_reply", "delay", "perturb", "nan")
+ACTIONS = ("die", "drop_reply", "delay", "freeze", "perturb", "nan")
+TIMED = ("delay", "freeze")  # actions that take seconds
 ONLY_AT = {"perturb": "after_step", "nan": "reply"}  # actions that make sense at one point only
 
 
@@ -43,7 +44,7 @@ class Fault:
     point: str
     action: str
     hit: int | None = None  # strike only at this hit of the point; None: every hit
-    seconds: float = 0.0
+    seconds: float = 0.0  # delay, freeze
 
 
 def parse_faults(text: str) -> list[Fault]:
@@ -61,9 +62,9 @@ def parse_faults(text: str) -> list[Fault]:
             raise FaultError(f"{entry!r}: unknown action {action!r}; actions are {list(ACTIONS)}")
         try:
             number = int(hit) if hit else None
-            seconds = float(argument) if action == "delay" else 0.0
+            seconds = float(argument) if action in TIMED else 0.0
         except ValueError:
-            raise FaultError(f"{entry!r}: @N must be a whole number and delay's argument seconds") from None
+            raise FaultError(f"{entry!r}: @N must be a whole number and {action}'s argument seconds") from None
         if number is not None and number < 1:
             raise FaultError(f"{entry!r}: hits count from 1")
         if action in ONLY_AT and point != ONLY_AT[action]:
