@@ -173,7 +173,8 @@ class StageHandler:
             return [refusal]
         loop = asyncio.get_running_loop()
         backward = request.kind == BACKWARD
-        receipts = self.mates.machine.receipts
+        check = backward and request.check  # a spot check: input gradients only, nothing held or counted
+        receipts = self.mates.machine.receipts if not check else None
         dtype = self.runtime.dtype
         # before the tensors cost a decode: a backward counts only with a vouched trainer's receipt for this call
         if backward and receipts is not None:
@@ -221,19 +222,20 @@ class StageHandler:
                 )
             ]
         try:
-            key = (caller, request.microbatch_id) if request.microbatch_id else None
+            key = (caller, request.microbatch_id) if request.microbatch_id and not check else None
             # the last stage recomputes its forward from the targets: its gradient is never stale
-            version = request.step if backward and not self.stage.is_last else None
+            version = request.step if backward and not self.stage.is_last and not check else None
             if backward and receipts is not None and key is not None:
                 receipts.keep(key, request)  # before the samples are held: a round may take them at once
-            result = await asyncio.wrap_future(self.runtime.submit(backward, tensors, key, version, give_up_at))
+            submitted = self.runtime.submit(backward, tensors, key, version, give_up_at, accumulate=not check)
+            result = await asyncio.wrap_future(submitted)
         except StaleGradientError as e:
             reply = self._error(ErrorCode.STALE, str(e))
             reply.step = self.runtime.step  # the caller sends it again at this step
             return [reply]
         except RuntimeError as e:
             return [self._error(ErrorCode.UNAVAILABLE, str(e))]
-        if backward:
+        if backward and not check:
             # the mates hear of these samples before the caller does (see StageMates.progress_delivered)
             await self.mates.progress_delivered()
             await self.faults.hit("after_backward")

@@ -129,6 +129,7 @@ class RequestQueue:
         key: Hashable = None,
         version: int | None = None,
         give_up_at: float | None = None,
+        accumulate: bool = True,
     ) -> Future:
         """Queues a request (see `StageRuntime.submit`); QueueFullError if the queue is full."""
         with self.lock:
@@ -137,11 +138,11 @@ class RequestQueue:
             if len(self.tasks) >= self.max_queue:
                 self.busy_refusals += 1
                 raise QueueFullError(f"this peer is busy: {len(self.tasks)} requests queued, its limit")
-            if backward and key is None:
+            if backward and key is None and accumulate:
                 self._anonymous += 1
                 key = ("", self._anonymous)
-            task = Task(backward, tensors, key, version=version, give_up_at=give_up_at)
-            if backward:
+            task = Task(backward, tensors, key, accumulate=accumulate, version=version, give_up_at=give_up_at)
+            if backward and accumulate:
                 if key in self.applied:
                     task.accumulate = False
                     self.duplicates += 1

@@ -167,6 +167,7 @@ class StageRuntime:
         key: Hashable = None,
         version: int | None = None,
         give_up_at: float | None = None,
+        accumulate: bool = True,
     ) -> Future:
         """Queues a request; the future resolves to a StageResult or to the exception it raised.
 
@@ -178,9 +179,10 @@ class StageRuntime:
         applied and counted as stale; further behind, it is refused with StaleGradientError.
         `give_up_at` (time.monotonic()) is when the caller stops waiting: a request not started by
         then is dropped with CallAbandonedError, so an overloaded peer does not spend its time on
-        replies nobody reads while the callers' retries queue up behind them.
+        replies nobody reads while the callers' retries queue up behind them. A backward with
+        `accumulate=False` (a spot check) only computes its input gradients: nothing is held or counted.
         """
-        return self.requests.put(backward, tensors, key, version, give_up_at)
+        return self.requests.put(backward, tensors, key, version, give_up_at, accumulate)
 
     def run_exclusive(self, fn: Callable[[], Any], front: bool = False) -> Future:
         """Runs `fn` on the runtime thread between batches; the future resolves to its result."""

@@ -121,7 +121,7 @@ class Error(_message.Message):
     def __init__(self, code: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ...) -> None: ...
 
 class StageRequest(_message.Message):
-    __slots__ = ("protocol_version", "kind", "model", "stage", "microbatch_id", "step", "tensors", "more", "deadline_s", "reply_codec", "receipt", "voucher")
+    __slots__ = ("protocol_version", "kind", "model", "stage", "microbatch_id", "step", "tensors", "more", "deadline_s", "reply_codec", "receipt", "voucher", "check")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +134,7 @@ class StageRequest(_message.Message):
     REPLY_CODEC_FIELD_NUMBER: _ClassVar[int]
     RECEIPT_FIELD_NUMBER: _ClassVar[int]
     VOUCHER_FIELD_NUMBER: _ClassVar[int]
+    CHECK_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     kind: CallKind
     model: str
@@ -146,7 +147,8 @@ class StageRequest(_message.Message):
     reply_codec: str
     receipt: Receipt
     voucher: Voucher
-    def __init__(self, protocol_version: _Optional[int] = ..., kind: _Optional[_Union[CallKind, str]] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch_id: _Optional[int] = ..., step: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., more: _Optional[bool] = ..., deadline_s: _Optional[float] = ..., reply_codec: _Optional[str] = ..., receipt: _Optional[_Union[Receipt, _Mapping]] = ..., voucher: _Optional[_Union[Voucher, _Mapping]] = ...) -> None: ...
+    check: bool
+    def __init__(self, protocol_version: _Optional[int] = ..., kind: _Optional[_Union[CallKind, str]] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch_id: _Optional[int] = ..., step: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., more: _Optional[bool] = ..., deadline_s: _Optional[float] = ..., reply_codec: _Optional[str] = ..., receipt: _Optional[_Union[Receipt, _Mapping]] = ..., voucher: _Optional[_Union[Voucher, _Mapping]] = ..., check: _Optional[bool] = ...) -> None: ...
 
 class StageReply(_message.Message):
     __slots__ = ("protocol_version", "error", "step", "tensors", "loss", "num_samples", "more", "server_seconds", "short_step", "lost_peers", "lost", "full")

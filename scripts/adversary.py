@@ -21,6 +21,9 @@ Attacks (the insider holds a valid key and signed record; see scripts/harness/ho
   it answered before it was caught are trained on, so the loss moves: this attack has failed when the
   honest processes logged the liar accused at step 10 at the latest, and its stage stepped on every
   sample. Not on the last stage, which answers no forward alone;
+- `wrong-backwards`: a peer adds noise to the input gradients of every backward it answers, and is caught
+  the same way (a checked backward is asked again of other peers as a check that holds nothing). Not on
+  the first stage, whose backward answers no input gradient (its gradient goes to the rounds);
 - `state-takeover`: two insiders (peer1b, peer1c on stage 1) answer a crafted state 1,000 steps ahead,
   each confirming the other's; once training ends, an honest newcomer (peer1d) joins their stage. It has
   failed when the newcomer took the state of the step the swarm trained to.
@@ -66,6 +69,7 @@ ATTACKS = {
     "unvouched-trainer": ("trainer", "needs its trainer's receipt"),
     "foreign-voucher": ("trainer", "signed by a key the trust root did not vouch for"),
     "wrong-outputs": ("peer", "is accused by trainer"),
+    "wrong-backwards": ("peer", "is accused by trainer"),
     "state-takeover": ("peer", "shows no receipt from a vouched trainer naming it"),
     "near-state-takeover": ("peer", "Took stage"),
     "record-flood": ("flood", "get work once they answer one"),
@@ -74,18 +78,18 @@ ATTACKS = {
 # to side with the honest one when the trainer's spot check finds two answers disagreeing, and a share of
 # checked forwards that finds the liar within the few steps an attack runs (the default, 2%, takes about 20
 # steps here: see docs/operating.md); a second insider; an honest newcomer that joins once training ended
-EXTRA_PEERS = {"wrong-outputs": "c", "state-takeover": "c", "near-state-takeover": "cef"}
+EXTRA_PEERS = {"wrong-outputs": "c", "wrong-backwards": "c", "state-takeover": "c", "near-state-takeover": "cef"}
 INSIDERS = {"state-takeover": "bc", "near-state-takeover": "bc", "record-flood": ""}  # else `b` alone
 NEWCOMER = {"state-takeover": "d", "near-state-takeover": "d"}
-TRAINER_FLAGS = {"wrong-outputs": ["--spot-check-share", "0.25"]}
+TRAINER_FLAGS = {name: ["--spot-check-share", "0.25"] for name in ("wrong-outputs", "wrong-backwards")}
 # attacks found only after their harm is trained on (a spot check samples answers already used): the run's loss
 # moves, so the bound is the step at which the honest processes logged the liar accused, at most this one
-DETECTED_AFTER_USE = {"wrong-outputs": 10}
+DETECTED_AFTER_USE = {"wrong-outputs": 10, "wrong-backwards": 10}
 # attacks that slow training rather than steer it: failed only where it took at most this many times as long
 SLOWING = {"record-flood": 3.0}
-# where an attack does not apply: the last stage answers one call (forward and backward) per microbatch,
-# which spot checks do not compare (see wrong-backwards below)
-NOT_ON_LAST_STAGE = {"wrong-outputs"}
+# where an attack does not apply: the last stage answers no forward alone (one backward per microbatch computes
+# its forward and loss); the first stage's backward answers no input gradient
+NOT_APPLICABLE = {"wrong-outputs": 2, "wrong-backwards": 0}
 NOT_COVERED = {
     "majority-gradient": (
         "a member holding more than half of a round's vouched samples sets its norm bound, so its gradient "
@@ -97,7 +101,6 @@ NOT_COVERED = {
         "as many identities that a vouched trainer gave work lately as honest peers on a stage, announcing a "
         "crafted state at most 8 steps ahead: the most advanced of the versions most vouched peers hold is taken"
     ),
-    "wrong-backwards": "a peer computes wrong backwards (spot checks compare forwards only)",
     "owner-lies": "a slice owner returns a wrong sum of its slice",
 }
 
@@ -251,7 +254,7 @@ def main() -> int:
         results = []
         for attack in attacks:
             on = stages if ATTACKS[attack][0] in ("peer", "flood") else [1]
-            for stage in [s for s in on if not (s == 2 and attack in NOT_ON_LAST_STAGE)]:
+            for stage in [s for s in on if NOT_APPLICABLE.get(attack) != s]:
                 run = run_swarm(tmp / f"{attack}-{stage}", keys, args.steps, attack, stage)
                 results.append(judge(run, honest, attack, stage, args))
     report = {

@@ -60,6 +60,27 @@ def test_steps_when_the_target_batch_is_reached():
     runtime.shutdown()
 
 
+def test_a_spot_check_backward_answers_the_same_input_gradients_and_holds_nothing():
+    runtime = make_runtime(target=100)
+    runtime.start()
+    inputs = backward_inputs(3, 0)
+    served = runtime.submit(True, inputs, key=("trainer", 7)).result(30)
+    grads = [p.grad.clone() for p in runtime.module.parameters()]
+    held = dict(runtime.held)
+    # the same call asked again as a check, by another caller, with no key: nothing held, counted or summed
+    checked = runtime.submit(True, inputs, accumulate=False).result(30)
+    torch.testing.assert_close(served.tensors[0], checked.tensors[0], rtol=1e-5, atol=1e-7)
+    assert checked.step == served.step and runtime.samples_accumulated == 3 and runtime.held == held
+    assert runtime.duplicates == 0
+    for p, g in zip(runtime.module.parameters(), grads):
+        assert torch.equal(p.grad, g)
+    # and it leaves the call's own key free: the real backward, sent first later, still counts once
+    runtime.submit(True, backward_inputs(2, 1), accumulate=False).result(30)
+    runtime.submit(True, backward_inputs(2, 1), key=("trainer", 8)).result(30)
+    assert runtime.samples_accumulated == 5 and runtime.duplicates == 0
+    runtime.shutdown()
+
+
 def test_repeated_backward_is_not_accumulated_twice():
     runtime = make_runtime(target=100)
     runtime.start()

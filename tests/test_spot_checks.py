@@ -55,6 +55,16 @@ def test_outputs_agree_within_the_nondeterminism_of_a_forward_not_beyond():
     assert not outputs_agree([a], [codec.decode(codec.encode(noisy), noisy.shape, noisy.dtype)], "8bit")
 
 
+def test_gradients_are_compared_relative_to_their_own_scale():
+    torch.manual_seed(0)
+    grad = torch.randn(4, 16, 32) * 1e-6  # input gradients of a mean loss: far below the outputs' absolute floor
+    lie = grad + 0.1 * float(grad.abs().max()) * torch.randn_like(grad)
+    assert outputs_agree([grad], [lie]), "with the forwards' absolute floor a lie at this scale would pass"
+    assert not outputs_agree([grad], [lie], floor=0.0)
+    assert outputs_agree([grad], [grad * (1 + 1e-6 * torch.randn_like(grad))], floor=0.0)  # another batching
+    assert outputs_agree([torch.zeros(2, 3)], [torch.zeros(2, 3)], floor=0.0)
+
+
 def test_the_odd_one_out_needs_two_agreeing_answers():
     a = [torch.ones(2, 3)]
     wrong = [torch.ones(2, 3) + 0.5]
@@ -108,16 +118,22 @@ def test_a_record_carries_only_its_own_signer_s_accusations(organizer):
 
 
 def start_swarm(
-    local_swarm, tmp_path, public: str, stage1: list[str], hostile: str | None = None, faults: str = ""
+    local_swarm,
+    tmp_path,
+    public: str,
+    stage1: list[str],
+    hostile: str | None = None,
+    faults: str = "",
+    attack: str = "wrong-outputs",
 ) -> None:
-    """Stages 0 and 2 with one peer each, stage 1 with `stage1` (`hostile` runs the wrong-outputs attack,
-    peer1a is started with `faults`)."""
+    """Stages 0 and 2 with one peer each, stage 1 with `stage1` (`hostile` runs `attack`, peer1a is started
+    with `faults`)."""
     local_swarm.start_bootstrap()
     for stage, names in {0: ["peer0"], 1: stage1, 2: ["peer2"]}.items():
         for name in names:
             flags = peer_flags(tmp_path / name, "--trust-root", public)
             if name == hostile:
-                prefix = [sys.executable, str(HOSTILE), "wrong-outputs", "--"]
+                prefix = [sys.executable, str(HOSTILE), attack, "--"]
                 pinned = ["--stage", "1", "--initial-peers", *local_swarm.initial_peers, "--rebalance-period", "0"]
                 local_swarm.spawn(name, "peer", [*pinned, *flags], prefix=prefix)
             else:
@@ -145,12 +161,14 @@ def finish(local_swarm, tmp_path, trainer) -> dict:
 
 
 @pytest.mark.timeout(600)
-def test_a_peer_answering_wrong_forwards_is_accused_and_left_out(local_swarm, tmp_path, organizer):
-    """peer1b adds noise to every forward it answers. With a quarter of forwards checked, the trainer finds
-    two peers of stage 1 agreeing against it, accuses it, and calls it no more; its honest mates read the
+@pytest.mark.parametrize("attack", ["wrong-outputs", "wrong-backwards"])
+def test_a_peer_answering_wrong_forwards_or_backwards_is_accused_and_left_out(local_swarm, tmp_path, organizer, attack):
+    """peer1b adds noise to every forward it answers, or to the input gradients of every backward. With a
+    quarter of calls checked, the trainer finds two peers of stage 1 agreeing against it (a backward is asked
+    again as a check, which holds nothing), accuses it, and calls it no more; its honest mates read the
     accusation and leave it out of their rounds, within 10 steps of the start."""
     public, _ = organizer
-    start_swarm(local_swarm, tmp_path, public, ["peer1a", "peer1b", "peer1c"], hostile="peer1b")
+    start_swarm(local_swarm, tmp_path, public, ["peer1a", "peer1b", "peer1c"], hostile="peer1b", attack=attack)
     steps = 12
     summary = finish(local_swarm, tmp_path, start_trainer(local_swarm, tmp_path, organizer, steps, share=0.25))
     assert summary["steps"] == steps and summary["spot_checks"]["accusations"] >= 1, summary["spot_checks"]

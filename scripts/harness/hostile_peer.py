@@ -14,6 +14,8 @@ method of its round replaced by the attack named first on its command line:
   for "lost" samples no trainer can send.
 - `wrong-outputs`: every forward it answers has its outputs moved by noise (`WRONG_OUTPUT_NOISE`); its
   parameters, backwards and rounds stay honest, so only the trainers' spot checks can tell.
+- `wrong-backwards`: every backward it answers has its input gradients moved by noise (`WRONG_GRADIENT_NOISE`
+  of their largest value); its forwards, parameters and rounds stay honest: it steers the stages before it.
 - `state-takeover`: asked for its step and fingerprint, or for its state, it answers with a crafted
   state (every parameter `CRAFTED_VALUE`) `CRAFTED_LEAD` steps past its own: two of them confirm each
   other's version, the most advanced, to a newcomer. Its work and rounds stay honest.
@@ -34,6 +36,7 @@ FAKE_MICROBATCHES = 4096
 FAKE_SAMPLES = 256
 REVERSED_MULTIPLE = 100.0
 WRONG_OUTPUT_NOISE = 0.1  # standard deviation added to each output of a forward: about 5% of a hidden state's scale
+WRONG_GRADIENT_NOISE = 0.1  # standard deviation added to each input gradient, relative to its largest value
 CRAFTED_LEAD = {"state-takeover": 1000, "near-state-takeover": 1}  # steps past its own it claims
 CRAFTED_VALUE = 0.01  # every parameter of its crafted state: two such peers craft the same one
 FAKE_TRAINER = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"  # a well-formed peer id no trainer has
@@ -80,21 +83,25 @@ def fake_progress() -> None:
     ProgressExchange.send = boastful
 
 
-def wrong_outputs() -> None:
-    """Answers every forward with its outputs moved by noise of `WRONG_OUTPUT_NOISE` (its parameters, its
-    backwards and its round stay honest): the trainers' spot checks must catch it."""
+def wrong_answers(on_backward: bool) -> None:
+    """Answers every forward (or every backward) with its tensors moved by noise (its parameters, its other
+    calls and its round stay honest): the trainers' spot checks must catch it."""
     import torch
 
     from swarm.peer.handler import StageHandler
 
     honest = StageHandler._answer
 
+    def noisy(t):
+        if not t.is_floating_point():
+            return t
+        if on_backward:
+            return t + WRONG_GRADIENT_NOISE * float(t.abs().max()) * torch.randn_like(t)
+        return t + WRONG_OUTPUT_NOISE * torch.randn_like(t)
+
     async def wrong(self, result, backward, *args, **kwargs):
-        if not backward:
-            noisy = [
-                t + WRONG_OUTPUT_NOISE * torch.randn_like(t) if t.is_floating_point() else t for t in result.tensors
-            ]
-            result = dataclasses.replace(result, tensors=noisy)
+        if backward == on_backward:
+            result = dataclasses.replace(result, tensors=[noisy(t) for t in result.tensors])
         return await honest(self, result, backward, *args, **kwargs)
 
     StageHandler._answer = wrong
@@ -135,7 +142,8 @@ ATTACKS = {
     "inflate-samples": inflate_samples,
     "reversed-gradient": reversed_gradient,
     "fake-progress": fake_progress,
-    "wrong-outputs": wrong_outputs,
+    "wrong-outputs": partial(wrong_answers, on_backward=False),
+    "wrong-backwards": partial(wrong_answers, on_backward=True),
     **{name: partial(state_takeover, lead) for name, lead in CRAFTED_LEAD.items()},
 }
 

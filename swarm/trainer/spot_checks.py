@@ -1,4 +1,4 @@
-"""Spot checks: a vouched trainer sends a small random share of its forwards to a second peer of the stage.
+"""Spot checks: a vouched trainer sends a small random share of its calls to a second peer of the stage.
 
 Peers of a stage at the same step hold bit-identical parameters (their averaging rounds apply the same
 sum), so the same inputs give the same outputs up to the nondeterminism of how a peer batches and which
@@ -6,7 +6,11 @@ kernels it runs. A check sends a forward already answered by peer A, with the sa
 and step, to another serving peer B, and compares the outputs within `tolerance`. Both replies come in the codec
 A's did, and the tolerance widens by that codec's gap between levels (4bit's is too wide: such forwards
 are not checked), and only answers computed at the same step are compared (a peer that moved on answers at its
-own step). Forwards only: checking a backward would make a second peer accumulate its gradient.
+own step). A backward is checked as a spot-check call (`StageRequest.check`): the second peer computes the
+input gradients of the same inputs and output gradients at the same step and holds nothing, so no sample
+counts twice. Gradients are compared relative to their own scale (no absolute floor: they are small), and
+the first stage's backward, which answers no input gradient, is not checked (its gradient goes to the
+rounds, which bound it).
 
 When A and B disagree, nothing says which lied: a third serving peer C at that step decides, and the one
 that disagrees with the two others is accused, once the three announce the same (step, fingerprint) (so
@@ -30,6 +34,7 @@ import torch
 from hivemind import DHT
 from hivemind.p2p import PeerID
 
+from swarm.compression.codecs import Codec
 from swarm.net.transport import CallStats, StageCallError, get_peer_info
 from swarm.policy.router import Router
 from swarm.proto import StageReply
@@ -55,22 +60,22 @@ RENEW_PERIOD = 60.0  # seconds between renewals of this trainer's accusations (t
 MAX_TASKS = 8  # checks under way at once: past this, a drawn check is skipped
 
 
-def tolerance(reference: torch.Tensor, codec: str = "none") -> float:
+def tolerance(reference: torch.Tensor, codec: str = "none", floor: float = ATOL) -> float:
     """How far another same-step peer's outputs may be from `reference` (max abs difference), both replies
-    in `codec` (one of CODEC_GAP's)."""
+    in `codec` (one of CODEC_GAP's); `floor` is the absolute part (0 for gradients)."""
     rtol = RTOL.get(reference.dtype, RTOL[torch.float16]) + CODEC_GAP[codec]
-    return ATOL + rtol * float(reference.detach().abs().max()) if reference.numel() else ATOL
+    return floor + rtol * float(reference.detach().abs().max()) if reference.numel() else floor
 
 
-def outputs_agree(a: list[torch.Tensor], b: list[torch.Tensor], codec: str = "none") -> bool:
-    """Whether two peers' outputs of the same forward, both in `codec`, agree within `tolerance` (same shapes
+def outputs_agree(a: list[torch.Tensor], b: list[torch.Tensor], codec: str = "none", floor: float = ATOL) -> bool:
+    """Whether two peers' outputs of the same call, both in `codec`, agree within `tolerance` (same shapes
     and dtypes first)."""
     if len(a) != len(b):
         return False
     for x, y in zip(a, b):
         if x.shape != y.shape or x.dtype != y.dtype:
             return False
-        if x.numel() and float((x.float() - y.float()).abs().max()) > tolerance(x, codec):
+        if x.numel() and float((x.float() - y.float()).abs().max()) > tolerance(x, codec, floor):
             return False
     return True
 
@@ -83,15 +88,17 @@ def digest(tensors: list[torch.Tensor]) -> str:
     return h.hexdigest()[:16]
 
 
-def odd_one_out(answers: dict[str, list[torch.Tensor]], codec: str = "none") -> tuple[str, list[str]] | None:
+def odd_one_out(
+    answers: dict[str, list[torch.Tensor]], codec: str = "none", floor: float = ATOL
+) -> tuple[str, list[str]] | None:
     """Of three or more answers, the one that disagrees with all others while those all agree with one
     another: (its peer, the others); None if the answers do not single out one peer."""
     peers = list(answers)
     for odd in peers:
         rest = [p for p in peers if p != odd]
-        if len(rest) < 2 or any(outputs_agree(answers[odd], answers[p], codec) for p in rest):
+        if len(rest) < 2 or any(outputs_agree(answers[odd], answers[p], codec, floor) for p in rest):
             continue
-        if all(outputs_agree(answers[rest[0]], answers[p], codec) for p in rest[1:]):
+        if all(outputs_agree(answers[rest[0]], answers[p], codec, floor) for p in rest[1:]):
             return odd, rest
     return None
 
@@ -99,11 +106,23 @@ def odd_one_out(answers: dict[str, list[torch.Tensor]], codec: str = "none") -> 
 Send = Callable[..., Awaitable[tuple[StageReply, list[torch.Tensor]]]]
 
 
+@dataclass(frozen=True)
+class Call:
+    """An answered call drawn for a check: what is asked again of other peers of its stage, at its step."""
+
+    backward: bool
+    tensors: list[torch.Tensor]
+    microbatch_id: int
+    step: int
+    codec: Codec  # the replies' codec
+
+
 @dataclass
 class SpotCheckCounts:
     """What the spot checks did, for the summary."""
 
-    drawn: int = 0  # forwards drawn for a check
+    drawn: int = 0  # calls drawn for a check
+    backwards: int = 0  # of those, backwards
     compared: int = 0  # of those, compared with a second peer's answer at the same step
     mismatches: int = 0  # comparisons that disagreed
     undecided: int = 0  # disagreements that named no one (two peers only, or no two agreeing, or states differ)
@@ -138,16 +157,28 @@ class SpotChecker:
         self._tasks: set[asyncio.Task] = set()
         self._published = 0.0  # monotonic: when this trainer's accusations were last stored
 
-    def after_forward(
-        self, record: StageRecord, tensors: list[torch.Tensor], microbatch_id: int, reply: StageReply, outputs, codec
+    def after_call(
+        self,
+        record: StageRecord,
+        backward: bool,
+        tensors: list[torch.Tensor],
+        microbatch_id: int,
+        reply: StageReply,
+        outputs,
+        codec,
     ) -> None:
-        """Called after each answered forward: draws it for a check with probability `share`."""
+        """Called after each answered call: draws it for a check with probability `share` (a backward only where
+        it answers input gradients)."""
         if self.mine and time.monotonic() - self._published > RENEW_PERIOD:
             self._spawn(self.publish())
+        if backward and not outputs:
+            return
         if self._random.random() >= self.share or codec.name not in CODEC_GAP or len(self._tasks) >= MAX_TASKS:
             return
         self.counts.drawn += 1
-        self._spawn(self._check(record, tensors, microbatch_id, reply.step, list(outputs), codec))
+        self.counts.backwards += backward
+        call = Call(backward, tensors, microbatch_id, reply.step, codec)
+        self._spawn(self._check(record, call, list(outputs)))
 
     def _spawn(self, coroutine) -> None:
         async def guarded() -> None:  # a check that breaks is one check lost, never the trainer's business
@@ -168,22 +199,30 @@ class SpotChecker:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
-    async def _answer(self, record: StageRecord, tensors, microbatch_id: int, step: int, codec):
-        """`record`'s peer's outputs of the forward at `step`; None if it failed or answered at another step."""
+    async def _answer(self, record: StageRecord, call: Call):
+        """`record`'s peer's answer to `call` at its step; None if it failed or answered at another step."""
         try:
             reply, outputs = await self.send(
-                record, record.stage, False, tensors, microbatch_id, step, codec.name, CallStats()
+                record,
+                record.stage,
+                call.backward,
+                call.tensors,
+                call.microbatch_id,
+                call.step,
+                call.codec.name,
+                CallStats(),
+                check=call.backward,
             )
         except StageCallError as e:
             logger.debug(f"Spot check of stage {record.stage}: {record.peer_id} did not answer: {e}")
             return None
-        return outputs if reply.step == step else None
+        return outputs if reply.step == call.step else None
 
-    async def _gather(self, answers: dict, others: list[StageRecord], count: int, *call) -> None:
+    async def _gather(self, answers: dict, others: list[StageRecord], count: int, call: Call) -> None:
         """Asks peers of `others` (taken from its end) until `answers` holds `count` answers at the step."""
         while others and len(answers) < count:
             record = others.pop()
-            found = await self._answer(record, *call)
+            found = await self._answer(record, call)
             if found is not None:
                 answers[record.peer_id] = found
 
@@ -194,24 +233,26 @@ class SpotChecker:
         self._random.shuffle(others)
         return others
 
-    async def _check(self, first: StageRecord, tensors, microbatch_id: int, step: int, outputs, codec) -> None:
-        stage = first.stage
+    async def _check(self, first: StageRecord, call: Call, outputs) -> None:
+        stage, step, microbatch_id = first.stage, call.step, call.microbatch_id
         answers = {first.peer_id: outputs}
         others = self._others(stage, {first.peer_id})
-        await self._gather(answers, others, 2, tensors, microbatch_id, step, codec)
+        await self._gather(answers, others, 2, call)
         if len(answers) < 2:
             return
         self.counts.compared += 1
+        codec, floor = call.codec.name, 0.0 if call.backward else ATOL
         # off the event loop: a large model's boundary tensors take a while to compare
-        if await asyncio.to_thread(outputs_agree, *answers.values(), codec.name):
+        if await asyncio.to_thread(outputs_agree, *answers.values(), codec, floor):
             return
         self.counts.mismatches += 1
-        await self._gather(answers, others, 3, tensors, microbatch_id, step, codec)
-        verdict = await asyncio.to_thread(odd_one_out, answers, codec.name) if len(answers) >= 3 else None
+        await self._gather(answers, others, 3, call)
+        verdict = await asyncio.to_thread(odd_one_out, answers, codec, floor) if len(answers) >= 3 else None
+        what = "input gradients" if call.backward else "outputs"
         if verdict is None or not await self._same_state([verdict[0], *verdict[1]]):
             self.counts.undecided += 1
             logger.warning(
-                f"Spot check of stage {stage} (microbatch {microbatch_id}, step {step}): the outputs of "
+                f"Spot check of stage {stage} (microbatch {microbatch_id}, step {step}): the {what} of "
                 f"{', '.join(answers)} disagree and single out no one ({len(answers)} answers); no one is accused"
             )
             return

@@ -157,8 +157,8 @@ class StageCaller:
             self._answered(record, stage, backward, tensors, microbatch_id, reply, codec, stats, started)
             if not backward:
                 self.trials.after_forward(stage, tensors, microbatch_id, tries.step)
-                if self.spot_checks is not None:
-                    self.spot_checks.after_forward(record, tensors, microbatch_id, reply, outputs, get_codec(codec))
+            if self.spot_checks is not None:
+                self.spot_checks.after_call(record, backward, tensors, microbatch_id, reply, outputs, get_codec(codec))
             return reply, outputs
         raise TrainingError(
             f"stage {stage} completed no call for {self.config.stage_wait_timeout:.0f}s; microbatch "
@@ -212,8 +212,10 @@ class StageCaller:
         step: int,
         codec: str,
         stats: CallStats,
+        check: bool = False,
     ) -> tuple[StageReply, list[torch.Tensor]]:
-        """One attempt at `record`'s peer; a StageCallError if it fails or its reply does not hold what was asked."""
+        """One attempt at `record`'s peer; a StageCallError if it fails or its reply does not hold what was asked.
+        `check`: a spot check of a backward, which the peer answers without holding or counting anything."""
         request = StageRequest(
             kind=BACKWARD if backward else FORWARD,
             model=self.config.model,
@@ -221,8 +223,9 @@ class StageCaller:
             microbatch_id=microbatch_id,
             step=step,
             reply_codec=codec,
+            check=check,
         )
-        if backward and self.receipts is not None:
+        if backward and self.receipts is not None and not check:
             samples = tensors[0].shape[0]
             args = (self.trainer_id, record.peer_id, stage, microbatch_id, samples, step)
             request.receipt.CopyFrom(self.receipts.sign(*args))
