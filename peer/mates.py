@@ -108,6 +108,7 @@ class StageMates:
         self.averaging.slices.centered = robust_sum == "centered-clip"
         self.averaging.on_fork = self._forked
         self.handover = StateHandOver(self.machine, self.membership, self.progress, self.averaging)
+        self._rounding: Future | None = None  # the round under way (or the last one)
 
     async def start(self, p2p: P2P, admit: Callable[[Handler, str], Handler] = lambda handler, _: handler) -> None:
         """Registers the mate protocols on the peer's P2P (each through `admit`) and hooks into the runtime."""
@@ -125,7 +126,11 @@ class StageMates:
         self.runtime.coordinator = self
 
     async def stop(self) -> None:
+        """Ends this peer's part in the stage's rounds (the one under way too: its mates find it gone) and
+        closes the mate protocols."""
         self.machine.cancel_tasks()
+        if self._rounding is not None:
+            self._rounding.cancel()
         if self.p2p is not None:
             for protocol in MATE_PROTOCOLS:
                 with contextlib.suppress(Exception):
@@ -209,7 +214,8 @@ class StageMates:
     def average(self, step: int, grad_sum: torch.Tensor | None, held: Held) -> Future:
         """Starts the round of `step` on the event loop; the runtime thread goes on serving meanwhile."""
         rounding = asyncio.wait_for(self.averaging.round(step, grad_sum, held), 3 * self.averaging_timeout + 30)
-        return asyncio.run_coroutine_threadsafe(rounding, self.loop)
+        self._rounding = asyncio.run_coroutine_threadsafe(rounding, self.loop)
+        return self._rounding
 
     def held_elsewhere(self) -> frozenset[SampleKey]:
         """Microbatches another replica holds toward the current step, or a recent step summed (any thread)."""

@@ -9,7 +9,9 @@ serving and answer nothing are free to make. Meanwhile each member waited for is
 `PROBE_EVERY` seconds whether it lives: one that cannot be dialled is dropped at once, since a mate
 that died after taking this peer's message sends nothing and its record outlives it by its TTL.
 A member that lets `SILENT_PROBES` probes in a row time out is dropped too: a peer killed at once can
-leave its libp2p daemon behind for a while, which takes the call and never answers it.
+leave its libp2p daemon behind for a while, which takes the call and never answers it. So is one that
+answers from another stage: a peer that moved (to restore a lost stage, say) lives on, and its round
+here ended with its move.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from hivemind.p2p import PeerID
 from swarm.net.transport import StageCallError, get_peer_info
 from swarm.peer.mate_membership import MateMembership
 from swarm.peer.step_machine import StepMachine
-from swarm.proto import ErrorCode
+from swarm.proto import ErrorCode, PeerInfo
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +76,7 @@ class RoundWaiting:
         time out, is dropped at once rather than at the timeout (any other answer is a sign of life)."""
         machine = self.machine
         try:
-            await get_peer_info(machine.p2p, PeerID.from_base58(peer_id), PROBE_TIMEOUT)
+            info = await get_peer_info(machine.p2p, PeerID.from_base58(peer_id), PROBE_TIMEOUT)
         except StageCallError as e:
             if e.code != ErrorCode.UNAVAILABLE:
                 self._silent.pop(peer_id, None)
@@ -85,10 +87,19 @@ class RoundWaiting:
                 if self._silent[peer_id] < SILENT_PROBES:
                     return
                 why = f"{SILENT_PROBES} probes in a row had no reply within {PROBE_TIMEOUT:.0f}s"
-            self._silent.pop(peer_id, None)
-            logger.warning(f"Stage {machine.stage} step {step}: mate {peer_id} is gone ({why}); dropping it")
-            self.membership.mark_unreachable(peer_id)
-            gone.add(peer_id)
-            machine.changed.set()
+            self._drop(step, peer_id, why, gone)
         else:
             self._silent.pop(peer_id, None)
+            if (elsewhere := self._elsewhere(info)) is not None:
+                self._drop(step, peer_id, elsewhere, gone)
+
+    def _elsewhere(self, info: PeerInfo) -> str | None:
+        """Why a member that answered takes no part in this stage's rounds any more, if so."""
+        return f"it serves stage {info.stage} now" if info.stage != self.machine.stage else None
+
+    def _drop(self, step: int, peer_id: str, why: str, gone: set[str]) -> None:
+        self._silent.pop(peer_id, None)
+        logger.warning(f"Stage {self.machine.stage} step {step}: mate {peer_id} is gone ({why}); dropping it")
+        self.membership.mark_unreachable(peer_id)
+        gone.add(peer_id)
+        self.machine.changed.set()

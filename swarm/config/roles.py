@@ -350,8 +350,9 @@ class TrainerConfig(NetworkConfig, ModelConfig, MetricsConfig, VoucherConfig):
     )
     spot_check_share: float = option(
         0.02,
-        "share of forwards sent again to another peer of the stage to compare outputs; a peer whose outputs "
-        "two others contradict is accused (needs --voucher in a swarm with a --trust-root; 0: no checks)",
+        "share of calls (forwards, and backwards past the first stage) sent again to another peer of the stage "
+        "to compare outputs or input gradients; a peer whose answer two others contradict is accused (needs "
+        "--voucher in a swarm with a --trust-root; 0: no checks)",
     )
     summary_file: str | None = option(None, "write a JSON summary of the run to FILE")
     plot: str | None = option(None, "draw loss and samples/s per step into this PNG file at the end")
