@@ -461,7 +461,7 @@ class StandbyKeeper:
 
     async def fetch_for_newcomer(self, timeout: float = JOIN_RESTORE_TIMEOUT) -> bool:
         """Brings this peer's stage back from a standby copy (see `NewcomerRestore.fetch`); True if it did."""
-        return await NewcomerRestore(self.peer, self.accused, self.limits).fetch(timeout)
+        return await NewcomerRestore(self.peer, self.accused, self.limits, dict(self.last_step)).fetch(timeout)
 
     async def _answer_standby(self, requester: str, request: StateRequest, _parts, reply: StateReply) -> list:
         copy = self.standbys.get(request.stage)

@@ -39,10 +39,23 @@ SHORT_READ_RETRIES = 3  # reads a peer on an empty stage makes when the swarm ha
 class NewcomerRestore:
     """One newcomer's attempt to bring its empty stage back (`fetch`), for a standby keeper's peer."""
 
-    def __init__(self, peer: StandbyHost, accused: Callable[[], set[str]], limits: Callable[[int], WireLimits]) -> None:
+    def __init__(
+        self,
+        peer: StandbyHost,
+        accused: Callable[[], set[str]],
+        limits: Callable[[int], WireLimits],
+        seen: dict[int, int] | None = None,
+    ) -> None:
         self.peer = peer
         self.accused = accused  # peers a vouched trainer accused: never a source
         self.limits = limits  # per stage: the size limits of its state on the wire
+        # per stage, the furthest step this peer saw announced before (its keeper's notes): a peer that moves to
+        # fill a stage whose records expired with its peers still knows how far that stage had got
+        self.seen = seen or {}
+
+    def _reached(self, stage: int, records: dict[int, list[StageRecord]], step: int) -> int:
+        """How far `stage` had got: the furthest of its records and of what this peer saw it announce."""
+        return max(reached_step(stage, records, step), self.seen.get(stage, step))
 
     async def fetch(self, timeout: float = JOIN_RESTORE_TIMEOUT) -> bool:
         """Brings this peer's stage back, which no live mate could give state for; True if it did.
@@ -95,7 +108,7 @@ class NewcomerRestore:
         so that the progress thrown away is counted by id rather than as divergent replicas. Returns False."""
         peer = self.peer
         step = peer.runtime.step
-        reached = reached_step(peer.stage, records, step)
+        reached = self._reached(peer.stage, records, step)
         if reached <= step:  # the stage's own records are gone: the other stages say how far training went
             reached = max((r.step for group in records.values() for r in group), default=step)
         peer.ledger.write(restore_record(peer.peer_id, peer.stage, step, reached))
@@ -117,7 +130,7 @@ class NewcomerRestore:
                     continue
                 if await self._served_again(stage, step):
                     return True
-                lost = reached_step(stage, records, step) - step
+                lost = self._reached(stage, records, step) - step
                 self.peer.ledger.write(restore_record(self.peer.peer_id, stage, step, step + lost))
                 logger.warning(
                     f"Restored stage {stage} from a standby at step {step} (lost {lost} steps); "

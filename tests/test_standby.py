@@ -15,6 +15,7 @@ from conftest import SMALL_CORPUS, wait_for_records
 from swarm.config import PeerConfig
 from swarm.peer.standby import FILL_PERIODS, LOST_GRACE, WHOLE_SWARM_EVERY, StandbyKeeper
 from swarm.peer.standby_copy import Standby
+from swarm.peer.standby_newcomer import NewcomerRestore
 from swarm.policy.empty_stages import choose_filler, on_the_way
 from swarm.policy.lost_stages import choose_restorer, lost_stages, standby_holders, standby_targets
 from swarm.records.sample_ledger import read_ledger
@@ -156,6 +157,17 @@ def test_a_stage_lost_with_its_copies_is_filled_after_the_holders_had_their_chan
     keeper.empty_since[2] -= (LOST_GRACE + FILL_PERIODS) * 1.0
     keeper.observe({0: stage0, 1: [record("peerC", 1)], 2: []})
     assert moves == []
+
+
+def test_a_filler_counts_the_steps_a_stage_had_reached_from_what_it_saw_before_its_records_expired():
+    # the wave took stage 1 at step 45; by the time a peer moves there, its records have expired, and the freshest
+    # copy is of step 34: the restore line must say 45, or the steps between would read as lost silently
+    at = dataclasses.replace
+    records = {0: [at(record("a", 0), step=52)], 1: [], 2: [at(record("c", 2), step=50)]}
+    restore = NewcomerRestore(None, set, lambda stage: None, seen={1: 45, 2: 40})
+    assert restore._reached(1, records, 34) == 45
+    assert restore._reached(2, records, 34) == 50  # the records, where they say more
+    assert NewcomerRestore(None, set, lambda stage: None)._reached(1, records, 34) == 34
 
 
 def test_a_keeper_reads_its_own_and_held_stages_and_every_stage_now_and_then():
