@@ -73,6 +73,9 @@ class MateMembership:
         # in a swarm with a trust root: the peers vouched trainers' spot checks accused (`watch_accusations`).
         # An accused peer is no mate: left out of rounds, refused on the mate protocols, never a state source
         self.accusations: AccusationBook | None = None
+        # peers this peer caught lying in a round itself (an owner's sum that its own audit refuted): no mates
+        # of this peer from then on, as the accused are (a finding of its own, which no one else need believe)
+        self.caught: dict[str, str] = {}
         self._dht = None
         self._accusations_read: asyncio.Task | None = None
         self._accusations_read_at = float("-inf")
@@ -84,8 +87,17 @@ class MateMembership:
 
     @property
     def accused(self) -> dict:
-        """The accused peers this peer knows of (each with the accusation that first held)."""
-        return self.accusations.accused if self.accusations is not None else {}
+        """The accused peers this peer knows of (each with the accusation that first held, or why this peer
+        caught it)."""
+        accused = self.accusations.accused if self.accusations is not None else {}
+        return {**self.caught, **accused} if self.caught else accused
+
+    def catch(self, peer_id: str, why: str) -> None:
+        """`peer_id` was caught lying (`why`): out of this peer's rounds and state sources for good."""
+        self.caught.setdefault(peer_id, why)
+        self.mates.pop(peer_id, None)
+        self.newcomers.discard(peer_id)
+        self.stage_peers.pop(peer_id, None)
 
     def _read_accusations(self) -> None:
         loop = self.machine.loop

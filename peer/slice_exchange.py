@@ -34,6 +34,7 @@ from swarm.peer.mate_membership import MateMembership
 from swarm.peer.mate_messages import MAX_MEMBERS, check_header
 from swarm.peer.protocol_handler import protocol_handler
 from swarm.peer.round_slices import (
+    AUDIT_PROJECTIONS,
     SliceInbox,
     SliceMessage,
     contributors_digest,
@@ -45,6 +46,7 @@ from swarm.peer.round_slices import (
     squared_norms,
 )
 from swarm.peer.round_waiting import RoundWaiting
+from swarm.peer.slice_audit import answer_audit, audit_seeds, audit_sums, seeds_for_owner
 from swarm.peer.step_machine import Contribution, StepMachine, StepState
 from swarm.proto import PROTOCOL_VERSION, Error, ErrorCode, MateReply, RoundSlice, SliceKind
 
@@ -88,6 +90,7 @@ class SliceExchange:
         # --robust-sum centered-clip: this peer's slices are summed with `centered_sum` (exact otherwise)
         self.centered = False
         self.centered_slices = 0  # slices summed robustly: a contribution stood out from the others
+        self.caught_owners = 0  # owners whose sums this peer's audit refuted
         # (step, attempt, digest) -> summed slices this peer holds, by index
         self.kept: OrderedDict[tuple[int, int, bytes], dict[int, torch.Tensor]] = OrderedDict()
         self.handle = protocol_handler(
@@ -110,11 +113,14 @@ class SliceExchange:
         own = box[machine.peer_id]
         await machine.faults.hit("before_slices")
         sends = []
+        # this member audits the other owners' sums where they are plain weighted sums of what it can project
+        seeds = audit_seeds(len(owners), mine) if own.samples > 0 and self._audited() else []
         if own.samples > 0:
             for index, owner in enumerate(owners):
                 if owner != machine.peer_id:
                     lo, hi = bounds[index]
                     part = RoundSlice(**head, kind=SliceKind.PART, index=index)
+                    part.audit_seeds.extend(seeds_for_owner(seeds, index) if seeds else [])
                     sends.append(machine.spawn(self._send(owner, part, own.grad_sum[lo:hi])))
         inbox = state.inbox[attempt]
         summed = await self._reduce(step, attempt, state, senders, box, owners, bounds[mine], digest)
@@ -127,17 +133,50 @@ class SliceExchange:
         total, norms = summed
         self._keep((step, attempt, digest), {mine: total})
         await asyncio.gather(*sends, return_exceptions=True)  # the parts go out first: mates wait on them to sum
+        own_grad = own.grad_sum if own.samples > 0 else None
         for position, owner in enumerate(others):
             reduced = RoundSlice(**head, kind=SliceKind.REDUCED, index=mine, slice_norms=norms)
+            if (asked := inbox.parts.get(owner)) is not None and asked.audit_seeds:
+                reduced.audits.extend(await self._in_executor(answer_audit, asked.audit_seeds, own_grad, bounds))
             sending = machine.spawn(self._send(owner, reduced, total))
             if position == 0:
                 await asyncio.gather(sending, return_exceptions=True)
                 await machine.faults.hit("after_first_sum")
         pieces = await self._gather(step, attempt, state, owners, bounds, digest)
+        if seeds:
+            self._audit(
+                step, await self._in_executor(self._audit_sums, seeds, owners, senders, box, bounds, pieces, inbox)
+            )
         self._keep((step, attempt, digest), pieces)
-        return await asyncio.get_running_loop().run_in_executor(
-            None, lambda: torch.cat([pieces[i] for i in range(len(owners))])
-        )
+        return await self._in_executor(lambda: torch.cat([pieces[i] for i in range(len(owners))]))
+
+    @staticmethod
+    async def _in_executor(fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+    # --- audit: the other owners' sums (see `slice_audit`) ------------------------------------------------------
+
+    def _audited(self) -> bool:
+        """Whether this peer's rounds sum slices plainly, so that their sums can be audited."""
+        return not self.centered and not self.codec.lossy
+
+    def _audit_sums(self, seeds, owners, senders, box, bounds, pieces, inbox) -> dict[str, str]:
+        contributing = [p for p in senders if box[p].samples > 0]
+        by_samples = self.machine.receipts is not None
+        me = self.machine.peer_id
+        return audit_sums(me, seeds, owners, contributing, box, bounds, pieces, inbox.reduced, by_samples)
+
+    def _audit(self, step: int, caught: dict[str, str]) -> None:
+        """Leaves the owners caught lying out from now on and fails the round: no member steps on a refuted sum."""
+        for owner, why in caught.items():
+            self.caught_owners += 1
+            logger.warning(
+                f"Stage {self.machine.stage} step {step}: owner {owner} lied about its sum: {why}; it is left out of "
+                "this peer's rounds and state sources from now on"
+            )
+            self.membership.catch(owner, why)
+        if caught:
+            raise SlicesFailed(f"{len(caught)} owner(s) returned a sum their mates' parts refute", set(caught))
 
     # --- reduce: this peer's slice ----------------------------------------------------------------------
 
@@ -411,15 +450,24 @@ class SliceExchange:
             return Error(code=ErrorCode.BAD_REQUEST, message=f"unknown slice kind {message.kind}")
         if len(message.slice_norms) > MAX_MEMBERS:
             return Error(code=ErrorCode.BAD_REQUEST, message=f"more than {MAX_MEMBERS} slice norms")
+        if len(message.audit_seeds) not in (0, message.count) or len(message.audits) not in (
+            0,
+            message.count * AUDIT_PROJECTIONS,
+        ):
+            return Error(code=ErrorCode.BAD_REQUEST, message="audit seeds or projections of another round's size")
+        if not all(math.isfinite(x) for x in message.audits):
+            return Error(code=ErrorCode.BAD_REQUEST, message="a non-finite audit projection")
         tensors = await asyncio.get_running_loop().run_in_executor(None, decode_tensors, parts, machine.limits)
         if (problem := self._slice_problem(tensors, message.count, message.index)) is not None:
             return Error(code=ErrorCode.BAD_REQUEST, message=problem)
         self.bytes_received += sum(len(part.buffer) for part in parts)
         filed = SliceMessage(bytes(message.contributors), message.count, message.index, tensors[0])
         if message.kind == SliceKind.PART:
+            filed.audit_seeds = list(message.audit_seeds)
             inbox.parts[sender] = filed
         else:
             filed.slice_norms = list(message.slice_norms)
+            filed.audits = list(message.audits)
             inbox.reduced[sender] = filed
         machine.changed.set()
         return None

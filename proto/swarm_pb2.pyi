@@ -442,7 +442,7 @@ class DirectProof(_message.Message):
     def __init__(self, proof: _Optional[bytes] = ..., shared_memory: _Optional[bool] = ...) -> None: ...
 
 class RoundSlice(_message.Message):
-    __slots__ = ("protocol_version", "model", "stage", "step", "attempt", "kind", "index", "count", "contributors", "tensors", "more", "slice_norms")
+    __slots__ = ("protocol_version", "model", "stage", "step", "attempt", "kind", "index", "count", "contributors", "tensors", "more", "slice_norms", "audit_seeds", "audits")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -455,6 +455,8 @@ class RoundSlice(_message.Message):
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
     SLICE_NORMS_FIELD_NUMBER: _ClassVar[int]
+    AUDIT_SEEDS_FIELD_NUMBER: _ClassVar[int]
+    AUDITS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     model: str
     stage: int
@@ -467,4 +469,6 @@ class RoundSlice(_message.Message):
     tensors: _containers.RepeatedCompositeFieldContainer[Tensor]
     more: bool
     slice_norms: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, protocol_version: _Optional[int] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., attempt: _Optional[int] = ..., kind: _Optional[_Union[SliceKind, str]] = ..., index: _Optional[int] = ..., count: _Optional[int] = ..., contributors: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., more: _Optional[bool] = ..., slice_norms: _Optional[_Iterable[float]] = ...) -> None: ...
+    audit_seeds: _containers.RepeatedScalarFieldContainer[int]
+    audits: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, protocol_version: _Optional[int] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., attempt: _Optional[int] = ..., kind: _Optional[_Union[SliceKind, str]] = ..., index: _Optional[int] = ..., count: _Optional[int] = ..., contributors: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., more: _Optional[bool] = ..., slice_norms: _Optional[_Iterable[float]] = ..., audit_seeds: _Optional[_Iterable[int]] = ..., audits: _Optional[_Iterable[float]] = ...) -> None: ...

@@ -24,6 +24,8 @@ Attacks (the insider holds a valid key and signed record; see scripts/harness/ho
 - `wrong-backwards`: a peer adds noise to the input gradients of every backward it answers, and is caught
   the same way (a checked backward is asked again of other peers as a check that holds nothing). Not on
   the first stage, whose backward answers no input gradient (its gradient goes to the rounds);
+- `owner-lies`: a mate returns its slice's sum reversed and 100 times larger in every round (its stage gets a
+  third, honest peer); its mates' audit of the sums catches it at its first round;
 - `state-takeover`: two insiders (peer1b, peer1c on stage 1) answer a crafted state 1,000 steps ahead,
   each confirming the other's; once training ends, an honest newcomer (peer1d) joins their stage. It has
   failed when the newcomer took the state of the step the swarm trained to.
@@ -70,6 +72,7 @@ ATTACKS = {
     "foreign-voucher": ("trainer", "signed by a key the trust root did not vouch for"),
     "wrong-outputs": ("peer", "is accused by trainer"),
     "wrong-backwards": ("peer", "is accused by trainer"),
+    "owner-lies": ("peer", "lied about its sum"),
     "state-takeover": ("peer", "shows no receipt from a vouched trainer naming it"),
     "near-state-takeover": ("peer", "Took stage"),
     "record-flood": ("flood", "get work once they answer one"),
@@ -78,7 +81,13 @@ ATTACKS = {
 # to side with the honest one when the trainer's spot check finds two answers disagreeing, and a share of
 # checked forwards that finds the liar within the few steps an attack runs (the default, 2%, takes about 20
 # steps here: see docs/operating.md); a second insider; an honest newcomer that joins once training ended
-EXTRA_PEERS = {"wrong-outputs": "c", "wrong-backwards": "c", "state-takeover": "c", "near-state-takeover": "cef"}
+EXTRA_PEERS = {
+    "wrong-outputs": "c",
+    "wrong-backwards": "c",
+    "owner-lies": "c",
+    "state-takeover": "c",
+    "near-state-takeover": "cef",
+}
 INSIDERS = {"state-takeover": "bc", "near-state-takeover": "bc", "record-flood": ""}  # else `b` alone
 NEWCOMER = {"state-takeover": "d", "near-state-takeover": "d"}
 TRAINER_FLAGS = {name: ["--spot-check-share", "0.25"] for name in ("wrong-outputs", "wrong-backwards")}
@@ -101,7 +110,6 @@ NOT_COVERED = {
         "as many identities that a vouched trainer gave work lately as honest peers on a stage, announcing a "
         "crafted state at most 8 steps ahead: the most advanced of the versions most vouched peers hold is taken"
     ),
-    "owner-lies": "a slice owner returns a wrong sum of its slice",
 }
 
 

@@ -16,6 +16,9 @@ method of its round replaced by the attack named first on its command line:
   parameters, backwards and rounds stay honest, so only the trainers' spot checks can tell.
 - `wrong-backwards`: every backward it answers has its input gradients moved by noise (`WRONG_GRADIENT_NOISE`
   of their largest value); its forwards, parameters and rounds stay honest: it steers the stages before it.
+- `owner-lies`: the sum of its own slice that it sends its mates in every round is its true sum reversed and
+  `REVERSED_MULTIPLE` times larger; its parts, norms, projections and work stay honest, so only the mates'
+  audit of its sum can tell.
 - `state-takeover`: asked for its step and fingerprint, or for its state, it answers with a crafted
   state (every parameter `CRAFTED_VALUE`) `CRAFTED_LEAD` steps past its own: two of them confirm each
   other's version, the most advanced, to a newcomer. Its work and rounds stay honest.
@@ -107,6 +110,22 @@ def wrong_answers(on_backward: bool) -> None:
     StageHandler._answer = wrong
 
 
+def owner_lies() -> None:
+    """Sends mates a reversed, `REVERSED_MULTIPLE` times larger sum of its slice in every round."""
+    from swarm.peer.slice_exchange import SliceExchange
+
+    honest = SliceExchange._reduce
+
+    async def lying(self, *args, **kwargs):
+        summed = await honest(self, *args, **kwargs)
+        if summed is None:
+            return None
+        total, norms = summed
+        return -REVERSED_MULTIPLE * total, norms
+
+    SliceExchange._reduce = lying
+
+
 def state_takeover(lead: int) -> None:
     """Answers info and state requests with a crafted state `lead` steps past its own."""
     import torch
@@ -144,6 +163,7 @@ ATTACKS = {
     "fake-progress": fake_progress,
     "wrong-outputs": partial(wrong_answers, on_backward=False),
     "wrong-backwards": partial(wrong_answers, on_backward=True),
+    "owner-lies": owner_lies,
     **{name: partial(state_takeover, lead) for name, lead in CRAFTED_LEAD.items()},
 }
 
