@@ -108,7 +108,6 @@ class StageMates:
         self.averaging.slices.centered = robust_sum == "centered-clip"
         self.averaging.on_fork = self._forked
         self.handover = StateHandOver(self.machine, self.membership, self.progress, self.averaging)
-        self._rounding: Future | None = None  # the round under way (or the last one)
 
     async def start(self, p2p: P2P, admit: Callable[[Handler, str], Handler] = lambda handler, _: handler) -> None:
         """Registers the mate protocols on the peer's P2P (each through `admit`) and hooks into the runtime."""
@@ -126,11 +125,10 @@ class StageMates:
         self.runtime.coordinator = self
 
     async def stop(self) -> None:
-        """Ends this peer's part in the stage's rounds (the one under way too: its mates find it gone) and
-        closes the mate protocols."""
+        """Stops the stage's background work and closes the mate protocols. A round under way goes on: where it
+        completes, the mates step on this peer's samples too; where it cannot, they find it serving another
+        stage or gone (`round_waiting`) and go on without it."""
         self.machine.cancel_tasks()
-        if self._rounding is not None:
-            self._rounding.cancel()
         if self.p2p is not None:
             for protocol in MATE_PROTOCOLS:
                 with contextlib.suppress(Exception):
@@ -214,8 +212,7 @@ class StageMates:
     def average(self, step: int, grad_sum: torch.Tensor | None, held: Held) -> Future:
         """Starts the round of `step` on the event loop; the runtime thread goes on serving meanwhile."""
         rounding = asyncio.wait_for(self.averaging.round(step, grad_sum, held), 3 * self.averaging_timeout + 30)
-        self._rounding = asyncio.run_coroutine_threadsafe(rounding, self.loop)
-        return self._rounding
+        return asyncio.run_coroutine_threadsafe(rounding, self.loop)
 
     def held_elsewhere(self) -> frozenset[SampleKey]:
         """Microbatches another replica holds toward the current step, or a recent step summed (any thread)."""
