@@ -44,7 +44,15 @@ from swarm.process.event_loop import run, stop_event_on_signals
 from swarm.process.launch_clock import seconds_since_launch
 from swarm.proto import PROTOCOL_VERSION
 from swarm.records.sample_ledger import SampleLedger
-from swarm.records.stage_records import JOINING, LEAVING, SERVING, StageRecord, announce, fetch_stage_records
+from swarm.records.stage_records import (
+    JOINING,
+    LEAVING,
+    MAX_CAUGHT,
+    SERVING,
+    StageRecord,
+    announce,
+    fetch_stage_records,
+)
 
 if TYPE_CHECKING:
     from swarm.peer.metrics import PeerMetrics
@@ -242,6 +250,7 @@ class Peer:
             direct=self.net.address if self.net is not None else "",
             max_microbatch=self.limits.max_microbatch,
             dtype=flag_value(self.runtime.dtype),
+            caught=tuple(self.mates.membership.caught)[:MAX_CAUGHT] if self.mates is not None else (),
         )
 
     def _renewal(self) -> StageRecord | None:

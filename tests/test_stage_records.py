@@ -15,6 +15,7 @@ from swarm.records.stage_records import (
     announce,
     dropped_records,
     fetch_stage_records,
+    reported_liars,
     stage_key,
 )
 
@@ -50,10 +51,28 @@ def test_a_sound_record_parses():
         {"peer_id": "not a peer id"},
         {"model": "x" * 1000},
         {"state": "hacked"},
+        {"caught": ["not a peer id"]},
+        {"caught": [OTHER] * 17},
+        {"caught": OTHER},
     ],
 )
 def test_a_field_out_of_type_or_range_drops_the_record(changes):
     assert StageRecord.from_value(sound(**changes), 99.0) is None
+
+
+def test_trainers_leave_out_a_mate_two_others_caught_lying_never_one_named_by_one():
+    third = "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
+    liar, honest = PEER, OTHER
+    records = [
+        StageRecord.from_value(sound(liar, caught=[honest]), 99.0),  # a lone insider naming an honest mate
+        StageRecord.from_value(sound(honest, caught=[liar]), 99.0),
+        StageRecord.from_value(sound(third, caught=[liar]), 99.0),
+    ]
+    assert reported_liars(records) == {liar}
+    router = Router()
+    router.update({1: records}, now=0.0)
+    assert {r.peer_id for r in router.live_peers(1)} == {honest, third}
+    assert reported_liars(records[:2]) == set()  # one report is one peer's word
 
 
 def signed(dht: TetheredDHT, **changes) -> StageRecord:

@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from swarm.policy.claim_bounds import claim_bound, lower_median
-from swarm.records.stage_records import SERVING, StageRecord
+from swarm.records.stage_records import SERVING, StageRecord, reported_liars
 
 
 @dataclass
@@ -109,10 +109,12 @@ class Router:
         """Serving peers of `stage` that are not banned now."""
         now = self.clock()
         bans = self.bans
+        known = self.records.get(stage, {}).values()
+        liars = reported_liars(list(known))  # mates that two others of the stage caught lying in their rounds
         return [
             r
-            for r in self.records.get(stage, {}).values()
-            if r.state == SERVING and (r.peer_id not in bans or bans[r.peer_id].until <= now)
+            for r in known
+            if r.state == SERVING and r.peer_id not in liars and (r.peer_id not in bans or bans[r.peer_id].until <= now)
         ]
 
     def expected_seconds(self, record: StageRecord, backward: bool, samples: int) -> float:

@@ -51,6 +51,7 @@ PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{20,128}")  # base58, as libp2p write
 MAX_MODEL_NAME = 128
 ANNOUNCED_DTYPES = ("", "fp32", "bf16")  # a record's dtype: none (from before the field), or a compute dtype
 MAX_STANDBYS = 64  # standby copies one record may list: far above any sensible --standby-stages
+MAX_CAUGHT = 16  # mates one record may name as caught lying
 FINGERPRINT = re.compile(r"[0-9a-f]{16}|")  # `swarm.peer.stage_state.state_fingerprint`, or none yet
 dropped_records: Counter[str] = Counter()  # records skipped by this process, per reason
 
@@ -90,6 +91,9 @@ class StageRecord:
     # the most samples one call may carry (`--max-microbatch`, within `--max-request-mb`): a trainer splits
     # larger microbatches into parts of at most this (`swarm.net.request_limits`); 0: not announced
     max_microbatch: int = 0
+    # mates of its stage this peer caught lying in its rounds (an owner's sum its audit refuted,
+    # `swarm.peer.slice_audit`): trainers call no peer that two others of its stage name (`reported_liars`)
+    caught: tuple[str, ...] = ()
 
     def standby_of(self, stage: int) -> tuple[int, str] | None:
         """(step, fingerprint) of this peer's standby copy of `stage`, step -1 while it fetches one; None if none."""
@@ -115,6 +119,10 @@ class StageRecord:
             }
             if "standbys" in kwargs:
                 kwargs["standbys"] = _standby_entries(kwargs["standbys"])
+            if "caught" in kwargs:
+                if not isinstance(kwargs["caught"], (list, tuple)) or len(kwargs["caught"]) > MAX_CAUGHT:
+                    return None
+                kwargs["caught"] = tuple(kwargs["caught"])
             record = cls(**kwargs, expiration=float(expiration))
         except (KeyError, TypeError, ValueError):
             return None
@@ -152,7 +160,26 @@ class StageRecord:
                 return "standbys"
             if not isinstance(fingerprint, str) or not FINGERPRINT.fullmatch(fingerprint):
                 return "standbys"
+        if not isinstance(self.caught, tuple) or len(self.caught) > MAX_CAUGHT:
+            return "caught"
+        if not all(isinstance(p, str) and PEER_ID.fullmatch(p) for p in self.caught):
+            return "caught"
         return None
+
+
+LIAR_REPORTS = 2  # serving peers of a stage that must name a mate as caught lying before trainers leave it out
+
+
+def reported_liars(records: list[StageRecord]) -> set[str]:
+    """Peers of one stage that at least `LIAR_REPORTS` other serving peers of it name as caught lying: one peer's
+    word is not enough, so a lone insider cannot have an honest mate left out."""
+    reports: dict[str, set[str]] = {}
+    for record in records:
+        if record.state == SERVING:
+            for peer_id in record.caught:
+                if peer_id != record.peer_id:
+                    reports.setdefault(peer_id, set()).add(record.peer_id)
+    return {peer_id for peer_id, reporters in reports.items() if len(reporters) >= LIAR_REPORTS}
 
 
 def _standby_entries(value: object) -> tuple:
