@@ -329,6 +329,10 @@ class AveragingRound:
         attempt: int = 0,
     ) -> None:
         machine = self.machine
+        if peer_id in self.membership.accused:  # accused or caught lying: no member of this peer's rounds
+            unreachable.add(peer_id)
+            machine.changed.set()
+            return
         header = GradContribution(
             protocol_version=PROTOCOL_VERSION,
             model=machine.model,

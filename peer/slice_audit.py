@@ -72,20 +72,26 @@ def audit_sums(
     sums: dict[int, torch.Tensor],
     reduced: dict[str, SliceMessage],
     by_samples: bool,
-) -> dict[str, str]:
-    """The owners whose sums this member's audit refutes, each with why. `seeds`: the member's own; `reduced`:
-    the owners' messages (sums, norms and projections) as they came; `sums`: every slice's sum, by index."""
+) -> tuple[dict[str, str], list[str]]:
+    """The owners whose sums this member's audit refutes, each with why, and those whose sums came with norms
+    for another set of contributions than this member's (the two disagree on the round: no one to blame, but
+    no sum to step on either). `seeds`: the member's own; `reduced`: the owners' messages (sums, norms and
+    projections) as they came; `sums`: every slice's sum, by index."""
     caught: dict[str, str] = {}
+    disagreeing: list[str] = []
     for index, owner in enumerate(owners):
         message = reduced.get(owner)
         if not seeds[index] or owner == me or message is None or index not in sums:
             continue  # its own slice, or a sum fetched from a member after its owner died: not audited
+        if len(message.slice_norms) != len(contributing):
+            disagreeing.append(owner)
+            continue
         why = _audit_one(
             me, seeds[index], index, owner, contributing, box, bounds[index], sums[index], reduced, by_samples
         )
         if why is not None:
             caught[owner] = why
-    return caught
+    return caught, disagreeing
 
 
 def _audit_one(
@@ -103,8 +109,6 @@ def _audit_one(
     """Why owner `owner`'s sum of slice `index` is refuted, or None (it holds, or cannot be audited)."""
     lo, hi = bound
     stated = reduced[owner].slice_norms
-    if len(stated) != len(contributing):
-        return f"its sum of slice {index} came with {len(stated)} norms for {len(contributing)} contributions"
     claims = [box[p].norm for p in contributing]
     seen = [math.sqrt(max(0.0, square)) for square in stated]
     counts = [box[p].samples for p in contributing]

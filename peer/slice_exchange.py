@@ -160,14 +160,20 @@ class SliceExchange:
         """Whether this peer's rounds sum slices plainly, so that their sums can be audited."""
         return not self.centered and not self.codec.lossy
 
-    def _audit_sums(self, seeds, owners, senders, box, bounds, pieces, inbox) -> dict[str, str]:
+    def _audit_sums(self, seeds, owners, senders, box, bounds, pieces, inbox) -> tuple[dict[str, str], list[str]]:
         contributing = [p for p in senders if box[p].samples > 0]
         by_samples = self.machine.receipts is not None
         me = self.machine.peer_id
         return audit_sums(me, seeds, owners, contributing, box, bounds, pieces, inbox.reduced, by_samples)
 
-    def _audit(self, step: int, caught: dict[str, str]) -> None:
-        """Leaves the owners caught lying out from now on and fails the round: no member steps on a refuted sum."""
+    def _audit(self, step: int, found: tuple[dict[str, str], list[str]]) -> None:
+        """Leaves the owners caught lying out from now on and fails the round: no member steps on a refuted sum,
+        nor on one summed over other contributions than this member's."""
+        caught, disagreeing = found
+        if disagreeing and not caught:
+            raise SlicesFailed(
+                f"the sums of {len(disagreeing)} owner(s) cover other contributions than this peer's", set()
+            )
         for owner, why in caught.items():
             self.caught_owners += 1
             logger.warning(

@@ -55,10 +55,12 @@ def run_round(box: dict[str, Contribution], lie=None, misstate: str | None = Non
             )
             for m in owners
         }
-    return {
+    found = {
         m: audit_sums(m, seeds[m], owners, owners, box, bounds, sums, {o: reduced[o][m] for o in owners}, False)
         for m in owners
     }
+    assert not any(disagreeing for _, disagreeing in found.values())
+    return {m: caught for m, (caught, _) in found.items()}
 
 
 @pytest.mark.parametrize(
