@@ -53,6 +53,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).parent))
 
 from swarm.launch.local_swarm import LocalSwarm  # noqa: E402
@@ -94,6 +96,10 @@ TRAINER_FLAGS = {name: ["--spot-check-share", "0.25"] for name in ("wrong-output
 # attacks found only after their harm is trained on (a spot check samples answers already used): the run's loss
 # moves, so the bound is the step at which the honest processes logged the liar accused, at most this one
 DETECTED_AFTER_USE = {"wrong-outputs": 10, "wrong-backwards": 10}
+# attacks caught by the honest peers in a round, before any steps on the lie: the work the insider took until the
+# trainers read its mates' reports is lost (not steered), so the judge is the round the honest peers caught it in and
+# whether they all ended on the same parameters
+CAUGHT_IN_ROUND = {"owner-lies": 1}
 # attacks that slow training rather than steer it: failed only where it took at most this many times as long
 SLOWING = {"record-flood": 3.0}
 # where an attack does not apply: the last stage answers no forward alone (one backward per microbatch computes
@@ -184,7 +190,30 @@ def run_swarm(workdir: Path, keys: dict, steps: int, attack: str | None, stage: 
     checkpoint = load_checkpoint(workdir / f"peer{stage}a", "gpt-tiny", stage, 3)
     loss = summary.get("last_loss", math.nan)
     seconds = summary.get("seconds", math.inf)
-    return {"code": code, "loss": loss, "samples": checkpoint.samples_stepped, "logs": logs, "seconds": seconds}
+    honest = [name for on, name in peers if on == stage and name not in insiders(attack, stage)]
+    agree = replicas_agree(workdir, stage, honest)
+    return {
+        "code": code,
+        "loss": loss,
+        "samples": checkpoint.samples_stepped,
+        "logs": logs,
+        "seconds": seconds,
+        "replicas_agree": agree,
+    }
+
+
+def replicas_agree(workdir: Path, stage: int, names: list[str]) -> bool:
+    """Whether the honest peers of the attacked stage ended at the same step on the same parameters."""
+    checkpoints = [load_checkpoint(workdir / name, "gpt-tiny", stage, 3) for name in names]
+    if not checkpoints or any(c is None for c in checkpoints):
+        return False
+    first = checkpoints[0]
+    return all(
+        c.step == first.step
+        and c.parameters.keys() == first.parameters.keys()
+        and all(torch.equal(c.parameters[k], first.parameters[k]) for k in first.parameters)
+        for c in checkpoints
+    )
 
 
 def insiders(attack: str | None, stage: int) -> list[str]:
@@ -222,6 +251,10 @@ def judge(run: dict, honest: dict, attack: str, stage: int, args: argparse.Names
         close = close and run["seconds"] <= max(SLOWING[attack] * honest["seconds"], honest["seconds"] + 10)
     if attack in DETECTED_AFTER_USE:  # bounded in time instead: accused within its steps
         close = bool(proof) and int(re.search(r"at step (\d+)", proof).group(1)) <= DETECTED_AFTER_USE[attack]
+    if attack in CAUGHT_IN_ROUND:  # the work it took until trainers left it out is lost: judged by the honest replicas
+        caught_at = re.search(r"step (\d+): owner", proof or "")
+        unchanged = run["code"] == 0 and run["replicas_agree"]
+        close = bool(caught_at) and int(caught_at.group(1)) <= CAUGHT_IN_ROUND[attack]
     result = {
         "attack": attack,
         "stage": stage,
