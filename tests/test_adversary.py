@@ -54,3 +54,9 @@ def test_identities_that_announce_themselves_serving_and_answer_nothing_cost_one
     assert attack["failed"] and silent and int(silent.group(1)) >= 4, attack
     assert attack["samples"] == report["honest"]["samples"] == 4 * 24
     assert attack["train_seconds"] <= report["honest"]["train_seconds"] + 10, (attack, report["honest"])
+
+
+@pytest.mark.timeout(420)
+def test_a_slice_owner_returning_a_reversed_sum_is_caught_in_the_first_round_and_stepped_on_by_no_honest_peer():
+    (attack,) = adversary_report("owner-lies")["attacks"]
+    assert attack["failed"] and "lied about its sum" in attack["evidence"], attack
