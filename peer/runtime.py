@@ -171,16 +171,15 @@ class StageRuntime:
     ) -> Future:
         """Queues a request; the future resolves to a StageResult or to the exception it raised.
 
-        `key` names a backward request uniquely (trainer and microbatch); a backward with a key
-        already applied is answered without accumulating its gradients again. A backward's gradient is
-        committed only while its caller still waits for the reply (before `give_up_at`): one that
-        finishes later is dropped, so a retry on a stage-mate does not count it twice. `version` is the
-        step a backward's forward ran at: up to `max_staleness` steps behind, its gradient is
-        applied and counted as stale; further behind, it is refused with StaleGradientError.
-        `give_up_at` (time.monotonic()) is when the caller stops waiting: a request not started by
-        then is dropped with CallAbandonedError, so an overloaded peer does not spend its time on
-        replies nobody reads while the callers' retries queue up behind them. A backward with
-        `accumulate=False` (a spot check) only computes its input gradients: nothing is held or counted.
+        `key` names a backward request uniquely (trainer and microbatch); a backward with a key already
+        applied is answered without accumulating its gradients again. A backward's gradient is committed
+        only while its caller still waits for the reply (before `give_up_at`): one that finishes later is
+        dropped, so a retry on a stage-mate does not count it twice. `version` is the step a backward's
+        forward ran at: up to `max_staleness` steps behind, its gradient is applied and counted as stale;
+        further behind, it is refused with StaleGradientError. `give_up_at` (time.monotonic()) is when the
+        caller stops waiting: a request not started by then is dropped with CallAbandonedError, so an
+        overloaded peer does not spend its time on replies nobody reads while the callers' retries queue
+        up. `accumulate=False` (a spot check's backward): input gradients only, nothing held or counted.
         """
         return self.requests.put(backward, tensors, key, version, give_up_at, accumulate)
 
