@@ -65,6 +65,7 @@ def test_of_two_a_contribution_beyond_the_bound_is_left_out_not_scaled():
     assert left_out([1.0, 1e6], [7, 9], by_samples=True) == []  # more than half the samples set the bound
     # honest gradients of few and many samples stay in; three or more are scaled instead (`clip_scales`)
     assert left_out([3.0, 1.0], [1, 9]) == []
+    assert left_out([10.5, 1.0], [8, 24]) == []  # one microbatch against three, as measured under churn
     assert left_out([1.0, 1e6, 1.1], [8, 8, 8]) == []
     assert left_out([1.0], [8]) == []
 
