@@ -95,6 +95,10 @@ class MateMembership:
     def catch(self, peer_id: str, why: str) -> None:
         """`peer_id` was caught lying (`why`): out of this peer's rounds and state sources for good."""
         self.caught.setdefault(peer_id, why)
+        self._forget(peer_id)
+
+    def _forget(self, peer_id: str) -> None:
+        """Drops an accused or caught peer from every list of who belongs to the stage."""
         self.mates.pop(peer_id, None)
         self.newcomers.discard(peer_id)
         self.stage_peers.pop(peer_id, None)
@@ -118,9 +122,7 @@ class MateMembership:
                 logger.debug(f"Could not read the run's accusations: {e}")
                 return
             for peer_id in new:
-                self.mates.pop(peer_id, None)
-                self.newcomers.discard(peer_id)
-                self.stage_peers.pop(peer_id, None)
+                self._forget(peer_id)
 
         self._accusations_read = asyncio.ensure_future(read())
 

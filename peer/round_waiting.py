@@ -10,8 +10,8 @@ serving and answer nothing are free to make. Meanwhile each member waited for is
 that died after taking this peer's message sends nothing and its record outlives it by its TTL.
 A member that lets `SILENT_PROBES` probes in a row time out is dropped too: a peer killed at once can
 leave its libp2p daemon behind for a while, which takes the call and never answers it. So is one that
-answers from another stage: a peer that moved (to restore a lost stage, say) lives on, and its round
-here ended with its move.
+answers from another stage: a peer that moved (to restore a lost stage, say) lives on, but sends
+nothing more for this stage's rounds.
 """
 
 from __future__ import annotations

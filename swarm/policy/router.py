@@ -83,6 +83,9 @@ class Router:
         self.probation = probation
         self.answered: set[str] = set()  # peers that answered a call of this router: work goes to them first
         self.trials: dict[str, int] = {}  # peers under a trial call now, and their stage
+        # peers that two others of their stage name as caught lying in their rounds: derived from the records
+        # whenever they change, not on every call
+        self.liars: set[str] = set()
 
     def update(self, records: dict[int, list[StageRecord]], now: float) -> None:
         """Merges fresh records into the known ones and forgets those expired at DHT time `now`.
@@ -98,22 +101,26 @@ class Router:
         for known in self.records.values():
             for peer_id in [p for p, r in known.items() if r.expiration <= now]:
                 del known[peer_id]
+        self._note_liars()
 
     def forget(self, peer_ids: Iterable[str]) -> None:
         """Drops the records of `peer_ids` (peers this trainer no longer calls), whatever their expiration."""
         for known in self.records.values():
             for peer_id in peer_ids:
                 known.pop(peer_id, None)
+        self._note_liars()
+
+    def _note_liars(self) -> None:
+        self.liars = set().union(*(reported_liars(list(known.values())) for known in self.records.values()))
 
     def live_peers(self, stage: int) -> list[StageRecord]:
         """Serving peers of `stage` that are not banned now."""
         now = self.clock()
         bans = self.bans
-        known = self.records.get(stage, {}).values()
-        liars = reported_liars(list(known))  # mates that two others of the stage caught lying in their rounds
+        liars = self.liars
         return [
             r
-            for r in known
+            for r in self.records.get(stage, {}).values()
             if r.state == SERVING and r.peer_id not in liars and (r.peer_id not in bans or bans[r.peer_id].until <= now)
         ]
 
