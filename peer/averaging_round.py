@@ -46,7 +46,15 @@ from swarm.peer.protocol_handler import protocol_handler
 from swarm.peer.round_waiting import RoundWaiting
 from swarm.peer.runtime import RoundResult, SampleKey
 from swarm.peer.slice_exchange import SliceExchange, SlicesFailed
-from swarm.peer.step_machine import ACCUMULATING, AVERAGING, SHORT, Contribution, StepMachine, StepState
+from swarm.peer.step_machine import (
+    ACCUMULATING,
+    AVERAGING,
+    SHORT,
+    Contribution,
+    RoundLeftBehind,
+    StepMachine,
+    StepState,
+)
 from swarm.peer.work_receipts import lost_with_the_dead
 from swarm.proto import (
     PROTOCOL_VERSION,
@@ -127,7 +135,11 @@ class AveragingRound:
         state.phase = AVERAGING
         started = machine.loop.time()
         try:
-            result = await self._agree(step, state, grad_sum, held)
+            try:
+                result = await self._agree(step, state, grad_sum, held)
+            except RoundLeftBehind as e:
+                logger.info(f"Stage {machine.stage} step {step}: the round ends here, {e}")
+                return None
             if result is not None:
                 result.seconds = machine.loop.time() - started
             return result
@@ -302,6 +314,7 @@ class AveragingRound:
             missing = members - set(box) - unreachable - self.departed
             if not missing and not (members - sent):
                 return True
+            machine.check_left_behind(step)
             if state.attempt > attempt or missing & set(state.mailbox.get(attempt + 1, {})):
                 return False
             self.waiting.probe_late(step, missing, probed, unreachable)
@@ -483,6 +496,8 @@ class AveragingRound:
         while True:
             machine.changed.clear()
             waiting = others - set(commits) - gone
+            if waiting:
+                machine.check_left_behind(step)
             if state.attempt > attempt or waiting & set(state.mailbox.get(attempt + 1, {})):
                 return None
             self.waiting.probe_late(step, waiting, probed, gone)

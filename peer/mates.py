@@ -196,6 +196,8 @@ class StageMates:
             self.progress.tell(set(self.mates) | self.membership.newcomers, step)
             self.progress.compare_fingerprints()
         self.progress.note_holdings()
+        if machine.changed is not None:  # a round of an earlier step waiting here is left behind (a state load)
+            machine.changed.set()
         machine.wake()
         machine.advance(step)
 

@@ -497,9 +497,9 @@ class StageRuntime:
         except Exception as e:
             # keep the gradients; the coordinator asks for this step again on its next check
             logger.error(f"Stage {self.module.stage}: averaging at step {step} failed ({e!r}); will retry")
+        if loads != self._loads or self._in_round is None:
+            return  # a state was loaded meanwhile: it dropped every gradient (what is set aside now is a later round's)
         in_round, self._in_round = self._in_round, None
-        if loads != self._loads or in_round is None:
-            return  # a state was loaded meanwhile: it dropped every gradient
         overflow = take(self.module, self.held, self.samples_accumulated)
         if result is None or step != self.step:
             self._restore(in_round)

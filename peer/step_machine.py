@@ -38,6 +38,11 @@ ACCUMULATING, AVERAGING, SHORT = "accumulating", "averaging", "short"
 SEND_ATTEMPTS = 3  # calls to a mate before it counts as unreachable
 
 
+class RoundLeftBehind(Exception):
+    """The peer took a mate's state at a later step while a round of an earlier one waited: that round is over
+    for it (its gradients were dropped with the load)."""
+
+
 @dataclass
 class Contribution:
     """One member's part of an averaging round."""
@@ -135,6 +140,13 @@ class StepMachine:
                     return e
                 await asyncio.sleep(0.2 * (send + 1))
         raise AssertionError("unreachable")
+
+    def check_left_behind(self, step: int) -> None:
+        """Raises `RoundLeftBehind` if the runtime moved past `step` during its round. A round's own step follows
+        its end, so only a state load does that; waiting on would hold up the next step's round (mates wait for
+        this peer's offer there) and, at the timeout, fail it."""
+        if self.runtime.step > step:
+            raise RoundLeftBehind(f"this peer took a state at step {self.runtime.step} meanwhile")
 
     def wake(self) -> None:
         """Tells requests waiting on the step machine that it moved."""

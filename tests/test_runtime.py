@@ -357,3 +357,24 @@ def test_a_round_that_fails_gets_back_its_own_gradients_and_what_came_meanwhile_
     runtime.submit(False, [torch.randn(1, 16, SPEC.d_model)]).result(30)
     assert runtime.step == 1 and runtime.held == {("t", 2): 2}
     runtime.shutdown()
+
+
+def test_a_round_left_behind_by_a_state_load_leaves_the_next_steps_round_its_gradients():
+    """A state loaded while a round was under way: the next step's round may start before the old one ends, and
+    the old one's end must not take what the new one set aside (the peer would then never step on it)."""
+    runtime = make_runtime(target=4)
+    coordinator = runtime.coordinator = HeldRound()
+    runtime.start()
+    runtime.submit(True, backward_inputs(4, 0), key=("t", 1)).result(30)
+    start_round(runtime, coordinator, 1)
+    runtime.run_exclusive(lambda: runtime.load_state(3, lambda: None)).result(30)
+    runtime.submit(True, backward_inputs(4, 1), key=("t", 2)).result(30)
+    start_round(runtime, coordinator, 2)
+    step, grad_sum, held, rounding = coordinator.rounds[1]
+    assert step == 3 and held == {("t", 2): 4}
+    coordinator.rounds[0][3].set_result(None)  # the old round ends (left behind) while the new one runs
+    runtime.submit(False, [torch.randn(1, 16, SPEC.d_model)]).result(30)
+    rounding.set_result(RoundResult(grad_sum, 4, [("t", 2, 4)]))
+    runtime.submit(False, [torch.randn(1, 16, SPEC.d_model)]).result(30)
+    assert runtime.step == 4 and runtime.samples_stepped == 4
+    runtime.shutdown()

@@ -1,0 +1,78 @@
+"""A round of a step the peer has left behind (it took a mate's state at a later step meanwhile) ends at once:
+waiting on for its mates would hold up the later step's round, where the mates wait for this peer's offer."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import torch
+
+from swarm.compression import get_codec
+from swarm.peer.averaging_round import AveragingRound
+from swarm.peer.faults import FaultPlan
+from swarm.peer.step_machine import StepMachine
+
+ME = "QmPeerAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA"
+MATE = "QmPeerMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMM"
+
+
+class Membership:
+    """One mate that never sends its offer (alive, but busy elsewhere)."""
+
+    def __init__(self) -> None:
+        self.mates = {MATE: None}
+        self.state_source = None
+
+    def mark_unreachable(self, peer_id: str) -> None:
+        raise AssertionError(f"{peer_id} answered nothing wrong: it must not be dropped")
+
+
+def averaging_round() -> tuple[AveragingRound, SimpleNamespace]:
+    module = torch.nn.Linear(2, 2)
+    module.stage, module.num_stages = 1, 2
+    runtime = SimpleNamespace(module=module, step=5, max_batch_samples=64, target_batch_size=16)
+    machine = StepMachine(runtime, ME, "gpt-tiny", FaultPlan())
+    machine.serving = True
+    machine.start(p2p=None)
+    averaging = AveragingRound(
+        machine, Membership(), None, averaging_timeout=30.0, short_wait=20.0, codec=get_codec("none")
+    )
+
+    async def offer_taken(*args, **kwargs) -> None:  # the mate takes this peer's offer and sends none back
+        return None
+
+    averaging._send_contribution = offer_taken
+    return averaging, runtime
+
+
+def test_a_round_waiting_for_a_mate_ends_as_soon_as_the_peer_loads_a_later_state():
+    async def go() -> tuple[object, float]:
+        averaging, runtime = averaging_round()
+        started = time.monotonic()
+        held = {("trainer", 1): 8}
+        call = asyncio.create_task(averaging.round(5, torch.zeros(6), held))
+        for _ in range(5):  # lets the round send its offer and wait for the mate's
+            await asyncio.sleep(0)
+        assert not call.done(), "a round waits for a live mate's offer"
+        runtime.step = 7  # a state load, as `StageRuntime.load_state` makes it; `StageMates` then wakes the round
+        averaging.machine.changed.set()
+        return await asyncio.wait_for(call, 5), time.monotonic() - started
+
+    result, waited = asyncio.run(go())
+    assert result is None and waited < 2.0
+
+
+def test_a_round_of_the_current_step_keeps_waiting_for_its_mates():
+    async def go() -> bool:
+        averaging, _ = averaging_round()
+        call = asyncio.create_task(averaging.round(5, torch.zeros(6), {("trainer", 1): 8}))
+        await asyncio.sleep(0.3)
+        averaging.machine.changed.set()  # news that is no state load
+        await asyncio.sleep(0.3)
+        waiting = not call.done()
+        call.cancel()
+        return waiting
+
+    assert asyncio.run(go())
