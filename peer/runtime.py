@@ -569,20 +569,16 @@ class StageRuntime:
         """Waits for the fingerprint of the current step (call before changing the parameters)."""
         self.fingerprints.settle()
 
-    def load_state(self, step: int, apply: Callable[[], None], samples_stepped: int = 0) -> None:
-        """Replaces the stage's state (on the runtime thread): `apply` loads it; accumulated gradients are dropped."""
-        if self.samples_accumulated:
-            logger.warning(
-                f"Stage {self.module.stage}: dropping {self.samples_accumulated} accumulated samples of step "
-                f"{self.step} to take a mate's state at step {step}"
-            )
+    def load_state(self, step: int, apply: Callable[[], None], samples_stepped: int = 0) -> dict[SampleKey, int]:
+        """Replaces the stage's state (on the runtime thread): `apply` loads it. Returns the microbatches whose
+        accumulated gradients it dropped: their trainers must send them again."""
         self.settle_fingerprint()
         self.module.zero_grad(set_to_none=True)
         self.samples_accumulated = 0
         self._loads += 1
         set_aside = [a for a in (self._in_round, self._overflow) if a is not None]
-        # dropped, not applied: sent again, they must accumulate
-        self.requests.forget([*self.held, *(key for a in set_aside for key in a.held)])
+        dropped = {**self.held, **{key: n for a in set_aside for key, n in a.held.items()}}
+        self.requests.forget(list(dropped))  # dropped, not applied: sent again, they must accumulate
         self._in_round = self._overflow = None
         self.held = {}
         if self.deltas is not None:
@@ -597,3 +593,4 @@ class StageRuntime:
         self.last_round = None
         if self.on_step is not None:
             self.on_step(self.step, fingerprint)
+        return dropped

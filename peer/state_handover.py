@@ -19,7 +19,7 @@ from swarm.net.wire import pack_frames
 from swarm.peer.averaging_round import AveragingRound
 from swarm.peer.delta_transfer import answer_deltas
 from swarm.peer.mate_membership import MateMembership
-from swarm.peer.mate_messages import PROGRESS_TIMEOUT, check_header, ids_to_wire
+from swarm.peer.mate_messages import PROGRESS_TIMEOUT, Held, check_header, ids_to_wire
 from swarm.peer.mate_progress import ProgressExchange
 from swarm.peer.stage_state import StageStateError, check_state_tensors, state_fingerprint, state_tensors
 from swarm.peer.state_transfer import (
@@ -142,7 +142,7 @@ class StateHandOver:
                     raise StageStateError(
                         f"no other mate confirms its state (step {step}, fingerprint {fingerprint}); not taken"
                     )
-            await load_into_runtime(runtime, step, tensors, has_optimizer_state, given.samples_stepped)
+            dropped = await load_into_runtime(runtime, step, tensors, has_optimizer_state, given.samples_stepped)
         finally:
             membership.state_source = None
         logger.info(f"Loaded stage {machine.stage} state of step {step} (fingerprint {state_fingerprint(tensors)})")
@@ -159,6 +159,7 @@ class StateHandOver:
         # here (its reply was lost, or this peer had asked for it as lost before it took this state)
         if given.recently_summed:
             self.progress.remember_summed(given.recently_summed)
+        self._ask_again(step, dropped)
         self.progress.reached(step)
         # tell every member this peer is one now, so that each sends it its progress before answering
         # backwards: otherwise this peer could not tell that the stage has its batch and should wait
@@ -166,6 +167,22 @@ class StateHandOver:
         sends = [self.progress.send(mate, step, {}) for mate in members]
         await asyncio.gather(*sends, return_exceptions=True)
         return step
+
+    def _ask_again(self, step: int, dropped: Held) -> None:
+        """Makes the stage's round at `step` expect the microbatches whose gradients the load dropped, where the
+        state taken does not sum them and no member holds them: the round finds them lost and their trainers send
+        them again. Otherwise they would be lost silently: their trainers had their replies, and mates a step
+        ahead never heard of them."""
+        if not dropped:
+            return
+        state = self.machine.steps[step]
+        known = state.known()
+        lost = {key: n for key, n in dropped.items() if key not in self.progress.summed_union and key not in known}
+        state.lost.update(lost)
+        logger.warning(
+            f"Stage {self.machine.stage}: dropped {sum(dropped.values())} accumulated samples to take a mate's state "
+            f"at step {step}; {sum(lost.values())} of them will be asked for again"
+        )
 
     async def sync_from_mates(self, minimum_step: int = 0, source: str | None = None) -> str | None:
         """Takes the state of `source`, else of the most advanced mate whose step and fingerprint another

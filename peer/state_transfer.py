@@ -96,13 +96,14 @@ async def parameters_fingerprint(module: torch.nn.Module, tensors: list[torch.Te
 
 async def load_into_runtime(
     runtime: StageRuntime, step: int, tensors: list[torch.Tensor], has_optimizer_state: bool, samples_stepped: int
-) -> None:
-    """Loads a checked state into the runtime's stage and optimizer, on its thread, before any queued work."""
+) -> dict[SampleKey, int]:
+    """Loads a checked state into the runtime's stage and optimizer, on its thread, before any queued work; returns
+    the microbatches whose accumulated gradients the load dropped."""
 
     def apply() -> None:
         load_state_tensors(runtime.module, runtime.optimizer, tensors, has_optimizer_state)
 
-    await asyncio.wrap_future(
+    return await asyncio.wrap_future(
         runtime.run_exclusive(lambda: runtime.load_state(step, apply, samples_stepped), front=True)
     )
 

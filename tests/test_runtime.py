@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,6 +13,8 @@ from swarm.models import build_stage, get_model_spec
 from swarm.models.optimizer import OptimizerSettings, build_optimizer
 from swarm.peer.faults import FaultPlan
 from swarm.peer.runtime import CallAbandonedError, QueueFullError, RoundResult, StageRuntime
+from swarm.peer.state_handover import StateHandOver
+from swarm.peer.step_machine import ACCUMULATING, StepMachine
 
 SPEC = get_model_spec("gpt-tiny")
 
@@ -378,3 +381,26 @@ def test_a_round_left_behind_by_a_state_load_leaves_the_next_steps_round_its_gra
     runtime.submit(False, [torch.randn(1, 16, SPEC.d_model)]).result(30)
     assert runtime.step == 4 and runtime.samples_stepped == 4
     runtime.shutdown()
+
+
+def test_microbatches_a_state_load_dropped_are_expected_by_the_next_round_unless_summed_or_held():
+    """A replica behind its mates accumulated microbatches toward a step they had passed, then took their state:
+    its trainers had their replies and the mates never heard of them, so the round at the new step must expect
+    them (and find them lost, asking their trainers again). Those the state sums, or a member holds, are not."""
+    runtime = make_runtime(target=64)
+    coordinator = runtime.coordinator = HeldRound()
+    runtime.start()
+    runtime.submit(True, backward_inputs(8, 0), key=("t", 1)).result(30)
+    start_round(runtime, coordinator, 1)  # ("t", 1) is now set aside for the round
+    runtime.submit(True, backward_inputs(8, 1), key=("t", 2)).result(30)
+    runtime.submit(True, backward_inputs(8, 2), key=("t", 3)).result(30)
+    dropped = runtime.run_exclusive(lambda: runtime.load_state(8, lambda: None)).result(30)
+    runtime.shutdown()
+    assert dropped == {("t", 1): 8, ("t", 2): 8, ("t", 3): 8}
+    machine = StepMachine(runtime, "QmPeerA", "gpt-tiny", FaultPlan())
+    handover = StateHandOver.__new__(StateHandOver)  # only the bookkeeping after a load is exercised
+    handover.machine, handover.progress = machine, SimpleNamespace(summed_union=frozenset({("t", 2)}))
+    machine.steps[8].progress["QmPeerB"] = {("t", 3): 8}  # a mate holds it toward the new step
+    handover._ask_again(8, dropped)
+    assert machine.steps[8].lost == {("t", 1): 8}
+    assert machine.steps[8].phase == ACCUMULATING and not machine.lost(), "no call is refused before the round"
