@@ -353,6 +353,8 @@ class Peer:
         """Announced as joining, takes the state of mates that are at this peer's step or ahead."""
         await self._announce()
         await self._read_mates()
+        if self.restored_from_standby:
+            await self.standbys.settle_restore()
         ahead = [r for r in self.mates.mates.values() if r.step >= self.runtime.step]
         # on a stage with no live mate, a standby copy brings the stage back (unless this peer just restored it)
         fetch_copy = self.standbys is not None and not self.restored_from_standby

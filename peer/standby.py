@@ -97,6 +97,7 @@ class StandbyKeeper:
         self.reads = 0  # announce periods so far, each with a read (see stages_to_read)
         self.restore_pending: int | None = None
         self.restored: list[tuple[int, int, int]] = []  # (stage, step, steps lost) of each restore by this peer
+        self.claimed: tuple[int, int, str] | None = None  # (stage, step, fingerprint) of a copy restored, untold yet
         self.bytes_received = 0
         self.refreshes = 0
         self.deltas = config.standby_deltas  # how many steps' deltas the stage's peers keep (0: refresh whole)
@@ -441,17 +442,28 @@ class StandbyKeeper:
         return self.standbys.pop(stage, None) if pending == stage else None
 
     def restore_into(self, copy: Standby, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """Loads a claimed copy into the lost stage's fresh module, and says what was lost."""
+        """Loads a claimed copy into the lost stage's fresh module; `settle_restore` then tells the restore."""
         copy.apply(module, optimizer)
-        lost = max(0, self.last_step.get(copy.stage, copy.step) - copy.step)
-        self.restored.append((copy.stage, copy.step, lost))
-        self.peer.ledger.write(restore_record(self.peer.peer_id, copy.stage, copy.step, copy.step + lost))
-        logger.warning(
-            f"Restored stage {copy.stage} from a standby at step {copy.step} (lost {lost} steps); "
-            f"parameters {parameter_fingerprint(module)}"
-        )
+        self.claimed = (copy.stage, copy.step, parameter_fingerprint(module))
         if copy.path is not None:
             copy.path.unlink(missing_ok=True)
+
+    async def settle_restore(self) -> None:
+        """Once announced on the stage it restored from its own copy: joins a live mate already past that copy, or
+        takes a fresher copy another holder announces (a holder that is its stage's last peer never moves to
+        restore, but gives its copy); else tells the restore of its own copy, in the ledger and the log."""
+        if self.claimed is None:
+            return
+        (stage, step, fingerprint), self.claimed = self.claimed, None
+        newcomer = NewcomerRestore(self.peer, self.accused, self.limits, dict(self.last_step))
+        if await newcomer.take_fresher(step):
+            return
+        lost = max(0, self.last_step.get(stage, step) - step)
+        self.restored.append((stage, step, lost))
+        self.peer.ledger.write(restore_record(self.peer.peer_id, stage, step, step + lost))
+        logger.warning(
+            f"Restored stage {stage} from a standby at step {step} (lost {lost} steps); parameters {fingerprint}"
+        )
 
     def move_failed(self) -> None:
         """The move to restore a stage did not happen: the next look decides again."""

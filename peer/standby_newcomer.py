@@ -103,6 +103,19 @@ class NewcomerRestore:
                 return self._start_over(records)
             await asyncio.sleep(JOIN_RETRY_S)
 
+    async def take_fresher(self, step: int) -> bool:
+        """For a holder that restored this peer's stage from its own copy of `step`: takes the state of a live mate
+        already past it, or a fresher copy another holder gives; True if either (that restore then does not count)."""
+        peer = self.peer
+        records = await peer._fetch_records()
+        peer.mates.update_records(records[peer.stage])
+        if any(r.step > step for r in peer.mates.mates.values()):
+            if await peer.mates.sync_from_mates(minimum_step=step + 1) is not None:
+                return True
+        copies = standby_copies(peer.stage, records)
+        copies = {p: c for p, c in copies.items() if c[0] > step and p not in self.accused()}
+        return await self._take_a_copy(copies, records)
+
     def _start_over(self, records: dict[int, list[StageRecord]]) -> bool:
         """The stage goes on from this peer's own state, with no copy: the ledger says so, as for a restore,
         so that the progress thrown away is counted by id rather than as divergent replicas. Returns False."""

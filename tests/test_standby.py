@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import re
@@ -168,6 +169,49 @@ def test_a_filler_counts_the_steps_a_stage_had_reached_from_what_it_saw_before_i
     assert restore._reached(1, records, 34) == 45
     assert restore._reached(2, records, 34) == 50  # the records, where they say more
     assert NewcomerRestore(None, set, lambda stage: None)._reached(1, records, 34) == 34
+
+
+class RestoringPeer(SimpleNamespace):
+    """A holder that moved to stage 1 to restore it from its own copy of step 4: what the swarm shows then."""
+
+    async def _fetch_records(self, only=None):
+        return self.records
+
+
+def holder_that_restored(records: dict, taken: list, monkeypatch) -> StandbyKeeper:
+    keeper = keeper_on_stage_0([])
+    mates = SimpleNamespace(mates={}, update_records=lambda group: None, membership=SimpleNamespace(accused=set()))
+    keeper.peer = RestoringPeer(config=keeper.peer.config, stage=1, peer_id="peerB" * 4, mates=mates, records=records)
+    keeper.peer.ledger = SimpleNamespace(lines=[], write=lambda line: keeper.peer.ledger.lines.append(line))
+
+    async def take_a_copy(self, copies, records):  # the download itself: see the process tests below
+        taken.append(copies)
+        return bool(copies)
+
+    keeper.claimed = (1, 4, "0123456789abcdef")
+    monkeypatch.setattr(NewcomerRestore, "_take_a_copy", take_a_copy)
+    return keeper
+
+
+def test_a_holder_that_restored_from_a_stale_copy_takes_a_fresher_one_a_holder_that_cannot_move_announces(
+    monkeypatch,
+):
+    """The restorer is chosen among holders whose stage keeps a peer; the last peer of a stage may hold a fresher
+    copy. The restorer takes that one (the restore of its own copy is not told), or tells its own if none."""
+    fresher = [(1, 9, "89abcdef01234567")]
+    records = {0: [record("peerA", 0)], 1: [], 2: [record("peerC", 2, standbys=fresher)]}
+    taken: list = []
+    keeper = holder_that_restored(records, taken, monkeypatch)
+    asyncio.run(keeper.settle_restore())
+    assert taken == [{"peerC" * 4: (9, "89abcdef01234567")}] and keeper.peer.ledger.lines == []
+    assert keeper.restored == [] and keeper.claimed is None
+    records[2] = [record("peerC", 2, standbys=[(1, 3, "89abcdef01234567")])]  # older than its own copy
+    taken.clear()
+    keeper = holder_that_restored(records, taken, monkeypatch)
+    keeper.last_step[1] = 6
+    asyncio.run(keeper.settle_restore())
+    assert taken == [{}] and keeper.restored == [(1, 4, 2)]
+    assert [(line["kind"], line["step"], line["reached"]) for line in keeper.peer.ledger.lines] == [("restore", 4, 6)]
 
 
 def test_a_keeper_reads_its_own_and_held_stages_and_every_stage_now_and_then():
