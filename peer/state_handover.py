@@ -32,6 +32,7 @@ from swarm.peer.state_transfer import (
     peer_versions,
     request_state,
     state_handler,
+    take_holdings,
 )
 from swarm.peer.step_machine import AVERAGING, StepMachine
 from swarm.proto import PROTOCOL_VERSION, Error, ErrorCode, HeldSamples, SampleId, StateReply, StateRequest
@@ -39,6 +40,11 @@ from swarm.proto import PROTOCOL_VERSION, Error, ErrorCode, HeldSamples, SampleI
 logger = logging.getLogger(__name__)
 
 CONFIRM_ATTEMPTS = 4  # looks at the mates' (step, fingerprint) before a newcomer gives up on a confirmed state
+
+
+def held_samples(progress: dict[str, Held], requester: str) -> list[HeldSamples]:
+    """What each member holds toward a step, for a peer taking the state (its own holdings left out)."""
+    return [HeldSamples(peer=p, ids=ids_to_wire(held)) for p, held in progress.items() if p != requester and held]
 
 
 class StateHandOver:
@@ -96,17 +102,15 @@ class StateHandOver:
             self.standby_bytes_given += sum(t.numel() * t.element_size() for t in tensors)
         parts = await encode_state(tensors)
         state = machine.steps[step]
+        following = machine.steps[step + 1].progress if member and step + 1 in machine.steps else {}
         given = StateReply(
             protocol_version=PROTOCOL_VERSION,
             step=step,
             has_optimizer_state=has_optimizer_state,
             samples_stepped=samples_stepped,
             attempt=state.attempt,
-            held=[
-                HeldSamples(peer=p, ids=ids_to_wire(held))
-                for p, held in state.progress.items()
-                if member and p != requester and held
-            ],
+            held=held_samples(state.progress, requester) if member else [],
+            held_next=held_samples(following, requester),
             recently_summed=[SampleId(trainer=t, microbatch=mb) for t, mb in self.progress.summed_union],
         )
         return pack_frames(given, parts)
@@ -152,9 +156,7 @@ class StateHandOver:
         # first round at attempt 0 would wait for mates that moved past it, for the whole averaging timeout)
         state = machine.steps[step]
         state.attempt = max(state.attempt, given.attempt)
-        for mate, ids in given.held.items():
-            if mate != machine.peer_id:
-                state.progress.setdefault(mate, {}).update(ids)
+        take_holdings(machine.steps, step, given, machine.peer_id)
         # the state already sums what the giver's last rounds summed: a trainer may still send one of them
         # here (its reply was lost, or this peer had asked for it as lost before it took this state)
         if given.recently_summed:

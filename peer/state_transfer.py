@@ -25,6 +25,7 @@ from swarm.peer.mate_messages import MAX_IDS, Held, ids_from_wire
 from swarm.peer.protocol_handler import Answer, protocol_handler
 from swarm.peer.runtime import SampleKey, StageRuntime
 from swarm.peer.stage_state import StageStateError, load_state_tensors, state_fingerprint
+from swarm.peer.step_machine import StepState
 from swarm.proto import PROTOCOL_VERSION, ErrorCode, PeerInfo, StateReply, StateRequest
 from swarm.records.stage_records import SERVING
 
@@ -39,7 +40,8 @@ class MateState:
     tensors: list[torch.Tensor]
     has_optimizer_state: bool
     samples_stepped: int
-    held: dict[str, Held]  # the microbatches each other member is known to hold toward the next step
+    held: dict[str, Held]  # the microbatches each other member is known to hold toward `step`
+    held_next: dict[str, Held]  # and toward the step after it
     attempt: int  # rounds at `step` the giver has found short so far
     recently_summed: frozenset[SampleKey]  # what the giver's last rounds summed: the state includes them
 
@@ -76,6 +78,9 @@ async def request_state(
         raise StageStateError(f"{ErrorCode.Name(reply.error.code)}: {reply.error.message}")
     if len(reply.recently_summed) > MAX_IDS:
         raise StageStateError(f"the state names {len(reply.recently_summed)} summed microbatches, over {MAX_IDS}")
+    named = sum(len(entry.ids) for entry in [*reply.held, *reply.held_next])
+    if named > 2 * MAX_IDS:
+        raise StageStateError(f"the state names {named} microbatches its mates hold, over {2 * MAX_IDS}")
     tensors = await asyncio.get_running_loop().run_in_executor(None, decode_tensors, parts, limits)
     return MateState(
         step=reply.step,
@@ -83,9 +88,19 @@ async def request_state(
         has_optimizer_state=reply.has_optimizer_state,
         samples_stepped=reply.samples_stepped,
         held={entry.peer: ids_from_wire(entry.ids) for entry in reply.held},
+        held_next={entry.peer: ids_from_wire(entry.ids) for entry in reply.held_next},
         attempt=reply.attempt,
         recently_summed=frozenset((i.trainer, int(i.microbatch)) for i in reply.recently_summed),
     )
+
+
+def take_holdings(steps: dict[int, StepState], step: int, given: MateState, own_id: str) -> None:
+    """Notes what the giver of a state at `step` knew each member to hold toward that step and the next: should
+    one of them die before its round, this peer knows exactly which samples were lost and asks for them again."""
+    for at, holdings in ((step, given.held), (step + 1, given.held_next)):
+        for mate, ids in holdings.items():
+            if mate != own_id:
+                steps[at].progress.setdefault(mate, {}).update(ids)
 
 
 async def parameters_fingerprint(module: torch.nn.Module, tensors: list[torch.Tensor]) -> str:

@@ -353,7 +353,7 @@ class StateRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ..., deltas: _Optional[bool] = ..., from_step: _Optional[int] = ...) -> None: ...
 
 class StateReply(_message.Message):
-    __slots__ = ("protocol_version", "error", "step", "has_optimizer_state", "tensors", "more", "samples_stepped", "progress", "held", "attempt", "recently_summed", "delta_samples")
+    __slots__ = ("protocol_version", "error", "step", "has_optimizer_state", "tensors", "more", "samples_stepped", "progress", "held", "attempt", "recently_summed", "delta_samples", "held_next")
     class ProgressEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -373,6 +373,7 @@ class StateReply(_message.Message):
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     RECENTLY_SUMMED_FIELD_NUMBER: _ClassVar[int]
     DELTA_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    HELD_NEXT_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     error: Error
     step: int
@@ -385,7 +386,8 @@ class StateReply(_message.Message):
     attempt: int
     recently_summed: _containers.RepeatedCompositeFieldContainer[SampleId]
     delta_samples: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, protocol_version: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., step: _Optional[int] = ..., has_optimizer_state: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., more: _Optional[bool] = ..., samples_stepped: _Optional[int] = ..., progress: _Optional[_Mapping[str, int]] = ..., held: _Optional[_Iterable[_Union[HeldSamples, _Mapping]]] = ..., attempt: _Optional[int] = ..., recently_summed: _Optional[_Iterable[_Union[SampleId, _Mapping]]] = ..., delta_samples: _Optional[_Iterable[int]] = ...) -> None: ...
+    held_next: _containers.RepeatedCompositeFieldContainer[HeldSamples]
+    def __init__(self, protocol_version: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., step: _Optional[int] = ..., has_optimizer_state: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., more: _Optional[bool] = ..., samples_stepped: _Optional[int] = ..., progress: _Optional[_Mapping[str, int]] = ..., held: _Optional[_Iterable[_Union[HeldSamples, _Mapping]]] = ..., attempt: _Optional[int] = ..., recently_summed: _Optional[_Iterable[_Union[SampleId, _Mapping]]] = ..., delta_samples: _Optional[_Iterable[int]] = ..., held_next: _Optional[_Iterable[_Union[HeldSamples, _Mapping]]] = ...) -> None: ...
 
 class DirectHello(_message.Message):
     __slots__ = ("protocol_version", "protocol", "nonce", "public_key", "ephemeral_key", "session", "shared_memory", "shared_token", "cipher")

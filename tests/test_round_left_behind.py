@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import defaultdict
 from types import SimpleNamespace
 
 import torch
@@ -12,7 +13,8 @@ import torch
 from swarm.compression import get_codec
 from swarm.peer.averaging_round import AveragingRound
 from swarm.peer.faults import FaultPlan
-from swarm.peer.step_machine import StepMachine
+from swarm.peer.state_transfer import MateState, take_holdings
+from swarm.peer.step_machine import StepMachine, StepState
 
 ME = "QmPeerAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA"
 MATE = "QmPeerMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMM"
@@ -76,3 +78,24 @@ def test_a_round_of_the_current_step_keeps_waiting_for_its_mates():
         return waiting
 
     assert asyncio.run(go())
+
+
+def test_a_peer_taking_a_state_learns_what_members_hold_toward_that_step_and_the_next():
+    """A peer behind its mates refused their progress toward steps past its own; the state it then takes says what
+    they hold toward its step and the next (where backwards go during a round), so should one of them die
+    holding them, its next rounds find exactly those lost."""
+    steps: dict = defaultdict(StepState)
+    steps[8].progress[MATE] = {("t", 1): 8}
+    given = MateState(
+        step=8,
+        tensors=[],
+        has_optimizer_state=False,
+        samples_stepped=0,
+        held={MATE: {("t", 2): 8}, ME: {("t", 9): 8}},
+        held_next={MATE: {("t", 3): 8}},
+        attempt=0,
+        recently_summed=frozenset(),
+    )
+    take_holdings(steps, 8, given, ME)
+    assert steps[8].known() == {("t", 1): 8, ("t", 2): 8}  # its own holdings are its own to tell
+    assert steps[9].known() == {("t", 3): 8}
