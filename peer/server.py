@@ -353,8 +353,6 @@ class Peer:
         """Announced as joining, takes the state of mates that are at this peer's step or ahead."""
         await self._announce()
         await self._read_mates()
-        for peer_id in self.standbys.undialable.since if self.standbys is not None else ():
-            self.mates.membership.mark_unreachable(peer_id)  # dead, its record living on: it gives no state
         if self.restored_from_standby:
             await self.standbys.settle_restore()
         ahead = [r for r in self.mates.mates.values() if r.step >= self.runtime.step]

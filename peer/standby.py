@@ -53,7 +53,6 @@ from swarm.peer.state_transfer import (
     request_state,
     state_handler,
 )
-from swarm.peer.undialable_peers import UndialablePeers
 from swarm.peer.work_receipts import WorkReceipts, work_receipts
 from swarm.policy.empty_stages import choose_filler, on_the_way
 from swarm.policy.lost_stages import choose_restorer, lost_stages, standby_holders, standby_targets
@@ -105,8 +104,6 @@ class StandbyKeeper:
         self.deltas_applied = 0
         self.no_deltas: dict[int, int] = {}  # per stage: the copy's step its peers had no deltas from
         self.delta_misses: dict[int, set[str]] = {}  # per stage: sources whose deltas led to no confirmed version
-        self.undialable = UndialablePeers()  # dead peers of followed stages whose records live on
-        self.newest: dict[int, int] = {}  # per followed stage: the newest step its records showed at the last read
         self.present: dict[int, dict[str, str]] = {}  # per stage read: its peers and their states, at the last read
         self.last_death = float("-inf")  # when a peer's record last vanished without its saying it was leaving
         self.rng = random.Random()
@@ -184,7 +181,7 @@ class StandbyKeeper:
 
     def _note_stages(self, records: dict[int, list[StageRecord]], now: float) -> None:
         """Notes from the stages read this period how far each got, which look lost, and which peers died."""
-        lost = lost_stages(self.undialable.alive(records), self.peer.config.num_stages) & set(records)
+        lost = lost_stages(records, self.peer.config.num_stages) & set(records)
         for stage, group in records.items():
             if group:
                 self.last_step[stage] = max([self.last_step.get(stage, 0), *(r.step for r in group)])
@@ -219,23 +216,15 @@ class StandbyKeeper:
             newest = max((r.step for r in serving), default=-1)
             if not serving or stage in self.fetching:
                 continue
-            peers = [r.peer_id for r in serving]
-            # a stage whose records show no step since the last read may have died: are its peers there at all?
-            stalled, self.newest[stage] = newest <= self.newest.get(stage, -1), newest
-            if stalled and self.following(now) and stage not in self.undialable.probing:
-                self._spawn(self._probe(stage, peers))
             if self.following(now) and self._deltas_reach(copy, newest):
-                self._spawn(self.catch_up(stage, peers))
+                self._spawn(self.catch_up(stage, [r.peer_id for r in serving]))
                 continue
             # a copy at step 0 would be worth nothing: a stage restarted from scratch has the same parameters
             step = copy.step if copy is not None else 0
             # a copy its stage's peers had no deltas for is taken whole at once, not every-so-many steps
             due = newest >= step + self.every or (self.no_deltas.get(stage) == step and newest > step)
             if due and now >= self.next_refresh.get(stage, 0.0):
-                self._spawn(self.refresh(stage, peers))
-
-    async def _probe(self, stage: int, peers: list[str]) -> None:
-        await self.undialable.probe(self.peer.mates.p2p, stage, peers, INFO_TIMEOUT)
+                self._spawn(self.refresh(stage, [r.peer_id for r in serving]))
 
     def _fill_empty(self, records: dict[int, list[StageRecord]], now: float) -> None:
         """Moves this peer to a stage left empty that no holder restores, if the records choose it."""

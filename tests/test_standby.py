@@ -14,14 +14,11 @@ import pytest
 from conftest import SMALL_CORPUS, wait_for_records
 
 from swarm.config import PeerConfig
-from swarm.net.transport import StageCallError
 from swarm.peer.standby import FILL_PERIODS, LOST_GRACE, WHOLE_SWARM_EVERY, StandbyKeeper
 from swarm.peer.standby_copy import Standby
 from swarm.peer.standby_newcomer import NewcomerRestore
-from swarm.peer.undialable_peers import cannot_dial
 from swarm.policy.empty_stages import choose_filler, on_the_way
 from swarm.policy.lost_stages import choose_restorer, lost_stages, standby_holders, standby_targets
-from swarm.proto import ErrorCode
 from swarm.records.sample_ledger import read_ledger
 from swarm.records.stage_records import JOINING, LEAVING, SERVING, StageRecord
 
@@ -172,27 +169,6 @@ def test_a_filler_counts_the_steps_a_stage_had_reached_from_what_it_saw_before_i
     assert restore._reached(1, records, 34) == 45
     assert restore._reached(2, records, 34) == 50  # the records, where they say more
     assert NewcomerRestore(None, set, lambda stage: None)._reached(1, records, 34) == 34
-
-
-def test_a_stage_whose_peers_cannot_be_dialled_is_lost_before_their_records_expire():
-    refused = StageCallError(ErrorCode.UNAVAILABLE, "ControlFailure: failed to dial: all dials failed", "x")
-    assert cannot_dial(refused)
-    assert not cannot_dial(StageCallError(ErrorCode.UNAVAILABLE, "no reply within 5.0s", "x"))  # slow, not dead
-    assert not cannot_dial(StageCallError(ErrorCode.FORBIDDEN, "refused: no record", "x"))  # it answered
-    moves: list[int] = []
-    keeper = keeper_on_stage_0(moves)
-    stage0 = [record("peerA", 0), record("peerB", 0, standbys=[(1, 4, "0123456789abcdef")])]
-    swarm = {0: stage0, 1: [record("peerC", 1), record("peerE", 1)], 2: [record("peerD", 2)]}
-    keeper.undialable.since["peerC" * 4] = (1, 0.0)
-    keeper.observe(swarm)
-    assert 1 not in keeper.empty_since  # one peer of two found dead: the stage is served
-    keeper.undialable.since["peerE" * 4] = (1, 0.0)
-    keeper.observe(swarm)  # both dead, their records still there
-    keeper.empty_since[1] -= LOST_GRACE * 1.0
-    keeper.observe(swarm)
-    assert moves == [1]
-    keeper.observe({**swarm, 1: [record("peerE", 1)]})  # peerC's record expired: it is forgotten
-    assert set(keeper.undialable.since) == {"peerE" * 4}
 
 
 class RestoringPeer(SimpleNamespace):
