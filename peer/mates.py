@@ -49,11 +49,18 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 
 import torch
-from hivemind.p2p import P2P
+from hivemind.p2p import P2P, PeerID
 
 from swarm.compression import Codec, get_codec
 from swarm.net.allowlist import Handler
-from swarm.net.transport import COMMIT_PROTOCOL, GRAD_PROTOCOL, PROGRESS_PROTOCOL, SLICE_PROTOCOL, STATE_PROTOCOL
+from swarm.net.transport import (
+    COMMIT_PROTOCOL,
+    GRAD_PROTOCOL,
+    PROGRESS_PROTOCOL,
+    SLICE_PROTOCOL,
+    STATE_PROTOCOL,
+    get_peer_info,
+)
 from swarm.peer.averaging_round import AveragingRound
 from swarm.peer.faults import FaultPlan
 from swarm.peer.mate_membership import MateMembership
@@ -63,8 +70,9 @@ from swarm.peer.runtime import RoundResult, SampleKey, StageRuntime
 from swarm.peer.state_handover import StateHandOver
 from swarm.peer.step_machine import StepMachine
 from swarm.peer.work_receipts import WorkReceipts
+from swarm.proto import PeerInfo
 from swarm.records.sample_ledger import SampleLedger, left_record, restore_record, step_record
-from swarm.records.stage_records import StageRecord
+from swarm.records.stage_records import SERVING, StageRecord
 
 logger = logging.getLogger(__name__)
 
@@ -239,6 +247,16 @@ class StageMates:
                 f"Leaving stage {self.stage} with {sum(held.values())} samples of step {step} ({len(held)} "
                 "microbatches) that no stage-mate could take: they are given up (named in the ledger)"
             )
+
+    async def another_serves(self, timeout: float = 3.0) -> bool:
+        """Whether another peer of this stage answers now that it serves it. Records of peers that died together
+        (a wave) outlive them by their TTL, so records alone may show a mate where none lives: a peer about to
+        move asks, since the last live peer of a stage that moves only moves the loss."""
+        if self.p2p is None or not self.mates:
+            return False
+        asked = [get_peer_info(self.p2p, PeerID.from_base58(p), timeout) for p in self.mates]
+        answers = await asyncio.gather(*asked, return_exceptions=True)
+        return any(isinstance(a, PeerInfo) and a.stage == self.stage and a.state == SERVING for a in answers)
 
     async def download_state(
         self,

@@ -521,8 +521,16 @@ class Peer:
         )
 
     async def _next_move(self, stop: asyncio.Event) -> int | None:
-        """Waits for a move (the balance rule's, or one asked with `request_move`): its target stage, or None
-        once the peer is asked to leave."""
+        """The next move that leaves a live peer on this stage (see `StageMates.another_serves`): its target stage,
+        or None once the peer is asked to leave."""
+        while (target := await self._wait_for_move(stop)) is not None and not await self.mates.another_serves():
+            logger.warning(f"Not moving to stage {target}: no other peer of stage {self.stage} answers; it stays")
+            if self.standbys is not None:
+                self.standbys.move_failed()
+        return target
+
+    async def _wait_for_move(self, stop: asyncio.Event) -> int | None:
+        """Waits for a move (the balance rule's, or `request_move`'s): its target, or None once asked to leave."""
         move_to: asyncio.Queue[int] = asyncio.Queue()
         self._moves = move_to
         balancing = asyncio.create_task(self.rebalancing.run(move_to)) if self.movable else None

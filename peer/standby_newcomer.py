@@ -93,14 +93,14 @@ class NewcomerRestore:
                         f"Stage {stage}: other stages have trained, but no standby copy of this one is announced "
                         f"(its holders died with it?); serving it from step {peer.runtime.step}"
                     )
-                    return self._start_over(records)
+                    return await self._start_over(records)
             reads += 1
             if time.monotonic() > deadline:
                 logger.error(
                     f"Stage {stage}: no standby copy could be had in {timeout:.0f}s; serving it from step "
                     f"{peer.runtime.step}: its progress since is lost"
                 )
-                return self._start_over(records)
+                return await self._start_over(records)
             await asyncio.sleep(JOIN_RETRY_S)
 
     async def take_fresher(self, step: int) -> bool:
@@ -116,11 +116,18 @@ class NewcomerRestore:
         copies = {p: c for p, c in copies.items() if c[0] > step and p not in self.accused()}
         return await self._take_a_copy(copies, records)
 
-    def _start_over(self, records: dict[int, list[StageRecord]]) -> bool:
+    async def _start_over(self, records: dict[int, list[StageRecord]]) -> bool:
         """The stage goes on from this peer's own state, with no copy: the ledger says so, as for a restore,
-        so that the progress thrown away is counted by id rather than as divergent replicas. Returns False."""
+        so that the progress thrown away is counted by id rather than as divergent replicas. Returns False.
+        Unless a live peer serves the stage (one that restored it, whose state this peer could not have yet, as
+        it did not see this peer's record): this peer then takes that state as training goes, and nothing is lost."""
         peer = self.peer
         step = peer.runtime.step
+        if await peer.mates.another_serves():
+            logger.warning(
+                f"Stage {peer.stage}: a live peer serves it, but gave no state yet; taking it as training goes"
+            )
+            return False
         reached = self._reached(peer.stage, records, step)
         if reached <= step:  # the stage's own records are gone: the other stages say how far training went
             reached = max((r.step for group in records.values() for r in group), default=step)

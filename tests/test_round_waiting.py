@@ -8,7 +8,9 @@ from types import SimpleNamespace
 import pytest
 
 from swarm.net.transport import StageCallError
+from swarm.peer import mates as mates_module
 from swarm.peer import round_waiting
+from swarm.peer.mates import StageMates
 from swarm.peer.round_waiting import SILENT_PROBES, RoundWaiting
 from swarm.proto import ErrorCode, PeerInfo
 
@@ -67,3 +69,31 @@ REFUSED = StageCallError(ErrorCode.UNAVAILABLE, "ControlFailure: connect: connec
 def test_a_probed_member_is_dropped_only_on_a_sign_of_death_or_of_a_move(monkeypatch, answers, dropped):
     members, gone = probe_with(monkeypatch, answers)
     assert (members == [MATE] and gone == {MATE}) if dropped else (not members and not gone)
+
+
+@pytest.mark.parametrize(
+    ("answers", "serves"),
+    [
+        ([PeerInfo(stage=1, state="serving")], True),
+        ([REFUSED, PeerInfo(stage=1, state="serving")], True),
+        ([REFUSED, SILENT], False),  # every record is a dead peer's last word: the stage has no other live peer
+        ([PeerInfo(stage=2, state="serving")], False),  # it moved
+        ([PeerInfo(stage=1, state="leaving")], False),
+        ([], False),
+    ],
+    ids=["serving", "one-of-two-dead", "all-dead", "moved", "leaving", "alone"],
+)
+def test_a_peer_moves_off_its_stage_only_if_another_peer_answers_that_it_serves_it(monkeypatch, answers, serves):
+    replies = iter(answers)
+
+    async def get_peer_info(p2p, peer_id, timeout):
+        reply = next(replies)
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
+    monkeypatch.setattr(mates_module, "get_peer_info", get_peer_info)
+    stage_mates = StageMates.__new__(StageMates)  # only the liveness question is exercised
+    stage_mates.stage, stage_mates.machine = 1, SimpleNamespace(p2p=object())
+    stage_mates.membership = SimpleNamespace(mates={"QmPeer" + "ABC"[i] * 40: None for i in range(len(answers))})
+    assert asyncio.run(stage_mates.another_serves()) == serves
