@@ -11,7 +11,9 @@ that died after taking this peer's message sends nothing and its record outlives
 A member that lets `SILENT_PROBES` probes in a row time out is dropped too: a peer killed at once can
 leave its libp2p daemon behind for a while, which takes the call and never answers it. So is one that
 answers from another stage: a peer that moved (to restore a lost stage, say) lives on, but sends
-nothing more for this stage's rounds.
+nothing more for this stage's rounds. One that answers from a later step has stepped on this round
+without this peer (their views of its members differed): this peer takes the mates' state, which ends
+the round here (`StepMachine.check_left_behind`), rather than wait for what will not come.
 """
 
 from __future__ import annotations
@@ -92,6 +94,8 @@ class RoundWaiting:
             self._silent.pop(peer_id, None)
             if (elsewhere := self._elsewhere(info)) is not None:
                 self._drop(step, peer_id, elsewhere, gone)
+            elif info.step > step:  # it stepped past this round: it sends nothing more for it, and has the state
+                machine.schedule_resync(f"mate {peer_id} is at step {info.step}, past the round of step {step}")
 
     def _elsewhere(self, info: PeerInfo) -> str | None:
         """Why a member that answered takes no part in this stage's rounds any more, if so."""

@@ -374,6 +374,7 @@ class SliceExchange:
             verdict = check()
             if verdict is not None:
                 return verdict
+            machine.check_left_behind(step)
             if patience is not None and machine.loop.time() >= started + patience:
                 return None
             if state.attempt > attempt or any(p in state.mailbox.get(attempt + 1, {}) for p in missing()):

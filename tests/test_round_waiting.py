@@ -25,9 +25,10 @@ class Membership:
         self.dropped.append(peer_id)
 
 
-def probe_with(monkeypatch, answers: list) -> tuple[list[str], set[str]]:
+def probe_with(monkeypatch, answers: list, resyncs: list | None = None) -> tuple[list[str], set[str]]:
     """Probes MATE once per answer (a PeerInfo, or a StageCallError raised): the members dropped, and `gone`."""
     replies = iter(answers)
+    resyncs = [] if resyncs is None else resyncs
 
     async def get_peer_info(p2p, peer_id, timeout):  # the probe's one call, answered as the case needs
         reply = next(replies)
@@ -38,12 +39,14 @@ def probe_with(monkeypatch, answers: list) -> tuple[list[str], set[str]]:
     monkeypatch.setattr(round_waiting, "get_peer_info", get_peer_info)
 
     async def go() -> tuple[list[str], set[str]]:
-        machine = SimpleNamespace(stage=1, p2p=None, changed=asyncio.Event())
+        machine = SimpleNamespace(stage=1, p2p=None, changed=asyncio.Event(), resyncs=[])
+        machine.schedule_resync = machine.resyncs.append
         membership = Membership()
         waiting = RoundWaiting(machine, membership, 30.0)
         gone: set[str] = set()
         for _ in answers:
             await waiting._probe(5, MATE, gone)
+        resyncs.extend(machine.resyncs)
         return membership.dropped, gone
 
     return asyncio.run(go())
@@ -97,3 +100,14 @@ def test_a_peer_moves_off_its_stage_only_if_another_peer_answers_that_it_serves_
     stage_mates.stage, stage_mates.machine = 1, SimpleNamespace(p2p=object())
     stage_mates.membership = SimpleNamespace(mates={"QmPeer" + "ABC"[i] * 40: None for i in range(len(answers))})
     assert asyncio.run(stage_mates.another_serves()) == serves
+
+
+def test_a_probed_member_that_stepped_past_the_round_makes_this_peer_take_the_mates_state(monkeypatch):
+    """It stepped on the round without this peer (their views of the members differed): nothing more comes for
+    this round, and waiting for it would hold the mates' next round up for the whole timeout."""
+    resyncs: list[str] = []
+    members, gone = probe_with(monkeypatch, [PeerInfo(stage=1, step=6)], resyncs)
+    assert not members and not gone and len(resyncs) == 1 and "step 6" in resyncs[0]
+    resyncs.clear()
+    probe_with(monkeypatch, [PeerInfo(stage=1, step=5)], resyncs)
+    assert not resyncs  # at the round's step: it is in the round too
