@@ -78,6 +78,16 @@ def named_in(box: dict[str, Contribution]) -> set[str]:
     return named
 
 
+def held_by_the_gone(progress: dict[str, Held], members: set[str], summed) -> Held:
+    """What peers outside a round's `members` were heard to hold toward its step, less what it `summed`.
+
+    A mate's progress can reach this peer after the round's offers were made (they carry each member's view
+    then): a peer that died holding it would otherwise lose it silently. Kept as expected samples, it goes
+    into this peer's next offer, which every member agrees on, so all decide alike whether it is lost."""
+    gone = [held for peer, held in progress.items() if peer not in members]
+    return {key: n for held in gone for key, n in held.items() if key not in summed}
+
+
 class AveragingRound:
     """This peer's side of its stage's averaging rounds, and its mates' contributions and commits to them."""
 
@@ -205,6 +215,8 @@ class AveragingRound:
                 self.on_fork(step, e.peers)
             return None
         left = {key: n for peer in refused for key, n in box[peer].held.items()}
+        # what gone members were heard to hold after the offers were made: the next step's round expects it
+        machine.steps[step + 1].lost.update(held_by_the_gone(state.progress, agreed | {machine.peer_id}, summed))
         return self._account(step, [taken[p] for p in sorted(agreed)], grad, expected, lost, left)
 
     def _left_out(self, step: int, box: dict[str, Contribution], agreed: set[str]) -> list[str]:
@@ -278,7 +290,10 @@ class AveragingRound:
         state.phase = SHORT
         state.lost = lost
         state.attempt = attempt + 1
-        # members outside the agreed set are gone: what they held is exactly what is lost
+        # members outside the agreed set are gone: what they held is lost, as the agreed offers say, and as this
+        # peer heard since (kept as expected by the next attempt, whose offers carry it to every member)
+        summed = {key for peer in agreed for key in box[peer].held}
+        state.lost.update(held_by_the_gone(state.progress, agreed | {machine.peer_id}, summed))
         for peer_id in [p for p in state.progress if p not in agreed and p != machine.peer_id]:
             del state.progress[peer_id]
         self.progress.note_holdings()

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import torch
 
 from swarm.compression import get_codec
-from swarm.peer.averaging_round import AveragingRound
+from swarm.peer.averaging_round import AveragingRound, held_by_the_gone
 from swarm.peer.faults import FaultPlan
 from swarm.peer.state_transfer import MateState, take_holdings
 from swarm.peer.step_machine import StepMachine, StepState
@@ -99,3 +99,11 @@ def test_a_peer_taking_a_state_learns_what_members_hold_toward_that_step_and_the
     take_holdings(steps, 8, given, ME)
     assert steps[8].known() == {("t", 1): 8, ("t", 2): 8}  # its own holdings are its own to tell
     assert steps[9].known() == {("t", 3): 8}
+
+
+def test_what_a_gone_mate_was_heard_to_hold_after_the_offers_is_expected_not_forgotten():
+    """A mate's progress can reach this peer after the round's offers were made; if that mate then dies, the offers
+    never named what it held: the round (or the next step's) must expect it, not drop it with the mate."""
+    progress = {ME: {("t", 1): 8}, MATE: {("t", 2): 8, ("t", 3): 8}, "QmPeerGone": {("t", 4): 8, ("t", 5): 8}}
+    assert held_by_the_gone(progress, {ME, MATE}, summed={("t", 5)}) == {("t", 4): 8}
+    assert held_by_the_gone(progress, {ME, MATE, "QmPeerGone"}, summed=set()) == {}
