@@ -392,7 +392,7 @@ class AveragingRound:
             return
         else:
             if reply.error.code == ErrorCode.OUT_OF_SYNC and reply.step > step:
-                machine.schedule_resync(f"mate {peer_id} is already at step {reply.step}")
+                machine.mate_stepped_past(step, peer_id, reply.step)
             logger.warning(
                 f"Stage {machine.stage} step {step}: mate {peer_id} refused gradients: {reply.error.message}"
             )
@@ -511,8 +511,7 @@ class AveragingRound:
         while True:
             machine.changed.clear()
             waiting = others - set(commits) - gone
-            if waiting:
-                machine.check_left_behind(step)
+            machine.check_left_behind(step)
             if state.attempt > attempt or waiting & set(state.mailbox.get(attempt + 1, {})):
                 return None
             self.waiting.probe_late(step, waiting, probed, gone)
@@ -521,6 +520,7 @@ class AveragingRound:
                 break
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(machine.changed.wait(), wait)
+        machine.check_left_behind(step)
         agreed = set(view) - (others - set(commits))
         for peer_id in others & set(commits):
             agreed &= commits[peer_id] | machine.handed_over
@@ -537,6 +537,8 @@ class AveragingRound:
             self.membership.mark_unreachable(peer_id)
         elif reply.error.code == ErrorCode.OK:
             return
+        elif reply.error.code == ErrorCode.OUT_OF_SYNC and reply.step > message.step:
+            self.machine.mate_stepped_past(message.step, peer_id, reply.step)
         gone.add(peer_id)
         self.machine.changed.set()
 

@@ -103,6 +103,7 @@ class StepMachine:
         self.on_phase: Callable[[], None] | None = None  # wakes requests waiting on the step machine
         # takes a mate's state at a minimum step (from a given mate, or one confirmed): set by the state hand-over
         self.take_state: Callable[[int, str | None], Awaitable[str | None]] | None = None
+        self.stepped_without = -1  # the latest round step a member stepped on without this peer
         self.resyncs = 0
         self.resyncing = False
         self.behind_checks = 0
@@ -142,11 +143,21 @@ class StepMachine:
         raise AssertionError("unreachable")
 
     def check_left_behind(self, step: int) -> None:
-        """Raises `RoundLeftBehind` if the runtime moved past `step` during its round. A round's own step follows
-        its end, so only a state load does that; waiting on would hold up the next step's round (mates wait for
-        this peer's offer there) and, at the timeout, fail it."""
+        """Raises `RoundLeftBehind` if the runtime moved past `step` during its round, or a member of it refused
+        this peer's offer or commit from a later step. A round's own step follows its end, so only a state load
+        moves the runtime; waiting on would hold up the next step's round (mates wait for this peer's offer
+        there). A member past the step stepped on the round without this peer: stepping on it too would fork."""
         if self.runtime.step > step:
             raise RoundLeftBehind(f"this peer took a state at step {self.runtime.step} meanwhile")
+        if self.stepped_without >= step:
+            raise RoundLeftBehind("a member stepped on it without this peer; taking the mates' state")
+
+    def mate_stepped_past(self, step: int, mate: str, at: int) -> None:
+        """`mate` answered a message of the round of `step` from its later step `at`: see `check_left_behind`."""
+        self.stepped_without = max(self.stepped_without, step)
+        self.schedule_resync(f"mate {mate} is already at step {at}")
+        if self.changed is not None:
+            self.changed.set()
 
     def wake(self) -> None:
         """Tells requests waiting on the step machine that it moved."""

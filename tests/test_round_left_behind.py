@@ -14,7 +14,8 @@ from swarm.compression import get_codec
 from swarm.peer.averaging_round import AveragingRound, held_by_the_gone
 from swarm.peer.faults import FaultPlan
 from swarm.peer.state_transfer import MateState, take_holdings
-from swarm.peer.step_machine import StepMachine, StepState
+from swarm.peer.step_machine import Contribution, StepMachine, StepState
+from swarm.proto import Error, ErrorCode, MateReply
 
 ME = "QmPeerAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA"
 MATE = "QmPeerMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMM"
@@ -107,3 +108,30 @@ def test_what_a_gone_mate_was_heard_to_hold_after_the_offers_is_expected_not_for
     progress = {ME: {("t", 1): 8}, MATE: {("t", 2): 8, ("t", 3): 8}, "QmPeerGone": {("t", 4): 8, ("t", 5): 8}}
     assert held_by_the_gone(progress, {ME, MATE}, summed={("t", 5)}) == {("t", 4): 8}
     assert held_by_the_gone(progress, {ME, MATE, "QmPeerGone"}, summed=set()) == {}
+
+
+def test_a_round_whose_member_refuses_the_commit_from_a_later_step_ends_without_stepping():
+    """The member stepped on the round without this peer (its view of the members differed): stepping on it too
+    would fork the stage, so the round ends and this peer takes the mates' state."""
+
+    async def go() -> tuple[object, list]:
+        averaging, _ = averaging_round()
+        machine = averaging.machine
+        taken: list = []
+
+        async def take_state(minimum_step, source):
+            taken.append(minimum_step)
+            return None
+
+        async def call_mate(peer_id, protocol, frames, timeout, limits=None):  # the mate is at step 6 already
+            return MateReply(step=6, error=Error(code=ErrorCode.OUT_OF_SYNC, message="this peer is at step 6"))
+
+        machine.take_state, machine.call_mate = take_state, call_mate
+        held = {("t", 2): 8}
+        machine.steps[5].mailbox[0][MATE] = Contribution(8, None, frozenset({ME, MATE}), held, dict(held))
+        result = await asyncio.wait_for(averaging.round(5, torch.zeros(6), {("t", 1): 8}), 5)
+        await asyncio.sleep(0)  # the resync it scheduled
+        return result, taken
+
+    result, taken = asyncio.run(go())
+    assert result is None and taken == [6]
