@@ -82,8 +82,8 @@ def test_a_round_of_the_current_step_keeps_waiting_for_its_mates():
 
 
 def test_a_peer_taking_a_state_learns_what_members_hold_toward_that_step_and_the_next():
-    """A peer behind its mates refused their progress toward steps past its own; the state it then takes says what
-    they hold toward its step and the next (where backwards go during a round), so should one of them die
+    """A member that did not know this peer yet told only the giver what it holds; the state this peer takes says
+    what members hold toward its step and the next (where backwards go during a round), so should one of them die
     holding them, its next rounds find exactly those lost."""
     steps: dict = defaultdict(StepState)
     steps[8].progress[MATE] = {("t", 1): 8}
