@@ -143,6 +143,7 @@ class AveragingRound:
         machine = self.machine
         state = machine.steps[step]
         state.phase = AVERAGING
+        machine.stepped_without = -1  # a round starts only once a resync it waited for has ended (`advance`)
         started = machine.loop.time()
         try:
             try:

@@ -193,8 +193,8 @@ class StepMachine:
 
     def advance(self, step: int) -> None:
         """The one place that decides whether the stage's current step starts (or retries) its round."""
-        if step != self.runtime.step or not self.serving:
-            return
+        if step != self.runtime.step or not self.serving or (self.stepped_without >= step and self.resyncing):
+            return  # (a member stepped on this step's round without this peer: the mates' state is on its way)
         state = self.steps[step]
         if state.phase == AVERAGING:
             return
@@ -236,5 +236,7 @@ class StepMachine:
             finally:
                 self.resyncing = False
                 self.behind_checks = 0
+                if self.stepped_without >= self.runtime.step:  # no state came: this step's rounds may go on
+                    self.advance(self.runtime.step)
 
         self.spawn(resync())

@@ -115,7 +115,7 @@ def test_a_round_whose_member_refuses_the_commit_from_a_later_step_ends_without_
     would fork the stage, so the round ends and this peer takes the mates' state."""
 
     async def go() -> tuple[object, list]:
-        averaging, _ = averaging_round()
+        averaging, averaging_runtime = averaging_round()
         machine = averaging.machine
         taken: list = []
 
@@ -127,6 +127,7 @@ def test_a_round_whose_member_refuses_the_commit_from_a_later_step_ends_without_
             return MateReply(step=6, error=Error(code=ErrorCode.OUT_OF_SYNC, message="this peer is at step 6"))
 
         machine.take_state, machine.call_mate = take_state, call_mate
+        averaging_runtime.request_step = lambda step: None
         held = {("t", 2): 8}
         machine.steps[5].mailbox[0][MATE] = Contribution(8, None, frozenset({ME, MATE}), held, dict(held))
         result = await asyncio.wait_for(averaging.round(5, torch.zeros(6), {("t", 1): 8}), 5)
@@ -135,3 +136,33 @@ def test_a_round_whose_member_refuses_the_commit_from_a_later_step_ends_without_
 
     result, taken = asyncio.run(go())
     assert result is None and taken == [6]
+
+
+def test_a_peer_whose_round_a_member_stepped_on_without_it_starts_no_new_round_until_the_resync_ends():
+    """Else it would retry the round at once, be refused again, and spin; once a resync ends without a state,
+    the step's rounds may go on."""
+
+    async def go() -> tuple[list, list]:
+        averaging, runtime = averaging_round()
+        machine = averaging.machine
+        requested: list = []
+        runtime.request_step = requested.append
+        runtime.target_batch_size = 8
+        machine.steps[5].progress[MATE] = {("t", 2): 8}  # the step's batch is there: a round would start
+        gate = asyncio.Event()
+
+        async def take_state(minimum_step, source):
+            await gate.wait()
+            return None  # no mate gave a state
+
+        machine.take_state = take_state
+        machine.mate_stepped_past(5, MATE, 6)
+        machine.advance(5)
+        during = list(requested)
+        gate.set()
+        for _ in range(5):
+            await asyncio.sleep(0)
+        return during, requested
+
+    during, after = asyncio.run(go())
+    assert during == [] and after == [5]
