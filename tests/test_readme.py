@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import re
 import signal
 import socket
@@ -119,13 +120,14 @@ def test_quick_start_installs_and_tests_as_ci_does():
 
 
 def free_ports(count: int) -> int:
-    """A port P such that P..P+count-1 are free on 127.0.0.1 (the recipe numbers peer ports base + N)."""
+    """A port P such that P..P+count-1 are free on 127.0.0.1 (the recipe numbers peer ports base + N).
+
+    Drawn below the kernel's ephemeral range: a port it hands out on its own (to the libp2p daemons of tests
+    running beside this one, say) could be taken between this check and the recipe's listening on it."""
+    ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.Random()
     for _ in range(200):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = probe.getsockname()[1]
-        if base + count > 65535:
-            continue
+        base = rng.randrange(10000, max(10001, ephemeral_low - count))
         with contextlib.ExitStack() as held:
             try:
                 for port in range(base, base + count):
