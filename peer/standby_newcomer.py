@@ -78,8 +78,7 @@ class NewcomerRestore:
                 # a mate serves the stage again (a holder that restored it): its state, as any joiner takes it
                 if await peer.mates.sync_from_mates(minimum_step=peer.runtime.step + 1) is not None:
                     return True
-            copies = standby_copies(stage, records)
-            copies = {p: c for p, c in copies.items() if c[0] > peer.runtime.step and p not in self.accused()}
+            copies = self._copies_past(records, peer.runtime.step)
             if await self._take_a_copy(copies, records):
                 return True
             # stages step together: if any has stepped past this peer, so had this one; before concluding that
@@ -112,9 +111,12 @@ class NewcomerRestore:
         if any(r.step > step for r in peer.mates.mates.values()):
             if await peer.mates.sync_from_mates(minimum_step=step + 1) is not None:
                 return True
-        copies = standby_copies(peer.stage, records)
-        copies = {p: c for p, c in copies.items() if c[0] > step and p not in self.accused()}
-        return await self._take_a_copy(copies, records)
+        return await self._take_a_copy(self._copies_past(records, step), records)
+
+    def _copies_past(self, records: dict[int, list[StageRecord]], step: int) -> dict[str, tuple[int, str]]:
+        """The copies of this peer's stage that holders announce past `step`, none from an accused holder."""
+        copies = standby_copies(self.peer.stage, records)
+        return {p: c for p, c in copies.items() if c[0] > step and p not in self.accused()}
 
     async def _start_over(self, records: dict[int, list[StageRecord]]) -> bool:
         """The stage goes on from this peer's own state, with no copy: the ledger says so, as for a restore,
