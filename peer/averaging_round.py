@@ -54,6 +54,8 @@ from swarm.peer.step_machine import (
     RoundLeftBehind,
     StepMachine,
     StepState,
+    carry_handovers,
+    handovers_in,
 )
 from swarm.peer.work_receipts import lost_with_the_dead
 from swarm.proto import (
@@ -279,8 +281,7 @@ class AveragingRound:
         the next, without the mates that failed it (what they held is then found lost, and asked for again)."""
         self.failed_rounds += 1
         state.attempt = max(state.attempt, attempt + 1)
-        for peer_id in self.machine.handed_over & set(box):
-            state.mailbox[attempt + 1][peer_id] = box[peer_id]
+        carry_handovers(box, state.mailbox[attempt + 1])
         logger.warning(f"Stage {self.machine.stage} step {step}: the round failed ({why}); attempt {attempt + 1} next")
 
     def _go_short(
@@ -299,8 +300,7 @@ class AveragingRound:
             del state.progress[peer_id]
         self.progress.note_holdings()
         # what leaving mates handed over is still good: it goes into the next attempt as it is
-        for peer_id in machine.handed_over & set(box):
-            state.mailbox[attempt + 1][peer_id] = box[peer_id]
+        carry_handovers(box, state.mailbox[attempt + 1])
         if state.short_deadline is None:
             state.short_deadline = machine.loop.time() + self.short_wait
             machine.loop.call_later(self.short_wait + 0.01, machine.advance, step)
@@ -322,7 +322,7 @@ class AveragingRound:
         sent, probed = {machine.peer_id}, {}
         started = loop.time()
         while True:
-            for peer_id in members - sent:
+            for peer_id in members - sent - handovers_in(box):  # a peer that handed over has left
                 sent.add(peer_id)
                 machine.spawn(self._send_contribution(peer_id, step, own, members, unreachable, attempt=attempt))
             machine.changed.clear()
@@ -443,13 +443,16 @@ class AveragingRound:
         state = machine.steps[header.step]
         if loading:
             state.attempt = max(state.attempt, header.attempt)  # the source's rounds so far at that step
-        if header.attempt < state.attempt:
+        attempt = header.attempt
+        if header.handover:  # a leaving peer's gradients are good for any attempt: into the one under way
+            attempt = max(attempt, state.attempt)
+        elif attempt < state.attempt:
             return Error(code=ErrorCode.OK)  # from a round already found short here: superseded
-        if header.attempt > state.attempt + 1:
+        if attempt > state.attempt + 1:
             return Error(code=ErrorCode.OUT_OF_SYNC, message=f"this peer is at round attempt {state.attempt}")
-        if header.attempt == state.attempt + 1 and state.phase != AVERAGING:
+        if attempt == state.attempt + 1 and state.phase != AVERAGING:
             # the mates retry a round this peer missed (it joined since, or heard of the loss later): join it
-            state.attempt = header.attempt
+            state.attempt = attempt
         held = ids_from_wire(header.held)
         contribution = Contribution(
             sum(held.values()),
@@ -463,11 +466,9 @@ class AveragingRound:
         )
         if machine.receipts is not None:  # only what vouched trainers gave counts
             contribution = self._screened(sender, header.step, contribution, header.receipts, header.vouchers)
-        state.mailbox[header.attempt][sender] = contribution
+        state.mailbox[attempt][sender] = contribution
         machine.changed.set()
-        if header.handover:  # a leaving peer's gradients wait for the round the stage would hold anyway
-            machine.handed_over.add(sender)
-        else:
+        if not header.handover:  # a leaving peer's gradients wait for the round the stage would hold anyway
             machine.advance(header.step)
         return Error(code=ErrorCode.OK)
 
@@ -494,7 +495,8 @@ class AveragingRound:
         a member it waits for moved on to the next attempt, and this peer must follow it)."""
         machine = self.machine
         loop = asyncio.get_running_loop()
-        others = view - {machine.peer_id} - machine.handed_over
+        handovers = handovers_in(state.mailbox[attempt])
+        others = view - {machine.peer_id} - handovers
         commits = state.commits[attempt]
         commits[machine.peer_id] = frozenset(view)
         gone: set[str] = set()
@@ -524,7 +526,7 @@ class AveragingRound:
         machine.check_left_behind(step)
         agreed = set(view) - (others - set(commits))
         for peer_id in others & set(commits):
-            agreed &= commits[peer_id] | machine.handed_over
+            agreed &= commits[peer_id] | handovers
         if agreed != view:
             logger.warning(
                 f"Stage {machine.stage} step {step}: the mates agree on {len(agreed)} of the {len(view)} "

@@ -38,6 +38,21 @@ ACCUMULATING, AVERAGING, SHORT = "accumulating", "averaging", "short"
 SEND_ATTEMPTS = 3  # calls to a mate before it counts as unreachable
 
 
+def handovers_in(box: dict[str, Contribution]) -> set[str]:
+    """The members of an attempt's box that left the stage and handed it their gradients: they own no slice,
+    commit nothing, and hear no more of the round."""
+    return {peer for peer, contribution in box.items() if contribution.handover}
+
+
+def carry_handovers(box: dict[str, Contribution], next_box: dict[str, Contribution]) -> None:
+    """Puts the hand-overs of an attempt that failed into the next attempt: they are good for any attempt. Only
+    the hand-overs: a leaving peer's earlier offer, which a member may still hold from an attempt before the
+    hand-over, would make it a slice owner that never sends (found in a wave run: a round retried for 60 s)."""
+    for peer, contribution in box.items():
+        if contribution.handover:  # the last thing a leaving peer sends: it supersedes any offer of its own
+            next_box[peer] = contribution
+
+
 class RoundLeftBehind(Exception):
     """The peer took a mate's state at a later step while a round of an earlier one waited: that round is over
     for it (its gradients were dropped with the load)."""
@@ -99,7 +114,6 @@ class StepMachine:
         self.p2p: P2P | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.changed: asyncio.Event | None = None  # set when a round under way may have news
-        self.handed_over: set[str] = set()  # mates that left after handing over their gradients
         self.on_phase: Callable[[], None] | None = None  # wakes requests waiting on the step machine
         # takes a mate's state at a minimum step (from a given mate, or one confirmed): set by the state hand-over
         self.take_state: Callable[[int, str | None], Awaitable[str | None]] | None = None
@@ -189,7 +203,7 @@ class StepMachine:
 
     def started_by_mate(self, state: StepState) -> bool:
         box = state.mailbox.get(state.attempt, {})
-        return any(p != self.peer_id and p not in self.handed_over for p in box)
+        return any(p != self.peer_id and not c.handover for p, c in box.items())
 
     def advance(self, step: int) -> None:
         """The one place that decides whether the stage's current step starts (or retries) its round."""

@@ -11,11 +11,13 @@ from types import SimpleNamespace
 import torch
 
 from swarm.compression import get_codec
+from swarm.net.wire import encode_tensor
 from swarm.peer.averaging_round import AveragingRound, held_by_the_gone
 from swarm.peer.faults import FaultPlan
+from swarm.peer.mate_messages import ids_to_wire
 from swarm.peer.state_transfer import MateState, take_holdings
-from swarm.peer.step_machine import Contribution, StepMachine, StepState
-from swarm.proto import Error, ErrorCode, MateReply
+from swarm.peer.step_machine import Contribution, StepMachine, StepState, handovers_in
+from swarm.proto import PROTOCOL_VERSION, Error, ErrorCode, GradContribution, MateReply
 
 ME = "QmPeerAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA"
 MATE = "QmPeerMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMM"
@@ -166,3 +168,59 @@ def test_a_peer_whose_round_a_member_stepped_on_without_it_starts_no_new_round_u
 
     during, after = asyncio.run(go())
     assert during == [] and after == [5]
+
+
+# --- a leaving mate's hand-over in the rounds after it ----------------------------------------------------------
+
+
+def contribution(samples: int, handover: bool = False) -> Contribution:
+    return Contribution(samples, torch.ones(6), frozenset({ME, MATE}), {(MATE, samples): samples}, handover=handover)
+
+
+def test_a_hand_over_survives_the_failure_of_an_attempt_the_leaving_mate_had_offered_in():
+    """Traced in a wave run: the mate offered in attempt 0, left, and handed over in attempt 1; attempt 0 then
+    failed here, and its retry put the mate's old offer over the hand-over. Attempt after attempt expected the
+    gone mate's slice parts, and the stage stood still for 60 s."""
+
+    async def go() -> None:
+        averaging, _ = averaging_round()
+        state = averaging.machine.steps[5]
+        state.mailbox[0].update({ME: contribution(8), MATE: contribution(8)})
+        state.mailbox[1][MATE] = contribution(8, handover=True)
+        averaging._retry(5, state, 0, state.mailbox[0], "a mate gave attempt 0 up")
+        assert state.mailbox[1][MATE].handover
+        assert handovers_in(state.mailbox[1]) == {MATE}
+        state.mailbox[1][ME] = contribution(8)
+        averaging._retry(5, state, 1, state.mailbox[1], "again")
+        assert set(state.mailbox[2]) == {MATE} and state.mailbox[2][MATE].handover, "only hand-overs carry over"
+        assert not averaging.machine.started_by_mate(state), "a hand-over starts no round: its sender has left"
+
+    asyncio.run(go())
+
+
+def test_a_hand_over_sent_at_an_earlier_attempt_joins_the_attempt_under_way():
+    """A leaving mate hands over at the attempt it knew; where the round has been retried since, the gradients
+    are still good (its samples would otherwise be lost with it)."""
+
+    async def go() -> tuple[Error, StepState]:
+        averaging, _ = averaging_round()
+        state = averaging.machine.steps[5]
+        state.attempt = 2
+        header = GradContribution(
+            protocol_version=PROTOCOL_VERSION,
+            model="gpt-tiny",
+            stage=1,
+            step=5,
+            samples=8,
+            members=sorted({ME, MATE}),
+            handover=True,
+            attempt=0,
+            held=ids_to_wire({(MATE, 3): 8}),
+            norm=1.0,
+        )
+        error = await averaging._accept_contribution(MATE, header, encode_tensor(torch.ones(6), get_codec("none")))
+        return error, state
+
+    error, state = asyncio.run(go())
+    assert error.code == ErrorCode.OK
+    assert state.mailbox[2][MATE].handover and state.mailbox[2][MATE].samples == 8
