@@ -231,6 +231,20 @@ def test_an_id_fed_just_before_the_last_line_and_served_after_it_is_lost_with_th
     assert counts["samples_silently_lost"] == 2  # EARLY only, as before
 
 
+def test_an_id_the_dead_stage_served_is_lost_with_it_though_the_stages_below_served_it_after_the_restore():
+    """Traced in a wave run: stages 1 and 2 died together; stage 2's peers had served the microbatch's backward,
+    and stage 1 served it only once restored, after stage 2's restore. By stage 0's time it was fed after the
+    restore: a silent loss, though stage 2 held it when it died."""
+    served_late = ("b", 4, 8)
+    late = fed_record(*served_late, at=24.0, stage_times=[24.0, 16.5, 16.4])
+    records = [*died_and_restored(), late]
+    counts = account(records, records)["stages"][1]
+    assert counts["lost_with_stage_ids"] == [["b", 1], ["b", 4]] and counts["samples_silently_lost"] == 2
+    # by stage 0's time alone (a ledger of an older trainer) it is silent, as before
+    records = [*died_and_restored(), fed_record(*served_late, at=24.0)]
+    assert account(records, records)["stages"][1]["samples_silently_lost"] == 2 + 8
+
+
 def test_without_its_restore_line_the_same_history_is_divergent_and_silent():
     counts = account(*[died_and_restored(restore=False)] * 2)["stages"][1]
     assert counts["divergent_steps"] == [5, 6]

@@ -41,15 +41,21 @@ class SampleLedger:
             file.write(line)
 
 
-def fed_record(trainer: str, microbatch: int, samples: int, at: float | None = None) -> dict[str, Any]:
+def fed_record(
+    trainer: str, microbatch: int, samples: int, at: float | None = None, stage_times: list[float] | None = None
+) -> dict[str, Any]:
     """A trainer's line: this microbatch went through every stage, forward and backward.
 
-    `at` (wall clock, `time.time()`) says when its backward reached stage 0, to place it before or after
-    a stage's restore; the line has no `time` when it is None.
+    `at` (wall clock, `time.time()`) says when its backward reached stage 0, and `stage_times` when each stage
+    (stage 0 first) served it, to place it before or after a stage's restore: a later stage can serve a
+    backward long before the stages below it do (they may be dead and restored meanwhile). The line has no
+    `time` when `at` is None, and a stage without its own time is placed by `time`.
     """
     record: dict[str, Any] = {"kind": "fed", "trainer": trainer, "mb": microbatch, "samples": samples}
     if at is not None:
         record["time"] = round(at, 3)
+    if stage_times is not None:
+        record["stage_times"] = [round(t, 3) for t in stage_times]
     return record
 
 
@@ -202,7 +208,8 @@ def account(fed_lines: Iterable[dict[str, Any]], step_lines: Iterable[dict[str, 
     summed into the step the stage was at when it served its backward, which may be one step past its
     forward's (`--max-staleness`, 1 by default): one fed just before the last line can still be served
     after it, while one fed before the stage reached that line's step was summed by it at the latest.
-    Both kinds are declared losses, not silent ones.
+    Both kinds are declared losses, not silent ones. A fed line is placed by when the stage itself served
+    its backward (`stage_times`), else by when stage 0 did (`time`): stages below a dead one serve it later.
     Fed lines without a `time` are never placed before a restore.
 
     Returns {"stages": {stage: counts}, "totals": counts summed over stages}, where per stage:
@@ -243,6 +250,7 @@ class _ReadLedger:
 
     fed_sizes: dict[SampleKey, int]
     fed_times: dict[SampleKey, float]  # of the fed lines that have a time
+    stage_times: dict[SampleKey, list[float]]  # of the fed lines that say when each stage served them
     steps_seen: list[dict[str, Any]]
     restores: dict[int, list[dict[str, Any]]]
     restore_times: dict[int, list[float]]  # per stage, sorted
@@ -255,12 +263,15 @@ class _ReadLedger:
     def of(cls, fed_lines: Iterable[dict[str, Any]], step_lines: Iterable[dict[str, Any]]) -> _ReadLedger:
         fed_sizes: dict[SampleKey, int] = {}
         fed_times: dict[SampleKey, float] = {}
+        stage_times: dict[SampleKey, list[float]] = {}
         for line in fed_lines:
             if line.get("kind") == "fed":
                 key = (str(line["trainer"]), int(line["mb"]))
                 fed_sizes[key] = int(line["samples"])
                 if line.get("time") is not None:
                     fed_times[key] = float(line["time"])
+                if line.get("stage_times") is not None:
+                    stage_times[key] = [float(t) for t in line["stage_times"]]
         steps_seen: list[dict[str, Any]] = []
         restores: dict[int, list[dict[str, Any]]] = defaultdict(list)
         left: dict[int, dict[SampleKey, int]] = defaultdict(dict)
@@ -280,7 +291,14 @@ class _ReadLedger:
                 abandoned[stage, _epoch(line, restore_times[stage]), step][peer] = line
             else:
                 replicas[stage, step][peer] = line  # the peer's last line wins
-        return cls(fed_sizes, fed_times, steps_seen, restores, restore_times, left, replicas, abandoned)
+        return cls(fed_sizes, fed_times, stage_times, steps_seen, restores, restore_times, left, replicas, abandoned)
+
+    def served_at(self, key: SampleKey, stage: int) -> float | None:
+        """When `stage` served the microbatch's backward, as its trainer saw it (else when stage 0 did)."""
+        times = self.stage_times.get(key)
+        if times is not None and stage < len(times):
+            return times[stage]
+        return self.fed_times.get(key)
 
     @property
     def samples_fed(self) -> int:
@@ -329,8 +347,8 @@ def _tally(ledger: _ReadLedger, stage: int) -> _StageTally:
 
 
 def _lost_with_stage(ledger: _ReadLedger, stage: int, lost: set[SampleKey]) -> set[SampleKey]:
-    """Of `lost`, the ids fed between the moment `stage` reached the step of its last line before a restore and
-    that restore."""
+    """Of `lost`, the ids whose backward `stage` served between the moment it reached the step of its last line
+    before a restore and that restore."""
     windows = []
     for restored_at in ledger.restore_times.get(stage, []):
         before = [line for line in ledger.steps_seen if _written_before(line, stage, restored_at)]
@@ -339,8 +357,8 @@ def _lost_with_stage(ledger: _ReadLedger, stage: int, lost: set[SampleKey]) -> s
         # then, so its backward (at most one step stale) was summed by that last line, or declared lost
         reached = [float(line["time"]) for line in before if int(line["step"]) <= last - 1]
         windows.append((max(reached, default=float("-inf")), restored_at))
-    fed_times = ledger.fed_times
-    return {key for key in lost if key in fed_times and any(start < fed_times[key] < end for start, end in windows)}
+    served = {key: ledger.served_at(key, stage) for key in lost}
+    return {key for key, at in served.items() if at is not None and any(start < at < end for start, end in windows)}
 
 
 def _stage_counts(ledger: _ReadLedger, stage: int) -> dict[str, Any]:

@@ -148,12 +148,14 @@ class Trainer:
             versions.append(reply.step)
             forward_peers.append(self.calls.served_by)
         reply, grads = await self.calls.call(last, True, [*stage_inputs[last], targets], mb, self._want[last])
+        answered = [0.0] * last + [time.time()]  # when each stage served the backward, for the ledger
         for stage in reversed(range(last)):
             (grad,) = grads
             _, grads = await self.calls.call(stage, True, [*stage_inputs[stage], grad], mb, versions[stage])
+            answered[stage] = time.time()
             if self.calls.served_by != forward_peers[stage]:  # stateless serving: any stage-mate can do it
                 self.summary.backwards_moved += 1
-        self.ledger.write(fed_record(self.trainer_id, mb, len(tokens), at=time.time()))
+        self.ledger.write(fed_record(self.trainer_id, mb, len(tokens), at=answered[0], stage_times=answered))
         return reply.loss
 
     async def run_step(
