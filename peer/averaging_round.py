@@ -443,10 +443,9 @@ class AveragingRound:
         state = machine.steps[header.step]
         if loading:
             state.attempt = max(state.attempt, header.attempt)  # the source's rounds so far at that step
-        attempt = header.attempt
-        if header.handover:  # a leaving peer's gradients are good for any attempt: into the one under way
-            attempt = max(attempt, state.attempt)
-        elif attempt < state.attempt:
+        # a leaving peer's gradients are good for any attempt: into the one under way
+        attempt = max(header.attempt, state.attempt) if header.handover else header.attempt
+        if attempt < state.attempt:
             return Error(code=ErrorCode.OK)  # from a round already found short here: superseded
         if attempt > state.attempt + 1:
             return Error(code=ErrorCode.OUT_OF_SYNC, message=f"this peer is at round attempt {state.attempt}")
