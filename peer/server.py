@@ -251,6 +251,7 @@ class Peer:
             max_microbatch=self.limits.max_microbatch,
             dtype=flag_value(self.runtime.dtype),
             caught=tuple(self.mates.membership.caught)[:MAX_CAUGHT] if self.mates is not None else (),
+            saw_death=self.standbys.saw_death() if self.standbys is not None else False,
         )
 
     def _renewal(self) -> StageRecord | None:

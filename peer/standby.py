@@ -69,6 +69,7 @@ LOST_GRACE = 2  # announce periods a stage shows no serving or joining record be
 FILL_PERIODS = 3  # announce periods after that in which a holder may restore it before another peer fills it
 INFO_TIMEOUT = 5.0
 CHURN_MEMORY = 600.0  # seconds after a peer's death during which copies follow their stages step by step
+HEARD_MEMORY = 60.0  # seconds after a read last showed a record whose peer saw a death (`saw_death`)
 MAX_DELTA_MISSES = 2  # sources whose deltas led nowhere confirmed before a stage's copy is only refreshed whole
 WHOLE_SWARM_EVERY = 5  # announce periods between a keeper's reads of every stage; in between, the ones it holds
 
@@ -106,6 +107,7 @@ class StandbyKeeper:
         self.delta_misses: dict[int, set[str]] = {}  # per stage: sources whose deltas led to no confirmed version
         self.present: dict[int, dict[str, str]] = {}  # per stage read: its peers and their states, at the last read
         self.last_death = float("-inf")  # when a peer's record last vanished without its saying it was leaving
+        self.heard_of_death = float("-inf")  # when a read last showed a record saying its peer saw a death
         self.rng = random.Random()
         self._tasks: set[asyncio.Task] = set()
         self._warned_budget: set[int] = set()
@@ -191,6 +193,8 @@ class StandbyKeeper:
             present = {r.peer_id: r.state for r in group}
             if any(p not in present and state != LEAVING for p, state in self.present.get(stage, {}).items()):
                 self.last_death = now
+            if any(r.saw_death and r.peer_id != self.peer.peer_id for r in group):
+                self.heard_of_death = now  # a peer that joined after the deaths learns of them from the others
             self.present[stage] = present
             if stage in lost and stage not in self.empty_since:
                 self.empty_since[stage] = now
@@ -202,8 +206,14 @@ class StandbyKeeper:
                 self.left_on_request.discard(stage)
 
     def following(self, now: float) -> bool:
-        """Whether copies follow their stages step by step: while a peer died within `CHURN_MEMORY` seconds."""
-        return now - self.last_death < CHURN_MEMORY
+        """Whether copies follow their stages step by step: while this peer saw a peer die within `CHURN_MEMORY`
+        seconds, or another peer's record says it did (a newcomer to a churning swarm saw no death itself, and
+        its copies would fall 15 steps behind; any record may say so: the cost is that of churn, deltas)."""
+        return self.saw_death(now) or now - self.heard_of_death < HEARD_MEMORY
+
+    def saw_death(self, now: float | None = None) -> bool:
+        """Whether this peer itself saw a peer die within `CHURN_MEMORY` seconds (its record says so)."""
+        return (time.monotonic() if now is None else now) - self.last_death < CHURN_MEMORY
 
     def _refresh_copies(self, records: dict[int, list[StageRecord]], now: float) -> None:
         """Starts the refresh each held copy is due: its stage's step deltas while the swarm shows churn (whatever

@@ -14,7 +14,7 @@ import pytest
 from conftest import SMALL_CORPUS, wait_for_records
 
 from swarm.config import PeerConfig
-from swarm.peer.standby import FILL_PERIODS, LOST_GRACE, WHOLE_SWARM_EVERY, StandbyKeeper
+from swarm.peer.standby import FILL_PERIODS, HEARD_MEMORY, LOST_GRACE, WHOLE_SWARM_EVERY, StandbyKeeper
 from swarm.peer.standby_copy import Standby
 from swarm.peer.standby_newcomer import NewcomerRestore
 from swarm.policy.empty_stages import choose_filler, on_the_way
@@ -114,6 +114,22 @@ def test_copies_follow_their_stages_once_a_peer_died_not_when_one_left():
     keeper.observe({0: stage0, 1: [record("peerC", 1), record("peerE", 1)]})
     keeper.observe({0: stage0}, whole_swarm=False)
     assert not keeper.following(time.monotonic())
+
+
+def test_a_keeper_that_saw_no_death_follows_its_copies_while_a_record_says_its_peer_saw_one():
+    """Traced in a wave run: a newcomer took a whole copy of stage 0 and, having seen no death itself, refreshed it
+    only every 15 steps; the stage died 7 steps later. The others' records tell a newcomer that the swarm churns."""
+    stage0 = [record("peerA", 0), record("peerB", 0, standbys=[(1, 4, "0123456789abcdef")])]
+    keeper = keeper_on_stage_0([])
+    keeper.standbys[1].step = 5  # as far as stage 1: nothing to catch up here (no event loop)
+    keeper.observe({0: stage0, 1: [record("peerC", 1)]})
+    assert not keeper.following(time.monotonic()) and not keeper.saw_death()
+    witness = dataclasses.replace(record("peerC", 1), saw_death=True)
+    keeper.observe({0: stage0, 1: [witness]})
+    now = time.monotonic()
+    assert keeper.following(now) and not keeper.saw_death(now), "heard of, not seen: its own record says nothing"
+    assert not keeper.following(now + HEARD_MEMORY + 1), "no record has said so for a while: the calm again"
+    assert StageRecord.from_value({**witness.to_value(), "saw_death": "yes"}, 0.0) is None
 
 
 def test_the_filler_of_an_empty_stage_leaves_the_pipeline_fastest_and_its_stage_served():

@@ -94,6 +94,9 @@ class StageRecord:
     # mates of its stage this peer caught lying in its rounds (an owner's sum its audit refuted,
     # `swarm.peer.slice_audit`): trainers call no peer that two others of its stage name (`reported_liars`)
     caught: tuple[str, ...] = ()
+    # the peer saw a peer die (its record vanish unannounced) within the last ten minutes: a peer that joins
+    # a churning swarm learns it here and keeps its standby copies close from the start (`swarm.peer.standby`)
+    saw_death: bool = False
 
     def standby_of(self, stage: int) -> tuple[int, str] | None:
         """(step, fingerprint) of this peer's standby copy of `stage`, step -1 while it fetches one; None if none."""
@@ -134,7 +137,7 @@ class StageRecord:
             return "peer_id"
         if not isinstance(self.model, str) or not 0 < len(self.model) <= MAX_MODEL_NAME:
             return "model"
-        if self.state not in STATES or not isinstance(self.movable, bool):
+        if self.state not in STATES or not isinstance(self.movable, bool) or not isinstance(self.saw_death, bool):
             return "state"
         for name, (low, high) in RANGES.items():
             value = getattr(self, name)
