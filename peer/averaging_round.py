@@ -56,6 +56,8 @@ from swarm.peer.step_machine import (
     StepState,
     carry_handovers,
     handovers_in,
+    held_by_the_gone,
+    named_in,
 )
 from swarm.peer.work_receipts import lost_with_the_dead
 from swarm.proto import (
@@ -70,24 +72,6 @@ from swarm.proto import (
 )
 
 logger = logging.getLogger(__name__)
-
-
-def named_in(box: dict[str, Contribution]) -> set[str]:
-    """The senders of the contributions in `box` and every member they name."""
-    named = set(box)
-    for contribution in box.values():
-        named |= contribution.members
-    return named
-
-
-def held_by_the_gone(progress: dict[str, Held], members: set[str], summed) -> Held:
-    """What peers outside a round's `members` were heard to hold toward its step, less what it `summed`.
-
-    A mate's progress can reach this peer after the round's offers were made (they carry each member's view
-    then): a peer that died holding it would otherwise lose it silently. Kept as expected samples, it goes
-    into this peer's next offer, which every member agrees on, so all decide alike whether it is lost."""
-    gone = [held for peer, held in progress.items() if peer not in members]
-    return {key: n for held in gone for key, n in held.items() if key not in summed}
 
 
 class AveragingRound:
@@ -333,7 +317,9 @@ class AveragingRound:
             machine.check_left_behind(step)
             if state.attempt > attempt or missing & set(state.mailbox.get(attempt + 1, {})):
                 return False
-            self.waiting.probe_late(step, missing, probed, unreachable)
+            self.waiting.probe_late(
+                step, missing, probed, unreachable, self._again(step, attempt, own, members, unreachable)
+            )
             wait = self.waiting.wait_for(missing, started)
             if wait <= 0:
                 self.dropped_members += len(missing)
@@ -346,6 +332,11 @@ class AveragingRound:
                 return True
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(machine.changed.wait(), wait)
+
+    def _again(self, step: int, attempt: int, own: Contribution, members: set[str], unreachable: set[str]):
+        """Sends this peer's offer again to a member that a phase waits for and that lives at its step."""
+        send = self._send_contribution
+        return lambda peer: self.machine.spawn(send(peer, step, own, members, unreachable, attempt=attempt))
 
     async def _send_contribution(
         self,
@@ -516,7 +507,13 @@ class AveragingRound:
             machine.check_left_behind(step)
             if state.attempt > attempt or waiting & set(state.mailbox.get(attempt + 1, {})):
                 return None
-            self.waiting.probe_late(step, waiting, probed, gone)
+            self.waiting.probe_late(
+                step,
+                waiting,
+                probed,
+                gone,
+                self._again(step, attempt, state.mailbox[attempt][machine.peer_id], view, gone),
+            )
             wait = self.waiting.wait_for(waiting, started) if waiting else 0.0
             if wait <= 0:
                 break

@@ -13,12 +13,15 @@ leave its libp2p daemon behind for a while, which takes the call and never answe
 answers from another stage: a peer that moved (to restore a lost stage, say) lives on, but sends
 nothing more for this stage's rounds. One that answers from a later step has stepped on this round
 without this peer (their views of its members differed): this peer takes the mates' state, which ends
-the round here (`StepMachine.check_left_behind`), rather than wait for what will not come.
+the round here (`StepMachine.check_left_behind`), rather than wait for what will not come. One that answers
+from this step is sent this peer's offer again (`nudge`): a peer that joined while the round was under way
+can miss its start, and a round whose members each wait for another stood still until a wave killed one.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from hivemind.p2p import PeerID
 
@@ -64,16 +67,23 @@ class RoundWaiting:
         receipts = self.machine.receipts
         return receipts is None or receipts.receipted_since(peer_id, 0)
 
-    def probe_late(self, step: int, missing: set[str], probed: dict[str, float], gone: set[str]) -> None:
+    def probe_late(
+        self,
+        step: int,
+        missing: set[str],
+        probed: dict[str, float],
+        gone: set[str],
+        nudge: Callable[[str], None] | None = None,
+    ) -> None:
         """Probes the members a phase waits for, every `PROBE_EVERY` seconds each (`probed`: when last); those
-        that cannot be dialled are added to `gone`, and the phase is woken."""
+        that cannot be dialled are added to `gone`, and the phase is woken. One alive at this step is `nudge`d."""
         now = self.machine.loop.time()
         for peer_id in missing:
             if now - probed.setdefault(peer_id, now) >= PROBE_EVERY:
                 probed[peer_id] = now
-                self.machine.spawn(self._probe(step, peer_id, gone))
+                self.machine.spawn(self._probe(step, peer_id, gone, nudge))
 
-    async def _probe(self, step: int, peer_id: str, gone: set[str]) -> None:
+    async def _probe(self, step: int, peer_id: str, gone: set[str], nudge: Callable[[str], None] | None = None) -> None:
         """Asks a member whether it lives: one that cannot be dialled, or that let `SILENT_PROBES` probes in a row
         time out, is dropped at once rather than at the timeout (any other answer is a sign of life)."""
         machine = self.machine
@@ -96,6 +106,8 @@ class RoundWaiting:
                 self._drop(step, peer_id, elsewhere, gone)
             elif info.step > step:  # it stepped past this round: it sends nothing more for it, and has the state
                 machine.schedule_resync(f"mate {peer_id} is at step {info.step}, past the round of step {step}")
+            elif info.step == step and nudge is not None and machine.runtime.step == step:
+                nudge(peer_id)
 
     def _elsewhere(self, info: PeerInfo) -> str | None:
         """Why a member that answered takes no part in this stage's rounds any more, if so."""

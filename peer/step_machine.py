@@ -38,6 +38,24 @@ ACCUMULATING, AVERAGING, SHORT = "accumulating", "averaging", "short"
 SEND_ATTEMPTS = 3  # calls to a mate before it counts as unreachable
 
 
+def named_in(box: dict[str, Contribution]) -> set[str]:
+    """The senders of the contributions in `box` and every member they name."""
+    named = set(box)
+    for contribution in box.values():
+        named |= contribution.members
+    return named
+
+
+def held_by_the_gone(progress: dict[str, Held], members: set[str], summed) -> Held:
+    """What peers outside a round's `members` were heard to hold toward its step, less what it `summed`.
+
+    A mate's progress can reach this peer after the round's offers were made (they carry each member's view
+    then): a peer that died holding it would otherwise lose it silently. Kept as expected samples, it goes
+    into this peer's next offer, which every member agrees on, so all decide alike whether it is lost."""
+    gone = [held for peer, held in progress.items() if peer not in members]
+    return {key: n for held in gone for key, n in held.items() if key not in summed}
+
+
 def handovers_in(box: dict[str, Contribution]) -> set[str]:
     """The members of an attempt's box that left the stage and handed it their gradients: they own no slice,
     commit nothing, and hear no more of the round."""

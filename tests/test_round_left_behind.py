@@ -12,11 +12,11 @@ import torch
 
 from swarm.compression import get_codec
 from swarm.net.wire import encode_tensor
-from swarm.peer.averaging_round import AveragingRound, held_by_the_gone
+from swarm.peer.averaging_round import AveragingRound
 from swarm.peer.faults import FaultPlan
 from swarm.peer.mate_messages import ids_to_wire
 from swarm.peer.state_transfer import MateState, take_holdings
-from swarm.peer.step_machine import Contribution, StepMachine, StepState, handovers_in
+from swarm.peer.step_machine import Contribution, StepMachine, StepState, handovers_in, held_by_the_gone
 from swarm.proto import PROTOCOL_VERSION, Error, ErrorCode, GradContribution, MateReply
 
 ME = "QmPeerAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA"

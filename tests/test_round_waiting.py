@@ -25,10 +25,14 @@ class Membership:
         self.dropped.append(peer_id)
 
 
-def probe_with(monkeypatch, answers: list, resyncs: list | None = None) -> tuple[list[str], set[str]]:
-    """Probes MATE once per answer (a PeerInfo, or a StageCallError raised): the members dropped, and `gone`."""
+def probe_with(
+    monkeypatch, answers: list, resyncs: list | None = None, nudged: list | None = None
+) -> tuple[list[str], set[str]]:
+    """Probes MATE once per answer (a PeerInfo, or a StageCallError raised): the members dropped, and `gone`;
+    the resyncs asked for and the members nudged go into `resyncs` and `nudged`."""
     replies = iter(answers)
     resyncs = [] if resyncs is None else resyncs
+    nudged = [] if nudged is None else nudged
 
     async def get_peer_info(p2p, peer_id, timeout):  # the probe's one call, answered as the case needs
         reply = next(replies)
@@ -39,13 +43,15 @@ def probe_with(monkeypatch, answers: list, resyncs: list | None = None) -> tuple
     monkeypatch.setattr(round_waiting, "get_peer_info", get_peer_info)
 
     async def go() -> tuple[list[str], set[str]]:
-        machine = SimpleNamespace(stage=1, p2p=None, changed=asyncio.Event(), resyncs=[])
+        machine = SimpleNamespace(
+            stage=1, p2p=None, changed=asyncio.Event(), resyncs=[], runtime=SimpleNamespace(step=5)
+        )
         machine.schedule_resync = machine.resyncs.append
         membership = Membership()
         waiting = RoundWaiting(machine, membership, 30.0)
         gone: set[str] = set()
         for _ in answers:
-            await waiting._probe(5, MATE, gone)
+            await waiting._probe(5, MATE, gone, nudged.append)
         resyncs.extend(machine.resyncs)
         return membership.dropped, gone
 
@@ -111,3 +117,15 @@ def test_a_probed_member_that_stepped_past_the_round_makes_this_peer_take_the_ma
     resyncs.clear()
     probe_with(monkeypatch, [PeerInfo(stage=1, step=5)], resyncs)
     assert not resyncs  # at the round's step: it is in the round too
+
+
+def test_a_probed_member_alive_at_the_rounds_step_is_sent_this_peers_offer_again(monkeypatch):
+    """Traced in a wave run: three peers joined a stage while its round was under way, and the round stood still
+    for 13 s with every member alive, each waiting for another, until a wave killed one. A member that answers
+    from the round's step is reminded with this peer's offer, which starts or unblocks its side of the round."""
+    nudged: list[str] = []
+    members, gone = probe_with(monkeypatch, [PeerInfo(stage=1, step=5)], nudged=nudged)
+    assert nudged == [MATE] and not members and not gone
+    nudged.clear()
+    probe_with(monkeypatch, [PeerInfo(stage=1, step=6), PeerInfo(stage=2, step=5), SILENT], nudged=nudged)
+    assert not nudged  # past the round, on another stage, or silent: no reminder
