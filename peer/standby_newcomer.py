@@ -65,7 +65,10 @@ class NewcomerRestore:
         its way to restore the stage, it tries again, up to `timeout`. If no copy is in sight but other
         stages have stepped past this peer, it reads a few times more (a DHT read may come back short).
         A peer that served the stage at a fresh start instead would throw away the stage's progress, and
-        the holders would see no lost stage to restore. In a new swarm it returns at once.
+        the holders would see no lost stage to restore. In a new swarm it returns at once: a read that shows
+        no stage past this peer's step and this peer's own record (announced before it reads). A read without
+        that record came back short (a DHT under load): a wave run's newcomers took such reads for a new swarm
+        and served two stages from step 0, silently.
         """
         peer = self.peer
         stage = peer.stage
@@ -84,8 +87,9 @@ class NewcomerRestore:
             # stages step together: if any has stepped past this peer, so had this one; before concluding that
             # its copies died with it, read again a few times (a DHT read can come back short)
             trained = any(r.step > peer.runtime.step for group in records.values() for r in group)
+            whole = any(r.peer_id == peer.peer_id for r in records.get(stage, []))
             if not copies and not on_the_way(stage, records):
-                if not trained:
+                if not trained and whole:
                     return False
                 if reads >= SHORT_READ_RETRIES:
                     logger.error(
@@ -93,6 +97,8 @@ class NewcomerRestore:
                         f"(its holders died with it?); serving it from step {peer.runtime.step}"
                     )
                     return await self._start_over(records)
+            if not trained and not whole and reads == 0:
+                logger.warning(f"Stage {stage}: the swarm's records came back without this peer's own; reading again")
             reads += 1
             if time.monotonic() > deadline:
                 logger.error(

@@ -14,6 +14,7 @@ import pytest
 from conftest import SMALL_CORPUS, wait_for_records
 
 from swarm.config import PeerConfig
+from swarm.peer import standby_newcomer
 from swarm.peer.standby import FILL_PERIODS, HEARD_MEMORY, LOST_GRACE, WHOLE_SWARM_EVERY, StandbyKeeper
 from swarm.peer.standby_copy import Standby
 from swarm.peer.standby_newcomer import NewcomerRestore
@@ -228,6 +229,32 @@ def test_a_holder_that_restored_from_a_stale_copy_takes_a_fresher_one_a_holder_t
     asyncio.run(keeper.settle_restore())
     assert taken == [{}] and keeper.restored == [(1, 4, 2)]
     assert [(line["kind"], line["step"], line["reached"]) for line in keeper.peer.ledger.lines] == [("restore", 4, 6)]
+
+
+def test_a_newcomer_takes_a_read_without_its_own_record_for_a_short_one_not_for_a_new_swarm(monkeypatch):
+    """Traced in a wave run on a loaded machine: newcomers to two stages read no record at all, took it for a new
+    swarm and served from step 0 while the other stages were past step 40. A read shows a new swarm only once it
+    shows this peer's own record, announced before it reads."""
+    monkeypatch.setattr(standby_newcomer, "JOIN_RETRY_S", 0.01)
+    me = dataclasses.replace(record("peerB", 1, state=JOINING), step=0)
+    fresh = dataclasses.replace(record("peerA", 0), step=0)
+    reads = [{0: [], 1: [], 2: []}, {0: [], 1: [], 2: []}, {0: [fresh], 1: [me], 2: []}]
+    taken: list = []
+    keeper = holder_that_restored({}, taken, monkeypatch)
+    keeper.peer.runtime = SimpleNamespace(step=0)
+    served = []
+
+    async def fetch_records(only=None):
+        served.append(len(served))
+        return reads[min(len(served) - 1, len(reads) - 1)]
+
+    keeper.peer._fetch_records = fetch_records
+    restore = NewcomerRestore(keeper.peer, set, lambda stage: None)
+    assert asyncio.run(restore.fetch(timeout=30.0)) is False and len(served) == 3, "a new swarm, after two short reads"
+    # past step 0 elsewhere, and a copy announced: the same short reads end in the copy, not in a fresh start
+    reads[2] = {0: [dataclasses.replace(record("peerA", 0), step=40, standbys=[(1, 38, "0123456789abcdef")])], 1: [me]}
+    served.clear()
+    assert asyncio.run(restore.fetch(timeout=30.0)) is True and taken[-1] == {"peerA" * 4: (38, "0123456789abcdef")}
 
 
 def test_a_keeper_reads_its_own_and_held_stages_and_every_stage_now_and_then():
