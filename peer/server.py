@@ -41,7 +41,7 @@ from swarm.peer.step_deltas import DELTA_INTEREST, DeltaRing
 from swarm.peer.work_receipts import work_receipts
 from swarm.policy.balance import stage_costs
 from swarm.process.event_loop import run, stop_event_on_signals
-from swarm.process.launch_clock import seconds_since_launch
+from swarm.process.launch_clock import seconds_since_launch, startup_breakdown
 from swarm.proto import PROTOCOL_VERSION
 from swarm.records.sample_ledger import SampleLedger
 from swarm.records.stage_records import (
@@ -584,15 +584,6 @@ class Peer:
             self.announcer.stop()
             self.dht.shutdown()
             logger.info(f"Peer {self.peer_id} has left")
-
-
-def startup_breakdown(marks: dict[str, float]) -> str:
-    """ "imports 1.06s, DHT 0.33s, ...": the seconds each start-up phase took, from milestones after launch."""
-    phases, previous = [], 0.0
-    for name, at in marks.items():
-        phases.append(f"{name} {at - previous:.2f}s")
-        previous = at
-    return ", ".join(phases)
 
 
 def run_peer(config: PeerConfig) -> None:

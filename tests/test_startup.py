@@ -7,8 +7,7 @@ import subprocess
 import sys
 import time
 
-from swarm.peer.server import startup_breakdown
-from swarm.process.launch_clock import seconds_since_launch
+from swarm.process.launch_clock import seconds_since_launch, startup_breakdown
 
 
 def test_the_launch_clock_counts_from_the_process_start_including_what_ran_before_python_code():

@@ -19,4 +19,13 @@ def seconds_since_launch() -> float:
         return time.perf_counter() - _IMPORTED
 
 
+def startup_breakdown(marks: dict[str, float]) -> str:
+    """ "imports 1.06s, DHT 0.33s, ...": the seconds each start-up phase took, from milestones after launch."""
+    phases, previous = [], 0.0
+    for name, at in marks.items():
+        phases.append(f"{name} {at - previous:.2f}s")
+        previous = at
+    return ", ".join(phases)
+
+
 _IMPORTED = time.perf_counter()
