@@ -466,6 +466,7 @@ class StandbyKeeper:
             return
         (stage, step, fingerprint), self.claimed = self.claimed, None
         newcomer = NewcomerRestore(self.peer, self.accused, self.limits, dict(self.last_step))
+        await asyncio.sleep(self.peer.config.announce_period)  # a holder restoring the stage too has announced it
         if await newcomer.take_fresher(step):
             return
         lost = max(0, self.last_step.get(stage, step) - step)

@@ -34,6 +34,7 @@ STATE_TIMEOUT = 120.0
 JOIN_RESTORE_TIMEOUT = 90.0  # how long a peer on an empty stage tries for a standby copy before a fresh start
 JOIN_RETRY_S = 2.0
 SHORT_READ_RETRIES = 3  # reads a peer on an empty stage makes when the swarm has trained but shows no copy of it
+RIVAL_PERIODS = 5  # announce periods a restorer waits for a rival restorer it gives way to to serve its state
 
 
 class NewcomerRestore:
@@ -110,14 +111,33 @@ class NewcomerRestore:
 
     async def take_fresher(self, step: int) -> bool:
         """For a holder that restored this peer's stage from its own copy of `step`: takes the state of a live mate
-        already past it, or a fresher copy another holder gives; True if either (that restore then does not count)."""
+        already past it, or a fresher copy another holder gives; True if either (that restore then does not count).
+
+        Holders choose the restorer from records a period old, so two can restore one stage at once (a wave run:
+        copies of steps 122 and 123, then two of step 124), and two restored histories fork the stage. A holder
+        whose rival on the stage (joining or serving) restored a later step, or the same step with the smaller
+        peer id, takes the rival's state once it serves, for up to `RIVAL_PERIODS` announce periods."""
         peer = self.peer
-        records = await peer._fetch_records()
-        peer.mates.update_records(records[peer.stage])
-        if any(r.step > step for r in peer.mates.mates.values()):
-            if await peer.mates.sync_from_mates(minimum_step=step + 1) is not None:
+        for look in range(RIVAL_PERIODS + 1):
+            records = await peer._fetch_records()
+            peer.mates.update_records(records[peer.stage])
+            ahead = any(r.step > step for r in peer.mates.mates.values())
+            if ahead and await peer.mates.sync_from_mates(minimum_step=step + 1) is not None:
                 return True
-        return await self._take_a_copy(self._copies_past(records, step), records)
+            if look == 0 and await self._take_a_copy(self._copies_past(records, step), records):
+                return True
+            if not any(self._wins_over(r, step) for r in records[peer.stage]):
+                return False
+            if await peer.mates.sync_from_mates(minimum_step=step) is not None:
+                return True
+            await asyncio.sleep(peer.config.announce_period)
+        return False
+
+    def _wins_over(self, record: StageRecord, step: int) -> bool:
+        """Whether `record` shows a peer of this stage whose state this restore of `step` should give way to."""
+        me = self.peer.peer_id
+        live = record.state in (JOINING, SERVING) and record.peer_id != me and record.peer_id not in self.accused()
+        return live and (record.step > step or (record.step == step and record.peer_id < me))
 
     def _copies_past(self, records: dict[int, list[StageRecord]], step: int) -> dict[str, tuple[int, str]]:
         """The copies of this peer's stage that holders announce past `step`, none from an accused holder."""
