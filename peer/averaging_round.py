@@ -305,6 +305,7 @@ class AveragingRound:
         unreachable: set[str] = set()
         sent, probed = {machine.peer_id}, {}
         started = loop.time()
+        offer_again = self._again(step, attempt, own, members, unreachable)  # `members` grows in place below
         while True:
             for peer_id in members - sent - handovers_in(box):  # a peer that handed over has left
                 sent.add(peer_id)
@@ -317,9 +318,7 @@ class AveragingRound:
             machine.check_left_behind(step)
             if state.attempt > attempt or missing & set(state.mailbox.get(attempt + 1, {})):
                 return False
-            self.waiting.probe_late(
-                step, missing, probed, unreachable, self._again(step, attempt, own, members, unreachable)
-            )
+            self.waiting.probe_late(step, missing, probed, unreachable, offer_again)
             wait = self.waiting.wait_for(missing, started)
             if wait <= 0:
                 self.dropped_members += len(missing)
@@ -500,6 +499,7 @@ class AveragingRound:
         )
         for peer_id in others:
             machine.spawn(self._send_commit(peer_id, message, gone))
+        offer_again = self._again(step, attempt, state.mailbox[attempt][machine.peer_id], view, gone)
         started, probed = loop.time(), {}
         while True:
             machine.changed.clear()
@@ -507,13 +507,7 @@ class AveragingRound:
             machine.check_left_behind(step)
             if state.attempt > attempt or waiting & set(state.mailbox.get(attempt + 1, {})):
                 return None
-            self.waiting.probe_late(
-                step,
-                waiting,
-                probed,
-                gone,
-                self._again(step, attempt, state.mailbox[attempt][machine.peer_id], view, gone),
-            )
+            self.waiting.probe_late(step, waiting, probed, gone, offer_again)
             wait = self.waiting.wait_for(waiting, started) if waiting else 0.0
             if wait <= 0:
                 break

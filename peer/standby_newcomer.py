@@ -121,15 +121,13 @@ class NewcomerRestore:
         for look in range(RIVAL_PERIODS + 1):
             records = await peer._fetch_records()
             peer.mates.update_records(records[peer.stage])
-            ahead = any(r.step > step for r in peer.mates.mates.values())
-            if ahead and await peer.mates.sync_from_mates(minimum_step=step + 1) is not None:
+            rivals = any(self._wins_over(r, step) for r in records[peer.stage])
+            if rivals and await peer.mates.sync_from_mates(minimum_step=step) is not None:
                 return True
             if look == 0 and await self._take_a_copy(self._copies_past(records, step), records):
                 return True
-            if not any(self._wins_over(r, step) for r in records[peer.stage]):
+            if not rivals:
                 return False
-            if await peer.mates.sync_from_mates(minimum_step=step) is not None:
-                return True
             await asyncio.sleep(peer.config.announce_period)
         return False
 
