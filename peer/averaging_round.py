@@ -414,8 +414,8 @@ class AveragingRound:
         # the round its source holds at the step it hands over waits for it: refusing would split the group
         loading = sender == self.membership.state_source and header.step >= step
         if not (step <= header.step <= step + 1 or loading):
-            if machine.serving and header.step > step:
-                machine.schedule_resync(f"mate {sender} averages step {header.step}, this peer is at {step}")
+            if header.step > step:
+                machine.claim_ahead(sender, header.step)
             return Error(code=ErrorCode.OUT_OF_SYNC, message=f"this peer is at step {step}, not {header.step}")
         if not math.isfinite(header.norm) or header.norm < 0:
             return Error(code=ErrorCode.BAD_REQUEST, message="a gradient norm that is no norm")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -36,6 +37,9 @@ logger = logging.getLogger(__name__)
 
 ACCUMULATING, AVERAGING, SHORT = "accumulating", "averaging", "short"
 SEND_ATTEMPTS = 3  # calls to a mate before it counts as unreachable
+# after a resync that found no state, one mate's word that it is ahead starts no other for this long: a
+# member that claims a far step in every message would otherwise keep the peer asking its mates for state
+CLAIM_PAUSE_S = 5.0
 
 
 def named_in(box: dict[str, Contribution]) -> set[str]:
@@ -138,6 +142,7 @@ class StepMachine:
         self.stepped_without = -1  # the latest round step a member stepped on without this peer
         self.resyncs = 0
         self.resyncing = False
+        self.fruitless_at = -math.inf  # when the last resync ended without a state
         self.behind_checks = 0
         self._tasks: set[asyncio.Task] = set()
 
@@ -253,6 +258,12 @@ class StepMachine:
         if ahead >= 2 or self.behind_checks >= 2:
             self.schedule_resync(f"mates announce step {step + ahead}, this peer is at {step}")
 
+    def claim_ahead(self, mate: str, step: int) -> None:
+        """`mate` sent a message of its later `step`: this peer may have missed rounds. One mate's word is no
+        proof (the records' check in `check_behind` is), so after a fruitless resync it waits `CLAIM_PAUSE_S`."""
+        if self.serving and self.loop.time() - self.fruitless_at >= CLAIM_PAUSE_S:
+            self.schedule_resync(f"mate {mate} averages step {step}, this peer is at {self.runtime.step}")
+
     def schedule_resync(self, reason: str, source: str | None = None, minimum_step: int | None = None) -> None:
         """Downloads a mate's state in the background, once at a time."""
         if self.resyncing or not self.serving:
@@ -262,10 +273,13 @@ class StepMachine:
         wanted = self.runtime.step + 1 if minimum_step is None else minimum_step
 
         async def resync() -> None:
+            took = None
             try:
-                if await self.take_state(wanted, source) is not None:
-                    self.resyncs += 1
+                took = await self.take_state(wanted, source)
+                self.resyncs += took is not None
             finally:
+                if took is None:
+                    self.fruitless_at = self.loop.time()
                 self.resyncing = False
                 self.behind_checks = 0
                 if self.stepped_without >= self.runtime.step:  # no state came: this step's rounds may go on

@@ -220,16 +220,21 @@ async def send_raw(p2p: P2P, peer_id: PeerID, protocol: str, data: bytes, whole:
     Bytes that are not whole frames are sent and the stream is closed at once ("sent"): the peer sees
     it end mid-message, as when a caller vanishes, and must neither crash nor hold on to anything.
     """
+    try:  # the whole exchange is bounded: a peer that never opens the stream or never reads hangs too
+        return await asyncio.wait_for(_exchange_raw(p2p, peer_id, protocol, data, whole), timeout)
+    except asyncio.TimeoutError:
+        return "hang"
+
+
+async def _exchange_raw(p2p: P2P, peer_id: PeerID, protocol: str, data: bytes, whole: bool) -> str:
     _, reader, writer = await p2p.call_binary_stream_handler(peer_id, protocol)
     try:
         writer.write(data)
         await writer.drain()
         if not whole:
             return "sent"
-        reply, _ = await asyncio.wait_for(read_frames(reader, PROTOCOLS[protocol], WireLimits()), timeout)
+        reply, _ = await read_frames(reader, PROTOCOLS[protocol], WireLimits())
         return ErrorCode.Name(reply.error.code)
-    except asyncio.TimeoutError:
-        return "hang"
     except WireError:
         return "closed"  # the peer hung up: fine for garbage
     except (ConnectionError, asyncio.IncompleteReadError):
@@ -264,10 +269,13 @@ def handshake_junk(rng: random.Random) -> bytes:
 
 async def send_handshake_junk(address: tuple[str, int], data: bytes, timeout: float) -> str:
     """Sends `data` to the direct plane's port and waits for the peer to close: "closed", or "hang"."""
-    reader, writer = await asyncio.open_connection(*address)
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(*address), timeout)
+    except asyncio.TimeoutError:
+        return "hang"
     try:
         writer.write(data)
-        await writer.drain()
+        await asyncio.wait_for(writer.drain(), timeout)
         while await asyncio.wait_for(reader.read(2**16), timeout):
             pass
         return "closed"

@@ -16,7 +16,14 @@ from swarm.peer.averaging_round import AveragingRound
 from swarm.peer.faults import FaultPlan
 from swarm.peer.mate_messages import ids_to_wire
 from swarm.peer.state_transfer import MateState, take_holdings
-from swarm.peer.step_machine import Contribution, StepMachine, StepState, handovers_in, held_by_the_gone
+from swarm.peer.step_machine import (
+    CLAIM_PAUSE_S,
+    Contribution,
+    StepMachine,
+    StepState,
+    handovers_in,
+    held_by_the_gone,
+)
 from swarm.proto import PROTOCOL_VERSION, Error, ErrorCode, GradContribution, MateReply
 
 ME = "QmPeerAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA"
@@ -224,3 +231,37 @@ def test_a_hand_over_sent_at_an_earlier_attempt_joins_the_attempt_under_way():
     error, state = asyncio.run(go())
     assert error.code == ErrorCode.OK
     assert state.mailbox[2][MATE].handover and state.mailbox[2][MATE].samples == 8
+
+
+# --- one mate's word that it is ahead ---------------------------------------------------------------------------
+
+
+def test_a_mate_claiming_a_far_step_in_every_offer_starts_one_resync_per_pause_not_one_per_offer():
+    """A member that claims step 2**62 in each offer is refused each time; after one resync that found no state,
+    its claims start no other until `CLAIM_PAUSE_S` has passed (the records' check stays the proof)."""
+
+    async def go() -> tuple[list, list, list]:
+        averaging, _ = averaging_round()
+        machine = averaging.machine
+        taken: list = []
+
+        async def take_state(minimum_step, source):
+            taken.append(minimum_step)
+            return None  # nobody holds such a step
+
+        machine.take_state = take_state
+        header = GradContribution(protocol_version=PROTOCOL_VERSION, model="gpt-tiny", stage=1, step=2**62)
+        codes = []
+        for _ in range(20):
+            error = await averaging._accept_contribution(MATE, header, [])
+            codes.append(error.code)
+            await asyncio.sleep(0)
+        first = list(taken)
+        machine.fruitless_at -= CLAIM_PAUSE_S  # the pause has passed
+        await averaging._accept_contribution(MATE, header, [])
+        await asyncio.sleep(0)
+        return codes, first, taken
+
+    codes, first, taken = asyncio.run(go())
+    assert set(codes) == {ErrorCode.OUT_OF_SYNC}
+    assert first == [6] and taken == [6, 6]
