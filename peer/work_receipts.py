@@ -85,6 +85,18 @@ class WorkReceipts:
         voucher = request.voucher if request.HasField("voucher") else Voucher()
         return self.checker.problem(receipt, {bytes(voucher.public_key): voucher})
 
+    @staticmethod
+    def ahead_of(request: StageRequest, step: int) -> str | None:
+        """Why a backward whose receipt is for a step past `step` + 1 (this peer's) cannot be served here: no
+        round of this peer counts it (its mates screen for the round's step and the next). A peer restored from
+        a copy is behind the step its trainers last reached; the trainer sends the backward again at `step`."""
+        if request.receipt.step <= step + 1:
+            return None
+        return (
+            f"this peer is at step {step}, behind the receipt's step {request.receipt.step} (restored from a copy?): "
+            f"send it again at step {step}"
+        )
+
     def keep(self, key: SampleKey, request: StageRequest) -> None:
         """Keeps the receipt of a backward this peer applied, for the round that steps on it."""
         self._book[key] = (request.receipt, request.voucher)

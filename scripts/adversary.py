@@ -10,6 +10,12 @@ logged the refusal that stopped it, which is reported as evidence.
     python scripts/adversary.py                       # every attack, insiders on stage 1
     python scripts/adversary.py --stages 0,1,2        # every attack, an insider on each stage in turn
     python scripts/adversary.py --attacks fake-progress --steps 4
+    python scripts/adversary.py --attacks '' --everywhere inflate-samples,fake-progress,wrong-backwards
+
+`--everywhere` runs one insider on every stage at once (each stage's attack in turn from the list, or the
+one attack on all), and judges the final loss against the run-to-run spread of `--honest-runs` honest runs
+of other data orders: it fails as an attack where each stage stepped on the honest samples and the loss is
+within that spread (or equal to the honest one, for attacks refused before any of their work was used).
 
 Attacks (the insider holds a valid key and signed record; see scripts/harness/hostile_peer.py):
 - `inflate-samples`: a mate claims 4,096 made-up microbatches of 256 samples in every round;
@@ -126,11 +132,16 @@ def wait_serving(swarm: LocalSwarm, names: list[str], timeout: float = 120.0) ->
         wait_logged(swarm, name, "Serving stage", max(0.0, deadline - time.monotonic()))
 
 
-def layout(attack: str | None, stage: int) -> list[tuple[int, str]]:
-    """(stage, name) of each peer: `peer{stage}` alone on its stage, but on the attacked `stage` an honest
-    `peer{stage}a`, the insider `peer{stage}b` and what the attack needs beyond."""
-    extra = EXTRA_PEERS.get(attack, "")
-    return [(t, f"peer{t}{letter}") for t in range(3) for letter in (f"ab{extra}" if t == stage else [""])]
+def layout(plan: dict[int, str]) -> list[tuple[int, str]]:
+    """(stage, name) of each peer: `peer{stage}` alone on its stage, but on each attacked stage of `plan`
+    (stage -> attack) an honest `peer{stage}a`, the insider `peer{stage}b` and what the attack needs beyond."""
+    letters = {t: f"ab{EXTRA_PEERS.get(attack, '')}" for t, attack in plan.items()}
+    return [(t, f"peer{t}{letter}") for t in range(3) for letter in letters.get(t, [""])]
+
+
+def honest_name(plan: dict[int, str], stage: int) -> str:
+    """The honest peer whose checkpoint stands for `stage`."""
+    return f"peer{stage}a" if stage in plan else f"peer{stage}"
 
 
 def wait_logged(swarm: LocalSwarm, name: str, needle: str, timeout: float = 120.0) -> None:
@@ -142,18 +153,22 @@ def wait_logged(swarm: LocalSwarm, name: str, needle: str, timeout: float = 120.
         time.sleep(0.2)
 
 
-def run_swarm(workdir: Path, keys: dict, steps: int, attack: str | None, stage: int = 1) -> dict:
-    """One trusted swarm training `steps` steps, with `attack` on `stage` in it (None: the honest run)."""
+def run_swarm(workdir: Path, keys: dict, steps: int, plan: dict[int, str], data_seed: int | None = None) -> dict:
+    """One trusted swarm training `steps` steps, with each attack of `plan` (stage -> attack) on its stage (an
+    empty plan: the honest run); `data_seed` draws the samples in another order."""
     root = ["--trust-root", keys["public"]]
+    # the single-stage attacks' extras (an intruding trainer, a flood, a newcomer) go with a plan of one stage
+    stage, attack = next(iter(plan.items())) if len(plan) == 1 else (1, None)
     with LocalSwarm(workdir) as swarm:
         swarm.start_bootstrap()
         peer = [*MODEL, "--target-batch-size", str(TARGET), "--lr", "3e-3", "--announce-period", "0.5", *root]
-        peers = layout(attack, stage)
+        peers = layout(plan)
         for on, name in peers:
             flags = [*peer, "--checkpoint-dir", str(workdir / name)]
-            if attack is not None and ATTACKS[attack][0] == "peer" and name in insiders(attack, stage):
+            hostile = plan.get(on)
+            if hostile is not None and ATTACKS[hostile][0] == "peer" and name in insiders(hostile, on):
                 pinned = ["--stage", str(on), "--initial-peers", *swarm.initial_peers, "--rebalance-period", "0"]
-                swarm.spawn(name, "peer", [*pinned, *flags], prefix=[sys.executable, str(HOSTILE), attack, "--"])
+                swarm.spawn(name, "peer", [*pinned, *flags], prefix=[sys.executable, str(HOSTILE), hostile, "--"])
             else:
                 swarm.start_peer(name, on, flags)
         names = [name for _, name in peers]
@@ -164,11 +179,10 @@ def run_swarm(workdir: Path, keys: dict, steps: int, attack: str | None, stage: 
             wait_logged(swarm, "flood", "renewed")
         trainer = [*MODEL, "--steps", str(steps), "--microbatch-size", "4", "--data", CORPUS, "--no-progress"]
         summary_file = workdir / "summary.json"
-        honest = swarm.start_trainer(
-            "trainer",
-            [*trainer, *root, "--voucher", keys["voucher"], "--summary-file", str(summary_file)]
-            + TRAINER_FLAGS.get(attack, []),
-        )
+        own = [*root, "--voucher", keys["voucher"], "--summary-file", str(summary_file)]
+        own += ["--data-seed", str(data_seed)] if data_seed is not None else []
+        own += next((TRAINER_FLAGS[a] for a in plan.values() if a in TRAINER_FLAGS), [])
+        honest = swarm.start_trainer("trainer", [*trainer, *own])
         if attack == "unvouched-trainer":
             swarm.start_trainer("intruder", [*trainer, "--data-seed", "11"])
         if attack == "foreign-voucher":
@@ -187,17 +201,20 @@ def run_swarm(workdir: Path, keys: dict, steps: int, attack: str | None, stage: 
             swarm.stop(name)
         summary = json.loads(summary_file.read_text()) if code == 0 else {}
         logs = {name: swarm.log_path(name).read_text(errors="replace") for name in swarm_names(swarm)}
-    checkpoint = load_checkpoint(workdir / f"peer{stage}a", "gpt-tiny", stage, 3)
-    loss = summary.get("last_loss", math.nan)
-    seconds = summary.get("seconds", math.inf)
-    honest = [name for on, name in peers if on == stage and name not in insiders(attack, stage)]
-    agree = replicas_agree(workdir, stage, honest)
+    samples = {}
+    for t in range(3):
+        checkpoint = load_checkpoint(workdir / honest_name(plan, t), "gpt-tiny", t, 3)
+        samples[t] = checkpoint.samples_stepped if checkpoint is not None else 0
+    agree = {
+        t: replicas_agree(workdir, t, [name for on, name in peers if on == t and name not in insiders(a, t)])
+        for t, a in plan.items()
+    }
     return {
         "code": code,
-        "loss": loss,
-        "samples": checkpoint.samples_stepped,
+        "loss": summary.get("last_loss", math.nan),
+        "samples": samples,
         "logs": logs,
-        "seconds": seconds,
+        "seconds": summary.get("seconds", math.inf),
         "replicas_agree": agree,
     }
 
@@ -243,7 +260,7 @@ def judge(run: dict, honest: dict, attack: str, stage: int, args: argparse.Names
     hostile = [*insiders(attack, stage), "flood"]
     newcomer = f"peer{stage}{NEWCOMER[attack]}" if attack in NEWCOMER else None
     proof = evidence({newcomer: run["logs"][newcomer]} if newcomer else run["logs"], needle, where, hostile)
-    unchanged = run["code"] == 0 and run["samples"] == honest["samples"]
+    unchanged = run["code"] == 0 and run["samples"][stage] == honest["samples"][stage]
     if newcomer:  # it took the state the swarm trained to, not the crafted one
         unchanged = unchanged and f"Took stage {stage} state at step {args.steps} " in run["logs"][newcomer]
     close = abs(run["loss"] - honest["loss"]) <= args.loss_spread
@@ -253,20 +270,58 @@ def judge(run: dict, honest: dict, attack: str, stage: int, args: argparse.Names
         close = bool(proof) and int(re.search(r"at step (\d+)", proof).group(1)) <= DETECTED_AFTER_USE[attack]
     if attack in CAUGHT_IN_ROUND:  # the work it took until trainers left it out is lost: judged by the honest replicas
         caught_at = re.search(r"step (\d+): owner", proof or "")
-        unchanged = run["code"] == 0 and run["replicas_agree"]
+        unchanged = run["code"] == 0 and run["replicas_agree"][stage]
         close = bool(caught_at) and int(caught_at.group(1)) <= CAUGHT_IN_ROUND[attack]
     result = {
         "attack": attack,
         "stage": stage,
         "failed": bool(proof and unchanged and close),
         "evidence": proof,
-        "samples": run["samples"],
+        "samples": run["samples"][stage],
         "final_loss": round(run["loss"], 4),
         "train_seconds": round(run["seconds"], 1),
     }
     if newcomer:
         result["newcomer"] = evidence({newcomer: run["logs"][newcomer]}, f"Took stage {stage} state", where, [])
     return result
+
+
+def everywhere_plans(attacks: list[str]) -> list[dict[int, str]]:
+    """The plans of `--everywhere`: each attack on all the stages it applies to, and where more than one is
+    named, a mixed plan too (stage t takes the list's t-th attack that applies to it)."""
+    plans = [{t: a for t in range(3) if NOT_APPLICABLE.get(a) != t} for a in attacks]
+    if len(attacks) > 1:
+        mixed = {}
+        for t in range(3):
+            fits = [a for a in attacks if NOT_APPLICABLE.get(a) != t]
+            if fits:
+                mixed[t] = fits[t % len(fits)]
+        plans.append(mixed)
+    return [plan for plan in plans if plan]
+
+
+def judge_everywhere(run: dict, honest: dict, spread: tuple[float, float], plan: dict[int, str]) -> dict:
+    """Whether the insiders of `plan`, one on each of its stages at once, failed: every stage stepped on the
+    honest run's samples, the honest replicas agree, and the final loss is within the honest runs' spread."""
+    low, high = spread
+    proofs = {}
+    for stage, attack in plan.items():
+        where, needle = ATTACKS[attack]
+        mates = {name: text for name, text in run["logs"].items() if name.startswith(f"peer{stage}")}
+        proofs[stage] = evidence(mates, needle, where, insiders(attack, stage))
+    samples = all(run["samples"][t] == honest["samples"][t] for t in range(3))
+    # an attack whose work was used before it was caught moves the loss: the spread bounds how far
+    within = abs(run["loss"] - honest["loss"]) <= high - low + 1e-6
+    agree = all(run["replicas_agree"].values())
+    return {
+        "plan": {str(t): a for t, a in plan.items()},
+        "failed": bool(run["code"] == 0 and all(proofs.values()) and samples and within and agree),
+        "evidence": {str(t): proof for t, proof in proofs.items()},
+        "samples": [run["samples"][t] for t in range(3)],
+        "final_loss": round(run["loss"], 4),
+        "replicas_agree": agree,
+        "train_seconds": round(run["seconds"], 1),
+    }
 
 
 def main() -> int:
@@ -276,10 +331,23 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=4, help="steps each swarm trains")
     parser.add_argument("--loss-spread", type=float, default=0.02, help="how far the final loss may be from honest")
     parser.add_argument("--workdir", help="keep every swarm's logs and checkpoints here (default: a temporary one)")
+    parser.add_argument(
+        "--everywhere",
+        default="",
+        help="comma-separated peer attacks to run with an insider on every stage at once (see above)",
+    )
+    parser.add_argument(
+        "--honest-runs", type=int, default=3, help="with --everywhere: honest runs of other data orders for the spread"
+    )
     args = parser.parse_args()
     attacks = [a for a in args.attacks.split(",") if a]
-    if unknown := [a for a in attacks if a not in ATTACKS]:
+    everywhere = [a for a in args.everywhere.split(",") if a]
+    if unknown := [a for a in attacks + everywhere if a not in ATTACKS]:
         parser.error(f"unknown attacks {unknown}; known: {sorted(ATTACKS)}")
+    if wrong := [a for a in everywhere if ATTACKS[a][0] != "peer" or a in NEWCOMER or a in INSIDERS]:
+        parser.error(f"--everywhere takes attacks of one insider peer; not {wrong}")
+    if everywhere and args.honest_runs < 2:
+        parser.error("--honest-runs must be at least 2: a spread needs two runs")
     stages = [int(s) for s in args.stages.split(",") if s.strip().isdigit()]
     if not stages or any(s > 2 for s in stages) or len(stages) != len(args.stages.split(",")):
         parser.error(f"--stages {args.stages!r}: comma-separated stages of the 3, e.g. 0,1,2")
@@ -291,21 +359,34 @@ def main() -> int:
         make_root_key(tmp / "foreign.key")
         make_voucher(load_root_key(tmp / "foreign.key"), "intruder", tmp / "foreign.voucher")
         keys.update(voucher=str(tmp / "trainer.voucher"), foreign=str(tmp / "foreign.voucher"))
-        honest = run_swarm(tmp / "honest", keys, args.steps, None)
+        honest = run_swarm(tmp / "honest", keys, args.steps, {})
         results = []
         for attack in attacks:
             on = stages if ATTACKS[attack][0] in ("peer", "flood") else [1]
             for stage in [s for s in on if NOT_APPLICABLE.get(attack) != s]:
-                run = run_swarm(tmp / f"{attack}-{stage}", keys, args.steps, attack, stage)
+                run = run_swarm(tmp / f"{attack}-{stage}", keys, args.steps, {stage: attack})
                 results.append(judge(run, honest, attack, stage, args))
+        spread, at_once = None, []
+        if everywhere:
+            # the run-to-run spread: the same swarm drawing its samples in other orders
+            losses = [honest["loss"]]
+            for seed in range(1, args.honest_runs):
+                losses.append(run_swarm(tmp / f"honest-{seed}", keys, args.steps, {}, data_seed=100 + seed)["loss"])
+            spread = (min(losses), max(losses))
+            for plan in everywhere_plans(everywhere):
+                name = "everywhere-" + "-".join(plan[t] for t in sorted(plan))
+                run = run_swarm(tmp / name, keys, args.steps, plan)
+                at_once.append(judge_everywhere(run, honest, spread, plan))
     report = {
         "honest": {
-            "samples": honest["samples"],
+            "samples": min(honest["samples"].values()),  # every stage of an honest run steps on the same
             "final_loss": round(honest["loss"], 4),
             "train_seconds": round(honest["seconds"], 1),
         },
         "attacks": results,
-        "all_failed": all(r["failed"] for r in results),
+        "everywhere": at_once,
+        "honest_spread": [round(x, 4) for x in spread] if spread else None,
+        "all_failed": all(r["failed"] for r in results + at_once),
         "not_covered": NOT_COVERED,
     }
     print(json.dumps(report, indent=1))

@@ -8,6 +8,7 @@ import re
 import signal
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,10 +23,12 @@ from conftest import (
 )
 
 from swarm.config import ConfigError, TrainerConfig, load_config
+from swarm.net.transport import StageCallError
 from swarm.peer.checkpoint import load_checkpoint
 from swarm.peer.work_receipts import STATE_RECEIPT_STEPS, WorkReceipts, lost_with_the_dead
-from swarm.proto import BACKWARD, PeerInfo, StageRequest, Voucher
+from swarm.proto import BACKWARD, ErrorCode, PeerInfo, StageReply, StageRequest, Voucher
 from swarm.records.stage_records import SERVING
+from swarm.trainer.stage_calls import StageCaller, _Attempts
 from swarm.trust.receipts import ReceiptChecker, ReceiptSigner
 from swarm.trust.vouchers import TrustError, TrustRoot, load_root_key, load_voucher, make_root_key, make_voucher
 
@@ -112,6 +115,33 @@ def test_a_backward_is_served_only_with_a_receipt_for_this_very_call(organizer):
     receipts.keep((TRAINER, 9), request)
     shown, vouchers = receipts.shown([(TRAINER, 9), (TRAINER, 10)])
     assert [r.microbatch for r in shown] == [9] and vouchers == [signer.voucher]
+
+
+def test_a_backward_signed_past_the_next_step_is_refused_and_the_trainer_signs_it_again_for_the_peers_step(organizer):
+    """A peer restored from a copy is behind the step the trainer last reached: its round would not count such a
+    receipt (its mates screen for the round's step and the next), so it refuses, and the trainer signs it again
+    for the peer's step; once per call, so a peer answering ever lower steps cannot keep it going."""
+    signer, checker = signer_and_checker(organizer)
+    receipts = WorkReceipts(checker, PEER_A, stage=2)
+    request = StageRequest(kind=BACKWARD, stage=2, microbatch_id=9, step=111)
+    request.receipt.CopyFrom(signer.sign(TRAINER, PEER_A, 2, 9, 4, 111))
+    assert "at step 109, behind the receipt's step 111" in receipts.ahead_of(request, 109)
+    assert receipts.ahead_of(request, 110) is None and receipts.ahead_of(request, 112) is None
+    # what a round of step 109 counts: nothing signed for 111
+    held = {(TRAINER, 9): 4}
+    assert receipts.screen(PEER_A, 109, held, {}, [request.receipt], [signer.voucher]).held == {}
+    assert receipts.screen(PEER_A, 110, held, {}, [request.receipt], [signer.voucher]).held == held
+
+    caller = StageCaller(SimpleNamespace(resend_buffer_mb=1, voucher=None), None, "t", None, None, None, None, None)
+    tries = _Attempts(111, started_at=0.0, attempts=1)
+    behind = StageCallError(ErrorCode.OUT_OF_SYNC, "behind", PEER_A, StageReply(step=109))
+    assert caller._step_back(2, True, 9, behind, tries) and (tries.step, tries.attempts) == (109, 0)
+    lower = StageCallError(ErrorCode.OUT_OF_SYNC, "behind", PEER_A, StageReply(step=50))
+    assert not caller._step_back(2, True, 9, lower, tries) and tries.step == 109
+    fresh = _Attempts(111, started_at=0.0)
+    assert not caller._step_back(2, False, 9, behind, fresh)  # a forward carries no receipt
+    ahead = StageCallError(ErrorCode.OUT_OF_SYNC, "ahead", PEER_A, StageReply(step=115))
+    assert not caller._step_back(2, True, 9, ahead, fresh) and fresh.step == 111
 
 
 def test_a_state_counts_only_from_a_peer_a_vouched_trainer_gave_work_lately(organizer, caplog):

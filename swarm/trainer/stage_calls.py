@@ -67,6 +67,7 @@ class _Attempts:
     tried: list[str] = field(default_factory=list)  # peers failed since the last queueing: not chosen again
     refused_by: dict[int, set[str]] = field(default_factory=dict)  # per error code that is no network accident
     short_since: float | None = None  # monotonic: when the stage first answered SHORT
+    stepped_back: bool = False  # a peer behind the forward's step had the backward signed again for its step
     last_error: Exception | None = None
 
 
@@ -262,6 +263,8 @@ class StageCaller:
             tries.step = e.reply.step
             tries.attempts -= 1
             return
+        if self._step_back(stage, backward, microbatch_id, e, tries):
+            return
         if e.code == ErrorCode.SHORT and e.reply is not None:
             # not the peer's fault: the stage waits for lost samples; send ours and wait for its step
             await self.resend_lost(stage, e.reply, record.peer_id)
@@ -284,6 +287,20 @@ class StageCaller:
         self.summary.retries += 1
         tries.last_error = e
         logger.warning(f"Stage {stage} call failed ({e}); peer banned for {ban:.0f}s, retrying")
+
+    def _step_back(self, stage: int, backward: bool, microbatch_id: int, e: StageCallError, tries: _Attempts) -> bool:
+        """A peer behind the step the backward's forward ran at (restored from a copy that lagged) counts a receipt
+        only for its own step or the next: the backward goes again, signed for the peer's step. Once per call, so
+        a peer answering ever lower steps costs one round trip, then counts as a failure."""
+        if e.code != ErrorCode.OUT_OF_SYNC or e.reply is None or not backward or tries.stepped_back:
+            return False
+        if not 0 <= e.reply.step < tries.step:
+            return False
+        logger.info(f"Stage {stage}: a peer is behind step {tries.step}; microbatch {microbatch_id} sent at step "
+                    f"{e.reply.step}")  # fmt: skip
+        tries.step, tries.stepped_back = e.reply.step, True
+        tries.attempts -= 1
+        return True
 
     def _answered(
         self,
