@@ -307,6 +307,8 @@ def judge_everywhere(run: dict, honest: dict, spread: tuple[float, float], plan:
     proofs = {}
     for stage, attack in plan.items():
         where, needle = ATTACKS[attack]
+        if needle.startswith("is accused"):  # every peer reads accusations: the one naming this stage
+            needle = f"of stage {stage} {needle}"
         mates = {name: text for name, text in run["logs"].items() if name.startswith(f"peer{stage}")}
         proofs[stage] = evidence(mates, needle, where, insiders(attack, stage))
     samples = all(run["samples"][t] == honest["samples"][t] for t in range(3))
