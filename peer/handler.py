@@ -181,8 +181,8 @@ class StageHandler:
             if (problem := receipts.check_backward(request, caller, request.receipt.samples)) is not None:
                 receipts.refused_backwards += 1
                 return [self._error(ErrorCode.FORBIDDEN, problem)]
-            if (behind := receipts.ahead_of(request, self.runtime.step)) is not None:
-                reply = self._error(ErrorCode.OUT_OF_SYNC, behind)
+            if (outside := receipts.outside_rounds(request, self.runtime.step)) is not None:
+                reply = self._error(*outside)
                 reply.step = self.runtime.step  # the caller signs it again for this step
                 return [reply]
 

@@ -18,7 +18,7 @@ from itertools import islice
 from swarm.config import PeerConfig
 from swarm.peer.mate_messages import Held
 from swarm.peer.runtime import SampleKey, StageRuntime
-from swarm.proto import PeerInfo, Receipt, StageRequest, Voucher
+from swarm.proto import ErrorCode, PeerInfo, Receipt, StageRequest, Voucher
 from swarm.trust.receipts import ReceiptChecker
 from swarm.trust.vouchers import TrustRoot
 
@@ -86,16 +86,21 @@ class WorkReceipts:
         return self.checker.problem(receipt, {bytes(voucher.public_key): voucher})
 
     @staticmethod
-    def ahead_of(request: StageRequest, step: int) -> str | None:
-        """Why a backward whose receipt is for a step past `step` + 1 (this peer's) cannot be served here: no
-        round of this peer counts it (its mates screen for the round's step and the next). A peer restored from
-        a copy is behind the step its trainers last reached; the trainer sends the backward again at `step`."""
-        if request.receipt.step <= step + 1:
-            return None
-        return (
-            f"this peer is at step {step}, behind the receipt's step {request.receipt.step} (restored from a copy?): "
-            f"send it again at step {step}"
-        )
+    def outside_rounds(request: StageRequest, step: int) -> tuple[int, str] | None:
+        """Why a backward whose receipt no round of this peer (at `step`) would count cannot be served here, with
+        the error code the trainer meets by signing it again for `step`; None where it counts.
+
+        Mates screen a receipt for the round's step, up to `RECEIPT_STEPS_BEHIND` before it and one after, and a
+        backward served during a round counts toward the next step. A receipt past `step` + 1 comes to a peer
+        behind the step its trainer last reached (restored from a copy that lagged); one before `step` - 1
+        from a trainer that started, or retried, behind the stage. The last stage never answers a stale backward
+        (it recomputes its forward), so without this it would hold samples its round then leaves out."""
+        at = request.receipt.step
+        if at > step + 1:
+            return ErrorCode.OUT_OF_SYNC, f"this peer is at step {step}, behind the receipt's step {at}"
+        if at < step + 1 - RECEIPT_STEPS_BEHIND:
+            return ErrorCode.STALE, f"the receipt's step {at} is too old for this peer's round at step {step}"
+        return None
 
     def keep(self, key: SampleKey, request: StageRequest) -> None:
         """Keeps the receipt of a backward this peer applied, for the round that steps on it."""

@@ -117,21 +117,30 @@ def test_a_backward_is_served_only_with_a_receipt_for_this_very_call(organizer):
     assert [r.microbatch for r in shown] == [9] and vouchers == [signer.voucher]
 
 
-def test_a_backward_signed_past_the_next_step_is_refused_and_the_trainer_signs_it_again_for_the_peers_step(organizer):
-    """A peer restored from a copy is behind the step the trainer last reached: its round would not count such a
-    receipt (its mates screen for the round's step and the next), so it refuses, and the trainer signs it again
-    for the peer's step; once per call, so a peer answering ever lower steps cannot keep it going."""
+def test_a_backward_whose_receipt_no_round_of_the_peer_counts_is_refused_with_the_peers_step(organizer):
+    """Mates screen a receipt for the round's step, two before it and one after: a peer restored from a copy
+    behind the trainer's step, or a trainer started behind the stage, would hold samples its round leaves out
+    (silently lost). The peer refuses such a backward with its step, and the trainer signs it again for it."""
     signer, checker = signer_and_checker(organizer)
     receipts = WorkReceipts(checker, PEER_A, stage=2)
     request = StageRequest(kind=BACKWARD, stage=2, microbatch_id=9, step=111)
     request.receipt.CopyFrom(signer.sign(TRAINER, PEER_A, 2, 9, 4, 111))
-    assert "at step 109, behind the receipt's step 111" in receipts.ahead_of(request, 109)
-    assert receipts.ahead_of(request, 110) is None and receipts.ahead_of(request, 112) is None
-    # what a round of step 109 counts: nothing signed for 111
+    code, why = receipts.outside_rounds(request, 109)
+    assert code == ErrorCode.OUT_OF_SYNC and "at step 109, behind the receipt's step 111" in why
+    assert receipts.outside_rounds(request, 110) is None and receipts.outside_rounds(request, 112) is None
+    code, why = receipts.outside_rounds(request, 113)
+    assert code == ErrorCode.STALE and "step 111 is too old for this peer's round at step 113" in why
+    # what the rounds count: a receipt of step 111 from the round of step 110 to that of step 113
     held = {(TRAINER, 9): 4}
-    assert receipts.screen(PEER_A, 109, held, {}, [request.receipt], [signer.voucher]).held == {}
-    assert receipts.screen(PEER_A, 110, held, {}, [request.receipt], [signer.voucher]).held == held
+    for step, counts in ((109, False), (110, True), (113, True), (114, False)):
+        screened = receipts.screen(PEER_A, step, held, {}, [request.receipt], [signer.voucher])
+        assert screened.held == (held if counts else {}), step
+    # served during the round of step 112, it counts toward step 113: still within
+    assert receipts.outside_rounds(request, 112) is None
 
+
+def test_a_trainer_signs_a_backward_again_for_the_step_of_a_peer_behind_it_once_per_call():
+    """A peer answering ever lower steps costs one round trip, then counts as a failure."""
     caller = StageCaller(SimpleNamespace(resend_buffer_mb=1, voucher=None), None, "t", None, None, None, None, None)
     tries = _Attempts(111, started_at=0.0, attempts=1)
     behind = StageCallError(ErrorCode.OUT_OF_SYNC, "behind", PEER_A, StageReply(step=109))
