@@ -177,14 +177,8 @@ class StageHandler:
         receipts = self.mates.machine.receipts if not check else None
         dtype = self.runtime.dtype
         # before the tensors cost a decode: a backward counts only with a vouched trainer's receipt for this call
-        if backward and receipts is not None:
-            if (problem := receipts.check_backward(request, caller, request.receipt.samples)) is not None:
-                receipts.refused_backwards += 1
-                return [self._error(ErrorCode.FORBIDDEN, problem)]
-            if (outside := receipts.outside_rounds(request, self.runtime.step)) is not None:
-                reply = self._error(*outside)
-                reply.step = self.runtime.step  # the caller signs it again for this step
-                return [reply]
+        if backward and receipts is not None and (refusal := self._receipt_refusal(request, caller)) is not None:
+            return [refusal]
 
         def take() -> tuple[list[torch.Tensor], tuple[int, str] | None]:
             """The request's tensors, decoded and checked (a WireError if malformed), and what is wrong, if any."""
@@ -244,6 +238,19 @@ class StageHandler:
             await self.mates.progress_delivered()
             await self.faults.hit("after_backward")
         return await self._answer(result, backward, tensors[0].shape[0], codec, started)
+
+    def _receipt_refusal(self, request: StageRequest, caller: str) -> StageReply | None:
+        """The error reply for a backward whose receipt is not good for this call, or that no round of this peer
+        would count (its step set: the caller signs it again for this peer's step); None if it is served."""
+        receipts = self.mates.machine.receipts
+        if (problem := receipts.check_backward(request, caller, request.receipt.samples)) is not None:
+            receipts.refused_backwards += 1
+            return self._error(ErrorCode.FORBIDDEN, problem)
+        if (outside := receipts.outside_rounds(request, self.runtime.step)) is not None:
+            reply = self._error(*outside)
+            reply.step = self.runtime.step
+            return reply
+        return None
 
     def _refusal(self, request: StageRequest) -> StageReply | None:
         """The error reply for a call this peer does not serve (another protocol, stage or kind; not serving)."""
