@@ -14,6 +14,7 @@ import asyncio
 import logging
 import math
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -43,6 +44,7 @@ from swarm.trust.vouchers import load_voucher
 
 logger = logging.getLogger(__name__)
 
+RESENT_MEMORY = 4096  # microbatches sent again whose taker is remembered (a few steps' worth)
 REQUEUE_PAUSE_MAX = 8.0  # seconds: a re-queued call waits 2, 4, 8, 8... s, short of a stall worth the name
 
 
@@ -109,6 +111,8 @@ class StageCaller:
         self._last_reply: dict[str, float] = {}  # per peer, when its latest reply came (perf_counter)
         self._resend_buffer = ResendBuffer(int(config.resend_buffer_mb * 2**20))
         self._resending: set[tuple[int, int]] = set()  # (stage, microbatch) being sent again
+        # (stage, microbatch) sent again lately: the step it was short at, and the peer that took it
+        self._resent: OrderedDict[tuple[int, int], tuple[int, str]] = OrderedDict()
         # the dtype of the boundary tensors replies carry (`swarm.models.precision.expected_dtype`); None: float32
         # or bfloat16, whichever the peers compute in (the next stage's peer checks them against its own)
         self.dtype: torch.dtype | None = torch.float32
@@ -341,6 +345,14 @@ class StageCaller:
             self.summary.bad_replies += 1
             raise StageCallError(ErrorCode.UNAVAILABLE, f"bad reply: {e}", peer_id) from None
 
+    def _taken_again(self, key: tuple[int, int], short_step: int, to: str, live: set[str]) -> bool:
+        """Whether microbatch `key` was sent again for `short_step` already, to a live peer other than `to`. A
+        second SHORT naming it comes from a peer that has not heard of that copy (one the round left out, as a
+        peer accused meanwhile): a second copy would be held by two peers and counted twice. Should the peer
+        that took it die, it is no longer live, and the microbatch goes again."""
+        again = self._resent.get(key)
+        return again is not None and again[0] == short_step and again[1] != to and again[1] in live
+
     async def resend_lost(self, stage: int, reply: StageReply, to: str) -> None:
         """Sends again this trainer's backwards that a SHORT reply names as lost with a dead peer of `stage`.
 
@@ -348,9 +360,10 @@ class StageCaller:
         the resend buffer are counted; the stage steps without them after its --short-wait.
         """
         mine = [i for i in reply.lost if i.trainer == self.trainer_id]
+        live = {r.peer_id for r in self.router.live_peers(stage)}
         for lost in mine:
             key = (stage, int(lost.microbatch))
-            if key in self._resending:
+            if key in self._resending or self._taken_again(key, reply.short_step, to, live):
                 continue
             tensors = self._resend_buffer.get(key)
             if tensors is None:
@@ -364,6 +377,9 @@ class StageCaller:
                     "with a peer that died; sending it again"
                 )
                 await self.call(stage, True, tensors, key[1], reply.short_step, prefer=to)
+                self._resent[key] = (reply.short_step, self.served_by)
+                while len(self._resent) > RESENT_MEMORY:
+                    self._resent.popitem(last=False)
                 self.summary.samples_resent += lost.samples
             finally:
                 self._resending.discard(key)
