@@ -21,7 +21,7 @@ from swarm.peer.mate_messages import PROGRESS_TIMEOUT, Held, check_header, check
 from swarm.peer.protocol_handler import protocol_handler
 from swarm.peer.runtime import SampleKey
 from swarm.peer.step_machine import ACCUMULATING, StepMachine
-from swarm.peer.work_receipts import DROPPED_STEPS_BEHIND, STATE_RECEIPT_STEPS
+from swarm.peer.work_receipts import STATE_RECEIPT_STEPS
 from swarm.proto import PROTOCOL_VERSION, Error, ErrorCode, MateProgress, MateReply
 
 logger = logging.getLogger(__name__)
@@ -189,7 +189,7 @@ class ProgressExchange:
         dropped = ids_from_wire(message.dropped) if not parking else {}  # (one taking a state is at its step)
         if dropped and machine.receipts is not None:  # only what a receipt names the sender for
             dropped = machine.receipts.screen_progress(
-                sender, message.step, dropped, {}, message.receipts, message.vouchers, DROPPED_STEPS_BEHIND
+                sender, message.step, dropped, {}, message.receipts, message.vouchers
             )
         refusal = progress_refusal(
             message.step,

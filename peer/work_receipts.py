@@ -26,9 +26,6 @@ logger = logging.getLogger(__name__)
 
 BOOK_SIZE = 65536  # receipts kept: many steps' worth of microbatches
 RECEIPT_STEPS_BEHIND = 2  # a backward's forward may run this many steps before the round it counts in
-# a microbatch a peer dropped to take a state is said lost this many steps after its receipt at most: it counts no
-# sample (its trainer sends it again), so a state taken a few steps ahead must not leave it unsaid
-DROPPED_STEPS_BEHIND = 32
 MAX_VOUCHERS = 64  # distinct trainer keys one contribution may show
 # a peer gives its state (or counts in the fingerprint majority) only with a receipt naming it this recent: honest
 # peers of a stage get work every step or so; one that did none lately has no say over the stage's state
@@ -161,24 +158,16 @@ class WorkReceipts:
             del self._acked[old]
 
     def screen_progress(
-        self,
-        sender: str,
-        step: int,
-        incoming: Held,
-        already: Held,
-        receipts: Iterable[Receipt],
-        vouchers,
-        behind: int = RECEIPT_STEPS_BEHIND,
+        self, sender: str, step: int, incoming: Held, already: Held, receipts: Iterable[Receipt], vouchers
     ) -> Held:
         """What of mate `sender`'s progress at `step` counts: what it named before, and new microbatches it
-        shows a good receipt for, at most `behind` steps old (kept, to show with this peer's offers). The rest is
-        left out and counted."""
+        shows a good receipt for (kept, to show with this peer's offers). The rest is left out and counted."""
         by_key = {bytes(v.public_key): v for _, v in zip(range(MAX_VOUCHERS), vouchers)}
         proven = {}
         for receipt in receipts:
             key = (receipt.trainer, int(receipt.microbatch))
             fits = incoming.get(key) == receipt.samples and receipt.peer == sender and receipt.stage == self.stage
-            recent = step - behind <= receipt.step <= step + 1
+            recent = step - RECEIPT_STEPS_BEHIND <= receipt.step <= step + 1
             if fits and recent and key not in proven and self.checker.problem(receipt, by_key) is None:
                 proven[key] = receipt
                 self.hear(receipt, by_key.get(bytes(receipt.public_key)))
@@ -233,8 +222,7 @@ class WorkReceipts:
         holders: dict[SampleKey, set[str]] = {}
         for receipt in receipts:
             key = (receipt.trainer, int(receipt.microbatch))
-            behind = DROPPED_STEPS_BEHIND if key in dropped else RECEIPT_STEPS_BEHIND
-            recent = step - behind <= receipt.step <= step + 1
+            recent = step - RECEIPT_STEPS_BEHIND <= receipt.step <= step + 1
             wanted = receipt.samples in (held.get(key), known.get(key), dropped.get(key))
             if not (wanted and recent and receipt.stage == self.stage):
                 continue
@@ -242,7 +230,7 @@ class WorkReceipts:
                 continue
             holders.setdefault(key, set()).add(receipt.peer)
             self._noted(receipt)
-            if receipt.peer == sender and key in held and receipt.step >= step - RECEIPT_STEPS_BEHIND:
+            if receipt.peer == sender and key in held:
                 counted_held[key] = receipt.samples
             if receipt.peer == sender and key in dropped:
                 counted_dropped[key] = receipt.samples

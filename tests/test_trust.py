@@ -118,9 +118,6 @@ def test_microbatches_a_peer_dropped_to_take_a_state_are_lost_though_it_is_in_th
     in_round = {PEER_A, PEER_B}
     assert lost_with_the_dead(dropped, screened.holders, in_round) == {}  # without its word: silently lost
     assert lost_with_the_dead(dropped, screened.holders, in_round, dropped_by([screened], [PEER_A])) == dropped
-    # a state taken steps ahead: the drop is still said (it counts no sample), a held claim of the receipt is not
-    later = mate.screen(PEER_A, 20, dropped, dropped, shown, vouchers, dropped)
-    assert later.dropped == dropped and later.held == {}
     # a peer cannot drop what a receipt names another for
     other = signer.sign(TRAINER, PEER_B, 1, 8, 4, 5)
     assert mate.screen(PEER_A, 6, {}, {}, [other], [signer.voucher], {(TRAINER, 8): 4}).dropped == {}
