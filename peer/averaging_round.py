@@ -59,7 +59,7 @@ from swarm.peer.step_machine import (
     held_by_the_gone,
     named_in,
 )
-from swarm.peer.work_receipts import dropped_by, lost_with_the_dead
+from swarm.peer.work_receipts import lost_with_the_dead
 from swarm.proto import (
     PROTOCOL_VERSION,
     Error,
@@ -159,7 +159,6 @@ class AveragingRound:
         if grad_sum is not None:
             norm = await asyncio.get_running_loop().run_in_executor(None, lambda: float(grad_sum.norm()))
         own = Contribution(sum(held.values()), grad_sum, frozenset(members), held, known, give_up, norm)
-        own.dropped.update(state.dropped.get(machine.peer_id, {}))
         if machine.receipts is not None:  # screened as the mates screen it, so that all decide alike
             own = self._screened(machine.peer_id, step, own, *self._receipts_of(own))
         box[machine.peer_id] = own
@@ -186,7 +185,7 @@ class AveragingRound:
             for contribution in contributions:
                 for key, peers in (contribution.holders or {}).items():
                     holders[key] = holders.get(key, frozenset()) | peers
-            lost = lost_with_the_dead(lost, holders, agreed, dropped_by(contributions, sorted(agreed)))
+            lost = lost_with_the_dead(lost, holders, agreed)
         if lost and not any(c.give_up for c in contributions):
             self._go_short(step, state, attempt, agreed, box, lost)
             return None
@@ -366,7 +365,6 @@ class AveragingRound:
             known=ids_to_wire(own.known),
             give_up=own.give_up,
             norm=own.norm,
-            dropped=ids_to_wire(own.dropped),
         )
         if machine.receipts is not None:
             receipts, vouchers = self._receipts_of(own)
@@ -403,7 +401,7 @@ class AveragingRound:
     async def _accept_contribution(self, sender: str, header: GradContribution, parts: list) -> Error:
         machine = self.machine
         error = check_header(header, machine.model, machine.stage)
-        error = error or check_ids(machine.runtime.max_batch_samples, header.held, header.known, header.dropped)
+        error = error or check_ids(machine.runtime.max_batch_samples, header.held, header.known)
         if (error := error or check_members(header.members)) is not None:
             return error
         if header.samples != sum(i.samples for i in header.held):
@@ -454,7 +452,6 @@ class AveragingRound:
             header.give_up,
             header.norm,
             header.handover,
-            dropped=ids_from_wire(header.dropped),
         )
         if machine.receipts is not None:  # only what vouched trainers gave counts
             contribution = self._screened(sender, header.step, contribution, header.receipts, header.vouchers)
@@ -466,13 +463,11 @@ class AveragingRound:
 
     def _receipts_of(self, own: Contribution) -> tuple[list[Receipt], list[Voucher]]:
         """The receipts this peer shows for a contribution: of what it holds, and of what it knows mates held."""
-        return self.machine.receipts.shown({**own.held, **own.dropped}, own.known)
+        return self.machine.receipts.shown(own.held, own.known)
 
     def _screened(self, sender: str, step: int, contribution: Contribution, receipts, vouchers) -> Contribution:
         """`contribution` as it counts: only the microbatches good receipts name its holder for."""
-        screened = self.machine.receipts.screen(
-            sender, step, contribution.held, contribution.known, receipts, vouchers, contribution.dropped
-        )
+        screened = self.machine.receipts.screen(sender, step, contribution.held, contribution.known, receipts, vouchers)
         return dataclasses.replace(
             contribution,
             samples=sum(screened.held.values()),
@@ -480,7 +475,6 @@ class AveragingRound:
             held=screened.held,
             known=screened.known,
             holders=screened.holders,
-            dropped=screened.dropped,
         )
 
     # --- second phase: the commits ------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import islice
 
 from swarm.config import PeerConfig
@@ -40,32 +40,14 @@ class Screened:
     held: Held  # the microbatches it holds that a receipt names it for
     known: Held  # those it knows a member held that a receipt names that member for
     holders: dict[SampleKey, frozenset[str]]  # per microbatch, the peers its good receipts name
-    dropped: Held = field(default_factory=dict)  # those it dropped to take a state that a receipt names it for
 
 
-def lost_with_the_dead(
-    lost: Held,
-    holders: dict[SampleKey, frozenset[str]],
-    agreed: set[str],
-    dropped: dict[SampleKey, frozenset[str]] | None = None,
-) -> Held:
-    """Of the microbatches no contribution summed, those lost: no peer a receipt names for it is in the round,
-    or each one that is says it dropped it to take a state (`dropped`: per microbatch, who says so).
+def lost_with_the_dead(lost: Held, holders: dict[SampleKey, frozenset[str]], agreed: set[str]) -> Held:
+    """Of the microbatches no contribution summed, those lost: no peer a receipt names for it is in the round.
 
     A member in the round speaks for its own holdings: a microbatch someone says it held, but its
     contribution does not, was never held by it at this step (a replayed receipt, a made-up claim)."""
-    dropped = dropped or {}
-    speaking = {key: (holders.get(key, frozenset()) & agreed) - dropped.get(key, frozenset()) for key in lost}
-    return {key: n for key, n in lost.items() if not speaking[key]}
-
-
-def dropped_by(contributions, peers: Iterable[str]) -> dict[SampleKey, frozenset[str]]:
-    """Per microbatch, which of `peers` (each with its contribution, in order) say they dropped it."""
-    who: dict[SampleKey, frozenset[str]] = {}
-    for peer, contribution in zip(peers, contributions):
-        for key in contribution.dropped:
-            who[key] = who.get(key, frozenset()) | {peer}
-    return who
+    return {key: n for key, n in lost.items() if not holders.get(key, frozenset()) & agreed}
 
 
 class WorkReceipts:
@@ -200,30 +182,20 @@ class WorkReceipts:
         return receipts, list(vouchers.values())
 
     def screen(
-        self,
-        sender: str,
-        step: int,
-        held: Held,
-        known: Held,
-        receipts: Iterable[Receipt],
-        vouchers: Iterable[Voucher],
-        dropped: Held | None = None,
+        self, sender: str, step: int, held: Held, known: Held, receipts: Iterable[Receipt], vouchers: Iterable[Voucher]
     ) -> Screened:
         """What of a contribution by `sender` at `step` counts: the microbatches it holds that a good receipt
-        names it for, those it knows a member held that a good receipt names that member for, and those it
-        says it `dropped` to take a state that a good receipt names it for.
+        names it for, and those it knows a member held that a good receipt names that member for.
 
         Every member screens the same offer alike (the receipts and the trust root decide, nothing of its own),
         so they agree on what counts and on what is lost."""
         by_key = {bytes(v.public_key): v for _, v in zip(range(MAX_VOUCHERS), vouchers)}
-        dropped = dropped or {}
         counted_held: Held = {}
-        counted_dropped: Held = {}
         holders: dict[SampleKey, set[str]] = {}
         for receipt in receipts:
             key = (receipt.trainer, int(receipt.microbatch))
             recent = step - RECEIPT_STEPS_BEHIND <= receipt.step <= step + 1
-            wanted = receipt.samples in (held.get(key), known.get(key), dropped.get(key))
+            wanted = held.get(key) == receipt.samples or known.get(key) == receipt.samples
             if not (wanted and recent and receipt.stage == self.stage):
                 continue
             if receipt.peer in holders.get(key, ()) or self.checker.problem(receipt, by_key) is not None:
@@ -232,13 +204,10 @@ class WorkReceipts:
             self._noted(receipt)
             if receipt.peer == sender and key in held:
                 counted_held[key] = receipt.samples
-            if receipt.peer == sender and key in dropped:
-                counted_dropped[key] = receipt.samples
         counted_known = {key: n for key, n in known.items() if key in holders}
         if len(counted_held) < len(held):
             self._left_out(sender, step, held, counted_held)
-        holders_of = {key: frozenset(peers) for key, peers in holders.items()}
-        return Screened(counted_held, counted_known, holders_of, counted_dropped)
+        return Screened(counted_held, counted_known, {key: frozenset(peers) for key, peers in holders.items()})
 
     def _noted(self, receipt: Receipt) -> None:
         if len(self._latest) < BOOK_SIZE or receipt.peer in self._latest:
