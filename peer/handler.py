@@ -34,6 +34,7 @@ from swarm.net.wire import (
     read_frames,
 )
 from swarm.peer.faults import DropReply, FaultPlan
+from swarm.peer.inference_handler import InferenceHandler
 from swarm.peer.mate_messages import ids_to_wire
 from swarm.peer.mates import StageMates
 from swarm.peer.protocol_handler import send_reply
@@ -41,6 +42,7 @@ from swarm.peer.runtime import StageResult, StageRuntime, StaleGradientError
 from swarm.proto import (
     BACKWARD,
     FORWARD,
+    INFER,
     PROTOCOL_VERSION,
     Error,
     ErrorCode,
@@ -90,8 +92,10 @@ class StageHandler:
         faults: FaultPlan | None = None,
         metrics: StageCallMetrics | None = None,
         budget: RequestBudget | None = None,
+        inference: InferenceHandler | None = None,
     ) -> None:
         self.runtime = runtime
+        self.inference = inference  # INFER calls (None: refused)
         self.stage: GPTStage = runtime.module
         self.model_name = model_name
         self.limits = limits
@@ -171,6 +175,8 @@ class StageHandler:
         give_up_at = time.monotonic() + request.deadline_s if request.deadline_s > 0 else None
         if (refusal := self._refusal(request)) is not None:
             return [refusal]
+        if request.kind == INFER:
+            return await self.inference.serve(request, parts, caller, give_up_at, self._error)
         loop = asyncio.get_running_loop()
         backward = request.kind == BACKWARD
         check = backward and request.check  # a spot check: input gradients only, nothing held or counted
@@ -266,8 +272,10 @@ class StageHandler:
                 f"this peer hosts stage {self.stage.stage} of {self.model_name}, "
                 f"not stage {request.stage} of {request.model or '(no model)'}",
             )
-        if request.kind not in (FORWARD, BACKWARD):
+        if request.kind not in (FORWARD, BACKWARD, INFER):
             return self._error(ErrorCode.BAD_REQUEST, f"unknown call kind {request.kind}")
+        if request.kind == INFER and self.inference is None:
+            return self._error(ErrorCode.BAD_REQUEST, "this peer serves no inference")
         if self.state() != SERVING:
             return self._error(ErrorCode.UNAVAILABLE, f"this peer is {self.state()}, not serving")
         return None
@@ -391,6 +399,8 @@ class StageHandler:
             unconfirmed_states=self.mates.unconfirmed_states,
             busy_seconds=self.runtime.busy_seconds,
         )
+        if self.inference is not None:
+            self.inference.fill_info(info)
         if (receipts := self.mates.machine.receipts) is not None:  # what lets a newcomer take this peer's state
             shown, vouchers = receipts.latest_own()
             info.receipts.extend(shown)

@@ -2,9 +2,11 @@
 
 Requests wait in order of arrival. The worker takes the oldest and merges queued requests of the
 same kind and shape into one batch, up to a sample limit, so a busy peer runs fewer, larger
-batches. The queue remembers which backwards it has applied, so that a retried backward (its reply
-lost on the way) is answered without accumulating its gradient twice, and drops requests whose
-caller has given up before they were started.
+batches. Background jobs (inference, `swarm.peer.inference_work`) wait apart, at a lower priority:
+the worker runs one chunk of one of them only when no training request waits, so training waits for
+at most one chunk, and the jobs take turns chunk by chunk. The queue remembers which backwards it
+has applied, so that a retried backward (its reply lost on the way) is answered without
+accumulating its gradient twice, and drops requests whose caller has given up before they were started.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -59,6 +61,7 @@ class Task:
     exclusive: Callable[[], Any] | None = None  # runs alone on the runtime thread
     give_up_at: float | None = None  # time.monotonic() when the caller stops waiting for the reply
     future: Future = field(default_factory=Future)
+    queued_at: float = field(default_factory=time.monotonic)
 
     @property
     def num_samples(self) -> int:
@@ -73,6 +76,18 @@ class Task:
         return (self.backward, self.accumulate) == (other.backward, other.accumulate) and all(
             a.dtype == b.dtype and a.shape[1:] == b.shape[1:] for a, b in zip(self.tensors, other.tensors)
         )
+
+
+class BackgroundJob(Protocol):
+    """Low-priority work run a chunk at a time between training batches."""
+
+    future: Future
+
+    def late(self, now: float) -> bool:
+        """Whether its caller has given up on it."""
+
+    def run_chunk(self) -> bool:
+        """Runs the next chunk on the runtime thread; True once the job is done (its future settled)."""
 
 
 def settle(future: Future, result: Any) -> None:
@@ -118,6 +133,9 @@ class RequestQueue:
         self.duplicates = 0
         self.abandoned = 0  # requests dropped because their caller had given up before they were applied
         self._anonymous = 0  # backwards that came without an id get a local one
+        self.background: deque[BackgroundJob] = deque()  # run only while no task waits
+        # seconds each training request waited between its arrival and its start, the latest ones
+        self.training_waits: deque[float] = deque(maxlen=4096)
 
     def __len__(self) -> int:
         return len(self.tasks)
@@ -168,6 +186,17 @@ class RequestQueue:
             self.lock.notify()
         return task.future
 
+    def put_background(self, job: BackgroundJob) -> None:
+        """Queues a low-priority job; QueueFullError if as many jobs as the queue holds tasks already wait."""
+        with self.lock:
+            if self.stopping:
+                raise RuntimeError("the runtime is shutting down")
+            if len(self.background) >= self.max_queue:
+                self.busy_refusals += 1
+                raise QueueFullError(f"this peer is busy: {len(self.background)} inference requests queued, its limit")
+            self.background.append(job)
+            self.lock.notify()
+
     def stop(self) -> None:
         """Takes no more requests; the worker's `next_batch` returns None once the queue is empty."""
         with self.lock:
@@ -179,17 +208,20 @@ class RequestQueue:
         for task in self.tasks:
             fail(task.future, error)
         self.tasks.clear()
+        for job in self.background:
+            fail(job.future, error)
+        self.background.clear()
 
     def next_batch(self) -> list[Task] | None:
         """Waits for the next batch: the oldest task and the queued ones that merge with it (None: stopped)."""
         while True:
             with self.lock:
-                while not self.tasks:
+                while not self.tasks and (self.stopping or not self.background):
                     if self.stopping:
                         return None
                     self.lock.wait()
                 abandoned = self._take_abandoned()
-                batch = self._take_batch() if self.tasks else None
+                batch = self._take_batch() if self.tasks else self._take_chunk()
             for task in abandoned:
                 fail(
                     task.future,
@@ -264,10 +296,33 @@ class RequestQueue:
             )
         return abandoned
 
+    def _take_chunk(self) -> list[Task] | None:
+        """One chunk of the oldest background job, as a task run alone; called with the lock held (no task waits).
+
+        A job not done after its chunk goes to the back: jobs take turns, one chunk each."""
+        now = time.monotonic()
+        while self.background:
+            job = self.background.popleft()
+            if job.late(now):
+                self.abandoned += 1
+                late = CallAbandonedError("the caller's deadline passed before this peer finished the request")
+                fail(job.future, late)
+                continue
+
+            def run(job: BackgroundJob = job) -> None:
+                if not job.run_chunk():
+                    with self.lock:
+                        self.background.append(job)
+
+            return [Task(False, [], exclusive=run)]
+        return None
+
     def _take_batch(self) -> list[Task]:
         """The next task and the queued ones that merge with it; called with the lock held."""
         elsewhere = self.held_elsewhere()
         batch = [self.tasks.popleft()]
+        if batch[0].exclusive is None:
+            self.training_waits.append(time.monotonic() - batch[0].queued_at)
         self.not_summed_twice(batch[0], elsewhere)
         total = batch[0].num_samples
         limit = self.merge_limit(batch[0])
@@ -277,6 +332,7 @@ class RequestQueue:
             self.not_summed_twice(task, elsewhere)
             if batch[0].batches_with(task):
                 self.tasks.remove(task)
+                self.training_waits.append(time.monotonic() - task.queued_at)
                 batch.append(task)
                 total += task.num_samples
         return batch

@@ -8,6 +8,7 @@ from swarm.proto import swarm_pb2
 from swarm.proto.swarm_pb2 import (
     BACKWARD,
     FORWARD,
+    INFER,
     CallKind,
     DirectChallenge,
     DirectHello,
@@ -39,6 +40,7 @@ PROTOCOL_VERSION = 6
 __all__ = [
     "BACKWARD",
     "FORWARD",
+    "INFER",
     "PROTOCOL_VERSION",
     "CallKind",
     "DirectChallenge",

@@ -12,6 +12,7 @@ class CallKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CALL_KIND_UNSPECIFIED: _ClassVar[CallKind]
     FORWARD: _ClassVar[CallKind]
     BACKWARD: _ClassVar[CallKind]
+    INFER: _ClassVar[CallKind]
 
 class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -26,6 +27,7 @@ class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     OUT_OF_SYNC: _ClassVar[ErrorCode]
     SHORT: _ClassVar[ErrorCode]
     FORBIDDEN: _ClassVar[ErrorCode]
+    SESSION_LOST: _ClassVar[ErrorCode]
 
 class SliceKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -37,6 +39,7 @@ class SliceKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 CALL_KIND_UNSPECIFIED: CallKind
 FORWARD: CallKind
 BACKWARD: CallKind
+INFER: CallKind
 OK: ErrorCode
 BAD_REQUEST: ErrorCode
 VERSION_MISMATCH: ErrorCode
@@ -48,6 +51,7 @@ STALE: ErrorCode
 OUT_OF_SYNC: ErrorCode
 SHORT: ErrorCode
 FORBIDDEN: ErrorCode
+SESSION_LOST: ErrorCode
 SLICE_KIND_UNSPECIFIED: SliceKind
 PART: SliceKind
 REDUCED: SliceKind
@@ -121,7 +125,7 @@ class Error(_message.Message):
     def __init__(self, code: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ...) -> None: ...
 
 class StageRequest(_message.Message):
-    __slots__ = ("protocol_version", "kind", "model", "stage", "microbatch_id", "step", "tensors", "more", "deadline_s", "reply_codec", "receipt", "voucher", "check")
+    __slots__ = ("protocol_version", "kind", "model", "stage", "microbatch_id", "step", "tensors", "more", "deadline_s", "reply_codec", "receipt", "voucher", "check", "session", "position", "end_session")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +139,9 @@ class StageRequest(_message.Message):
     RECEIPT_FIELD_NUMBER: _ClassVar[int]
     VOUCHER_FIELD_NUMBER: _ClassVar[int]
     CHECK_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    END_SESSION_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     kind: CallKind
     model: str
@@ -148,7 +155,10 @@ class StageRequest(_message.Message):
     receipt: Receipt
     voucher: Voucher
     check: bool
-    def __init__(self, protocol_version: _Optional[int] = ..., kind: _Optional[_Union[CallKind, str]] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch_id: _Optional[int] = ..., step: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., more: _Optional[bool] = ..., deadline_s: _Optional[float] = ..., reply_codec: _Optional[str] = ..., receipt: _Optional[_Union[Receipt, _Mapping]] = ..., voucher: _Optional[_Union[Voucher, _Mapping]] = ..., check: _Optional[bool] = ...) -> None: ...
+    session: str
+    position: int
+    end_session: bool
+    def __init__(self, protocol_version: _Optional[int] = ..., kind: _Optional[_Union[CallKind, str]] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ..., microbatch_id: _Optional[int] = ..., step: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., more: _Optional[bool] = ..., deadline_s: _Optional[float] = ..., reply_codec: _Optional[str] = ..., receipt: _Optional[_Union[Receipt, _Mapping]] = ..., voucher: _Optional[_Union[Voucher, _Mapping]] = ..., check: _Optional[bool] = ..., session: _Optional[str] = ..., position: _Optional[int] = ..., end_session: _Optional[bool] = ...) -> None: ...
 
 class StageReply(_message.Message):
     __slots__ = ("protocol_version", "error", "step", "tensors", "loss", "num_samples", "more", "server_seconds", "short_step", "lost_peers", "lost", "full")
@@ -185,7 +195,7 @@ class PeerInfoRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ...) -> None: ...
 
 class PeerInfo(_message.Message):
-    __slots__ = ("protocol_version", "error", "model", "stage", "num_stages", "step", "throughput", "queue_length", "state", "samples_accumulated", "target_batch_size", "stale_gradients", "requests_served", "resyncs", "samples_stepped", "abandoned_calls", "fingerprint", "samples_lost", "samples_doubled", "divergences", "step_state", "refused_outsiders", "unconfirmed_states", "busy_seconds", "duplicate_backwards", "receipts", "vouchers")
+    __slots__ = ("protocol_version", "error", "model", "stage", "num_stages", "step", "throughput", "queue_length", "state", "samples_accumulated", "target_batch_size", "stale_gradients", "requests_served", "resyncs", "samples_stepped", "abandoned_calls", "fingerprint", "samples_lost", "samples_doubled", "divergences", "step_state", "refused_outsiders", "unconfirmed_states", "busy_seconds", "duplicate_backwards", "receipts", "vouchers", "inference_seconds", "inference_requests", "inference_sessions", "training_wait_p99")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -213,6 +223,10 @@ class PeerInfo(_message.Message):
     DUPLICATE_BACKWARDS_FIELD_NUMBER: _ClassVar[int]
     RECEIPTS_FIELD_NUMBER: _ClassVar[int]
     VOUCHERS_FIELD_NUMBER: _ClassVar[int]
+    INFERENCE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    INFERENCE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    INFERENCE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    TRAINING_WAIT_P99_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     error: Error
     model: str
@@ -240,7 +254,11 @@ class PeerInfo(_message.Message):
     duplicate_backwards: int
     receipts: _containers.RepeatedCompositeFieldContainer[Receipt]
     vouchers: _containers.RepeatedCompositeFieldContainer[Voucher]
-    def __init__(self, protocol_version: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., step: _Optional[int] = ..., throughput: _Optional[float] = ..., queue_length: _Optional[int] = ..., state: _Optional[str] = ..., samples_accumulated: _Optional[int] = ..., target_batch_size: _Optional[int] = ..., stale_gradients: _Optional[int] = ..., requests_served: _Optional[int] = ..., resyncs: _Optional[int] = ..., samples_stepped: _Optional[int] = ..., abandoned_calls: _Optional[int] = ..., fingerprint: _Optional[str] = ..., samples_lost: _Optional[int] = ..., samples_doubled: _Optional[int] = ..., divergences: _Optional[int] = ..., step_state: _Optional[str] = ..., refused_outsiders: _Optional[int] = ..., unconfirmed_states: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., duplicate_backwards: _Optional[int] = ..., receipts: _Optional[_Iterable[_Union[Receipt, _Mapping]]] = ..., vouchers: _Optional[_Iterable[_Union[Voucher, _Mapping]]] = ...) -> None: ...
+    inference_seconds: float
+    inference_requests: int
+    inference_sessions: int
+    training_wait_p99: float
+    def __init__(self, protocol_version: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., step: _Optional[int] = ..., throughput: _Optional[float] = ..., queue_length: _Optional[int] = ..., state: _Optional[str] = ..., samples_accumulated: _Optional[int] = ..., target_batch_size: _Optional[int] = ..., stale_gradients: _Optional[int] = ..., requests_served: _Optional[int] = ..., resyncs: _Optional[int] = ..., samples_stepped: _Optional[int] = ..., abandoned_calls: _Optional[int] = ..., fingerprint: _Optional[str] = ..., samples_lost: _Optional[int] = ..., samples_doubled: _Optional[int] = ..., divergences: _Optional[int] = ..., step_state: _Optional[str] = ..., refused_outsiders: _Optional[int] = ..., unconfirmed_states: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., duplicate_backwards: _Optional[int] = ..., receipts: _Optional[_Iterable[_Union[Receipt, _Mapping]]] = ..., vouchers: _Optional[_Iterable[_Union[Voucher, _Mapping]]] = ..., inference_seconds: _Optional[float] = ..., inference_requests: _Optional[int] = ..., inference_sessions: _Optional[int] = ..., training_wait_p99: _Optional[float] = ...) -> None: ...
 
 class MateProgress(_message.Message):
     __slots__ = ("protocol_version", "model", "stage", "step", "samples", "held", "fingerprint", "receipts", "vouchers")

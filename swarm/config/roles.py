@@ -89,6 +89,17 @@ class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig, TrustConfig):
         "MiB of stage requests the peer holds at once over all its callers (at least two of its largest); a "
         "request past that is answered busy (UNAVAILABLE) and its caller tries another peer",
     )
+    inference_chunk_ms: float = option(
+        20.0,
+        "inference (INFER calls: `swarm generate`, `swarm eval`) runs only while no training request waits, in "
+        "chunks of about this much work, so a training request waits at most one chunk",
+    )
+    inference_memory_mb: float = option(
+        256.0, "MiB of generation sessions' KV caches the peer keeps, the least recently used given up first"
+    )
+    inference_sessions_per_caller: int = option(
+        8, "generation sessions one caller may hold on this peer (0: none, stateless inference only)"
+    )
     announce_period: float = option(2.0, "seconds between DHT announcements")
     record_ttl: float = option(10.0, "seconds an announcement stays valid if the peer vanishes")
     checkpoint_dir: str | None = option(None, "directory for the stage's checkpoints; resume from it if present")
@@ -198,6 +209,20 @@ class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig, TrustConfig):
         """The most samples one call may carry: --max-microbatch, or --max-batch-samples where it is 0."""
         return self.max_microbatch or self.max_batch_samples
 
+    def _check_standby(self) -> None:
+        if (
+            self.standby_stages < 0
+            or self.standby_deltas < 0
+            or self.standby_stages_under_churn < 0
+            or self.standby_every < 1
+            or self.standby_memory_mb < 0
+            or not 0 < self.standby_share <= 1
+        ):
+            raise ConfigError(
+                "--standby-stages, --standby-stages-under-churn and --standby-deltas must be 0 or more, "
+                "--standby-every at least 1, --standby-memory-mb 0 or more, --standby-share above 0 and at most 1"
+            )
+
     def check(self) -> None:
         NetworkConfig.check(self)
         if self.client_mode:
@@ -222,18 +247,7 @@ class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig, TrustConfig):
                 raise ConfigError(f"--direct-host: {self.direct_host!r} is not a host name or IP address")
         if self.rebalance_period < 0:
             raise ConfigError("--rebalance-period must be 0 (never move) or positive")
-        if (
-            self.standby_stages < 0
-            or self.standby_deltas < 0
-            or self.standby_stages_under_churn < 0
-            or self.standby_every < 1
-            or self.standby_memory_mb < 0
-            or not 0 < self.standby_share <= 1
-        ):
-            raise ConfigError(
-                "--standby-stages, --standby-stages-under-churn and --standby-deltas must be 0 or more, "
-                "--standby-every at least 1, --standby-memory-mb 0 or more, --standby-share above 0 and at most 1"
-            )
+        self._check_standby()
         if self.rebalance_margin < 0:
             raise ConfigError("--rebalance-margin must be 0 or more")
         if self.rebalance_horizon <= 0 or self.move_bandwidth_mbit <= 0:
@@ -244,8 +258,11 @@ class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig, TrustConfig):
             raise ConfigError("--offload-group must be 0 (sized from the device's memory) or positive")
         if self.compile and self.offload:
             raise ConfigError("--compile and --offload do not combine: an offloaded block moves between devices")
-        if self.simulated_speed < 0:
-            raise ConfigError("--simulated-speed must be 0 (real speed) or positive")
+        if self.simulated_speed < 0 or self.inference_chunk_ms <= 0 or self.inference_memory_mb < 0:
+            raise ConfigError(
+                "--simulated-speed must be 0 (real speed) or positive, --inference-chunk-ms positive, "
+                "--inference-memory-mb 0 or more"
+            )
         for name in ("target_batch_size", "max_batch_samples", "num_threads", "max_queue", "max_streams_per_caller"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")

@@ -27,6 +27,7 @@ from swarm.config import (
     add_options,
     load_config,
 )
+from swarm.config.inference_settings import EvalConfig, GenerateConfig
 from swarm.config.trust_settings import TrustRootConfig, VouchConfig
 from swarm.process.allocator import keep_large_buffers
 from swarm.process.lifeline import die_with_launcher
@@ -68,6 +69,18 @@ def _train(config: TrainerConfig) -> int:
         logging.getLogger("swarm").error(f"Trained, but drew no plot: {e}")
         return 1
     return 0
+
+
+def _generate(config: GenerateConfig) -> int:
+    from swarm.inference.commands import run_generate
+
+    return run_generate(config)
+
+
+def _eval(config: EvalConfig) -> int:
+    from swarm.inference.commands import run_eval
+
+    return run_eval(config)
 
 
 def _dht(config: DHTConfig) -> int:
@@ -135,6 +148,8 @@ def _vouch(config: VouchConfig) -> int:
 ROLES: dict[str, Command] = {
     "peer": Command(PeerConfig, _peer, "host one pipeline stage and serve it to trainers"),
     "train": Command(TrainerConfig, _train, "drive training through the swarm's stages"),
+    "generate": Command(GenerateConfig, _generate, "continue a prompt with the swarm's live weights, as it trains"),
+    "eval": Command(EvalConfig, _eval, "the held-out loss of the model as the swarm holds it now"),
     "dht": Command(DHTConfig, _dht, "run a bootstrap DHT node that others join through"),
     "status": Command(StatusConfig, _status, "show the swarm's stages and peers"),
     "monitor": Command(MonitorConfig, _monitor, "serve a live web dashboard of the swarm"),

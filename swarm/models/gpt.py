@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from swarm.models.kv_cache import LayerCache, causal_attention
 from swarm.models.pipeline_stage import PipelineStage
 from swarm.models.registry import ModelSpec
 
@@ -32,11 +33,14 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(spec.d_model, 3 * spec.d_model)
         self.proj = nn.Linear(spec.d_model, spec.learned_width)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
         batch, seq, width = x.shape
         q, k, v = self.qkv(x).split(width, dim=2)
         q, k, v = (t.view(batch, seq, self.n_head, width // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if cache is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:  # an inference session: the cached positions come before these
+            y = causal_attention(q, *cache.extend(k, v))
         return self.proj(y.transpose(1, 2).reshape(batch, seq, width))
 
 
@@ -52,9 +56,12 @@ class Block(nn.Module):
             nn.Linear(spec.mlp_ratio * spec.d_model, spec.learned_width),
         )
 
-    def forward(self, x: torch.Tensor, fixed: torch.Tensor | None = None) -> torch.Tensor:
-        """`x` is the learned part of the residual stream; `fixed`, with a subspace, the rest of it."""
-        x = x + self.attn(self.ln1(_whole_stream(x, fixed)))
+    def forward(
+        self, x: torch.Tensor, fixed: torch.Tensor | None = None, cache: LayerCache | None = None
+    ) -> torch.Tensor:
+        """`x` is the learned part of the residual stream; `fixed`, with a subspace, the rest of it; `cache`, in an
+        inference session, the keys and values of the positions before x's."""
+        x = x + self.attn(self.ln1(_whole_stream(x, fixed)), cache)
         return x + self.mlp(self.ln2(_whole_stream(x, fixed)))
 
 
@@ -110,17 +117,19 @@ class GPTStage(PipelineStage):
             if not self.is_last:
                 self.down = nn.Linear(spec.d_model, spec.bottleneck)
 
-    def enter(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def enter(
+        self, x: torch.Tensor, tokens: torch.Tensor | None = None, start: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The stage's input made into the residual stream the blocks take, and the context they share
-        (with a subspace, the fixed part of the stream; otherwise None)."""
+        (with a subspace, the fixed part of the stream; otherwise None). Its positions begin at `start`."""
         fixed = None
         if self.spec.subspace:
             ids = x if self.is_first else tokens
             if ids is None:
                 raise ValueError(f"stage {self.stage} of {self.spec.name} takes the token ids with its hidden states")
-            fixed = self.tok_fixed[ids] + self.pos_fixed[: ids.shape[1]]
+            fixed = self.tok_fixed[ids] + self.pos_fixed[start : start + ids.shape[1]]
         if self.is_first:
-            positions = torch.arange(x.shape[1], device=x.device)
+            positions = torch.arange(start, start + x.shape[1], device=x.device)
             x = self.tok_emb(x) + self.pos_emb(positions)
         elif self.up is not None:
             x = self.up(x)
@@ -134,9 +143,13 @@ class GPTStage(PipelineStage):
         x = _whole_stream(x, fixed)
         if targets is None:
             return x
-        logits = self.head(self.ln_f(x))
+        logits = self.logits(x)
         token_loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
         return token_loss.view(targets.shape).mean(dim=1)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The last stage's next-token logits [batch, seq, vocab] from the whole stream `leave` returns."""
+        return self.head(self.ln_f(hidden))
 
 
 def _boundary_basis(spec: ModelSpec, boundary: int, seed: int) -> torch.Tensor:

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from swarm.models.gpt import partition_layers
+from swarm.models.kv_cache import LayerCache, causal_attention
 from swarm.models.pipeline_stage import PipelineStage
 from swarm.models.registry import ModelSpec
 
@@ -76,17 +77,19 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(spec.d_model, self.n_kv_head * self.head_dim, bias=False)
         self.o_proj = nn.Linear(spec.d_model, spec.d_model, bias=False)
 
-    def forward(self, x: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary: Rotary, cache: LayerCache | None = None) -> torch.Tensor:
         batch, seq, width = x.shape
         q = self.q_proj(x).view(batch, seq, self.n_head, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, seq, self.n_kv_head, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, seq, self.n_kv_head, self.head_dim).transpose(1, 2)
         cos, sin = rotary
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        if cache is not None:  # an inference session: the cached positions come before these (kept ungrouped)
+            k, v = cache.extend(k, v)
         # query head h reads key/value head h // group, as in Hugging Face's repeat_kv
         group = self.n_head // self.n_kv_head
         k, v = (t[:, :, None].expand(-1, -1, group, -1, -1).flatten(1, 2) for t in (k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True) if cache is None else causal_attention(q, k, v)
         return self.o_proj(y.transpose(1, 2).reshape(batch, seq, width))
 
 
@@ -113,8 +116,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.d_model, spec.norm_eps)
         self.mlp = MLP(spec)
 
-    def forward(self, x: torch.Tensor, rotary: Rotary) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rotary)
+    def forward(self, x: torch.Tensor, rotary: Rotary, cache: LayerCache | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rotary, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -142,10 +145,11 @@ class LlamaStage(PipelineStage):
             self.norm = RMSNorm(spec.d_model, spec.norm_eps)
             self.lm_head = nn.Linear(spec.d_model, spec.vocab_size, bias=False)
 
-    def enter(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, Rotary]:
-        """The stage's input as the residual stream, and the rotary cos and sin [seq, head_dim] its blocks share."""
+    def enter(self, x: torch.Tensor, tokens: torch.Tensor | None = None, start: int = 0) -> tuple[torch.Tensor, Rotary]:
+        """The stage's input as the residual stream, and the rotary cos and sin [seq, head_dim] its blocks share,
+        for positions from `start` on."""
         hidden = self.embed_tokens(x) if self.is_first else x
-        positions = torch.arange(x.shape[1], device=x.device, dtype=torch.float32)
+        positions = torch.arange(start, start + x.shape[1], device=x.device, dtype=torch.float32)
         freqs = positions[:, None] * self.inv_freq.float()[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)
         return hidden, (angles.cos().to(hidden.dtype), angles.sin().to(hidden.dtype))

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from swarm.models.kv_cache import StageCache
 from swarm.models.registry import ModelSpec
 
 
@@ -35,17 +36,29 @@ class PipelineStage(nn.Module):
         return 2 if self.takes_tokens else 1
 
     def forward(
-        self, x: torch.Tensor, targets: torch.Tensor | None = None, tokens: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        tokens: torch.Tensor | None = None,
+        cache: StageCache | None = None,
     ) -> torch.Tensor:
         """Runs the stage: its input (token ids on stage 0, hidden states elsewhere), the targets on the last
-        stage (then each sample's loss is returned), and the token ids where it takes them."""
-        hidden, context = self.enter(x, tokens)
-        for block in self.blocks:
-            hidden = block(hidden, context)
+        stage (then each sample's loss is returned), and the token ids where it takes them. With an inference
+        session's `cache`, x holds the positions after the cached ones, and the cache takes theirs."""
+        hidden, context = self.enter(x, tokens, cache.length) if cache is not None else self.enter(x, tokens)
+        for index, block in enumerate(self.blocks):
+            hidden = block(hidden, context) if cache is None else block(hidden, context, cache.layers[index])
+        if cache is not None:
+            cache.length += x.shape[1]
         return self.leave(hidden, targets, context)
 
-    def enter(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
-        """The stage's input as the residual stream its blocks take, and the context they share."""
+    def enter(self, x: torch.Tensor, tokens: torch.Tensor | None = None, start: int = 0) -> tuple[torch.Tensor, Any]:
+        """The stage's input as the residual stream its blocks take, and the context they share; its positions
+        begin at `start` (an inference session's cached ones come before)."""
+        raise NotImplementedError
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The last stage's next-token logits [batch, seq, vocab] from what `leave` returns without targets."""
         raise NotImplementedError
 
     def leave(self, x: torch.Tensor, targets: torch.Tensor | None, context: Any) -> torch.Tensor:
