@@ -9,7 +9,6 @@ cache (`InferenceSessions`); a peer that spills its blocks (--offload) keeps non
 from __future__ import annotations
 
 import asyncio
-import statistics
 from collections.abc import Callable
 
 import torch
@@ -124,11 +123,10 @@ class InferenceHandler:
         info.inference_seconds = self.work.busy_seconds
         info.inference_requests = self.served
         info.inference_sessions = len(self.sessions) if self.sessions is not None else 0
-        waits = list(self.runtime.requests.training_waits)
-        if len(waits) >= 2:
-            info.training_wait_p99 = statistics.quantiles(waits, n=100)[98]
-        elif waits:
-            info.training_wait_p99 = waits[0]
+        delays = sorted(self.runtime.requests.inference_delays)
+        if delays:
+            info.inference_delay_p99 = delays[int(0.99 * (len(delays) - 1))]
+            info.inference_delay_max = delays[-1]
 
 
 def inference_handler(

@@ -129,10 +129,12 @@ class InferenceWork:
         module = self.runtime.module
         if job.cache is not None:
             self.samples += job.inputs[0].shape[0]
-        if module.is_last and job.targets is None:
-            output = job.outputs[-1]  # the next token's logits: those of the last position
+        if job.cache is None:
+            output = torch.cat(job.outputs)
+        elif module.is_last:
+            output = job.outputs[-1]  # the next token's logits: those of the session's last position
         else:
-            output = torch.cat(job.outputs, dim=1 if job.cache is not None else 0)
+            output = torch.cat(job.outputs, dim=1)
         settle(job.future, InferenceResult(output, self.runtime.step))
 
     def _forward(

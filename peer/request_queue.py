@@ -134,8 +134,8 @@ class RequestQueue:
         self.abandoned = 0  # requests dropped because their caller had given up before they were applied
         self._anonymous = 0  # backwards that came without an id get a local one
         self.background: deque[BackgroundJob] = deque()  # run only while no task waits
-        # seconds each training request waited between its arrival and its start, the latest ones
-        self.training_waits: deque[float] = deque(maxlen=4096)
+        # seconds a training request that came during an inference chunk waited for that chunk, the latest ones
+        self.inference_delays: deque[float] = deque(maxlen=4096)
 
     def __len__(self) -> int:
         return len(self.tasks)
@@ -310,9 +310,13 @@ class RequestQueue:
                 continue
 
             def run(job: BackgroundJob = job) -> None:
-                if not job.run_chunk():
-                    with self.lock:
+                done = job.run_chunk()
+                with self.lock:
+                    if not done:
                         self.background.append(job)
+                    # a chunk runs only while no task waits: every task queued now came during it
+                    ended = time.monotonic()
+                    self.inference_delays.extend(ended - t.queued_at for t in self.tasks if t.exclusive is None)
 
             return [Task(False, [], exclusive=run)]
         return None
@@ -321,8 +325,6 @@ class RequestQueue:
         """The next task and the queued ones that merge with it; called with the lock held."""
         elsewhere = self.held_elsewhere()
         batch = [self.tasks.popleft()]
-        if batch[0].exclusive is None:
-            self.training_waits.append(time.monotonic() - batch[0].queued_at)
         self.not_summed_twice(batch[0], elsewhere)
         total = batch[0].num_samples
         limit = self.merge_limit(batch[0])
@@ -332,7 +334,6 @@ class RequestQueue:
             self.not_summed_twice(task, elsewhere)
             if batch[0].batches_with(task):
                 self.tasks.remove(task)
-                self.training_waits.append(time.monotonic() - task.queued_at)
                 batch.append(task)
                 total += task.num_samples
         return batch

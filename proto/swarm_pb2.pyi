@@ -195,7 +195,7 @@ class PeerInfoRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ...) -> None: ...
 
 class PeerInfo(_message.Message):
-    __slots__ = ("protocol_version", "error", "model", "stage", "num_stages", "step", "throughput", "queue_length", "state", "samples_accumulated", "target_batch_size", "stale_gradients", "requests_served", "resyncs", "samples_stepped", "abandoned_calls", "fingerprint", "samples_lost", "samples_doubled", "divergences", "step_state", "refused_outsiders", "unconfirmed_states", "busy_seconds", "duplicate_backwards", "receipts", "vouchers", "inference_seconds", "inference_requests", "inference_sessions", "training_wait_p99")
+    __slots__ = ("protocol_version", "error", "model", "stage", "num_stages", "step", "throughput", "queue_length", "state", "samples_accumulated", "target_batch_size", "stale_gradients", "requests_served", "resyncs", "samples_stepped", "abandoned_calls", "fingerprint", "samples_lost", "samples_doubled", "divergences", "step_state", "refused_outsiders", "unconfirmed_states", "busy_seconds", "duplicate_backwards", "receipts", "vouchers", "inference_seconds", "inference_requests", "inference_sessions", "inference_delay_p99", "inference_delay_max")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -226,7 +226,8 @@ class PeerInfo(_message.Message):
     INFERENCE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     INFERENCE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     INFERENCE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
-    TRAINING_WAIT_P99_FIELD_NUMBER: _ClassVar[int]
+    INFERENCE_DELAY_P99_FIELD_NUMBER: _ClassVar[int]
+    INFERENCE_DELAY_MAX_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     error: Error
     model: str
@@ -257,8 +258,9 @@ class PeerInfo(_message.Message):
     inference_seconds: float
     inference_requests: int
     inference_sessions: int
-    training_wait_p99: float
-    def __init__(self, protocol_version: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., step: _Optional[int] = ..., throughput: _Optional[float] = ..., queue_length: _Optional[int] = ..., state: _Optional[str] = ..., samples_accumulated: _Optional[int] = ..., target_batch_size: _Optional[int] = ..., stale_gradients: _Optional[int] = ..., requests_served: _Optional[int] = ..., resyncs: _Optional[int] = ..., samples_stepped: _Optional[int] = ..., abandoned_calls: _Optional[int] = ..., fingerprint: _Optional[str] = ..., samples_lost: _Optional[int] = ..., samples_doubled: _Optional[int] = ..., divergences: _Optional[int] = ..., step_state: _Optional[str] = ..., refused_outsiders: _Optional[int] = ..., unconfirmed_states: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., duplicate_backwards: _Optional[int] = ..., receipts: _Optional[_Iterable[_Union[Receipt, _Mapping]]] = ..., vouchers: _Optional[_Iterable[_Union[Voucher, _Mapping]]] = ..., inference_seconds: _Optional[float] = ..., inference_requests: _Optional[int] = ..., inference_sessions: _Optional[int] = ..., training_wait_p99: _Optional[float] = ...) -> None: ...
+    inference_delay_p99: float
+    inference_delay_max: float
+    def __init__(self, protocol_version: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., step: _Optional[int] = ..., throughput: _Optional[float] = ..., queue_length: _Optional[int] = ..., state: _Optional[str] = ..., samples_accumulated: _Optional[int] = ..., target_batch_size: _Optional[int] = ..., stale_gradients: _Optional[int] = ..., requests_served: _Optional[int] = ..., resyncs: _Optional[int] = ..., samples_stepped: _Optional[int] = ..., abandoned_calls: _Optional[int] = ..., fingerprint: _Optional[str] = ..., samples_lost: _Optional[int] = ..., samples_doubled: _Optional[int] = ..., divergences: _Optional[int] = ..., step_state: _Optional[str] = ..., refused_outsiders: _Optional[int] = ..., unconfirmed_states: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., duplicate_backwards: _Optional[int] = ..., receipts: _Optional[_Iterable[_Union[Receipt, _Mapping]]] = ..., vouchers: _Optional[_Iterable[_Union[Voucher, _Mapping]]] = ..., inference_seconds: _Optional[float] = ..., inference_requests: _Optional[int] = ..., inference_sessions: _Optional[int] = ..., inference_delay_p99: _Optional[float] = ..., inference_delay_max: _Optional[float] = ...) -> None: ...
 
 class MateProgress(_message.Message):
     __slots__ = ("protocol_version", "model", "stage", "step", "samples", "held", "fingerprint", "receipts", "vouchers")
