@@ -21,6 +21,7 @@ from swarm.models import GPTStage
 from swarm.models.stage_io import StageInputError, check_stage_inputs, value_problem
 from swarm.net.request_budget import RequestBudget
 from swarm.net.request_limits import call_too_large, undecoded_problem
+from swarm.net.uplink_turns import UplinkTurns
 from swarm.net.wire import (
     INLINE_CODING_BYTES,
     Part,
@@ -93,9 +94,11 @@ class StageHandler:
         metrics: StageCallMetrics | None = None,
         budget: RequestBudget | None = None,
         inference: InferenceHandler | None = None,
+        uplink: UplinkTurns | None = None,
     ) -> None:
         self.runtime = runtime
         self.inference = inference  # INFER calls (None: refused)
+        self.uplink = uplink or UplinkTurns()  # replies to one caller leave one at a time
         self.stage: GPTStage = runtime.module
         self.model_name = model_name
         self.limits = limits
@@ -162,7 +165,7 @@ class StageHandler:
             logger.exception("Failed to serve a stage call")
             frames = [self._error(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")]
         # a caller gone away before the reply is worth a warning: it had work under way
-        await send_reply(reader, writer, frames, str(stream_info.peer_id), logging.WARNING)
+        await send_reply(reader, writer, frames, str(stream_info.peer_id), logging.WARNING, self.uplink)
 
     async def _serve(
         self, reader: asyncio.StreamReader, caller: str, reserve: Callable[[int], None]

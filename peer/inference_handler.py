@@ -16,7 +16,9 @@ import torch
 from swarm.compression import CodecError, get_codec
 from swarm.config import PeerConfig
 from swarm.models.stage_io import StageInputError, check_stage_inputs, value_problem
+from swarm.net.link_shaper import SharedLink
 from swarm.net.request_limits import undecoded_problem
+from swarm.net.uplink_turns import UplinkTurns
 from swarm.net.wire import Part, WireLimits, codes_inline, decode_tensors, encode_tensor, pack_frames
 from swarm.peer.inference_sessions import InferenceSessions, SessionError
 from swarm.peer.inference_work import InferenceResult, InferenceWork
@@ -142,3 +144,10 @@ def inference_handler(
         sessions = InferenceSessions(len(module.blocks), module.spec.seq_len, memory, per_caller)
     work = InferenceWork(runtime, config.inference_chunk_ms / 1000)
     return InferenceHandler(runtime, limits, max_batch_samples, work, sessions)
+
+
+def uplink_turns(config: PeerConfig) -> UplinkTurns:
+    """How the peer's replies share its uplink (`--uplink-turns`), across an emulated one for tests and benchmarks
+    (`--emulate-uplink-mbit`)."""
+    link = SharedLink(config.emulate_uplink_mbit) if config.emulate_uplink_mbit > 0 else None
+    return UplinkTurns(config.uplink_turns, link)

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from google.protobuf.message import Message
 
 from swarm.net.allowlist import Handler
+from swarm.net.uplink_turns import UplinkTurns, frames_bytes
 from swarm.net.wire import Part, WireError, WireLimits, read_frames, wait_for_hang_up, write_frames
 from swarm.proto import Error, ErrorCode
 
@@ -63,11 +64,20 @@ def protocol_handler(
 
 
 async def send_reply(
-    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, frames: list, caller: str, level: int = logging.DEBUG
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    frames: list,
+    caller: str,
+    level: int = logging.DEBUG,
+    uplink: UplinkTurns | None = None,
 ) -> None:
-    """Writes `frames`, waits for the caller to hang up, and closes; a caller gone already is only logged."""
+    """Writes `frames` (in `caller`'s turn of `uplink`, if given), waits for the caller to hang up, and closes; a
+    caller gone already is only logged."""
     try:
-        await write_frames(writer, frames)
+        if uplink is None:
+            await write_frames(writer, frames)
+        else:
+            await uplink.send(caller, frames_bytes(frames), lambda: write_frames(writer, frames))
         await wait_for_hang_up(reader)
     except Exception as e:
         logger.log(level, f"Could not answer {caller}: {type(e).__name__}: {e}")

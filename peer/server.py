@@ -30,7 +30,7 @@ from swarm.peer.checkpoint import checkpoint_path, load_checkpoint, restore, sav
 from swarm.peer.direct_links import keep_direct_links
 from swarm.peer.faults import FaultPlan
 from swarm.peer.handler import StageHandler
-from swarm.peer.inference_handler import inference_handler
+from swarm.peer.inference_handler import inference_handler, uplink_turns
 from swarm.peer.mates import StageMates
 from swarm.peer.preemption import notice_source, watch_for_preemption
 from swarm.peer.rebalancing import Rebalancing
@@ -176,6 +176,7 @@ class Peer:
             metrics=self.metrics,
             budget=RequestBudget(int(config.request_memory_mb * 2**20), self.limits.wire.max_message_bytes),
             inference=inference_handler(self.runtime, self.limits.wire, self.limits.max_call_samples, config),
+            uplink=uplink_turns(config),
         )
         if self.metrics is not None:
             self.metrics.host(self.runtime, self.mates)

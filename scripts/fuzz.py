@@ -60,6 +60,7 @@ from swarm.net.wire import HEADER_BYTES, Part, WireError, WireLimits, encode_ten
 from swarm.proto import (
     BACKWARD,
     FORWARD,
+    INFER,
     PROTOCOL_VERSION,
     DirectHello,
     ErrorCode,
@@ -168,9 +169,12 @@ def hostile_message(rng: random.Random, protocol: str, peer_step: int) -> tuple[
     step = rng.choice([peer_step, peer_step + 1, -1, 2**62])
     if protocol == STAGE_PROTOCOL:
         message = StageRequest(
-            protocol_version=version, kind=rng.choice([FORWARD, BACKWARD, 7]), model=model, stage=stage,
+            protocol_version=version, kind=rng.choice([FORWARD, BACKWARD, INFER, 7]), model=model, stage=stage,
             microbatch_id=rng.getrandbits(64), step=step, deadline_s=rng.choice([-1.0, 1e300, 5.0, float("nan")]),
             reply_codec=rng.choice(["", "none", "bogus"]),
+            # inference sessions: names long and short, positions past the model's context, a drop with no tensors
+            session=rng.choice(["", "s", "x" * 500]), position=rng.choice([0, 0, 1, 2**32 - 1]),
+            end_session=rng.random() < 0.1,
         )  # fmt: skip
     elif protocol == INFO_PROTOCOL:
         message = PeerInfoRequest(protocol_version=version)

@@ -9,8 +9,10 @@ import signal
 import subprocess
 import sys
 
+import pytest
 import torch
-from conftest import SMALL_CORPUS, wait_for_records
+from conftest import SMALL_CORPUS, trainer_flags, wait_for_records
+from test_peer_death import trainer_exit_code
 
 from swarm.config.inference_settings import GenerateConfig
 from swarm.inference.generation import GenerationSession, generate
@@ -110,3 +112,32 @@ def test_a_peer_killed_mid_generation_costs_a_replay_not_the_answer(local_swarm,
     assert killed and killed[0] in ("peer1a", "peer1b")
     assert record.replays == 1  # stage 1's prefix, once, on its other peer
     assert record.tokens == generate_locally(reference_stages(model), prompt, new_tokens, 0.8, 20, seed=3)
+
+
+@pytest.mark.timeout(420)
+def test_generation_reads_the_live_weights_while_a_trainer_trains(local_swarm, tmp_path):
+    """Generation and training share the peers: the trainer finishes its steps with a falling loss, and each
+    generated token names the step of the weights that predicted it, steps that move on as training does."""
+    model = "gpt-tiny"
+    initial_peers = local_swarm.start_bootstrap()
+    for stage in range(3):
+        local_swarm.start_peer(
+            f"peer{stage}", stage, [*flags(model), "--announce-period", "0.5", "--target-batch-size", "16"]
+        )
+    wait_for_records(initial_peers, serving({0: 1, 1: 1, 2: 1}))
+    summary_file = tmp_path / "summary.json"
+    trainer = local_swarm.start_trainer("trainer", trainer_flags(12, summary_file))
+    out = tmp_path / "generated.json"
+    command = [sys.executable, "-m", "swarm", "generate", "--initial-peers", *initial_peers, *flags(model)]
+    generated = []
+    while trainer.poll() is None:
+        done = subprocess.run(
+            [*command, "--max-new-tokens", "40", "--output-file", str(out)], capture_output=True, text=True, timeout=180
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        generated.append(json.loads(out.read_text()))
+    assert trainer_exit_code(local_swarm, trainer, 240) == 0
+    summary = json.loads(summary_file.read_text())
+    assert summary["steps"] == 12 and summary["last_loss"] < summary["first_loss"]
+    steps = [step for record in generated for step in record["steps"]]
+    assert steps == sorted(steps) and all(0 <= s <= 12 for s in steps)

@@ -100,6 +100,14 @@ class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig, TrustConfig):
     inference_sessions_per_caller: int = option(
         8, "generation sessions one caller may hold on this peer (0: none, stateless inference only)"
     )
+    uplink_turns: bool = option(
+        True,
+        "replies to one caller leave one at a time, the smallest first, each at the link's full rate, which "
+        "lowers their mean time to arrive; --no-uplink-turns sends them at once, sharing the link",
+    )
+    emulate_uplink_mbit: float = option(
+        0.0, "for tests and benchmarks: replies cross an emulated uplink of this many Mbit/s, shared by those in flight"
+    )
     announce_period: float = option(2.0, "seconds between DHT announcements")
     record_ttl: float = option(10.0, "seconds an announcement stays valid if the peer vanishes")
     checkpoint_dir: str | None = option(None, "directory for the stage's checkpoints; resume from it if present")
@@ -258,10 +266,14 @@ class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig, TrustConfig):
             raise ConfigError("--offload-group must be 0 (sized from the device's memory) or positive")
         if self.compile and self.offload:
             raise ConfigError("--compile and --offload do not combine: an offloaded block moves between devices")
-        if self.simulated_speed < 0 or self.inference_chunk_ms <= 0 or self.inference_memory_mb < 0:
+        if (
+            self.simulated_speed < 0
+            or self.inference_chunk_ms <= 0
+            or min(self.inference_memory_mb, self.emulate_uplink_mbit) < 0
+        ):
             raise ConfigError(
                 "--simulated-speed must be 0 (real speed) or positive, --inference-chunk-ms positive, "
-                "--inference-memory-mb 0 or more"
+                "--inference-memory-mb and --emulate-uplink-mbit 0 or more"
             )
         for name in ("target_batch_size", "max_batch_samples", "num_threads", "max_queue", "max_streams_per_caller"):
             if getattr(self, name) < 1:

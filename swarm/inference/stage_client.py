@@ -17,6 +17,7 @@ from hivemind.p2p import PeerID
 
 from swarm.compression import get_codec
 from swarm.config.inference_settings import InferenceConfig
+from swarm.models.stage_io import StageOutputError, check_stage_outputs
 from swarm.net.direct_plane import DirectPlane
 from swarm.net.transport import StageCallError, call_stage
 from swarm.proto import INFER, ErrorCode, StageReply, StageRequest
@@ -102,12 +103,38 @@ class StageClient:
         )
         self.calls += 1
         try:
-            return await call_stage(
+            reply, outputs = await call_stage(
                 self.p2p, PeerID.from_base58(peer), request, tensors, get_codec("none"), self.config.call_timeout
             )
+            if tensors:
+                self._check(stage, tensors, outputs, peer)
+            return reply, outputs
         except StageCallError:
             self.failures += 1
             raise
+
+    def _check(self, stage: int, inputs: list[torch.Tensor], outputs: list[torch.Tensor], peer: str) -> None:
+        """A reply that does not hold what the call asked for is the peer's fault: StageCallError, and the call goes
+        to another peer."""
+        spec, num_stages = self.config.model_spec(), self.config.num_stages
+        try:
+            if stage < num_stages - 1:
+                check_stage_outputs(stage, num_stages, spec.boundary_width, False, inputs, outputs, None)
+                return
+            batch = inputs[0].shape[0]
+            expected = (
+                (batch,)
+                if len(inputs) > 1 + (stage > 0 and spec.later_stages_take_tokens)
+                else (batch, spec.vocab_size)
+            )
+            if len(outputs) != 1 or outputs[0].dtype != torch.float32 or tuple(outputs[0].shape) != expected:
+                raise StageOutputError(
+                    f"stage {stage} answered {[tuple(t.shape) for t in outputs]}, expected {expected}"
+                )
+            if not torch.isfinite(outputs[0]).all():
+                raise StageOutputError(f"stage {stage} answered values that are not finite")
+        except StageOutputError as e:
+            raise StageCallError(ErrorCode.INTERNAL, f"bad reply: {e}", peer) from None
 
     async def call_any(self, stage: int, tensors: list[torch.Tensor]) -> tuple[StageReply, list[torch.Tensor]]:
         """A call with no session to any peer of `stage`, tried on others (and after reading the records again)

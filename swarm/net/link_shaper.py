@@ -47,3 +47,60 @@ class LinkShaper:
     async def receive(self, peer: str, num_bytes: int) -> None:
         """Waits as long as a reply of `num_bytes` takes to come back from `peer`."""
         await asyncio.sleep(self.delay(peer, "down", num_bytes))
+
+
+class SharedLink:
+    """An emulated link whose transfers in flight share its rate equally, as TCP flows share a bottleneck.
+
+    `transfer(n)` waits as long as n bytes take while the others in flight take their shares: four equal
+    transfers started together all end after four transfers' time. For tests and benchmarks of how a sender
+    schedules its transfers (`swarm.net.uplink_turns`).
+    """
+
+    def __init__(self, bandwidth_mbit: float) -> None:
+        self.rate = bandwidth_mbit * 1e6 / 8  # bytes per second
+        self._active: dict[int, list] = {}  # one [bytes left, future] per transfer in flight
+        self._updated = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+
+    async def transfer(self, num_bytes: int) -> None:
+        """Waits until `num_bytes` have crossed the link, sharing it with the transfers in flight."""
+        if self.rate <= 0 or num_bytes <= 0:
+            return
+        loop = asyncio.get_running_loop()
+        self._advance(loop.time())
+        done = loop.create_future()
+        self._active[id(done)] = [float(num_bytes), done]
+        self._schedule(loop)
+        try:
+            await done
+        finally:
+            if self._active.pop(id(done), None) is not None:  # cancelled: its share goes to the others
+                self._advance(loop.time())
+                self._schedule(loop)
+
+    def _advance(self, now: float) -> None:
+        if self._active:
+            share = self.rate * (now - self._updated) / len(self._active)
+            for entry in self._active.values():
+                entry[0] -= share
+        self._updated = now
+
+    def _schedule(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Sets the timer for the next transfer to end, at the rate each gets now."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._active:
+            left = max(0.0, min(entry[0] for entry in self._active.values()))
+            self._timer = loop.call_later(left * len(self._active) / self.rate, self._tick, loop)
+
+    def _tick(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._timer = None
+        self._advance(loop.time())
+        for key, (left, done) in list(self._active.items()):
+            if left <= 1.0:  # a byte of rounding
+                del self._active[key]
+                if not done.done():
+                    done.set_result(None)
+        self._schedule(loop)
