@@ -181,7 +181,7 @@ def main() -> None:
     parser.add_argument("--simulated-speed", type=float, default=40.0, help="samples/s of backward work per device")
     parser.add_argument("--bandwidth-mbit", type=float, default=200.0, help="the trainer's emulated link")
     parser.add_argument("--latency-ms", type=float, default=5.0, help="the trainer's emulated one-way latency")
-    parser.add_argument("--inference-chunk-ms", type=float, default=10.0, help="the peers' inference chunk")
+    parser.add_argument("--inference-chunk-ms", type=float, default=5.0, help="the peers' inference chunk")
     parser.add_argument("--infer-batch", type=int, default=8, help="samples per inference call")
     parser.add_argument("--saturating-calls", type=int, default=2, help="calls outstanding per stage at 100%% load")
     parser.add_argument("--loads", type=float, nargs="+", default=[0.25, 0.5, 1.0], help="inference loads")

@@ -104,6 +104,22 @@ def test_the_last_stage_answers_losses_with_targets_and_next_token_logits_withou
         runtime.shutdown()
 
 
+@pytest.mark.parametrize("stage, targets", [(1, False), (2, False), (2, True)])
+def test_a_sample_longer_than_a_chunk_is_cut_along_its_sequence_and_answers_as_a_whole(stage, targets):
+    runtime = make_runtime(stage)
+    runtime.speed.reset(0.03)  # a sample's forward: 10 ms, against 1 ms chunks: 6 positions a chunk
+    cut, whole = InferenceWork(runtime, chunk_seconds=0.001), InferenceWork(runtime, chunk_seconds=1.0)
+    target_ids = torch.randint(0, 256, (3, SPEC.seq_len)) if targets else None
+    try:
+        assert cut.samples_per_chunk() == 0 and cut.positions_per_chunk(1) == 6
+        by_chunks = cut.submit([hidden(3)], target_ids).result(timeout=60).output
+        at_once = whole.submit([hidden(3)], target_ids).result(timeout=60).output
+        assert cut.chunks == 3 * 11 and whole.chunks == 1
+        torch.testing.assert_close(by_chunks, at_once, atol=1e-5, rtol=1e-5)
+    finally:
+        runtime.shutdown()
+
+
 def test_sessions_are_kept_per_caller_bounded_and_lost_sessions_say_so():
     sessions = InferenceSessions(num_blocks=2, seq_len=64, max_bytes=10**9, per_caller=2)
     cache = sessions.take("alice", "s1", 0, 5)

@@ -90,7 +90,7 @@ class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig, TrustConfig):
         "request past that is answered busy (UNAVAILABLE) and its caller tries another peer",
     )
     inference_chunk_ms: float = option(
-        10.0,
+        5.0,
         "inference (INFER calls: `swarm generate`, `swarm eval`) runs only while no training request waits, in "
         "chunks of about this much work, so a training request waits at most one chunk",
     )
