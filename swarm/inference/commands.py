@@ -46,12 +46,24 @@ class TextCodec:
         return bytes(t for t in tokens if t < 256).decode("utf-8", errors="replace")
 
 
-async def _with_client(config: InferenceConfig, dht, body):
-    """Runs `body(client)` with a client on the DHT's daemon, once every stage has a serving peer."""
-    p2p = DirectPlane(await connect_to_daemon(dht), dht.identity, dial=config.direct, shared_memory=False)
-    client = StageClient(dht, config, p2p)
-    await client.wait_for_swarm()
-    return await body(client)
+def _read_swarm(config: InferenceConfig, name: str, body, errors: tuple[type[Exception], ...] = ()):
+    """Joins the DHT and runs `body(client)` once every stage has a serving peer; None, the error logged, where the
+    swarm (or one of `errors`) stops it."""
+    dht = start_dht(config)
+
+    async def main():
+        p2p = DirectPlane(await connect_to_daemon(dht), dht.identity, dial=config.direct, shared_memory=False)
+        client = StageClient(dht, config, p2p)
+        await client.wait_for_swarm()
+        return await body(client)
+
+    try:
+        return run(main())
+    except (NoPeerError, StageCallError, *errors) as e:
+        logger.error(f"swarm {name}: {e}")
+        return None
+    finally:
+        dht.shutdown()
 
 
 def run_generate(config: GenerateConfig) -> int:
@@ -59,7 +71,6 @@ def run_generate(config: GenerateConfig) -> int:
     text = TextCodec(config.tokenizer)
     prompt = text.encode(config.prompt)
     spec = config.model_spec()
-    dht = start_dht(config)
     started = time.perf_counter()
 
     async def body(client: StageClient):
@@ -78,13 +89,9 @@ def run_generate(config: GenerateConfig) -> int:
         finally:
             await session.close()
 
-    try:
-        record = run(_with_client(config, dht, body))
-    except (NoPeerError, StageCallError, ValueError) as e:
-        logger.error(f"swarm generate: {e}")
+    record = _read_swarm(config, "generate", body, (ValueError,))
+    if record is None:
         return 1
-    finally:
-        dht.shutdown()
     seconds = time.perf_counter() - started
     low, high = min(record.steps), max(record.steps)
     steps = f"step {low}" if low == high else f"steps {low}..{high}"
@@ -105,7 +112,6 @@ def run_eval(config: EvalConfig) -> int:
     except CorpusError as e:
         logger.error(f"swarm eval: {e}")
         return 1
-    dht = start_dht(config)
 
     async def body(client: StageClient):
         losses, steps = [], []
@@ -119,13 +125,9 @@ def run_eval(config: EvalConfig) -> int:
                 bar.update(size)
         return summarize(losses, steps)
 
-    try:
-        record = run(_with_client(config, dht, body))
-    except (NoPeerError, StageCallError, CorpusError) as e:
-        logger.error(f"swarm eval: {e}")
+    record = _read_swarm(config, "eval", body)
+    if record is None:
         return 1
-    finally:
-        dht.shutdown()
     print(
         f"Held-out loss {record.loss:.4f} (perplexity {record.perplexity:.2f}) over {record.samples} sequences "
         f"of {corpus.name}, with the weights of steps {min(record.steps)}..{max(record.steps)}",
