@@ -9,8 +9,8 @@ import pytest
 from swarm.net.link_shaper import SharedLink
 from swarm.net.uplink_turns import MAX_OVERTAKEN, UplinkTurns
 
-UNIT = 0.2  # seconds one transfer takes alone: the link is 8 Mbit/s, a transfer 200,000 bytes
-SIZE = 200_000
+UNIT = 0.5  # seconds one transfer takes alone: the link is 8 Mbit/s, a transfer 500,000 bytes
+SIZE = 500_000
 
 
 async def completions(turns: UplinkTurns, sizes: list[int], destination=lambda i: "caller") -> list[float]:
@@ -52,7 +52,7 @@ def test_the_smallest_waiting_reply_goes_next_and_other_destinations_do_not_wait
             await turns.send(destination, nbytes, write)
 
         first = asyncio.create_task(send(0, SIZE))
-        await asyncio.sleep(0.01)  # the first holds the turn; the others queue behind it
+        await asyncio.sleep(0)  # the first takes the turn; the others queue behind it
         tasks = [asyncio.create_task(send(tag, n)) for tag, n in ((1, 3 * SIZE), (2, SIZE // 10), (3, SIZE))]
         elsewhere = loop.time()
         await send(9, SIZE // 100, "another caller")
