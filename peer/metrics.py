@@ -18,6 +18,7 @@ from swarm.net.allowlist import Handler, StreamGate
 from swarm.net.transport import INFO_PROTOCOL, STAGE_PROTOCOL
 from swarm.net.wire import Part
 from swarm.ops.prometheus import DURATION_BUCKETS, CountersFrom, error_name, tensor_bytes_by_codec
+from swarm.peer.inference_handler import InferenceHandler
 from swarm.peer.mates import StageMates
 from swarm.peer.runtime import RoundResult, StageRuntime
 from swarm.records.stage_records import JOINING, LEAVING, SERVING
@@ -63,6 +64,7 @@ class Hosting:
     runtime: StageRuntime
     mates: StageMates
     earlier: dict[str, int] = field(default_factory=dict)
+    inference: InferenceHandler | None = None
 
     def tally(self, name: str, read: Callable[[StageRuntime, StageMates], int]) -> int:
         return self.earlier.get(name, 0) + read(self.runtime, self.mates)
@@ -130,6 +132,21 @@ class PeerMetrics:
             lambda h: h.runtime.samples_stepped,
         )
         gauge("swarm_peer_mates", "stage-mates this peer knows from the DHT", lambda h: len(h.mates.mates))
+        gauge(
+            "swarm_peer_inference_seconds",
+            "seconds spent on inference chunks, in the gaps training leaves (since the peer took its stage)",
+            lambda h: h.inference.work.busy_seconds if h.inference is not None else 0.0,
+        )
+        gauge(
+            "swarm_peer_inference_sessions",
+            "generation sessions whose KV cache the peer holds",
+            lambda h: len(h.inference.sessions or ()) if h.inference is not None else 0,
+        )
+        gauge(
+            "swarm_peer_inference_delay_seconds",
+            "the most a training request waited behind an inference chunk, of the latest ones",
+            lambda h: max(h.runtime.requests.inference_delays, default=0.0),
+        )
         state = Gauge("swarm_peer_state", "1 for the peer's state, 0 for the others", ["state"], registry=registry)
         for name in (JOINING, SERVING, LEAVING):
             state.labels(name).set_function(lambda name=name: float(peer.state == name))
@@ -194,13 +211,14 @@ class PeerMetrics:
         hosting = self.hosting
         return 0 if hosting is None else hosting.tally(name, read)
 
-    def host(self, runtime: StageRuntime, mates: StageMates) -> None:
-        """The peer now hosts the stage of `runtime` and `mates`; the tallies of the one it left are kept."""
+    def host(self, runtime: StageRuntime, mates: StageMates, inference: InferenceHandler | None = None) -> None:
+        """The peer now hosts the stage of `runtime` and `mates` (and serves its `inference`); the tallies of the one
+        it left are kept."""
         previous = self.hosting
         earlier = {}
         if previous is not None:
             earlier = {name: previous.tally(name, read) for name, _, read in STAGE_TALLIES}
-        self.hosting = Hosting(runtime, mates, earlier)
+        self.hosting = Hosting(runtime, mates, earlier, inference)
 
     def counting(self, handler: Handler, protocol: str) -> Handler:
         """`handler`, counting the streams it is given in swarm_peer_calls_total."""

@@ -179,7 +179,7 @@ class Peer:
             uplink=uplink_turns(config),
         )
         if self.metrics is not None:
-            self.metrics.host(self.runtime, self.mates)
+            self.metrics.host(self.runtime, self.mates, self.handler.inference)
         self.mates.on_phase = self.handler.notify_step
         self.runtime.on_stepped = self._on_stepped
         self.mates.refresh_records = self._read_mates
