@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from swarm.inference.stage_client import StageClient
+from swarm.inference.stage_client import StageClient, stage_inputs
 from swarm.models.registry import ModelSpec
 
 
@@ -32,10 +32,9 @@ async def evaluate_batch(client: StageClient, spec: ModelSpec, windows: torch.Te
     hidden = tokens
     num_stages = client.config.num_stages
     for stage in range(num_stages):
-        inputs = [hidden] + ([tokens] if stage > 0 and spec.later_stages_take_tokens else [])
-        if stage == num_stages - 1:
-            inputs.append(targets)
-        reply, outputs = await client.call_any(stage, inputs)
+        last = stage == num_stages - 1
+        inputs = stage_inputs(spec, stage, hidden, tokens) + ([targets] if last else [])
+        reply, outputs = await client.call_any(stage, inputs, targets=last)
         hidden = outputs[0]
     return hidden, reply.step
 
