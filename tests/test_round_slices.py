@@ -10,6 +10,7 @@ from test_peer_death import trainer_exit_code
 from test_step_protocol import peer_infos, read_lines, start_swarm
 
 from swarm.peer.checkpoint import load_checkpoint
+from swarm.peer.contribution_bounds import CLIP_FACTOR
 from swarm.peer.round_slices import (
     contributors_digest,
     owner_scales,
@@ -56,7 +57,7 @@ def test_an_understated_norm_is_bounded_by_what_its_slice_shows():
     assert owner_scales([1.0, 1.2, 0.9], [0.5, 0.6, 0.4], samples) == [1.0, 1.0, 1.0]
     # the third states 1.0 but its slice alone holds 100: its slice is scaled down to the group's bound
     scales = owner_scales([1.0, 1.2, 1.0], [0.5, 0.6, 100.0], samples)
-    assert scales[:2] == [1.0, 1.0] and scales[2] == pytest.approx(5 * 1.2 / 100.0)  # the lower median: 1.2
+    assert scales[:2] == [1.0, 1.0] and scales[2] == pytest.approx(CLIP_FACTOR * 1.2 / 100.0)  # the lower median: 1.2
 
 
 def stage_1_matches_reference(local_swarm, tmp_path, steps: int, name: str) -> None:
