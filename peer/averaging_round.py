@@ -59,7 +59,7 @@ from swarm.peer.step_machine import (
     held_by_the_gone,
     named_in,
 )
-from swarm.peer.work_receipts import lost_with_the_dead
+from swarm.peer.work_receipts import dropped_by, lost_with_the_dead
 from swarm.proto import (
     PROTOCOL_VERSION,
     Error,
@@ -159,6 +159,7 @@ class AveragingRound:
         if grad_sum is not None:
             norm = await asyncio.get_running_loop().run_in_executor(None, lambda: float(grad_sum.norm()))
         own = Contribution(sum(held.values()), grad_sum, frozenset(members), held, known, give_up, norm)
+        own.dropped.update(state.dropped.get(machine.peer_id, {}))
         if machine.receipts is not None:  # screened as the mates screen it, so that all decide alike
             own = self._screened(machine.peer_id, step, own, *self._receipts_of(own))
         box[machine.peer_id] = own
@@ -185,7 +186,7 @@ class AveragingRound:
             for contribution in contributions:
                 for key, peers in (contribution.holders or {}).items():
                     holders[key] = holders.get(key, frozenset()) | peers
-            lost = lost_with_the_dead(lost, holders, agreed)
+            lost = lost_with_the_dead(lost, holders, agreed, dropped_by(contributions, sorted(agreed)))
         if lost and not any(c.give_up for c in contributions):
             self._go_short(step, state, attempt, agreed, box, lost)
             return None
@@ -365,6 +366,7 @@ class AveragingRound:
             known=ids_to_wire(own.known),
             give_up=own.give_up,
             norm=own.norm,
+            dropped=ids_to_wire(own.dropped),
         )
         if machine.receipts is not None:
             receipts, vouchers = self._receipts_of(own)
@@ -401,7 +403,7 @@ class AveragingRound:
     async def _accept_contribution(self, sender: str, header: GradContribution, parts: list) -> Error:
         machine = self.machine
         error = check_header(header, machine.model, machine.stage)
-        error = error or check_ids(machine.runtime.max_batch_samples, header.held, header.known)
+        error = error or check_ids(machine.runtime.max_batch_samples, header.held, header.known, header.dropped)
         if (error := error or check_members(header.members)) is not None:
             return error
         if header.samples != sum(i.samples for i in header.held):
@@ -452,6 +454,7 @@ class AveragingRound:
             header.give_up,
             header.norm,
             header.handover,
+            dropped=ids_from_wire(header.dropped),
         )
         if machine.receipts is not None:  # only what vouched trainers gave counts
             contribution = self._screened(sender, header.step, contribution, header.receipts, header.vouchers)
@@ -463,11 +466,13 @@ class AveragingRound:
 
     def _receipts_of(self, own: Contribution) -> tuple[list[Receipt], list[Voucher]]:
         """The receipts this peer shows for a contribution: of what it holds, and of what it knows mates held."""
-        return self.machine.receipts.shown(own.held, own.known)
+        return self.machine.receipts.shown({**own.held, **own.dropped}, own.known)
 
     def _screened(self, sender: str, step: int, contribution: Contribution, receipts, vouchers) -> Contribution:
         """`contribution` as it counts: only the microbatches good receipts name its holder for."""
-        screened = self.machine.receipts.screen(sender, step, contribution.held, contribution.known, receipts, vouchers)
+        screened = self.machine.receipts.screen(
+            sender, step, contribution.held, contribution.known, receipts, vouchers, contribution.dropped
+        )
         return dataclasses.replace(
             contribution,
             samples=sum(screened.held.values()),
@@ -475,6 +480,7 @@ class AveragingRound:
             held=screened.held,
             known=screened.known,
             holders=screened.holders,
+            dropped=screened.dropped,
         )
 
     # --- second phase: the commits ------------------------------------------------------------------------
@@ -515,8 +521,10 @@ class AveragingRound:
                 await asyncio.wait_for(machine.changed.wait(), wait)
         machine.check_left_behind(step)
         agreed = set(view) - (others - set(commits))
+        # a hand-over counts only where every committer holds it, as any contribution: a newcomer that joined
+        # after a mate left never had it, and would sum without it what the others sum with it
         for peer_id in others & set(commits):
-            agreed &= commits[peer_id] | handovers
+            agreed &= commits[peer_id]
         if agreed != view:
             logger.warning(
                 f"Stage {machine.stage} step {step}: the mates agree on {len(agreed)} of the {len(view)} "

@@ -21,7 +21,7 @@ from swarm.peer.mate_messages import PROGRESS_TIMEOUT, Held, check_header, check
 from swarm.peer.protocol_handler import protocol_handler
 from swarm.peer.runtime import SampleKey
 from swarm.peer.step_machine import ACCUMULATING, StepMachine
-from swarm.peer.work_receipts import STATE_RECEIPT_STEPS
+from swarm.peer.work_receipts import DROPPED_STEPS_BEHIND, STATE_RECEIPT_STEPS
 from swarm.proto import PROTOCOL_VERSION, Error, ErrorCode, MateProgress, MateReply
 
 logger = logging.getLogger(__name__)
@@ -119,6 +119,7 @@ class ProgressExchange:
         """Tells `peer_id` what this peer holds toward `step`, with its fingerprint at that step."""
         machine = self.machine
         await machine.faults.hit("progress")
+        dropped = machine.steps[step].dropped.get(machine.peer_id, {}) if step in machine.steps else {}
         message = MateProgress(
             protocol_version=PROTOCOL_VERSION,
             model=machine.model,
@@ -127,9 +128,10 @@ class ProgressExchange:
             samples=sum(held.values()),
             held=ids_to_wire(held),
             fingerprint=machine.runtime.fingerprint_at(step),
+            dropped=ids_to_wire(dropped),
         )
         if machine.receipts is not None:
-            receipts, vouchers = machine.receipts.unacknowledged(peer_id, step, held)
+            receipts, vouchers = machine.receipts.unacknowledged(peer_id, step, {**held, **dropped})
             message.receipts.extend(receipts)
             message.vouchers.extend(vouchers)
         try:
@@ -158,7 +160,7 @@ class ProgressExchange:
         machine = self.machine
         self.membership.heard_from(sender)
         error = check_header(message, machine.model, machine.stage)
-        if (error := error or check_ids(machine.runtime.max_batch_samples, message.held)) is not None:
+        if (error := error or check_ids(machine.runtime.max_batch_samples, message.held, message.dropped)) is not None:
             reply.error.CopyFrom(error)
         elif message.step >= machine.runtime.step:  # older progress no longer matters
             self._take(sender, message, reply)
@@ -184,10 +186,15 @@ class ProgressExchange:
                 sender, message.step, incoming, before, message.receipts, message.vouchers
             )
         merged = {**before, **incoming}
+        dropped = ids_from_wire(message.dropped) if not parking else {}  # (one taking a state is at its step)
+        if dropped and machine.receipts is not None:  # only what a receipt names the sender for
+            dropped = machine.receipts.screen_progress(
+                sender, message.step, dropped, {}, message.receipts, message.vouchers, DROPPED_STEPS_BEHIND
+            )
         refusal = progress_refusal(
             message.step,
             message.step if taking_state and parking else runtime.step,
-            sum(merged.values()),
+            sum(merged.values()) + sum(dropped.values()),
             runtime.target_batch_size,
             runtime.max_batch_samples,
         )
@@ -197,11 +204,22 @@ class ProgressExchange:
             self._park(sender, message.step, merged)
         else:
             machine.steps[message.step].progress.setdefault(sender, {}).update(incoming)
+            self._expect_dropped(sender, message.step, dropped)
             self.note_holdings()
             if message.fingerprint:
                 self.fingerprints[sender] = (message.step, message.fingerprint)
                 self.compare_fingerprints()
             machine.advance(message.step)
+
+    def _expect_dropped(self, sender: str, step: int, dropped: Held) -> None:
+        """`sender` dropped `dropped` to take a state: this peer's round at `step` expects them too, so that they
+        are found lost and sent again should the sender die before its round (it asks for them itself else)."""
+        if not dropped:
+            return
+        state = self.machine.steps[step]
+        state.dropped.setdefault(sender, {}).update(dropped)
+        known = state.known()
+        state.lost.update({key: n for key, n in dropped.items() if key not in known and key not in self.summed_union})
 
     def _park(self, sender: str, step: int, held: Held) -> None:
         """Keeps `sender`'s holdings toward `step`, past this peer's next, until this peer reaches it: only the

@@ -181,6 +181,9 @@ class StateHandOver:
         known = state.known()
         lost = {key: n for key, n in dropped.items() if key not in self.progress.summed_union and key not in known}
         state.lost.update(lost)
+        # the mates hear of them with this peer's progress (sent next): should it die before the round, theirs
+        # expects them still; with a trust root, its offers say it dropped them (its receipts name it)
+        state.dropped.setdefault(self.machine.peer_id, {}).update(lost)
         logger.warning(
             f"Stage {self.machine.stage}: dropped {sum(dropped.values())} accumulated samples to take a mate's state "
             f"at step {step}; {sum(lost.values())} of them will be asked for again"

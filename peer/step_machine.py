@@ -93,6 +93,7 @@ class Contribution:
     norm: float = 0.0  # the L2 norm of grad_sum, as its sender states it (see `round_slices.owner_scales`)
     handover: bool = False  # from a leaving peer: it sent its whole gradient and owns no slice
     holders: dict[SampleKey, frozenset[str]] | None = None  # with a trust root: whom receipts name per microbatch
+    dropped: Held = field(default_factory=dict)  # what the member held and dropped to take a state: lost, not held
 
 
 @dataclass
@@ -106,6 +107,8 @@ class StepState:
     commits: dict[int, dict[str, frozenset[str]]] = field(default_factory=lambda: defaultdict(dict))  # by attempt
     inbox: dict[int, SliceInbox] = field(default_factory=lambda: defaultdict(SliceInbox))  # slices, by attempt
     lost: Held = field(default_factory=dict)  # while short: what the stage waits for
+    # per member (this peer too): what it held and dropped to take a state, and the stage's round expects again
+    dropped: dict[str, Held] = field(default_factory=dict)
     short_deadline: float | None = None  # loop time: then the stage steps without what is still lost
 
     def known(self) -> Held:

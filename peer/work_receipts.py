@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import islice
 
 from swarm.config import PeerConfig
@@ -26,6 +26,9 @@ logger = logging.getLogger(__name__)
 
 BOOK_SIZE = 65536  # receipts kept: many steps' worth of microbatches
 RECEIPT_STEPS_BEHIND = 2  # a backward's forward may run this many steps before the round it counts in
+# a microbatch a peer dropped to take a state is said lost this many steps after its receipt at most: it counts no
+# sample (its trainer sends it again), so a state taken a few steps ahead must not leave it unsaid
+DROPPED_STEPS_BEHIND = 32
 MAX_VOUCHERS = 64  # distinct trainer keys one contribution may show
 # a peer gives its state (or counts in the fingerprint majority) only with a receipt naming it this recent: honest
 # peers of a stage get work every step or so; one that did none lately has no say over the stage's state
@@ -40,14 +43,32 @@ class Screened:
     held: Held  # the microbatches it holds that a receipt names it for
     known: Held  # those it knows a member held that a receipt names that member for
     holders: dict[SampleKey, frozenset[str]]  # per microbatch, the peers its good receipts name
+    dropped: Held = field(default_factory=dict)  # those it dropped to take a state that a receipt names it for
 
 
-def lost_with_the_dead(lost: Held, holders: dict[SampleKey, frozenset[str]], agreed: set[str]) -> Held:
-    """Of the microbatches no contribution summed, those lost: no peer a receipt names for it is in the round.
+def lost_with_the_dead(
+    lost: Held,
+    holders: dict[SampleKey, frozenset[str]],
+    agreed: set[str],
+    dropped: dict[SampleKey, frozenset[str]] | None = None,
+) -> Held:
+    """Of the microbatches no contribution summed, those lost: no peer a receipt names for it is in the round,
+    or each one that is says it dropped it to take a state (`dropped`: per microbatch, who says so).
 
     A member in the round speaks for its own holdings: a microbatch someone says it held, but its
     contribution does not, was never held by it at this step (a replayed receipt, a made-up claim)."""
-    return {key: n for key, n in lost.items() if not holders.get(key, frozenset()) & agreed}
+    dropped = dropped or {}
+    speaking = {key: (holders.get(key, frozenset()) & agreed) - dropped.get(key, frozenset()) for key in lost}
+    return {key: n for key, n in lost.items() if not speaking[key]}
+
+
+def dropped_by(contributions, peers: Iterable[str]) -> dict[SampleKey, frozenset[str]]:
+    """Per microbatch, which of `peers` (each with its contribution, in order) say they dropped it."""
+    who: dict[SampleKey, frozenset[str]] = {}
+    for peer, contribution in zip(peers, contributions):
+        for key in contribution.dropped:
+            who[key] = who.get(key, frozenset()) | {peer}
+    return who
 
 
 class WorkReceipts:
@@ -140,16 +161,24 @@ class WorkReceipts:
             del self._acked[old]
 
     def screen_progress(
-        self, sender: str, step: int, incoming: Held, already: Held, receipts: Iterable[Receipt], vouchers
+        self,
+        sender: str,
+        step: int,
+        incoming: Held,
+        already: Held,
+        receipts: Iterable[Receipt],
+        vouchers,
+        behind: int = RECEIPT_STEPS_BEHIND,
     ) -> Held:
         """What of mate `sender`'s progress at `step` counts: what it named before, and new microbatches it
-        shows a good receipt for (kept, to show with this peer's offers). The rest is left out and counted."""
+        shows a good receipt for, at most `behind` steps old (kept, to show with this peer's offers). The rest is
+        left out and counted."""
         by_key = {bytes(v.public_key): v for _, v in zip(range(MAX_VOUCHERS), vouchers)}
         proven = {}
         for receipt in receipts:
             key = (receipt.trainer, int(receipt.microbatch))
             fits = incoming.get(key) == receipt.samples and receipt.peer == sender and receipt.stage == self.stage
-            recent = step - RECEIPT_STEPS_BEHIND <= receipt.step <= step + 1
+            recent = step - behind <= receipt.step <= step + 1
             if fits and recent and key not in proven and self.checker.problem(receipt, by_key) is None:
                 proven[key] = receipt
                 self.hear(receipt, by_key.get(bytes(receipt.public_key)))
@@ -182,32 +211,46 @@ class WorkReceipts:
         return receipts, list(vouchers.values())
 
     def screen(
-        self, sender: str, step: int, held: Held, known: Held, receipts: Iterable[Receipt], vouchers: Iterable[Voucher]
+        self,
+        sender: str,
+        step: int,
+        held: Held,
+        known: Held,
+        receipts: Iterable[Receipt],
+        vouchers: Iterable[Voucher],
+        dropped: Held | None = None,
     ) -> Screened:
         """What of a contribution by `sender` at `step` counts: the microbatches it holds that a good receipt
-        names it for, and those it knows a member held that a good receipt names that member for.
+        names it for, those it knows a member held that a good receipt names that member for, and those it
+        says it `dropped` to take a state that a good receipt names it for.
 
         Every member screens the same offer alike (the receipts and the trust root decide, nothing of its own),
         so they agree on what counts and on what is lost."""
         by_key = {bytes(v.public_key): v for _, v in zip(range(MAX_VOUCHERS), vouchers)}
+        dropped = dropped or {}
         counted_held: Held = {}
+        counted_dropped: Held = {}
         holders: dict[SampleKey, set[str]] = {}
         for receipt in receipts:
             key = (receipt.trainer, int(receipt.microbatch))
-            recent = step - RECEIPT_STEPS_BEHIND <= receipt.step <= step + 1
-            wanted = held.get(key) == receipt.samples or known.get(key) == receipt.samples
+            behind = DROPPED_STEPS_BEHIND if key in dropped else RECEIPT_STEPS_BEHIND
+            recent = step - behind <= receipt.step <= step + 1
+            wanted = receipt.samples in (held.get(key), known.get(key), dropped.get(key))
             if not (wanted and recent and receipt.stage == self.stage):
                 continue
             if receipt.peer in holders.get(key, ()) or self.checker.problem(receipt, by_key) is not None:
                 continue
             holders.setdefault(key, set()).add(receipt.peer)
             self._noted(receipt)
-            if receipt.peer == sender and key in held:
+            if receipt.peer == sender and key in held and receipt.step >= step - RECEIPT_STEPS_BEHIND:
                 counted_held[key] = receipt.samples
+            if receipt.peer == sender and key in dropped:
+                counted_dropped[key] = receipt.samples
         counted_known = {key: n for key, n in known.items() if key in holders}
         if len(counted_held) < len(held):
             self._left_out(sender, step, held, counted_held)
-        return Screened(counted_held, counted_known, {key: frozenset(peers) for key, peers in holders.items()})
+        holders_of = {key: frozenset(peers) for key, peers in holders.items()}
+        return Screened(counted_held, counted_known, holders_of, counted_dropped)
 
     def _noted(self, receipt: Receipt) -> None:
         if len(self._latest) < BOOK_SIZE or receipt.peer in self._latest:

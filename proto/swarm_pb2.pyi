@@ -263,7 +263,7 @@ class PeerInfo(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., step: _Optional[int] = ..., throughput: _Optional[float] = ..., queue_length: _Optional[int] = ..., state: _Optional[str] = ..., samples_accumulated: _Optional[int] = ..., target_batch_size: _Optional[int] = ..., stale_gradients: _Optional[int] = ..., requests_served: _Optional[int] = ..., resyncs: _Optional[int] = ..., samples_stepped: _Optional[int] = ..., abandoned_calls: _Optional[int] = ..., fingerprint: _Optional[str] = ..., samples_lost: _Optional[int] = ..., samples_doubled: _Optional[int] = ..., divergences: _Optional[int] = ..., step_state: _Optional[str] = ..., refused_outsiders: _Optional[int] = ..., unconfirmed_states: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., duplicate_backwards: _Optional[int] = ..., receipts: _Optional[_Iterable[_Union[Receipt, _Mapping]]] = ..., vouchers: _Optional[_Iterable[_Union[Voucher, _Mapping]]] = ..., inference_seconds: _Optional[float] = ..., inference_requests: _Optional[int] = ..., inference_sessions: _Optional[int] = ..., inference_delay_p99: _Optional[float] = ..., inference_delay_max: _Optional[float] = ...) -> None: ...
 
 class MateProgress(_message.Message):
-    __slots__ = ("protocol_version", "model", "stage", "step", "samples", "held", "fingerprint", "receipts", "vouchers")
+    __slots__ = ("protocol_version", "model", "stage", "step", "samples", "held", "fingerprint", "receipts", "vouchers", "dropped")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -273,6 +273,7 @@ class MateProgress(_message.Message):
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     RECEIPTS_FIELD_NUMBER: _ClassVar[int]
     VOUCHERS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     model: str
     stage: int
@@ -282,10 +283,11 @@ class MateProgress(_message.Message):
     fingerprint: str
     receipts: _containers.RepeatedCompositeFieldContainer[Receipt]
     vouchers: _containers.RepeatedCompositeFieldContainer[Voucher]
-    def __init__(self, protocol_version: _Optional[int] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., samples: _Optional[int] = ..., held: _Optional[_Iterable[_Union[SampleId, _Mapping]]] = ..., fingerprint: _Optional[str] = ..., receipts: _Optional[_Iterable[_Union[Receipt, _Mapping]]] = ..., vouchers: _Optional[_Iterable[_Union[Voucher, _Mapping]]] = ...) -> None: ...
+    dropped: _containers.RepeatedCompositeFieldContainer[SampleId]
+    def __init__(self, protocol_version: _Optional[int] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., samples: _Optional[int] = ..., held: _Optional[_Iterable[_Union[SampleId, _Mapping]]] = ..., fingerprint: _Optional[str] = ..., receipts: _Optional[_Iterable[_Union[Receipt, _Mapping]]] = ..., vouchers: _Optional[_Iterable[_Union[Voucher, _Mapping]]] = ..., dropped: _Optional[_Iterable[_Union[SampleId, _Mapping]]] = ...) -> None: ...
 
 class GradContribution(_message.Message):
-    __slots__ = ("protocol_version", "model", "stage", "step", "samples", "members", "tensors", "more", "handover", "attempt", "held", "known", "give_up", "norm", "receipts", "vouchers")
+    __slots__ = ("protocol_version", "model", "stage", "step", "samples", "members", "tensors", "more", "handover", "attempt", "held", "known", "give_up", "norm", "receipts", "vouchers", "dropped")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -302,6 +304,7 @@ class GradContribution(_message.Message):
     NORM_FIELD_NUMBER: _ClassVar[int]
     RECEIPTS_FIELD_NUMBER: _ClassVar[int]
     VOUCHERS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     model: str
     stage: int
@@ -318,7 +321,8 @@ class GradContribution(_message.Message):
     norm: float
     receipts: _containers.RepeatedCompositeFieldContainer[Receipt]
     vouchers: _containers.RepeatedCompositeFieldContainer[Voucher]
-    def __init__(self, protocol_version: _Optional[int] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., samples: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., more: _Optional[bool] = ..., handover: _Optional[bool] = ..., attempt: _Optional[int] = ..., held: _Optional[_Iterable[_Union[SampleId, _Mapping]]] = ..., known: _Optional[_Iterable[_Union[SampleId, _Mapping]]] = ..., give_up: _Optional[bool] = ..., norm: _Optional[float] = ..., receipts: _Optional[_Iterable[_Union[Receipt, _Mapping]]] = ..., vouchers: _Optional[_Iterable[_Union[Voucher, _Mapping]]] = ...) -> None: ...
+    dropped: _containers.RepeatedCompositeFieldContainer[SampleId]
+    def __init__(self, protocol_version: _Optional[int] = ..., model: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., samples: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., more: _Optional[bool] = ..., handover: _Optional[bool] = ..., attempt: _Optional[int] = ..., held: _Optional[_Iterable[_Union[SampleId, _Mapping]]] = ..., known: _Optional[_Iterable[_Union[SampleId, _Mapping]]] = ..., give_up: _Optional[bool] = ..., norm: _Optional[float] = ..., receipts: _Optional[_Iterable[_Union[Receipt, _Mapping]]] = ..., vouchers: _Optional[_Iterable[_Union[Voucher, _Mapping]]] = ..., dropped: _Optional[_Iterable[_Union[SampleId, _Mapping]]] = ...) -> None: ...
 
 class RoundCommit(_message.Message):
     __slots__ = ("protocol_version", "model", "stage", "step", "attempt", "contributors")

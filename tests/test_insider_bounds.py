@@ -286,6 +286,30 @@ def test_a_peer_keeps_its_mates_progress_ahead_of_it_until_it_gets_there():
     assert machine.steps[2].progress[mate] == {(trainer, 5): 2}
 
 
+def test_a_mate_that_dropped_microbatches_to_take_a_state_makes_this_peers_round_expect_them():
+    # it asks for them again itself; should it die before the round, this peer's round finds them lost and
+    # their trainers send them again, where they would otherwise be lost silently (a trust-root chaos run)
+    module = build_stage(SPEC, 1, 3, seed=0)
+    runtime = StageRuntime(module, build_optimizer(module, OptimizerSettings()), target_batch_size=16)
+    machine = StepMachine(runtime, PEERS[0], "gpt-tiny", FaultPlan())
+    machine.serving = True
+    progress = ProgressExchange(machine, MateMembership(machine))
+    mate, trainer = PEERS[1], PEERS[2]
+    machine.steps[0].progress[PEERS[0]] = {(trainer, 2): 2}  # this peer holds one of them itself
+    message = MateProgress(protocol_version=PROTOCOL_VERSION, model="gpt-tiny", stage=1, step=0)
+    message.dropped.extend(SampleId(trainer=trainer, microbatch=m, samples=2) for m in (1, 2))
+    reply = MateReply()
+    asyncio.run(progress._answer(mate, message, [], reply))
+    assert reply.error.code == ErrorCode.OK
+    assert machine.steps[0].lost == {(trainer, 1): 2} and machine.steps[0].dropped[mate] == {
+        (trainer, 1): 2,
+        (trainer, 2): 2,
+    }
+    assert not machine.lost(), "expected by the round, not waited for before it"
+    message.dropped.extend(SampleId(trainer=trainer, microbatch=m, samples=20) for m in range(10, 30))
+    assert "a mate holds at most" in asyncio.run(progress._answer(mate, message, [], MateReply()))[0].error.message
+
+
 def test_a_mate_renewing_its_record_but_answering_nothing_stays_out_of_rounds():
     # any key can sign a serving record and renew it: a renewal is no sign of life, or every step's round
     # would wait for such a mate again. A message from it is one; found unreachable again, it is held out

@@ -25,7 +25,7 @@ from conftest import (
 from swarm.config import ConfigError, TrainerConfig, load_config
 from swarm.net.transport import StageCallError
 from swarm.peer.checkpoint import load_checkpoint
-from swarm.peer.work_receipts import STATE_RECEIPT_STEPS, WorkReceipts, lost_with_the_dead
+from swarm.peer.work_receipts import STATE_RECEIPT_STEPS, WorkReceipts, dropped_by, lost_with_the_dead
 from swarm.proto import BACKWARD, ErrorCode, PeerInfo, StageReply, StageRequest, Voucher
 from swarm.records.stage_records import SERVING
 from swarm.trainer.stage_calls import StageCaller, _Attempts
@@ -100,6 +100,30 @@ def test_a_mate_counts_only_what_its_receipts_show(organizer, caplog):
     missing = {(TRAINER, 2): 4}
     assert lost_with_the_dead(missing, screened.holders, {PEER_A, PEER_B}) == {}
     assert lost_with_the_dead(missing, screened.holders, {PEER_A}) == missing
+
+
+def test_microbatches_a_peer_dropped_to_take_a_state_are_lost_though_it_is_in_the_round(organizer):
+    """A member speaks for its holdings: a microbatch its receipt names it for, that it does not sum, was never
+    its to sum; unless it says it dropped it to take a mate's state (then its trainer sends it again)."""
+    signer, checker = signer_and_checker(organizer)
+    dropper, mate = WorkReceipts(checker, PEER_A, stage=1), WorkReceipts(checker, PEER_B, stage=1)
+    request = StageRequest(kind=BACKWARD, stage=1, microbatch_id=7, step=5)
+    request.receipt.CopyFrom(signer.sign(TRAINER, PEER_A, 1, 7, 4, 5))
+    request.voucher.CopyFrom(signer.voucher)
+    dropper.keep((TRAINER, 7), request)  # it served the backward, then dropped the gradient with a state load
+    dropped = {(TRAINER, 7): 4}
+    shown, vouchers = dropper.shown(dropped, dropped)  # its offer: nothing held, the dropped expected
+    screened = mate.screen(PEER_A, 6, {}, dropped, shown, vouchers, dropped)
+    assert screened.dropped == dropped and screened.known == dropped and screened.holders == {(TRAINER, 7): {PEER_A}}
+    in_round = {PEER_A, PEER_B}
+    assert lost_with_the_dead(dropped, screened.holders, in_round) == {}  # without its word: silently lost
+    assert lost_with_the_dead(dropped, screened.holders, in_round, dropped_by([screened], [PEER_A])) == dropped
+    # a state taken steps ahead: the drop is still said (it counts no sample), a held claim of the receipt is not
+    later = mate.screen(PEER_A, 20, dropped, dropped, shown, vouchers, dropped)
+    assert later.dropped == dropped and later.held == {}
+    # a peer cannot drop what a receipt names another for
+    other = signer.sign(TRAINER, PEER_B, 1, 8, 4, 5)
+    assert mate.screen(PEER_A, 6, {}, {}, [other], [signer.voucher], {(TRAINER, 8): 4}).dropped == {}
 
 
 def test_a_backward_is_served_only_with_a_receipt_for_this_very_call(organizer):
