@@ -231,6 +231,21 @@ def test_an_id_fed_just_before_the_last_line_and_served_after_it_is_lost_with_th
     assert counts["samples_silently_lost"] == 2  # EARLY only, as before
 
 
+def test_a_peer_that_joined_at_the_step_before_the_last_does_not_move_the_stages_arrival_later():
+    """Traced in a wave run: a peer took the stage's state at step 105 and wrote its line for 105 two seconds after
+    the others; a backward served in between, held toward step 107, died with the stage. Timed by the joiner's
+    line, the stage reached 106 after that backward, and the loss was filed as silent."""
+    served = ("b", 5, 8)
+    joiner = [
+        at(step("j", 1, 5, [R5, AGAIN], fingerprint="old5"), 15.9),
+        at(step("j", 1, 6, [R6], fingerprint="old6"), 16.0),
+    ]
+    records = [*died_and_restored(), *joiner, *timed_fed((served, 15.2))]
+    counts = account(records, records)["stages"][1]
+    assert counts["lost_with_stage_ids"] == [["b", 1], ["b", 5]] and counts["samples_silently_lost"] == 2
+    assert counts["divergent_steps"] == []
+
+
 def test_an_id_the_dead_stage_served_is_lost_with_it_though_the_stages_below_served_it_after_the_restore():
     """Traced in a wave run: stages 1 and 2 died together; stage 2's peers had served the microbatch's backward,
     and stage 1 served it only once restored, after stage 2's restore. By stage 0's time it was fed after the

@@ -346,6 +346,21 @@ def _tally(ledger: _ReadLedger, stage: int) -> _StageTally:
     return tally
 
 
+def _reached(before: list[dict[str, Any]], last: int) -> float:
+    """When the stage reached step `last` (wrote its line for `last - 1`): the earliest such line among the peers
+    that wrote one for `last`, each peer's own. A peer that took a state at `last - 1` writes that line when it
+    joins, seconds later than the stage got there (a wave run: a backward served in between, held toward
+    `last + 1`, went uncounted). Without such peers, the latest line below `last`, as before."""
+    own: dict[str, float] = {}
+    stepped_last = {line.get("peer") for line in before if int(line["step"]) == last}
+    for line in before:
+        if int(line["step"]) == last - 1 and line.get("peer") in stepped_last:
+            own[line["peer"]] = max(own.get(line["peer"], float("-inf")), float(line["time"]))
+    if own:
+        return min(own.values())
+    return max((float(line["time"]) for line in before if int(line["step"]) <= last - 1), default=float("-inf"))
+
+
 def _lost_with_stage(ledger: _ReadLedger, stage: int, lost: set[SampleKey]) -> set[SampleKey]:
     """Of `lost`, the ids whose backward `stage` served between the moment it reached the step of its last line
     before a restore and that restore."""
@@ -355,8 +370,7 @@ def _lost_with_stage(ledger: _ReadLedger, stage: int, lost: set[SampleKey]) -> s
         last = max((int(line["step"]) for line in before), default=0)
         # the moment the stage reached its last line's step: a microbatch fed earlier ran its forward before
         # then, so its backward (at most one step stale) was summed by that last line, or declared lost
-        reached = [float(line["time"]) for line in before if int(line["step"]) <= last - 1]
-        windows.append((max(reached, default=float("-inf")), restored_at))
+        windows.append((_reached(before, last), restored_at))
     served = {key: ledger.served_at(key, stage) for key in lost}
     return {key for key, at in served.items() if at is not None and any(start < at < end for start, end in windows)}
 
