@@ -18,9 +18,9 @@ import torch
 
 from swarm.compression import Codec, CodecError, get_codec
 from swarm.models import GPTStage
-from swarm.models.stage_io import value_problem
+from swarm.models.stage_io import StageInputError, check_stage_inputs, value_problem
 from swarm.net.request_budget import RequestBudget
-from swarm.net.request_limits import read_checked_tensors
+from swarm.net.request_limits import call_too_large, undecoded_problem
 from swarm.net.uplink_turns import UplinkTurns
 from swarm.net.wire import (
     INLINE_CODING_BYTES,
@@ -29,6 +29,7 @@ from swarm.net.wire import (
     WireError,
     WireLimits,
     codes_inline,
+    decode_tensors,
     encode_tensor,
     pack_frames,
     read_frames,
@@ -179,6 +180,7 @@ class StageHandler:
             return [refusal]
         if request.kind == INFER:
             return await self.inference.serve(request, parts, caller, give_up_at, self._error)
+        loop = asyncio.get_running_loop()
         backward = request.kind == BACKWARD
         check = backward and request.check  # a spot check: input gradients only, nothing held or counted
         receipts = self.mates.machine.receipts if not check else None
@@ -187,15 +189,26 @@ class StageHandler:
         if backward and receipts is not None and (refusal := self._receipt_refusal(request, caller)) is not None:
             return [refusal]
 
-        def receipt_problem(tensors: list[torch.Tensor]) -> tuple[int, str] | None:
-            if tensors and tensors[0].ndim and tensors[0].shape[0] != request.receipt.samples:
-                return ErrorCode.FORBIDDEN, "the receipt names another sample count than the call carries"
-            return None
+        def take() -> tuple[list[torch.Tensor], tuple[int, str] | None]:
+            """The request's tensors, decoded and checked (a WireError if malformed), and what is wrong, if any."""
+            # shapes and sizes as the headers announce them first: nothing is decoded beyond the model's shapes
+            if (problem := undecoded_problem(self.stage, backward, parts, self.max_batch_samples, dtype)) is not None:
+                return [], problem
+            tensors = decode_tensors(parts, self.limits)
+            if tensors and tensors[0].ndim and (samples := tensors[0].shape[0]) > self.max_batch_samples:
+                return tensors, (ErrorCode.TOO_LARGE, call_too_large(samples, self.max_batch_samples))
+            if receipts is not None and backward and tensors and tensors[0].ndim and samples != request.receipt.samples:
+                return tensors, (ErrorCode.FORBIDDEN, "the receipt names another sample count than the call carries")
+            try:
+                check_stage_inputs(self.stage, backward, tensors, self.max_batch_samples, self.runtime.dtype)
+            except StageInputError as e:
+                return tensors, (ErrorCode.BAD_REQUEST, str(e))
+            return tensors, None
 
-        tensors, problem = await read_checked_tensors(
-            self.stage, backward, parts, self.limits, self.max_batch_samples, dtype,
-            receipt_problem if receipts is not None and backward else None,
-        )  # fmt: skip
+        # decoded and checked in one go: on the loop where that costs less than a hand-off, else in a worker
+        received = sum(len(part.buffer) for part in parts)
+        inline = codes_inline([part.head.codec for part in parts], received)
+        tensors, problem = take() if inline else await loop.run_in_executor(None, take)
         if problem is not None:
             return [self._error(*problem)]
         # answer in the codec the caller asked for, else in that of its first tensor

@@ -11,14 +11,18 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from swarm.compression import Codec, CodecError, get_codec
+import torch
+
+from swarm.compression import CodecError, get_codec
 from swarm.config import PeerConfig
-from swarm.models.stage_io import value_problem
-from swarm.net.request_limits import read_checked_tensors
-from swarm.net.wire import Part, WireLimits, encode_tensor, pack_frames
+from swarm.models.stage_io import StageInputError, check_stage_inputs, value_problem
+from swarm.net.link_shaper import SharedLink
+from swarm.net.request_limits import undecoded_problem
+from swarm.net.uplink_turns import UplinkTurns
+from swarm.net.wire import Part, WireLimits, codes_inline, decode_tensors, encode_tensor, pack_frames
 from swarm.peer.inference_sessions import InferenceSessions, SessionError
 from swarm.peer.inference_work import InferenceResult, InferenceWork
-from swarm.peer.runtime import StageRuntime
+from swarm.peer.runtime import QueueFullError, StageRuntime
 from swarm.proto import PROTOCOL_VERSION, ErrorCode, PeerInfo, StageReply, StageRequest
 
 MAX_SESSION_NAME = 128  # characters of a session's name
@@ -48,19 +52,16 @@ class InferenceHandler:
         self, request: StageRequest, parts: list[Part], caller: str, give_up_at: float | None, error: ErrorReply
     ) -> list[StageReply]:
         """The reply frames to one INFER call; `error` makes (and counts) an error reply."""
-        runtime = self.runtime
-        stage = runtime.module
+        stage = self.runtime.module
         if len(request.session) > MAX_SESSION_NAME:
             return [error(ErrorCode.BAD_REQUEST, f"a session's name is at most {MAX_SESSION_NAME} characters")]
         if request.session and self.sessions is None:
             return [error(ErrorCode.BAD_REQUEST, "this peer spills its stage (--offload) and keeps no session")]
         if request.end_session and not parts:
             ended = self.sessions is not None and self.sessions.end(caller, request.session)
-            return [StageReply(protocol_version=PROTOCOL_VERSION, step=runtime.step, num_samples=int(ended))]
+            return [StageReply(protocol_version=PROTOCOL_VERSION, step=self.runtime.step, num_samples=int(ended))]
         targets = stage.is_last and not request.session and len(parts) == stage.num_inputs + 1
-        tensors, problem = await read_checked_tensors(
-            stage, targets, parts, self.limits, self.max_batch_samples, runtime.dtype
-        )
+        tensors, problem = await self._decode(parts, targets)
         if problem is not None:
             return [error(*problem)]
         try:
@@ -79,7 +80,9 @@ class InferenceHandler:
             submitted = self.work.submit(inputs, tensors[-1] if targets else None, cache, give_up_at)
             result: InferenceResult = await asyncio.wrap_future(submitted)
             failed = False
-        except RuntimeError as e:  # the lane is full (QueueFullError), or the runtime is stopping
+        except QueueFullError as e:
+            return [error(ErrorCode.UNAVAILABLE, str(e))]
+        except RuntimeError as e:
             return [error(ErrorCode.UNAVAILABLE, str(e))]
         finally:
             if cache is not None:
@@ -88,7 +91,26 @@ class InferenceHandler:
             return [error(ErrorCode.INTERNAL, f"this peer computed values that {bad}; its state is broken")]
         return self._reply(result, inputs[0].shape[0], targets, codec)
 
-    def _reply(self, result: InferenceResult, samples: int, targets: bool, codec: Codec) -> list[StageReply]:
+    async def _decode(self, parts: list[Part], targets: bool) -> tuple[list[torch.Tensor], tuple[int, str] | None]:
+        """The call's tensors, checked against the stage's shapes before and after decoding, or what is wrong."""
+        stage, dtype = self.runtime.module, self.runtime.dtype
+
+        def take() -> tuple[list[torch.Tensor], tuple[int, str] | None]:
+            if (problem := undecoded_problem(stage, targets, parts, self.max_batch_samples, dtype)) is not None:
+                return [], problem
+            tensors = decode_tensors(parts, self.limits)
+            try:
+                check_stage_inputs(stage, targets, tensors, self.max_batch_samples, dtype)
+            except StageInputError as e:
+                return tensors, (ErrorCode.BAD_REQUEST, str(e))
+            return tensors, None
+
+        received = sum(len(part.buffer) for part in parts)
+        if codes_inline([part.head.codec for part in parts], received):
+            return take()
+        return await asyncio.get_running_loop().run_in_executor(None, take)
+
+    def _reply(self, result: InferenceResult, samples: int, targets: bool, codec) -> list[StageReply]:
         """Hidden states travel in the caller's codec; logits and losses, small and read as they are, exactly."""
         reply = StageReply(protocol_version=PROTOCOL_VERSION, step=result.step, num_samples=samples)
         if targets:
@@ -122,3 +144,10 @@ def inference_handler(
         sessions = InferenceSessions(len(module.blocks), module.spec.seq_len, memory, per_caller)
     work = InferenceWork(runtime, config.inference_chunk_ms / 1000)
     return InferenceHandler(runtime, limits, max_batch_samples, work, sessions)
+
+
+def uplink_turns(config: PeerConfig) -> UplinkTurns:
+    """How the peer's replies share its uplink (`--uplink-turns`), across an emulated one for tests and benchmarks
+    (`--emulate-uplink-mbit`)."""
+    link = SharedLink(config.emulate_uplink_mbit) if config.emulate_uplink_mbit > 0 else None
+    return UplinkTurns(config.uplink_turns, link)

@@ -28,7 +28,7 @@ from swarm.peer.runtime import StageRuntime
 logger = logging.getLogger(__name__)
 
 FORWARD_SHARE = 1 / 3  # a forward's cost against a backward's (which recomputes the forward), as the runtime's
-DEFAULT_CHUNK_SECONDS = 0.005  # --inference-chunk-ms's default
+DEFAULT_CHUNK_SECONDS = 0.02
 
 
 @dataclass
@@ -131,7 +131,7 @@ class InferenceWork:
         else:  # one sample's forward is longer than a chunk: its positions, a chunk at a time
             samples = self._sample_part(job, seq)
             done = job.row >= batch
-        self.runtime.pad_to_simulated_speed(started, samples, backward=False)
+        self._pad_to_simulated_speed(started, samples)
         self.busy_seconds += time.perf_counter() - started
         self.chunks += 1
         if done:
@@ -173,14 +173,28 @@ class InferenceWork:
     def _forward(
         self, inputs: list[torch.Tensor], targets: torch.Tensor | None, cache: StageCache | None
     ) -> torch.Tensor:
-        """The stage on one chunk as the runtime runs a forward (`StageRuntime.stage_forward`), on the host; on the
-        last stage without targets, the last position's next-token logits."""
+        """The stage on one chunk, as the runtime runs a forward (its dtype, autocast, spilled blocks), on the host."""
         runtime, module = self.runtime, self.runtime.module
         inputs = runtime.copies.to_device(inputs)
-        targets = None if targets is None else targets.to(runtime.device)
-        with torch.inference_mode():
-            output = runtime.stage_forward(inputs, targets, cache)
+        hidden = inputs[0].float() if inputs[0].is_floating_point() else inputs[0]
+        tokens = inputs[1] if module.takes_tokens else None
+        if targets is not None:
+            targets = targets.to(runtime.device)
+        with torch.inference_mode(), autocast(runtime.device, runtime.dtype):
+            if cache is None:
+                output = (runtime.spilling or module)(hidden, targets, tokens=tokens)
+            else:
+                output = module(hidden, targets, tokens=tokens, cache=cache)
             if module.is_last and targets is None:
-                with autocast(runtime.device, runtime.dtype):  # the head as the stage's forward would run it
-                    output = module.logits(output[:, -1]).float()
-        return output.cpu()
+                output = module.logits(output[:, -1])
+        last = module.is_last
+        return (output.float() if last else output.to(runtime.dtype)).cpu()
+
+    def _pad_to_simulated_speed(self, started: float, samples: float) -> None:
+        """With a simulated device, sleeps until the chunk took as long as that device's forward would."""
+        speed = self.runtime.simulated_speed
+        if speed <= 0:
+            return
+        remaining = started + samples / speed * FORWARD_SHARE - time.perf_counter()
+        if remaining > 0:
+            time.sleep(remaining)

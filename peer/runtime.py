@@ -20,7 +20,6 @@ from typing import Any, Protocol
 import torch
 
 from swarm.models import GPTStage
-from swarm.models.kv_cache import StageCache
 from swarm.models.precision import autocast
 from swarm.peer.device_copies import DeviceCopies
 from swarm.peer.faults import FaultPlan
@@ -45,8 +44,16 @@ logger = logging.getLogger(__name__)
 
 
 # what other modules import from here, beside the runtime itself
-__all__ = ["CallAbandonedError", "QueueFullError", "RoundResult", "SampleKey", "StageResult", "StageRuntime"]
-__all__ += ["StaleGradientError", "StepCoordinator"]
+__all__ = [
+    "CallAbandonedError",
+    "QueueFullError",
+    "RoundResult",
+    "SampleKey",
+    "StageResult",
+    "StageRuntime",
+    "StaleGradientError",
+    "StepCoordinator",
+]
 
 
 class StaleGradientError(RuntimeError):
@@ -252,7 +259,7 @@ class StageRuntime:
         self.module.zero_grad(set_to_none=True)
         start = time.perf_counter()
         self._backward(sample)
-        self.pad_to_simulated_speed(start, sample[0].shape[0], backward=True)
+        self._pad_to_simulated_speed(start, sample[0].shape[0], backward=True)
         self.speed.reset((time.perf_counter() - start) / sample[0].shape[0])
         self.module.zero_grad(set_to_none=True)
         return self.throughput
@@ -331,15 +338,15 @@ class StageRuntime:
         start = time.perf_counter()
         if not batch[0].backward:
             with torch.inference_mode():
-                outputs = self.stage_forward(merged)
-            self.pad_to_simulated_speed(start, sum(sizes), backward=False)
+                outputs = self._stage_forward(merged)
+            self._pad_to_simulated_speed(start, sum(sizes), backward=False)
             # left on the device: the handler's worker copies them to the host while this thread runs the next batch
             ready = self.copies.ready_event()
             return [StageResult([out], None, step, ready) for out in outputs.split(sizes)]
 
         if not batch[0].accumulate:
             input_grad, losses = self._backward(merged, accumulate=False)
-            self.pad_to_simulated_speed(start, sum(sizes), backward=True)
+            self._pad_to_simulated_speed(start, sum(sizes), backward=True)
         else:
             params = list(self.module.parameters())
             # the batch's gradients go into fresh buffers, added to the step's sums only if committed
@@ -352,7 +359,7 @@ class StageRuntime:
                 for param, grad in zip(params, previous):
                     param.grad = grad
                 raise
-            self.pad_to_simulated_speed(start, sum(sizes), backward=True)
+            self._pad_to_simulated_speed(start, sum(sizes), backward=True)
             self.faults.hit_sync("before_commit")
             now = time.monotonic()
             elsewhere = self._held_elsewhere()
@@ -396,7 +403,7 @@ class StageRuntime:
             for task in batch
         ]
 
-    def pad_to_simulated_speed(self, start: float, samples: float, backward: bool) -> None:
+    def _pad_to_simulated_speed(self, start: float, samples: int, backward: bool) -> None:
         """With a simulated speed, sleeps until the work has taken as long as that device would take."""
         if self.simulated_speed <= 0:
             return
@@ -405,25 +412,19 @@ class StageRuntime:
         if remaining > 0:
             time.sleep(remaining)
 
-    def stage_forward(
-        self, inputs: list[torch.Tensor], targets: torch.Tensor | None = None, cache: StageCache | None = None
-    ) -> torch.Tensor:
-        """The stage's module on a call's inputs: its input, then the token ids where it takes them; with an
-        inference `cache` (`swarm.models.kv_cache`, never on a spilled stage), positions that continue it.
+    def _stage_forward(self, inputs: list[torch.Tensor], targets: torch.Tensor | None = None) -> torch.Tensor:
+        """The stage's module on a call's inputs: its input, then the token ids where it takes them.
 
         It runs under autocast in the compute dtype. A hidden input is taken up to float32 (the stream a
         one-process model carries between its layers) and the output cast to the compute dtype, as it goes
-        on the wire; the last stage's losses (and stream, which only inference reads) stay float32. In float32
-        every cast is the tensor itself: nothing changes.
+        on the wire; losses stay float32. In float32 every cast is the tensor itself: nothing changes.
         """
         hidden = inputs[0].float() if inputs[0].is_floating_point() else inputs[0]
-        tokens = inputs[1] if self.module.takes_tokens else None
         with autocast(self.device, self.dtype):
-            if cache is None:
-                output = (self.spilling or self.module)(hidden, targets, tokens=tokens)
-            else:
-                output = self.module(hidden, targets, tokens=tokens, cache=cache)
-        return output.float() if self.module.is_last else output.to(self.dtype)
+            output = (self.spilling or self.module)(
+                hidden, targets, tokens=inputs[1] if self.module.takes_tokens else None
+            )
+        return output.float() if targets is not None else output.to(self.dtype)
 
     def _backward(
         self, tensors: list[torch.Tensor], accumulate: bool = True
@@ -440,9 +441,9 @@ class StageRuntime:
         elif not accumulate and not self.module.is_last:
             return None, None  # token inputs have no gradient, and nothing is to be accumulated
         with torch.enable_grad():
-            losses = self.stage_forward(stage_inputs, extra) if self.module.is_last else None
+            losses = self._stage_forward(stage_inputs, extra) if self.module.is_last else None
             output, grad_output = (
-                (losses.sum(), None) if losses is not None else (self.stage_forward(stage_inputs), extra)
+                (losses.sum(), None) if losses is not None else (self._stage_forward(stage_inputs), extra)
             )
             if accumulate:
                 output.backward(grad_output)

@@ -25,13 +25,12 @@ from swarm.net.reachability import REACH_PROTOCOL, check_before_start, report_re
 from swarm.net.request_budget import RequestBudget
 from swarm.net.request_limits import StageLimits, stage_limits
 from swarm.net.transport import INFO_PROTOCOL, STAGE_PROTOCOL, STANDBY_PROTOCOL
-from swarm.net.uplink_turns import uplink_turns
 from swarm.peer.announcer import Announcer
 from swarm.peer.checkpoint import checkpoint_path, load_checkpoint, restore, save_checkpoint
 from swarm.peer.direct_links import keep_direct_links
 from swarm.peer.faults import FaultPlan
 from swarm.peer.handler import StageHandler
-from swarm.peer.inference_handler import inference_handler
+from swarm.peer.inference_handler import inference_handler, uplink_turns
 from swarm.peer.mates import StageMates
 from swarm.peer.preemption import notice_source, watch_for_preemption
 from swarm.peer.rebalancing import Rebalancing
@@ -177,7 +176,7 @@ class Peer:
             metrics=self.metrics,
             budget=RequestBudget(int(config.request_memory_mb * 2**20), self.limits.wire.max_message_bytes),
             inference=inference_handler(self.runtime, self.limits.wire, self.limits.max_call_samples, config),
-            uplink=uplink_turns(config.uplink_turns, config.emulate_uplink_mbit),
+            uplink=uplink_turns(config),
         )
         if self.metrics is not None:
             self.metrics.host(self.runtime, self.mates, self.handler.inference)

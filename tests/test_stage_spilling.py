@@ -87,7 +87,7 @@ def test_spilled_stage_computes_what_the_stage_in_memory_does(model, stage, grou
             tensors = request(spec, stage, seed=10 * step + micro)
             split = memory.module.num_inputs
             with torch.inference_mode():
-                assert_same(memory.stage_forward(tensors[:split]), spilled.stage_forward(tensors[:split]), "output")
+                assert_same(memory._stage_forward(tensors[:split]), spilled._stage_forward(tensors[:split]), "output")
             for accumulate in (True, False):  # a backward a stage-mate holds: its input gradient only
                 ours, theirs = memory._backward(tensors, accumulate), spilled._backward(tensors, accumulate)
                 assert_same(ours[0], theirs[0], f"input gradient (accumulate={accumulate})")
@@ -112,7 +112,7 @@ def test_spilling_is_exact_under_bfloat16_autocast_too(model):
             tensors = [t.to(torch.bfloat16) if t.is_floating_point() else t for t in request(spec, stage, seed)]
             split = memory.module.num_inputs
             with torch.inference_mode():
-                assert_same(memory.stage_forward(tensors[:split]), spilled.stage_forward(tensors[:split]), "output")
+                assert_same(memory._stage_forward(tensors[:split]), spilled._stage_forward(tensors[:split]), "output")
             ours, theirs = memory._backward(tensors), spilled._backward(tensors)
             assert_same(ours[0], theirs[0], "input gradient")
             assert_same(ours[1], theirs[1], "losses")
@@ -207,7 +207,7 @@ def test_at_most_two_groups_are_loaded_at_once(stage):
         tensors = request(spec, stage, seed=1)
         if phase == "forward":
             with torch.inference_mode():
-                spilled.stage_forward(tensors[: spilled.module.num_inputs])
+                spilled._stage_forward(tensors[: spilled.module.num_inputs])
         elif phase == "backward":
             spilled._backward(tensors)
         else:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from swarm.inference.stage_client import StageClient, stage_inputs
+from swarm.inference.stage_client import StageClient
 from swarm.models.registry import ModelSpec
 
 
@@ -32,9 +32,10 @@ async def evaluate_batch(client: StageClient, spec: ModelSpec, windows: torch.Te
     hidden = tokens
     num_stages = client.config.num_stages
     for stage in range(num_stages):
-        last = stage == num_stages - 1
-        inputs = stage_inputs(spec, stage, hidden, tokens) + ([targets] if last else [])
-        reply, outputs = await client.call_any(stage, inputs, targets=last)
+        inputs = [hidden] + ([tokens] if stage > 0 and spec.later_stages_take_tokens else [])
+        if stage == num_stages - 1:
+            inputs.append(targets)
+        reply, outputs = await client.call_any(stage, inputs)
         hidden = outputs[0]
     return hidden, reply.step
 

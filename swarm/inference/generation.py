@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from swarm.inference.stage_client import StageClient, retriable, stage_inputs
+from swarm.inference.stage_client import StageClient, retriable
 from swarm.models.registry import ModelSpec
 from swarm.net.transport import StageCallError
 from swarm.proto import ErrorCode
@@ -44,11 +44,17 @@ class GenerationSession:
         self.sent: dict[int, list[list[torch.Tensor]]] = {s: [] for s in range(num_stages)}  # what each stage got
         self.record = GenerationRecord()
 
+    @property
+    def length(self) -> int:
+        """Positions the session holds."""
+        return sum(chunk[0].shape[1] for chunk in self.sent[0])
+
     async def extend(self, tokens: torch.Tensor) -> torch.Tensor:
         """Sends new positions (int64 [1, n]) through every stage; the next token's logits [vocab] (float32)."""
         hidden = tokens
         for stage in range(self.num_stages):
-            hidden = await self._call(stage, stage_inputs(self.spec, stage, hidden, tokens))
+            inputs = [hidden] + ([tokens] if stage > 0 and self.spec.later_stages_take_tokens else [])
+            hidden = await self._call(stage, inputs)
         return hidden[0]
 
     async def _call(self, stage: int, inputs: list[torch.Tensor]) -> torch.Tensor:
@@ -58,12 +64,12 @@ class GenerationSession:
         error: StageCallError | None = None
         new = inputs[0].shape[1]
         for _ in range(self.client.config.max_retries):
-            peer, replay = self.peers.get(stage), False
-            if peer is not None:  # it holds the session: the new positions, after those it has
-                sent, position = inputs, sum(chunk[0].shape[1] for chunk in self.sent[stage])
-            else:  # a new peer for the stage: the whole prefix it was sent, then the new positions
-                peer, replay = await self.client.next_peer(stage, avoid), bool(self.sent[stage])
-                sent, position = [torch.cat(column, dim=1) for column in zip(*self.sent[stage], inputs)], 0
+            peer = self.peers.get(stage)
+            replay = peer is None and bool(self.sent[stage])
+            if peer is None:
+                peer = await self.client.next_peer(stage, avoid)
+            sent = [torch.cat(column, dim=1) for column in zip(*self.sent[stage], inputs)] if replay else inputs
+            position = 0 if peer != self.peers.get(stage) else self._position(stage)
             try:
                 reply, outputs = await self.client.call(stage, peer, sent, self.name, position)
             except StageCallError as e:
@@ -84,6 +90,9 @@ class GenerationSession:
                 return outputs[0]
             return outputs[0][:, -new:]  # after a replay, the next stage (which holds its own cache) takes the new ones
         raise error
+
+    def _position(self, stage: int) -> int:
+        return sum(chunk[0].shape[1] for chunk in self.sent[stage])
 
     async def close(self) -> None:
         """Asks every peer that holds the session to drop its cache (a peer that does not answer drops it idle)."""

@@ -18,8 +18,9 @@ def _through(stages: list[PipelineStage], tokens: torch.Tensor, caches: list[Sta
     hidden = tokens
     for index, stage in enumerate(stages):
         cache = caches[index] if caches is not None else None
+        kwargs = {"cache": cache} if cache is not None else {}
         hidden = stage(
-            hidden, targets if stage.is_last else None, tokens=tokens if stage.takes_tokens else None, cache=cache
+            hidden, targets if stage.is_last else None, tokens=tokens if stage.takes_tokens else None, **kwargs
         )
     return hidden
 

@@ -17,7 +17,6 @@ from hivemind.p2p import PeerID
 
 from swarm.compression import get_codec
 from swarm.config.inference_settings import InferenceConfig
-from swarm.models.registry import ModelSpec
 from swarm.models.stage_io import StageOutputError, check_stage_outputs
 from swarm.net.direct_plane import DirectPlane
 from swarm.net.transport import StageCallError, call_stage
@@ -91,10 +90,8 @@ class StageClient:
         session: str = "",
         position: int = 0,
         end: bool = False,
-        targets: bool = False,
     ) -> tuple[StageReply, list[torch.Tensor]]:
-        """One INFER call to `peer` (on the last stage with `targets`, the last of `tensors`); its reply and tensors,
-        or StageCallError."""
+        """One INFER call to `peer`; its reply and tensors, or StageCallError."""
         request = StageRequest(
             kind=INFER,
             model=self.config.model,
@@ -110,15 +107,13 @@ class StageClient:
                 self.p2p, PeerID.from_base58(peer), request, tensors, get_codec("none"), self.config.call_timeout
             )
             if tensors:
-                self._check(stage, tensors, outputs, peer, targets)
+                self._check(stage, tensors, outputs, peer)
             return reply, outputs
         except StageCallError:
             self.failures += 1
             raise
 
-    def _check(
-        self, stage: int, inputs: list[torch.Tensor], outputs: list[torch.Tensor], peer: str, targets: bool
-    ) -> None:
+    def _check(self, stage: int, inputs: list[torch.Tensor], outputs: list[torch.Tensor], peer: str) -> None:
         """A reply that does not hold what the call asked for is the peer's fault: StageCallError, and the call goes
         to another peer."""
         spec, num_stages = self.config.model_spec(), self.config.num_stages
@@ -127,7 +122,11 @@ class StageClient:
                 check_stage_outputs(stage, num_stages, spec.boundary_width, False, inputs, outputs, None)
                 return
             batch = inputs[0].shape[0]
-            expected = (batch,) if targets else (batch, spec.vocab_size)
+            expected = (
+                (batch,)
+                if len(inputs) > 1 + (stage > 0 and spec.later_stages_take_tokens)
+                else (batch, spec.vocab_size)
+            )
             if len(outputs) != 1 or outputs[0].dtype != torch.float32 or tuple(outputs[0].shape) != expected:
                 raise StageOutputError(
                     f"stage {stage} answered {[tuple(t.shape) for t in outputs]}, expected {expected}"
@@ -137,9 +136,7 @@ class StageClient:
         except StageOutputError as e:
             raise StageCallError(ErrorCode.INTERNAL, f"bad reply: {e}", peer) from None
 
-    async def call_any(
-        self, stage: int, tensors: list[torch.Tensor], targets: bool = False
-    ) -> tuple[StageReply, list[torch.Tensor]]:
+    async def call_any(self, stage: int, tensors: list[torch.Tensor]) -> tuple[StageReply, list[torch.Tensor]]:
         """A call with no session to any peer of `stage`, tried on others (and after reading the records again)
         up to --max-retries times; the last error if every attempt failed."""
         avoid: set[str] = set()
@@ -147,7 +144,7 @@ class StageClient:
         for _ in range(self.config.max_retries):
             peer = await self.next_peer(stage, avoid)
             try:
-                return await self.call(stage, peer, tensors, targets=targets)
+                return await self.call(stage, peer, tensors)
             except StageCallError as e:
                 if not retriable(e):
                     raise
@@ -163,11 +160,6 @@ class StageClient:
             await self.wait_for_swarm()
             peer = self.pick(stage, avoid) or self.pick(stage, set())  # all failed once: any, again
         return peer
-
-
-def stage_inputs(spec: ModelSpec, stage: int, hidden: torch.Tensor, tokens: torch.Tensor) -> list[torch.Tensor]:
-    """What a call to `stage` carries: its input, and the token ids where the model's later stages take them."""
-    return [hidden, tokens] if stage > 0 and spec.later_stages_take_tokens else [hidden]
 
 
 def retriable(error: StageCallError) -> bool:

@@ -37,9 +37,10 @@ class CausalSelfAttention(nn.Module):
         batch, seq, width = x.shape
         q, k, v = self.qkv(x).split(width, dim=2)
         q, k, v = (t.view(batch, seq, self.n_head, width // self.n_head).transpose(1, 2) for t in (q, k, v))
-        if cache is not None:  # an inference session: the cached positions come before these
-            k, v = cache.extend(k, v)
-        y = causal_attention(q, k, v)
+        if cache is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:  # an inference session: the cached positions come before these
+            y = causal_attention(q, *cache.extend(k, v))
         return self.proj(y.transpose(1, 2).reshape(batch, seq, width))
 
 

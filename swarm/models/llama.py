@@ -89,7 +89,7 @@ class Attention(nn.Module):
         # query head h reads key/value head h // group, as in Hugging Face's repeat_kv
         group = self.n_head // self.n_kv_head
         k, v = (t[:, :, None].expand(-1, -1, group, -1, -1).flatten(1, 2) for t in (k, v))
-        y = causal_attention(q, k, v)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True) if cache is None else causal_attention(q, k, v)
         return self.o_proj(y.transpose(1, 2).reshape(batch, seq, width))
 
 

@@ -12,26 +12,15 @@ compute dtype only leaves room), token ids at 8 (int64, as they are sent).
 
 from __future__ import annotations
 
-import asyncio
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from swarm.models.precision import flag_value
-from swarm.models.stage_io import StageInputError, check_stage_inputs, expected_inputs
-from swarm.net.wire import (
-    CHUNK_BYTES,
-    Announced,
-    Part,
-    WireError,
-    WireLimits,
-    announced_tensors,
-    codes_inline,
-    decode_tensors,
-)
+from swarm.models.stage_io import expected_inputs
+from swarm.net.wire import CHUNK_BYTES, Announced, Part, WireError, WireLimits, announced_tensors
 from swarm.proto import ErrorCode
 
 BOUNDARY_ELEMENT_BYTES = 4  # float32: the widest dtype a boundary tensor goes over the wire in
@@ -245,52 +234,3 @@ def _dtype(dtype: torch.dtype) -> str:
 
 def _announced(tensor: Announced) -> str:
     return f"{_dtype(tensor.dtype)}{list(tensor.shape)}"
-
-
-Problem = tuple[int, str]  # (error code, message)
-
-
-def checked_tensors(
-    stage: StageShape,
-    backward: bool,
-    parts: list[Part],
-    limits: WireLimits,
-    max_batch: int,
-    dtype: torch.dtype,
-    extra: Callable[[list[torch.Tensor]], Problem | None] | None = None,
-) -> tuple[list[torch.Tensor], Problem | None]:
-    """A stage call's tensors, decoded and checked, and what is wrong with them (None: nothing).
-
-    The headers first (`undecoded_problem`: nothing is decoded beyond the model's shapes), then the decoded
-    tensors' batch, `extra`'s check of them, and their count, shapes, dtypes and values. A malformed part raises
-    WireError."""
-    if (problem := undecoded_problem(stage, backward, parts, max_batch, dtype)) is not None:
-        return [], problem
-    tensors = decode_tensors(parts, limits)
-    if tensors and tensors[0].ndim and (samples := tensors[0].shape[0]) > max_batch:
-        return tensors, (ErrorCode.TOO_LARGE, call_too_large(samples, max_batch))
-    if extra is not None and (problem := extra(tensors)) is not None:
-        return tensors, problem
-    try:
-        check_stage_inputs(stage, backward, tensors, max_batch, dtype)
-    except StageInputError as e:
-        return tensors, (ErrorCode.BAD_REQUEST, str(e))
-    return tensors, None
-
-
-async def read_checked_tensors(
-    stage: StageShape,
-    backward: bool,
-    parts: list[Part],
-    limits: WireLimits,
-    max_batch: int,
-    dtype: torch.dtype,
-    extra: Callable[[list[torch.Tensor]], Problem | None] | None = None,
-) -> tuple[list[torch.Tensor], Problem | None]:
-    """`checked_tensors` in one go: on the event loop where that costs less than a hand-off, else in a worker."""
-    received = sum(len(part.buffer) for part in parts)
-    if codes_inline([part.head.codec for part in parts], received):
-        return checked_tensors(stage, backward, parts, limits, max_batch, dtype, extra)
-    return await asyncio.get_running_loop().run_in_executor(
-        None, checked_tensors, stage, backward, parts, limits, max_batch, dtype, extra
-    )

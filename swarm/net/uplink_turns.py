@@ -94,9 +94,3 @@ class UplinkTurns:
             if waiter.order < chosen.order:
                 waiter.overtaken += 1
         chosen.ready.set_result(None)
-
-
-def uplink_turns(enabled: bool, emulate_mbit: float = 0.0) -> UplinkTurns:
-    """A peer's replies in turns (`--uplink-turns`) or at once, across an emulated uplink of `emulate_mbit` for tests
-    and benchmarks (`--emulate-uplink-mbit`; 0: the real one)."""
-    return UplinkTurns(enabled, SharedLink(emulate_mbit) if emulate_mbit > 0 else None)
