@@ -186,7 +186,7 @@ class AveragingRound:
             for contribution in contributions:
                 for key, peers in (contribution.holders or {}).items():
                     holders[key] = holders.get(key, frozenset()) | peers
-            lost = lost_with_the_dead(lost, holders, agreed, dropped_by(contributions, sorted(agreed)))
+            lost = lost_with_the_dead(lost, holders, agreed, dropped_by({p: box[p] for p in agreed}))
         if lost and not any(c.give_up for c in contributions):
             self._go_short(step, state, attempt, agreed, box, lost)
             return None

@@ -216,10 +216,17 @@ class ProgressExchange:
         are found lost and sent again should the sender die before its round (it asks for them itself else)."""
         if not dropped:
             return
+        self.machine.steps[step].dropped.setdefault(sender, {}).update(dropped)
+        self.expect_lost(step, dropped)
+
+    def expect_lost(self, step: int, dropped: Held) -> Held:
+        """Makes the round at `step` expect those of `dropped` that no member holds and no recent round summed;
+        returns them. Its round then finds them lost and their trainers send them again."""
         state = self.machine.steps[step]
-        state.dropped.setdefault(sender, {}).update(dropped)
         known = state.known()
-        state.lost.update({key: n for key, n in dropped.items() if key not in known and key not in self.summed_union})
+        lost = {key: n for key, n in dropped.items() if key not in known and key not in self.summed_union}
+        state.lost.update(lost)
+        return lost
 
     def _park(self, sender: str, step: int, held: Held) -> None:
         """Keeps `sender`'s holdings toward `step`, past this peer's next, until this peer reaches it: only the

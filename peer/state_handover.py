@@ -177,13 +177,10 @@ class StateHandOver:
         ahead never heard of them."""
         if not dropped:
             return
-        state = self.machine.steps[step]
-        known = state.known()
-        lost = {key: n for key, n in dropped.items() if key not in self.progress.summed_union and key not in known}
-        state.lost.update(lost)
+        lost = self.progress.expect_lost(step, dropped)
         # the mates hear of them with this peer's progress (sent next): should it die before the round, theirs
         # expects them still; with a trust root, its offers say it dropped them (its receipts name it)
-        state.dropped.setdefault(self.machine.peer_id, {}).update(lost)
+        self.machine.steps[step].dropped.setdefault(self.machine.peer_id, {}).update(lost)
         logger.warning(
             f"Stage {self.machine.stage}: dropped {sum(dropped.values())} accumulated samples to take a mate's state "
             f"at step {step}; {sum(lost.values())} of them will be asked for again"

@@ -62,10 +62,10 @@ def lost_with_the_dead(
     return {key: n for key, n in lost.items() if not speaking[key]}
 
 
-def dropped_by(contributions, peers: Iterable[str]) -> dict[SampleKey, frozenset[str]]:
-    """Per microbatch, which of `peers` (each with its contribution, in order) say they dropped it."""
+def dropped_by(contributions: dict) -> dict[SampleKey, frozenset[str]]:
+    """Per microbatch, which peers (`contributions`: each peer's `Contribution`) say they dropped it."""
     who: dict[SampleKey, frozenset[str]] = {}
-    for peer, contribution in zip(peers, contributions):
+    for peer, contribution in contributions.items():
         for key in contribution.dropped:
             who[key] = who.get(key, frozenset()) | {peer}
     return who

@@ -117,7 +117,7 @@ def test_microbatches_a_peer_dropped_to_take_a_state_are_lost_though_it_is_in_th
     assert screened.dropped == dropped and screened.known == dropped and screened.holders == {(TRAINER, 7): {PEER_A}}
     in_round = {PEER_A, PEER_B}
     assert lost_with_the_dead(dropped, screened.holders, in_round) == {}  # without its word: silently lost
-    assert lost_with_the_dead(dropped, screened.holders, in_round, dropped_by([screened], [PEER_A])) == dropped
+    assert lost_with_the_dead(dropped, screened.holders, in_round, dropped_by({PEER_A: screened})) == dropped
     # a state taken steps ahead: the drop is still said (it counts no sample), a held claim of the receipt is not
     later = mate.screen(PEER_A, 20, dropped, dropped, shown, vouchers, dropped)
     assert later.dropped == dropped and later.held == {}
