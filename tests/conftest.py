@@ -85,6 +85,11 @@ def run_p2p_client(initial_peers: list[str], coroutine_fn):
     async def main():
         p2p = await P2P.create(initial_peers=initial_peers)
         try:
+            # the daemon finds peers by id through the peers it is connected to: until its bootstrap connection
+            # is up, a dial by id fails with "failed to find any peer in table"
+            deadline = asyncio.get_running_loop().time() + 30
+            while not await p2p.list_peers() and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.05)
             return await coroutine_fn(p2p)
         finally:
             await p2p.shutdown()

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import random
 from collections import Counter
 
 from swarm.policy.router import Router
+from swarm.policy.service_timing import ServiceTimer
 from swarm.records.stage_records import LEAVING, SERVING, StageRecord
 
 
@@ -160,27 +162,41 @@ def test_a_call_queued_behind_others_gets_a_deadline_that_counts_them():
     assert router.deadline(chosen, True, 1) == 4.0  # its own second, once those are done
 
 
-def test_a_peer_is_timed_by_its_replies_not_by_the_wait_behind_this_trainers_own_calls(monkeypatch):
-    from types import SimpleNamespace
-
-    import swarm.trainer.stage_calls as stage_calls
-
-    caller = stage_calls.StageCaller(
-        SimpleNamespace(resend_buffer_mb=1, voucher=None), None, "t", Router(), None, None, None, None
-    )
-    now = Clock()
-    monkeypatch.setattr(stage_calls.time, "perf_counter", now)
+def test_a_peer_is_timed_by_its_replies_not_by_the_wait_behind_this_trainers_own_calls():
+    timer = ServiceTimer()
     # three calls sent at once to a peer that serves one a second, in order: each took a second of its time
-    now.now = 1.0
-    assert caller._service_seconds("p", started=0.0) == 1.0
-    now.now = 2.0
-    assert caller._service_seconds("p", started=0.0) == 1.0
-    now.now = 3.0
-    assert caller._service_seconds("p", started=0.0) == 1.0
-    # one sent after an idle spell: its whole round trip
-    now.now = 10.0
-    assert caller._service_seconds("p", started=8.5) == 1.5
-    assert caller._service_seconds("q", started=8.0) == 2.0  # peers are timed apart
+    assert [timer.served("p", 0.0, replied) for replied in (1.0, 2.0, 3.0)] == [1.0, 1.0, 1.0]
+    # one sent after an idle spell: its round trip less its time on the network
+    assert timer.served("p", 8.5, 10.0, network_seconds=0.25) == 1.25
+    assert timer.served("q", 8.0, 10.0) == 2.0  # peers are timed apart
+    assert timer.served("q", 11.0, 12.0, network_seconds=5.0) == 0.0  # a network time beyond the round trip
+
+
+def test_two_equal_peers_behind_a_slow_link_share_calls_that_arrive_slower_than_they_serve():
+    """Calls reach a stage as the stage before answers them, here slower than one peer serves them. Each peer's
+    service time must come out as its compute, whether it was sent calls alone (which pay the network both
+    ways) or in bursts (whose gaps between replies include its wait for the next call); and equal peers,
+    their timings differing by noise, must share the calls rather than one taking nearly all."""
+    for seed in range(4):
+        clock, timer, rng = Clock(), ServiceTimer(), random.Random(seed)
+        router = Router(rng=random.Random(seed), clock=clock)
+        router.update({0: [record("a"), record("b")]}, now=0.0)
+        compute, network, period = 0.02, 0.2, 0.05
+        free_at = {"a": 0.0, "b": 0.0}  # when each peer is done with what it was sent
+        events = [(k * period + rng.uniform(0, period), None, 0.0) for k in range(600)]  # (time, peer, sent at)
+        heapq.heapify(events)
+        counts = Counter()
+        while events:
+            clock.now, peer, sent = heapq.heappop(events)
+            if peer is None:  # a call to send
+                peer = router.choose(0, backward=True, samples=1).peer_id
+                free_at[peer] = max(free_at[peer], clock.now + network / 2) + compute * rng.uniform(0.8, 1.2)
+                heapq.heappush(events, (free_at[peer] + network / 2, peer, clock.now))
+                counts[peer] += 1
+            else:
+                router.report_success(peer, True, 1, timer.served(peer, sent, clock.now, network), network)
+        assert min(counts.values()) / sum(counts.values()) > 0.4, (seed, counts)
+        assert all(abs(router.service[(p, True)] - compute) < 0.006 for p in "ab"), router.service
 
 
 def test_on_probation_a_peer_that_never_answered_gets_trials_not_work():

@@ -12,6 +12,7 @@ import torch
 from swarm.models import build_stage, get_model_spec
 from swarm.models.optimizer import OptimizerSettings, build_optimizer
 from swarm.peer.faults import FaultPlan
+from swarm.peer.mate_progress import ProgressExchange
 from swarm.peer.runtime import CallAbandonedError, QueueFullError, RoundResult, StageRuntime
 from swarm.peer.state_handover import StateHandOver
 from swarm.peer.step_machine import ACCUMULATING, StepMachine
@@ -399,7 +400,8 @@ def test_microbatches_a_state_load_dropped_are_expected_by_the_next_round_unless
     assert dropped == {("t", 1): 8, ("t", 2): 8, ("t", 3): 8}
     machine = StepMachine(runtime, "QmPeerA", "gpt-tiny", FaultPlan())
     handover = StateHandOver.__new__(StateHandOver)  # only the bookkeeping after a load is exercised
-    handover.machine, handover.progress = machine, SimpleNamespace(summed_union=frozenset({("t", 2)}))
+    handover.machine, handover.progress = machine, ProgressExchange(machine, SimpleNamespace())
+    handover.progress.summed_union = frozenset({("t", 2)})  # a recent round summed it
     machine.steps[8].progress["QmPeerB"] = {("t", 3): 8}  # a mate holds it toward the new step
     handover._ask_again(8, dropped)
     assert machine.steps[8].lost == {("t", 1): 8}

@@ -6,6 +6,7 @@ from collections import deque
 
 from swarm.policy.rebalance_timing import RebalanceTiming, ReturnCooldown
 from swarm.policy.router import Router
+from swarm.policy.service_timing import ServiceTimer
 from swarm.policy.throughput_average import ThroughputAverage
 from swarm.records.stage_records import JOINING, LEAVING, SERVING, StageRecord
 
@@ -120,6 +121,7 @@ class SimTrainer:
 
     def __init__(self, router: Router, microbatches: int) -> None:
         self.router = router
+        self.timer = ServiceTimer()  # as the real trainer times its peers
         self.microbatches = [Microbatch(self) for _ in range(microbatches)]
         self.parked: dict[int, list[Microbatch]] = {}  # stage -> microbatches waiting for a live peer
         self.last_success: dict[int, float] = {}  # stage -> when a call to it last completed

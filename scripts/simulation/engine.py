@@ -330,7 +330,8 @@ class Simulation:
         peer = mb.peer
         stages = self.num_stages
         backward = mb.position >= stages
-        mb.trainer.router.report_success(peer.peer_id, backward, self.config.microbatch, self.now - mb.start)
+        service = mb.trainer.timer.served(peer.peer_id, mb.start, self.now)
+        mb.trainer.router.report_success(peer.peer_id, backward, self.config.microbatch, service)
         if backward and peer.state == SIM_SERVING:
             # the runtime's moving average of its backward timings (a draining peer's is thrown away)
             peer.measured.add(self._timing(peer))

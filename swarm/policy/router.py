@@ -9,6 +9,9 @@ could: without the clock, a slow peer idle for a while held credit, took one of 
 microbatches and made the whole step wait for it. Expected times are moving averages of what the
 calls to a peer took, kept apart for forward and backward; a peer never called yet is costed from
 the throughput and queue it announces, and starts at the stage's current minimum so it is tried at once.
+A call's charge begins no earlier than the peer's time on the network after now (each way, as its replies
+showed it), so that at the end of a step a peer behind a slow link gets a call only if it would still answer
+first, while calls queued at a peer are charged its service time alone (`swarm.policy.service_timing`).
 Its first call of each kind costs nothing, so that it goes ahead of the others' next: a peer measures
 its speed at start beside others loading too (five on one machine announce 20 to 370 samples/s), and
 costed only by that claim, a peer that started slow would get no call, and so no timing, for steps.
@@ -47,6 +50,8 @@ MAX_TRIALS = 2  # trial calls in flight per stage: identities that never answer 
 # a backward recomputes the forward, then backpropagates: about three forwards' work
 FORWARD_SHARE_OF_BACKWARD = 1 / 3
 EWMA = 0.2
+# calls whose expected ends are this close (a share of the call's cost) are tied: one goes to either at random
+TIE_SHARE = 0.1
 
 
 class Router:
@@ -76,6 +81,7 @@ class Router:
         self.bans_issued = 0
         # observed seconds per sample, per (peer, backward), and when each peer is expected to finish what it was sent
         self.service: dict[tuple[str, bool], float] = {}
+        self.network: dict[str, float] = {}  # per peer: seconds a call spends on the network, both ways
         self.finish: dict[int, dict[str, float]] = {}
         self.chosen: set[tuple[str, bool]] = set()  # (peer, backward) chosen once: its claim costs it from then on
         self.measured: dict[int, float] = {}  # per stage: the fastest backward speed timed there, samples/s
@@ -170,10 +176,19 @@ class Router:
                 finish[r.peer_id] = start - self.expected_seconds(r, backward, samples)
         # a peer's charge starts no earlier than now: idle time is no credit toward later calls
         now = self.clock()
-        ends = {r.peer_id: max(finish[r.peer_id], now) + self._cost(r, backward, samples) for r in candidates}
-        best = min(ends.values())
-        # ties within rounding; finish times can be negative (a newcomer starts below the minimum)
-        chosen = self.rng.choice([r for r in candidates if ends[r.peer_id] <= best + 1e-12 * max(1.0, abs(best))])
+        network = self.network
+        ends = {
+            r.peer_id: max(finish[r.peer_id], now + network.get(r.peer_id, 0.0)) + self._cost(r, backward, samples)
+            for r in candidates
+        }
+        best_peer = min(ends, key=ends.__getitem__)
+        best = ends[best_peer]
+        # ties: ends within a share of the best call's own cost (its finish times can be negative: a newcomer
+        # starts below the minimum). Idle peers of one speed differ only by the noise in their timings, and
+        # the one timed a little faster would otherwise take every call while the stage is not busy
+        slack = TIE_SHARE * (best - max(finish[best_peer], now + network.get(best_peer, 0.0)))
+        tied = [r for r in candidates if ends[r.peer_id] <= best + slack + 1e-12 * max(1.0, abs(best))]
+        chosen = self.rng.choice(tied)
         finish[chosen.peer_id] = ends[chosen.peer_id]
         if self._untried(chosen.peer_id, backward):
             self.chosen.add((chosen.peer_id, backward))
@@ -232,16 +247,24 @@ class Router:
         The expected time counts what this router sent the peer before (a call chosen just now is expected
         to end at the peer's finish time): a call queued behind others is not given up for waiting on them.
         """
-        expected = self.expected_seconds(record, backward, samples)
+        expected = self.expected_seconds(record, backward, samples) + self.network.get(record.peer_id, 0.0)
         finish = self.finish.get(record.stage, {}).get(record.peer_id)
         if finish is not None:
             expected = max(expected, finish - self.clock())
         return min(self.deadline_ceiling, max(self.deadline_floor, self.deadline_factor * expected))
 
-    def report_success(self, peer_id: str, backward: bool = False, samples: int = 0, seconds: float = 0.0) -> None:
-        """Lifts any ban, ends any probation and folds the call's duration into the peer's expected service time."""
+    def report_success(
+        self, peer_id: str, backward: bool = False, samples: int = 0, seconds: float = 0.0, network: float = 0.0
+    ) -> None:
+        """Lifts any ban, ends any probation and folds the call's service `seconds` (`ServiceTimer`) into the
+        peer's expected service time, and its `network` seconds into the peer's time on the network."""
         self.bans.pop(peer_id, None)
         self.answered.add(peer_id)
+        if network > 0:
+            previous_network = self.network.get(peer_id)
+            self.network[peer_id] = (
+                network if previous_network is None else (1 - EWMA) * previous_network + EWMA * network
+            )
         if samples > 0:
             key = (peer_id, backward)
             per_sample = seconds / samples

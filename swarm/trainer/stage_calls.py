@@ -32,6 +32,7 @@ from swarm.net.link_shaper import LinkShaper
 from swarm.net.request_limits import reply_limits
 from swarm.net.transport import CallStats, StageCallError, call_stage
 from swarm.policy.router import Router
+from swarm.policy.service_timing import ServiceTimer
 from swarm.proto import BACKWARD, FORWARD, ErrorCode, StageReply, StageRequest
 from swarm.records.stage_records import SERVING, StageRecord
 from swarm.trainer.outcome import TrainingError, TrainingSummary
@@ -108,7 +109,7 @@ class StageCaller:
         self.served_by = ""  # the peer that served the last call (read right after awaiting it)
         self.reached: dict[int, int] = {}  # per stage, the latest step this trainer's backwards were applied at
         self._last_success: dict[int, float] = {}  # per stage, when a call to it last succeeded (monotonic)
-        self._last_reply: dict[str, float] = {}  # per peer, when its latest reply came (perf_counter)
+        self.timer = ServiceTimer()  # each reply's service seconds, apart from the network's (perf_counter)
         self._resend_buffer = ResendBuffer(int(config.resend_buffer_mb * 2**20))
         self._resending: set[tuple[int, int]] = set()  # (stage, microbatch) being sent again
         # (stage, microbatch) sent again lately: the step it was short at, and the peer that took it
@@ -157,8 +158,9 @@ class StageCaller:
             except StageCallError as e:
                 await self._failed(record, stage, backward, microbatch_id, e, tries)
                 continue
-            service = self._service_seconds(record.peer_id, started)
-            self.router.report_success(record.peer_id, backward, samples, service)
+            network = stats.network_seconds
+            service = self.timer.served(record.peer_id, started, time.perf_counter(), network)
+            self.router.report_success(record.peer_id, backward, samples, service, network)
             self._answered(record, stage, backward, tensors, microbatch_id, reply, codec, stats, started)
             if not backward:
                 self.trials.after_forward(stage, tensors, microbatch_id, tries.step)
@@ -173,19 +175,6 @@ class StageCaller:
 
     def _codec_for(self, peer_id: str) -> str:
         return self.chooser.codec_for(peer_id) if self.chooser else self.config.compression
-
-    def _service_seconds(self, peer_id: str, started: float) -> float:
-        """What the call just answered by `peer_id` took of the peer's time: from when it was sent, or from the
-        peer's reply before it if that came later (a peer serves its queue in order).
-
-        The round trip alone counts the wait behind this trainer's own calls queued at the peer: sent a step's
-        microbatches at once, a fast peer takes more of them and waits longer for each, and the router would
-        find every peer about as fast as the others, slow peers given as much as fast ones.
-        """
-        now = time.perf_counter()
-        busy_from = max(started, self._last_reply.get(peer_id, started))
-        self._last_reply[peer_id] = now
-        return now - busy_from
 
     async def _requeue(self, stage: int, microbatch_id: int, tries: _Attempts) -> bool:
         """Out of attempts for now: said out loud, the call waits and goes round again; False to give up instead.
