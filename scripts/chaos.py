@@ -36,6 +36,11 @@ from the ledger, per stage and by microbatch id, samples lost (those a restore f
 back or that died with their stage named apart), counted twice and orphaned, and steps whose
 replicas wrote different fingerprints; and at the end, every live peer's parameter
 fingerprint, replicas of a stage at one step that differ counted as divergent.
+
+Every process of a run shares this machine's cores. A peer launched as a program spends about 2 s of CPU
+importing torch and hivemind before it does anything, taken from the peers that train; a trace replay
+starts a peer every few seconds. So by default (`--preload yes`) peers are forked from a process that
+imported them once, as the demo's are, and a start costs what it would cost a peer on its own machine.
 """
 
 from __future__ import annotations
@@ -226,7 +231,7 @@ def one_run(args: argparse.Namespace, index: int, workdir: Path, report: dict[st
     if ledger_dir:
         ledger_dir.mkdir(parents=True)
     report["workdir"] = str(workdir)
-    with LocalSwarm(workdir) as swarm:
+    with LocalSwarm(workdir, preloaded=args.preload == "yes") as swarm:
         swarm.start_bootstrap()
         dht = TetheredDHT(initial_peers=swarm.initial_peers, start=True)  # ends with this process
         peer_trust, trainer_trust = trust_flags(args, workdir)
@@ -475,6 +480,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "come back from standby copies)",
     )
     parser.add_argument(
+        "--preload",
+        choices=["yes", "no"],
+        default="yes",
+        help="yes: peers are forked from a process that imported torch and hivemind once, as the demo's are, so "
+        "that a start does not spend the CPU the other peers train on (on a real swarm each peer pays its own); "
+        "no: each peer is launched as its own program",
+    )
+    parser.add_argument(
         "--trust-root",
         choices=["yes", "no"],
         default="no",
@@ -529,6 +542,7 @@ def main() -> None:
     result = {
         "mode": mode(args),
         "signal": args.signal,
+        "preloaded": args.preload == "yes",
         "trainers": args.trainers,
         "ledger": supports_ledger(),
         "workdir": str(workdir),
