@@ -287,7 +287,10 @@ def test_of_two_mates_a_gradient_beyond_the_bound_is_left_out_not_averaged_in(lo
     start, end = (reference_run(n, micro).stages[1].state_dict() for n in (0, steps))
     moved = torch.cat([(honest.parameters[name] - start[name]).flatten() for name in start])
     expected = torch.cat([(end[name] - start[name]).flatten() for name in start])
-    assert float(torch.nn.functional.cosine_similarity(moved, expected, dim=0)) > 0.5
+    # stage 1 steps on peer1a's share of each batch alone: its direction agrees with the whole batch's only loosely
+    # (0.18 and 0.19 in two loaded CI runs, where peer1a's share was small), while the reversed gradient averaged
+    # in, even scaled down to the bound, would turn it against the whole batch's
+    assert float(torch.nn.functional.cosine_similarity(moved, expected, dim=0)) > 0.0
 
 
 @pytest.mark.timeout(240)
