@@ -19,6 +19,7 @@ from conftest import (
     wait_for_records,
 )
 from hivemind.p2p import PeerID
+from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure
 from hivemind.utils import get_dht_time
 
 from swarm.compression import get_codec
@@ -341,7 +342,15 @@ def test_requests_held_over_all_callers_stay_within_the_budget_and_its_bytes_com
     frame = 2**20 - 64  # within one request's limit: the peer takes its bytes from the budget, then waits for them
 
     async def announce_frame(p2p):
-        _, reader, writer = await p2p.call_binary_stream_handler(peer, STAGE_PROTOCOL)
+        deadline = asyncio.get_running_loop().time() + 30
+        while True:  # a fresh client finds the peer by id once its daemon's routing table holds a peer
+            try:
+                _, reader, writer = await p2p.call_binary_stream_handler(peer, STAGE_PROTOCOL)
+                break
+            except ControlFailure as e:
+                if "failed to find any peer" not in str(e) or asyncio.get_running_loop().time() > deadline:
+                    raise
+                await asyncio.sleep(0.2)
         writer.write(frame.to_bytes(8, "big"))
         await writer.drain()
         return reader, writer
