@@ -177,16 +177,14 @@ class Router:
         # a peer's charge starts no earlier than now: idle time is no credit toward later calls
         now = self.clock()
         network = self.network
-        ends = {
-            r.peer_id: max(finish[r.peer_id], now + network.get(r.peer_id, 0.0)) + self._cost(r, backward, samples)
-            for r in candidates
-        }
+        costs = {r.peer_id: self._cost(r, backward, samples) for r in candidates}
+        ends = {p: max(finish[p], now + network.get(p, 0.0)) + cost for p, cost in costs.items()}
         best_peer = min(ends, key=ends.__getitem__)
         best = ends[best_peer]
         # ties: ends within a share of the best call's own cost (its finish times can be negative: a newcomer
         # starts below the minimum). Idle peers of one speed differ only by the noise in their timings, and
         # the one timed a little faster would otherwise take every call while the stage is not busy
-        slack = TIE_SHARE * (best - max(finish[best_peer], now + network.get(best_peer, 0.0)))
+        slack = TIE_SHARE * costs[best_peer]
         tied = [r for r in candidates if ends[r.peer_id] <= best + slack + 1e-12 * max(1.0, abs(best))]
         chosen = self.rng.choice(tied)
         finish[chosen.peer_id] = ends[chosen.peer_id]
@@ -261,15 +259,10 @@ class Router:
         self.bans.pop(peer_id, None)
         self.answered.add(peer_id)
         if network > 0:
-            previous_network = self.network.get(peer_id)
-            self.network[peer_id] = (
-                network if previous_network is None else (1 - EWMA) * previous_network + EWMA * network
-            )
+            self.network[peer_id] = _moving_average(self.network.get(peer_id), network)
         if samples > 0:
             key = (peer_id, backward)
-            per_sample = seconds / samples
-            previous = self.service.get(key)
-            self.service[key] = per_sample if previous is None else (1 - EWMA) * previous + EWMA * per_sample
+            self.service[key] = _moving_average(self.service.get(key), seconds / samples)
             if backward and self.service[key] > 0:
                 for stage, known in self.records.items():
                     if peer_id in known:
@@ -282,3 +275,8 @@ class Router:
         self.bans[peer_id] = _Ban(self.clock() + length, failures)
         self.bans_issued += 1
         return length
+
+
+def _moving_average(previous: float | None, value: float) -> float:
+    """`value` folded into the moving average `previous` (None: the first value)."""
+    return value if previous is None else (1 - EWMA) * previous + EWMA * value
