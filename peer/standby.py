@@ -38,6 +38,7 @@ from swarm.models import build_stage
 from swarm.models.optimizer import OptimizerSettings
 from swarm.net.wire import WireLimits, pack_frames
 from swarm.peer.delta_transfer import request_deltas
+from swarm.peer.liveness_probes import LivenessProbes
 from swarm.peer.stage_state import StageStateError, check_state_tensors, parameter_fingerprint
 from swarm.peer.standby_copy import Standby
 from swarm.peer.standby_host import StandbyHost
@@ -109,6 +110,9 @@ class StandbyKeeper:
         self.last_death = float("-inf")  # when a peer's record last vanished without its saying it was leaving
         self.heard_of_death = float("-inf")  # when a read last showed a record saying its peer saw a death
         self.rng = random.Random()
+        # peers of the stages held and of the peer's own, asked every period whether they live (see liveness_probes)
+        self.probes = LivenessProbes(config.record_ttl, timeout=max(1.0, config.announce_period))
+        self.to_probe: set[str] = set()  # beyond those: holders chosen to restore a lost stage, asked once
         self._tasks: set[asyncio.Task] = set()
         self._warned_budget: set[int] = set()
         # `STANDBY_PROTOCOL`: gives a held copy to a peer whose signed record is on that copy's stage
@@ -151,26 +155,34 @@ class StandbyKeeper:
         """Updates who may take this peer's stage's state, refreshes copies, and restores a lost stage.
 
         `records` holds the stages read this period; unless `whole_swarm`, some are left out, and nothing
-        is concluded about those.
+        is concluded about those. Records of peers that failed a probe since their last renewal are left out.
         """
         peer = self.peer
+        read, records = records, self.probes.live(records)
+        self._probe(records)
         if peer.mates is not None and whole_swarm:
             peer.mates.standby_holders = standby_holders(peer.stage, records)
         targets = self.targets()
         for stage in [s for s in self.standbys if s not in targets]:
             self._drop(stage)
         now = time.monotonic()
-        self._note_stages(records, now)
+        self._note_stages(
+            records,
+            now,
+            probed=lost_stages(records, peer.config.num_stages) - lost_stages(read, peer.config.num_stages),
+        )
         self._refresh_copies(records, now)
         if peer.state != SERVING or self.restore_pending is not None or not whole_swarm:
             return
         grace = LOST_GRACE * peer.config.announce_period
         for stage in sorted(self.standbys):
             since = self.empty_since.get(stage)
-            if since is None or now - since < grace or stage in self.left_on_request:
+            if since is None or stage in self.left_on_request:
                 continue
             chosen = choose_restorer(stage, records)
-            if chosen is not None and chosen[0] == peer.peer_id:
+            if chosen is not None and chosen[0] != peer.peer_id:
+                self.to_probe.add(chosen[0])  # a holder killed in the same wave restores nothing: find out
+            if chosen is not None and chosen[0] == peer.peer_id and now - since >= grace:
                 copy = self.standbys[stage]
                 logger.warning(
                     f"Stage {stage} has had no peer for {now - since:.0f}s; restoring it from this peer's standby "
@@ -181,9 +193,26 @@ class StandbyKeeper:
                 return
         self._fill_empty(records, now)
 
-    def _note_stages(self, records: dict[int, list[StageRecord]], now: float) -> None:
-        """Notes from the stages read this period how far each got, which look lost, and which peers died."""
+    def _probe(self, records: dict[int, list[StageRecord]]) -> None:
+        """Starts this period's probes: the peers records put on this peer's stage and on the stages it holds copies
+        of, and the restorers chosen last period; the answers count from the next period's records on."""
+        peer = self.peer
+        if getattr(peer.mates, "p2p", None) is None:
+            return
+        stages = {peer.stage, *self.targets()}
+        named = {r.peer_id for s in stages for r in records.get(s, []) if r.state in (SERVING, JOINING)}
+        named |= self.to_probe
+        self.to_probe = set()
+        named.discard(peer.peer_id)
+        if named and not self.probes.in_flight:
+            self._spawn(self.probes.probe(peer.mates.p2p, named))
+
+    def _note_stages(self, records: dict[int, list[StageRecord]], now: float, probed: set[int]) -> None:
+        """Notes from the stages read this period how far each got, which look lost, and which peers died.
+
+        A stage in `probed` looks lost only because its peers failed last period's probes: lost since then."""
         lost = lost_stages(records, self.peer.config.num_stages) & set(records)
+        peer_period = self.peer.config.announce_period
         for stage, group in records.items():
             if group:
                 self.last_step[stage] = max([self.last_step.get(stage, 0), *(r.step for r in group)])
@@ -197,7 +226,7 @@ class StandbyKeeper:
                 self.heard_of_death = now  # a peer that joined after the deaths learns of them from the others
             self.present[stage] = present
             if stage in lost and stage not in self.empty_since:
-                self.empty_since[stage] = now
+                self.empty_since[stage] = now - (peer_period if stage in probed else 0.0)
                 # its last peers said they were leaving on request (a stop, a preemption notice), not moving: not dead
                 if any(r.state == LEAVING and r.moving_to < 0 for r in group):
                     self.left_on_request.add(stage)
@@ -465,7 +494,7 @@ class StandbyKeeper:
         if self.claimed is None:
             return
         (stage, step, fingerprint), self.claimed = self.claimed, None
-        newcomer = NewcomerRestore(self.peer, self.accused, self.limits, dict(self.last_step))
+        newcomer = NewcomerRestore(self.peer, self.accused, self.limits, dict(self.last_step), self.probes.live)
         await asyncio.sleep(self.peer.config.announce_period)  # a holder restoring the stage too has announced it
         if await newcomer.take_fresher(step):
             return

@@ -46,8 +46,10 @@ class NewcomerRestore:
         accused: Callable[[], set[str]],
         limits: Callable[[int], WireLimits],
         seen: dict[int, int] | None = None,
+        live: Callable[[dict[int, list[StageRecord]]], dict[int, list[StageRecord]]] = lambda records: records,
     ) -> None:
         self.peer = peer
+        self.live = live  # records less those of peers its keeper's probes found dead (`LivenessProbes.live`)
         self.accused = accused  # peers a vouched trainer accused: never a source
         self.limits = limits  # per stage: the size limits of its state on the wire
         # per stage, the furthest step this peer saw announced before (its keeper's notes): a peer that moves to
@@ -120,11 +122,13 @@ class NewcomerRestore:
         peer = self.peer
         for look in range(RIVAL_PERIODS + 1):
             records = await peer._fetch_records()
-            peer.mates.update_records(records[peer.stage])
-            rivals = any(self._wins_over(r, step) for r in records[peer.stage])
+            # a dead peer's record outlives it: one its keeper's probes found dead is no rival, and gives no copy
+            live = self.live(records)
+            peer.mates.update_records(live[peer.stage])
+            rivals = any(self._wins_over(r, step) for r in live[peer.stage])
             if rivals and await peer.mates.sync_from_mates(minimum_step=step) is not None:
                 return True
-            if look == 0 and await self._take_a_copy(self._copies_past(records, step), records):
+            if look == 0 and await self._take_a_copy(self._copies_past(live, step), records):
                 return True
             if not rivals:
                 return False

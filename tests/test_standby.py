@@ -320,7 +320,7 @@ HOLDERS, DOOMED = ["a0", "a1"], ["b0", "b1"]  # the peers of stage 0 (holders of
 RESTORED = r"Restored stage 1 from a standby at step (\d+) \(lost (\d+) steps\); parameters (\w+)"
 
 
-def train_then_kill_stage_1(local_swarm, tmp_path, steps: int, follow: bool = False):
+def train_then_kill_stage_1(local_swarm, tmp_path, steps: int, follow: bool = False, flags: tuple[str, ...] = ()):
     """Two stages of two peers under a trainer; once a copy of stage 1 is past step 2, both of its peers are
     SIGKILLed. With `follow`, b1 dies first: the holders see the death and follow stage 1 by its step deltas,
     and b0 dies once a copy has caught up that way. Returns (trainer, summary file, holders' log lengths at the
@@ -328,7 +328,7 @@ def train_then_kill_stage_1(local_swarm, tmp_path, steps: int, follow: bool = Fa
     local_swarm.start_bootstrap()
     for stage, peers in ((0, HOLDERS), (1, DOOMED)):
         for name in peers:
-            local_swarm.start_peer(name, stage, [*COMMON, "--ledger", str(tmp_path / f"{name}.jsonl")])
+            local_swarm.start_peer(name, stage, [*COMMON, *flags, "--ledger", str(tmp_path / f"{name}.jsonl")])
     serving = [lambda r, s=s: sum(p.state == SERVING for p in r[s]) for s in range(2)]
     wait_for_records(local_swarm.initial_peers, lambda r: [c(r) for c in serving] == [2, 2], num_stages=2)
     summary_file = tmp_path / "summary.json"
@@ -396,6 +396,25 @@ def test_a_stage_whose_every_peer_dies_is_restored_from_a_standby(local_swarm, t
     other = next(n for n in names[0] if n != restorer)
     for name in (restorer, other):
         assert local_swarm.stop(name) == 0
+
+
+@pytest.mark.timeout(300)
+def test_a_stage_whose_peers_died_is_restored_long_before_their_records_lapse(local_swarm, tmp_path):
+    """The holders ask the peers that records put on stage 1 whether they live: with records that outlive their
+    peers by a minute, the stage still serves again within seconds of its last peer's death."""
+    ttl, bound = 60.0, 20.0
+    flags = ("--record-ttl", str(ttl))
+    trainer, summary_file, marks, killed_at = train_then_kill_stage_1(local_swarm, tmp_path, 30, flags=flags)
+    found = None
+    while found is None:
+        found = next((n for n in HOLDERS if re.search(RESTORED, local_swarm.log_path(n).read_text()[marks[n] :])), None)
+        seconds = time.monotonic() - killed_at
+        assert seconds < bound, f"stage 1 not restored within {bound:.0f}s (its dead peers' records last {ttl:.0f}s)"
+        time.sleep(0.2)
+    wait_for_log(local_swarm, found, r"Serving stage 1/2", killed_at + bound - time.monotonic(), marks[found])
+    print(f"stage 1 restored by {found} {time.monotonic() - killed_at:.1f}s after the kill")
+    assert trainer.wait(200) == 0, local_swarm.log_path("trainer").read_text()[-3000:]
+    assert json.loads(summary_file.read_text())["steps"] == 30
 
 
 @pytest.mark.timeout(300)

@@ -1,0 +1,78 @@
+"""Which peers named in records answer when asked: a stage whose peers died shows lost before their records lapse.
+
+A record outlives its peer by up to the record TTL (10 s by default), and a stage counts as lost only when no
+record shows a peer on it, so without probes a standby holder starts restoring a stage well after its last
+peer died. Each announce period a holder asks the peers that records put on the stages it holds copies of
+(and the holder chosen to restore a lost one) what they host, over the info protocol. A peer that failed to
+answer since its record was last renewed is left out of the records the holder decides on; a record renewed
+after the failed probe counts again, so a slow answer costs at most one period of a wrong view, never a peer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+
+from hivemind.p2p import P2P, PeerID
+from hivemind.utils import get_dht_time
+
+from swarm.net.transport import INFO_PROTOCOL, exchange
+from swarm.net.wire import WireLimits
+from swarm.proto import PROTOCOL_VERSION, PeerInfo, PeerInfoRequest
+from swarm.records.stage_records import LEAVING, StageRecord
+
+logger = logging.getLogger(__name__)
+
+SILENCE_MEMORY = 60.0  # seconds a failed probe is remembered (its peer's record lapses long before)
+
+
+class LivenessProbes:
+    """Probes peers named in records, and leaves the ones that failed since their last renewal out of records."""
+
+    def __init__(self, record_ttl: float, timeout: float) -> None:
+        self.record_ttl = record_ttl
+        self.timeout = timeout
+        self.silent: dict[str, float] = {}  # peer id -> DHT time of its last failed probe
+        self.in_flight = False  # one round of probes at a time: a slow one must not pile up behind the next
+        self.probes = 0
+        self.failures = 0
+
+    async def probe(self, p2p: P2P, peers: Iterable[str]) -> None:
+        """Asks each of `peers` what it hosts, at once; notes which failed to answer within the timeout."""
+        peers = list(dict.fromkeys(peers))
+        if not peers:
+            return
+        started = get_dht_time()
+        self.in_flight = True
+        try:
+            answers = await asyncio.gather(*(self._ask(p2p, p) for p in peers), return_exceptions=True)
+        finally:
+            self.in_flight = False
+        self.probes += len(peers)
+        for peer_id, answer in zip(peers, answers):
+            if isinstance(answer, BaseException):
+                self.failures += 1
+                self.silent[peer_id] = started
+            else:
+                self.silent.pop(peer_id, None)
+        self.silent = {p: at for p, at in self.silent.items() if started - at < SILENCE_MEMORY}
+
+    async def _ask(self, p2p: P2P, peer_id: str) -> PeerInfo:
+        # any reply counts, an error too (a busy gate, another protocol version): only silence is a failure
+        request = PeerInfoRequest(protocol_version=PROTOCOL_VERSION)
+        call = exchange(p2p, PeerID.from_base58(peer_id), INFO_PROTOCOL, [request], PeerInfo, WireLimits())
+        info, _ = await asyncio.wait_for(call, self.timeout)
+        return info
+
+    def dead(self, record: StageRecord) -> bool:
+        """Whether `record`'s peer failed a probe sent after the record was last renewed. A LEAVING record is never
+        dead: it says the peer went on request, which a holder must still read (that stage is not restored)."""
+        failed_at = self.silent.get(record.peer_id) if record.state != LEAVING else None
+        return failed_at is not None and record.expiration - self.record_ttl <= failed_at
+
+    def live(self, records: dict[int, list[StageRecord]]) -> dict[int, list[StageRecord]]:
+        """`records` without those of peers that failed a probe since their last renewal."""
+        if not self.silent:
+            return records
+        return {stage: [r for r in group if not self.dead(r)] for stage, group in records.items()}

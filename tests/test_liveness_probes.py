@@ -1,0 +1,33 @@
+"""The rule by which a failed probe takes a peer's record out of a standby holder's view, and when it stops."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from swarm.peer.liveness_probes import LivenessProbes
+from swarm.records.stage_records import LEAVING, SERVING, StageRecord
+
+TTL = 6.0
+
+
+def record(peer: str, stage: int, renewed_at: float, state: str = SERVING) -> StageRecord:
+    base = StageRecord(peer * 4, stage, "gpt-tiny", 3, state, 5, 10.0, 0, 24, 0, 1)
+    return dataclasses.replace(base, expiration=renewed_at + TTL)
+
+
+def test_a_record_renewed_before_a_failed_probe_is_left_out_and_one_renewed_after_counts_again():
+    probes = LivenessProbes(record_ttl=TTL, timeout=1.0)
+    probes.silent = {"a" * 4: 100.0}  # a's last probe, sent at t=100, got no answer
+    read = {0: [record("a", 0, renewed_at=99.0), record("b", 0, renewed_at=99.5)], 1: []}
+    assert [r.peer_id for r in probes.live(read)[0]] == ["b" * 4]
+    # the answer was late, not missing: a renewal after the probe says the peer lives
+    renewed = {0: [record("a", 0, renewed_at=100.5)]}
+    assert [r.peer_id for r in probes.live(renewed)[0]] == ["a" * 4]
+
+
+def test_a_leaving_record_stays_in_view_after_its_peer_went_silent():
+    """A peer that left on request and exited is silent too; its LEAVING record tells holders not to restore."""
+    probes = LivenessProbes(record_ttl=TTL, timeout=1.0)
+    probes.silent = {"a" * 4: 100.0}
+    read = {0: [record("a", 0, renewed_at=99.0, state=LEAVING)]}
+    assert probes.live(read) == read
