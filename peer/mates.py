@@ -200,6 +200,12 @@ class StageMates:
                 self.peer_id, self.stage, step - 1, result.ids, result.lost, fingerprint, result.seconds
             )
             self.ledger.write(record)
+            if machine.outran.get(step - 1):  # members stepped on it alone: their step is an abandoned history
+                self.ledger.write(restore_record(self.peer_id, self.stage, step - 1, step))
+        for old in [s for s in machine.outran if s < step]:
+            del machine.outran[old]
+        for old in [s for s in machine.ahead_of if s < step]:
+            del machine.ahead_of[old]
         if self.serving:  # the mates compare fingerprints, and learn this peer has reached the step
             self.progress.tell(set(self.mates) | self.membership.newcomers, step)
             self.progress.compare_fingerprints()

@@ -158,6 +158,9 @@ class StandbyKeeper:
         is concluded about those. Records of peers that failed a probe since their last renewal are left out.
         """
         peer = self.peer
+        for stage, group in records.items():  # a dead peer's last words too: how far its stage got
+            if group:
+                self.last_step[stage] = max([self.last_step.get(stage, 0), *(r.step for r in group)])
         read, records = records, self.probes.live(records)
         self._probe(records)
         if peer.mates is not None and whole_swarm:
@@ -214,8 +217,6 @@ class StandbyKeeper:
         lost = lost_stages(records, self.peer.config.num_stages) & set(records)
         peer_period = self.peer.config.announce_period
         for stage, group in records.items():
-            if group:
-                self.last_step[stage] = max([self.last_step.get(stage, 0), *(r.step for r in group)])
             if any(r.state == SERVING for r in group):
                 self.seen_serving.add(stage)
             # a peer whose record vanished, not saying it was leaving, died: the swarm shows churn

@@ -143,6 +143,10 @@ class StepMachine:
         # takes a mate's state at a minimum step (from a given mate, or one confirmed): set by the state hand-over
         self.take_state: Callable[[int, str | None], Awaitable[str | None]] | None = None
         self.stepped_without = -1  # the latest round step a member stepped on without this peer
+        self.ahead_of: dict[int, set[str]] = {}  # per step: the members that answered its round from a later step
+        # per step: members that stepped on it without this peer and whose state no other mate confirmed; its round
+        # goes on without them, and the ledger marks their step abandoned once this peer steps (`StageMates`)
+        self.outran: dict[int, set[str]] = {}
         self.resyncs = 0
         self.resyncing = False
         self.fruitless_at = -math.inf  # when the last resync ended without a state
@@ -193,7 +197,14 @@ class StepMachine:
             raise RoundLeftBehind("a member stepped on it without this peer; taking the mates' state")
 
     def mate_stepped_past(self, step: int, mate: str, at: int) -> None:
-        """`mate` answered a message of the round of `step` from its later step `at`: see `check_left_behind`."""
+        """`mate` answered a message of the round of `step` from its later step `at`: see `check_left_behind`.
+
+        A mate that stepped on `step` alone, whose state a resync found no other mate to confirm, is left out of
+        the round instead: a newcomer that joined while a lone restorer stepped, say, would otherwise wait for a
+        state it may not take for as long as that mate lives (20 s of a wave run, then a fork anyway)."""
+        if mate in self.outran.get(step, ()):
+            return
+        self.ahead_of.setdefault(step, set()).add(mate)
         self.stepped_without = max(self.stepped_without, step)
         self.schedule_resync(f"mate {mate} is already at step {at}")
         if self.changed is not None:
@@ -283,9 +294,22 @@ class StepMachine:
             finally:
                 if took is None:
                     self.fruitless_at = self.loop.time()
+                    self._outrun(self.runtime.step)
                 self.resyncing = False
                 self.behind_checks = 0
                 if self.stepped_without >= self.runtime.step:  # no state came: this step's rounds may go on
                     self.advance(self.runtime.step)
 
         self.spawn(resync())
+
+    def _outrun(self, step: int) -> None:
+        """A resync found no confirmed state past `step`: the members that answered its round from a later step
+        stepped on it alone, so its round goes on without them (see `mate_stepped_past`)."""
+        alone = self.ahead_of.pop(step, set())
+        if self.stepped_without < step or not alone:
+            return
+        self.outran[step] = self.outran.get(step, set()) | alone
+        logger.warning(
+            f"Stage {self.stage} step {step}: {sorted(alone)} stepped on it without this peer, and no other mate holds "
+            "their state; the round goes on without them (the ledger marks their step abandoned)"
+        )

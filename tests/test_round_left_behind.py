@@ -177,6 +177,38 @@ def test_a_peer_whose_round_a_member_stepped_on_without_it_starts_no_new_round_u
     assert during == [] and after == [5]
 
 
+def test_a_member_that_stepped_alone_on_a_state_no_mate_confirms_is_left_out_of_the_round_not_waited_for():
+    """A wave run: a lone restorer stepped while newcomers joined; they, at the step behind, could neither take its
+    state (no other mate confirms it) nor step without it, for 20 s. After one fruitless resync, its refusals from
+    the later step no longer hold the round up, and the mates' ledger marks its step abandoned once they step."""
+
+    async def go() -> tuple[list, list, set]:
+        averaging, runtime = averaging_round()
+        machine = averaging.machine
+        requested: list = []
+        runtime.request_step = requested.append
+        runtime.target_batch_size = 8
+        machine.steps[5].progress[MATE] = {("t", 2): 8}
+
+        async def take_state(minimum_step, source):
+            return None  # the mate's state at step 6 is confirmed by no other mate
+
+        machine.take_state = take_state
+        machine.mate_stepped_past(5, MATE, 6)
+        for _ in range(5):
+            await asyncio.sleep(0)
+        first = list(requested)
+        machine.stepped_without = -1  # the next attempt of the round starts (`AveragingRound.round`)
+        machine.mate_stepped_past(5, MATE, 6)  # and the mate refuses its offer again
+        held_up = machine.stepped_without >= 5 or machine.resyncing
+        return first, [held_up], machine.outran.get(5, set())
+
+    first, held_up, outran = asyncio.run(go())
+    assert first == [5]  # the step's round went on after the fruitless resync
+    assert held_up == [False]  # a second refusal from the lone mate starts no resync and leaves the round alone
+    assert outran == {MATE}
+
+
 # --- a leaving mate's hand-over in the rounds after it ----------------------------------------------------------
 
 
