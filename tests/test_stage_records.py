@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import os
+import signal
+import time
 
 import pytest
 from hivemind.utils import get_dht_time
@@ -118,3 +121,19 @@ def test_nobody_can_write_or_shadow_another_peers_record():
     finally:
         forger.shutdown()
         honest.shutdown()
+
+
+def test_a_read_from_a_dht_node_that_stopped_answering_fails_within_its_timeout_not_never():
+    """The process's DHT node stuck (here: stopped): a trainer waiting on a stage must still reach its own deadline
+    and say why, so a read gives up with TimeoutError rather than wait on the node forever."""
+    node = TetheredDHT(start=True)
+    try:
+        assert fetch_stage_records(node, "swarm", 3, timeout=10.0) == {0: [], 1: [], 2: []}
+        os.kill(node.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match="has not answered a read"):
+            fetch_stage_records(node, "swarm", 3, timeout=2.0)
+        assert time.monotonic() - started < 10.0
+    finally:
+        os.kill(node.pid, signal.SIGCONT)
+        node.shutdown()

@@ -14,6 +14,7 @@ that is unsigned, misfiled or (in a private swarm) from a peer outside the allow
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import math
 import re
@@ -200,6 +201,9 @@ def stage_key(run_id: str, stage: int) -> str:
 # a store that no node accepted (a node that has just joined may know no neighbour yet) is tried again
 # after these pauses, in seconds: about 3 s in all, well inside any record's time to live
 STORE_RETRY_PAUSES = (0.1, 0.2, 0.4, 0.8, 1.6)
+# a read answers within seconds (hivemind's own calls time out sooner); one that takes this long means this
+# process's DHT node is stuck, and a caller told so can say what it waits for rather than wait forever
+READ_TIMEOUT = 60.0
 
 
 def announce(dht: DHT, run_id: str, record: StageRecord, ttl: float) -> bool:
@@ -231,17 +235,23 @@ def announce(dht: DHT, run_id: str, record: StageRecord, ttl: float) -> bool:
 
 
 def fetch_stage_records(
-    dht: DHT, run_id: str, num_stages: int, only: int | Iterable[int] | None = None
+    dht: DHT, run_id: str, num_stages: int, only: int | Iterable[int] | None = None, timeout: float = READ_TIMEOUT
 ) -> dict[int, list[StageRecord]]:
     """The live records of every stage (or of stage `only`, or of the stages `only` lists), read from the DHT;
-    blocking, so call it off the loop."""
+    blocking, so call it off the loop. TimeoutError if the DHT node has not answered within `timeout`."""
     stages = range(num_stages) if only is None else [only] if isinstance(only, int) else sorted(set(only))
     futures = {stage: dht.get(stage_key(run_id, stage), latest=True, return_future=True) for stage in stages}
     allowlist = getattr(dht, "allowlist", None)
+    deadline = time.monotonic() + timeout
     now = get_dht_time()
     records: dict[int, list[StageRecord]] = {}
     for stage, future in futures.items():
-        found = future.result()
+        try:
+            found = future.result(timeout=max(0.0, deadline - time.monotonic()))
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(
+                f"this process's DHT node has not answered a read of the stages' records in {timeout:.0f}s"
+            ) from None
         records[stage] = []
         if found is None or not isinstance(found.value, dict):
             continue

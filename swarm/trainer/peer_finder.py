@@ -146,7 +146,11 @@ class PeerFinder:
                 logger.warning(f"Stage {stage} has no live peer yet; waiting for one to join")
                 warned = True
             await asyncio.sleep(0.5)
-            await self.refresh()
+            try:
+                await self.refresh()
+            except Exception as e:  # a stuck DHT node: the deadline above still ends the wait, saying why
+                logger.warning(f"Could not read peers from the DHT: {e}")
+                await asyncio.sleep(REFRESH_PERIOD)
         if warned:
             logger.info(f"Stage {stage} has a live peer again; resuming")
 
