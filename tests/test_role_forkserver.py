@@ -3,6 +3,9 @@ sessions, waiting, stopping; and a placeholder for a module nobody uses is loade
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -10,6 +13,7 @@ import time
 import pytest
 
 from swarm.launch.local_swarm import LocalSwarm
+from swarm.launch.role_forkserver import own_hivemind_locks, start_forkserver
 
 FLAGS = ["--model", "gpt-tiny", "--num-stages", "3"]
 
@@ -58,3 +62,43 @@ def test_a_deferred_module_loads_when_first_used():
         "assert type(sys.modules['scipy.optimize']).__name__ == 'module'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def hold_hivemind_lock_and_wait(held) -> None:
+    """A role killed inside hivemind's shared-buffer lock, as a DHT call makes its future."""
+    from hivemind.utils.mpfuture import SharedBytes
+
+    own_hivemind_locks()
+    SharedBytes._lock.acquire()
+    held.set()
+    time.sleep(600)
+
+
+def make_a_future(made) -> None:
+    from hivemind.utils.mpfuture import MPFuture
+
+    own_hivemind_locks()
+    MPFuture()
+    made.set()
+
+
+@pytest.mark.timeout(120)
+def test_a_role_killed_inside_a_hivemind_lock_leaves_the_other_roles_their_dht_calls():
+    """hivemind's process-wide locks are multiprocessing locks made at import: forked from one forkserver, every
+    role shared them until each took its own, and one role killed holding one blocked every other's DHT calls."""
+    start_forkserver(dict(os.environ))
+    context = multiprocessing.get_context("forkserver")
+    held, made = context.Event(), context.Event()
+    holder = context.Process(target=hold_hivemind_lock_and_wait, args=(held,))
+    holder.start()
+    try:
+        assert held.wait(60), "the holder never took the lock"
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.join(10)
+        other = context.Process(target=make_a_future, args=(made,))
+        other.start()
+        assert made.wait(30), "a role forked after the holder died could not make a DHT future"
+        other.join(10)
+    finally:
+        if holder.is_alive():
+            holder.kill()

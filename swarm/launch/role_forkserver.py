@@ -85,6 +85,7 @@ class ForkedRole:
 def _run_role(argv: list[str], log_path: str | None, env: dict[str, str]) -> None:
     """In the forked process: becomes what `python -m swarm ARGV` launched by LocalSwarm would be."""
     os.setsid()
+    own_hivemind_locks()
     os.environ.clear()
     os.environ.update(env)
     # the forkserver, this process's parent, lives as long as any role it forked: the role watches the launcher
@@ -99,6 +100,21 @@ def _run_role(argv: list[str], log_path: str | None, env: dict[str, str]) -> Non
     sys.argv = ["swarm", *argv]
     _name_process(f"swarm {argv[0]}")
     sys.exit(run_command_line(argv, ROLES))
+
+
+def own_hivemind_locks() -> None:
+    """Gives this forked process hivemind's process-wide locks of its own, before it makes any DHT call.
+
+    hivemind makes them at import, as multiprocessing locks, which a fork shares: every role forked from the
+    forkserver held the very locks the forkserver imported. A role killed inside one (a DHT call creating its
+    future, say) left it held for good, and every other role blocked at its next DHT call, or at its start:
+    a wave run's trainers and peers all stood still for 14 minutes. A role launched as a program has its own.
+    """
+    from hivemind.utils.asyncio import _AsyncContextWrapper
+    from hivemind.utils.mpfuture import MPFuture
+
+    MPFuture.reset_backend()  # its future and pipe locks, and the shared-buffer lock: new, and this process's
+    _AsyncContextWrapper.EXECUTOR_LOCK = multiprocessing.Lock()
 
 
 def _name_process(name: str) -> None:
