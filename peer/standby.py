@@ -169,11 +169,7 @@ class StandbyKeeper:
         for stage in [s for s in self.standbys if s not in targets]:
             self._drop(stage)
         now = time.monotonic()
-        self._note_stages(
-            records,
-            now,
-            probed=lost_stages(records, peer.config.num_stages) - lost_stages(read, peer.config.num_stages),
-        )
+        self._note_stages(records, now, read)
         self._refresh_copies(records, now)
         if peer.state != SERVING or self.restore_pending is not None or not whole_swarm:
             return
@@ -210,11 +206,14 @@ class StandbyKeeper:
         if named and not self.probes.in_flight:
             self._spawn(self.probes.probe(peer.mates.p2p, named))
 
-    def _note_stages(self, records: dict[int, list[StageRecord]], now: float, probed: set[int]) -> None:
+    def _note_stages(
+        self, records: dict[int, list[StageRecord]], now: float, read: dict[int, list[StageRecord]]
+    ) -> None:
         """Notes from the stages read this period how far each got, which look lost, and which peers died.
 
-        A stage in `probed` looks lost only because its peers failed last period's probes: lost since then."""
+        `records` is `read` less the peers that failed a probe: a stage lost only by that is lost since the probe."""
         lost = lost_stages(records, self.peer.config.num_stages) & set(records)
+        probed = lost - lost_stages(read, self.peer.config.num_stages)
         peer_period = self.peer.config.announce_period
         for stage, group in records.items():
             if any(r.state == SERVING for r in group):
