@@ -25,7 +25,7 @@ TAG_NAME = "SWARM_HYGIENE_TAG"
 GONE_WITHIN_S = 40.0
 
 LAUNCHER = """
-import json, signal, sys, time
+import json, sys, time
 from swarm.net.dht_node import TetheredDHT
 from swarm.launch.local_swarm import LocalSwarm
 
@@ -40,7 +40,10 @@ if __name__ == "__main__":  # forked peers re-import this script as multiprocess
                     sys.exit("the peer exited")
                 time.sleep(0.1)
             print(json.dumps({"peer": peer.pid, "dht": dht.pid}), flush=True)
-            signal.pause()
+            # not signal.pause(): a signal taken by another thread (hivemind's) would never wake it, and
+            # `timeout` sends two SIGTERMs at once; the handler runs in this thread when a sleep ends
+            while True:
+                time.sleep(0.2)
         finally:
             dht.shutdown()
 """
