@@ -17,6 +17,8 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
+from hivemind.utils import get_dht_time
+
 from swarm.net.allowlist import Handler
 from swarm.net.transport import STATE_PROTOCOL
 from swarm.peer.mate_messages import PROGRESS_TIMEOUT
@@ -146,6 +148,7 @@ class MateMembership:
             and r.model == machine.model
             and r.num_stages == machine.num_stages
         }
+        self._keep_missed(mates, {r.peer_id for r in records} | set(accused))
         for peer_id in list(self.unreachable):
             if peer_id in mates:
                 del mates[peer_id]  # its record, renewed or not, is no sign of life
@@ -156,6 +159,16 @@ class MateMembership:
         self.mates = mates
         self.newcomers -= set(mates)  # they hear progress as mates from now on
         return new
+
+    def _keep_missed(self, mates: dict[str, StageRecord], read: set[str]) -> None:
+        """Keeps in `mates` each mate this read missed whose last record has not expired. A DHT read can come
+        back short (a node that did not answer in time): without this, one short read could leave a lone
+        liar as the only mate, whose word then goes unconfirmed. A dead mate's record lasts as long in a full
+        read; a mate whose record now says it is no longer serving is in `read`, and is not kept."""
+        now = get_dht_time()
+        for peer_id, record in self.mates.items():
+            if peer_id not in read and peer_id not in mates and record.expiration > now:
+                mates[peer_id] = record
 
     def mark_unreachable(self, peer_id: str) -> None:
         """Leaves a mate that could not be reached out of later rounds until it shows a sign of life (once it

@@ -331,6 +331,24 @@ def test_a_mate_renewing_its_record_but_answering_nothing_stays_out_of_rounds():
     assert silent not in membership.mates and membership.unreachable[silent] == UNREACHABLE_HOLD
 
 
+def test_a_read_that_misses_a_live_mate_does_not_leave_a_liar_alone():
+    # a short DHT read (a node slow to answer) must not leave an insider announcing a later step as the only
+    # mate, whose state a lone answer would then confirm: a mate stays until its last record expires
+    module = build_stage(SPEC, 1, 3, seed=0)
+    runtime = StageRuntime(module, build_optimizer(module, OptimizerSettings()), target_batch_size=16)
+    membership = MateMembership(StepMachine(runtime, PEERS[0], "gpt-tiny", FaultPlan()))
+    honest, liar, lapsing = PEERS[1], PEERS[2], PEERS[3]
+    now = get_dht_time()  # `lapsing`'s record has expired since it was read
+    membership.take_records(
+        [record(p, stage=1, expiration=now + ttl) for p, ttl in ((honest, 60), (liar, 60), (lapsing, -1))]
+    )
+    assert set(membership.mates) == {honest, liar, lapsing}
+    membership.take_records([record(liar, stage=1, step=1000, expiration=now + 60)])  # a short read
+    assert set(membership.mates) == {honest, liar}, "only the mate whose record expired is gone"
+    membership.take_records([record(liar, stage=1, expiration=now + 60), record(honest, stage=1, state=JOINING)])
+    assert set(membership.mates) == {liar}, "a record that says a mate no longer serves counts at once"
+
+
 @pytest.mark.timeout(300)
 def test_a_peer_refuses_far_future_and_inflated_progress_and_names_the_sender(local_swarm, tmp_path):
     local_swarm.start_bootstrap()
