@@ -71,6 +71,9 @@ FILL_PERIODS = 3  # announce periods after that in which a holder may restore it
 INFO_TIMEOUT = 5.0
 CHURN_MEMORY = 600.0  # seconds after a peer's death during which copies follow their stages step by step
 HEARD_MEMORY = 60.0  # seconds after a read last showed a record whose peer saw a death (`saw_death`)
+# while copies follow their stages (churn), the least share of the time whole refreshes may take: a slow refresh
+# (a loaded start) at the idle share of 5% held a copy 75 s behind its stage, the one a restore then took
+FOLLOWING_SHARE = 0.5
 MAX_DELTA_MISSES = 2  # sources whose deltas led nowhere confirmed before a stage's copy is only refreshed whole
 WHOLE_SWARM_EVERY = 5  # announce periods between a keeper's reads of every stage; in between, the ones it holds
 
@@ -85,7 +88,8 @@ class StandbyKeeper:
         self.churn_count = config.standby_stages_under_churn
         self.every = config.standby_every
         self.share = config.standby_share
-        self.next_refresh: dict[int, float] = {}  # per stage: no refresh before (time.monotonic), see --standby-share
+        # per stage: when (time.monotonic) its last whole refresh ended and how long it took, see --standby-share
+        self.last_refresh: dict[int, tuple[float, float]] = {}
         self.budget = int(config.standby_memory_mb * 2**20)
         self.spill_dir = Path(config.checkpoint_dir) / "standby" if config.checkpoint_dir else None
         self.standbys: dict[int, Standby] = {}
@@ -262,8 +266,15 @@ class StandbyKeeper:
             step = copy.step if copy is not None else 0
             # a copy its stage's peers had no deltas for is taken whole at once, not every-so-many steps
             due = newest >= step + self.every or (self.no_deltas.get(stage) == step and newest > step)
-            if due and now >= self.next_refresh.get(stage, 0.0):
+            if due and now >= self._refresh_due(stage, now):
                 self._spawn(self.refresh(stage, [r.peer_id for r in serving]))
+
+    def _refresh_due(self, stage: int, now: float) -> float:
+        """When `stage`'s copy may be refreshed whole again: its copies' cost stays a bounded share of the time,
+        whatever the step rate and state size; a larger one while the copies follow their stages."""
+        ended, took = self.last_refresh.get(stage, (0.0, 0.0))
+        share = max(self.share, FOLLOWING_SHARE) if self.following(now) else self.share
+        return ended + took / share
 
     def _fill_empty(self, records: dict[int, list[StageRecord]], now: float) -> None:
         """Moves this peer to a stage left empty that no holder restores, if the records choose it."""
@@ -397,8 +408,7 @@ class StandbyKeeper:
             logger.info(f"Could not refresh the standby copy of stage {stage}: {type(e).__name__}: {e}")
         finally:
             self.fetching.discard(stage)
-            # the copies' cost stays a bounded share of the time, whatever the step rate and state size
-            self.next_refresh[stage] = time.monotonic() + (time.perf_counter() - started) / self.share
+            self.last_refresh[stage] = (time.monotonic(), time.perf_counter() - started)
 
     def _deltas_reach(self, copy: Standby | None, newest: int) -> bool:
         """Whether `copy` can be caught up with its stage's step deltas, now at step `newest`."""
@@ -461,7 +471,7 @@ class StandbyKeeper:
         copy = self.standbys.pop(stage, None) or self.standbys.get(stage)
         self.delta_misses.setdefault(stage, set()).add(source)
         misses = len(self.delta_misses[stage])
-        self.next_refresh[stage] = 0.0  # taken whole at the next look
+        self.last_refresh.pop(stage, None)  # taken whole at the next look
         logger.warning(
             f"The step deltas of stage {stage} from {source} brought its standby copy to fingerprint "
             f"{copy.fingerprint} at step {copy.step}, not {version[1]} as two of its peers confirm (a source that "

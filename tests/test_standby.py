@@ -15,7 +15,14 @@ from conftest import SMALL_CORPUS, wait_for_records
 
 from swarm.config import PeerConfig
 from swarm.peer import standby_newcomer
-from swarm.peer.standby import FILL_PERIODS, HEARD_MEMORY, LOST_GRACE, WHOLE_SWARM_EVERY, StandbyKeeper
+from swarm.peer.standby import (
+    FILL_PERIODS,
+    FOLLOWING_SHARE,
+    HEARD_MEMORY,
+    LOST_GRACE,
+    WHOLE_SWARM_EVERY,
+    StandbyKeeper,
+)
 from swarm.peer.standby_copy import Standby
 from swarm.peer.standby_newcomer import NewcomerRestore
 from swarm.policy.empty_stages import choose_filler, on_the_way
@@ -115,6 +122,18 @@ def test_copies_follow_their_stages_once_a_peer_died_not_when_one_left():
     keeper.observe({0: stage0, 1: [record("peerC", 1), record("peerE", 1)]})
     keeper.observe({0: stage0}, whole_swarm=False)
     assert not keeper.following(time.monotonic())
+
+
+def test_a_slow_whole_refresh_holds_a_copy_back_a_bounded_share_of_the_time_less_under_churn():
+    """Traced in a replay: a refresh that took 3.9 s on a loaded start kept, at the idle share of 5%, the copy of
+    stage 2 at step 29 for 78 s while its stage went on to step 102; that copy was the one a restore took."""
+    keeper = keeper_on_stage_0([])
+    now = time.monotonic()
+    keeper.last_refresh[1] = (now, 4.0)
+    assert keeper._refresh_due(1, now) == pytest.approx(now + 4.0 / keeper.share)  # the calm: 80 s at 5%
+    keeper.last_death = now  # a peer died: copies follow their stages, and a whole refresh waits as long as it took
+    assert keeper._refresh_due(1, now) == pytest.approx(now + 4.0 / FOLLOWING_SHARE)
+    assert keeper._refresh_due(2, now) == 0.0  # never refreshed: due at once
 
 
 def test_a_keeper_that_saw_no_death_follows_its_copies_while_a_record_says_its_peer_saw_one():
