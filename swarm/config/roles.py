@@ -137,7 +137,7 @@ class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig, TrustConfig):
     standby_share: float = option(
         0.05,
         "the most of the time a standby copy's refreshes may take: after a refresh that took T seconds, "
-        "the next waits T / this, however many steps go by",
+        "the next waits T / this, however many steps go by (T / 0.5 at most while the swarm shows churn)",
     )
     standby_memory_mb: float = option(
         4096.0,
