@@ -72,7 +72,7 @@ from swarm.peer.step_machine import StepMachine
 from swarm.peer.work_receipts import WorkReceipts
 from swarm.proto import PeerInfo
 from swarm.records.sample_ledger import SampleLedger, left_record, restore_record, step_record
-from swarm.records.stage_records import SERVING, StageRecord
+from swarm.records.stage_records import LEAVING, SERVING, StageRecord
 
 logger = logging.getLogger(__name__)
 
@@ -177,6 +177,24 @@ class StageMates:
             "it; this peer goes on from its own state (the ledger marks any such step as abandoned)"
         )
 
+    def _abandon_lines_ahead(self, step: int) -> None:
+        """Before this peer's line of `step`: where members stepped on it alone (`outran`), or mates now gone had
+        stepped past it, the ledger marks their steps as a history abandoned (a restore of the stage at `step` from
+        this peer's own state), so that their samples count as rolled back, by id, not as silently lost. Written
+        first, so that this peer's own line comes after the restore and stays in the history that goes on."""
+        machine, membership = self.machine, self.membership
+        # a mate that left on request hands its state over, or gave it up in the ledger itself: not gone here
+        left = {p for p, (_, state) in membership.stage_peers.items() if state == LEAVING}
+        gone = machine.left_ahead(step, set(membership.mates) | left)
+        if not machine.outran.get(step) and not gone:
+            return
+        self.ledger.write(restore_record(self.peer_id, self.stage, step, max([step + 1, *gone.values()])))
+        if gone:
+            logger.warning(
+                f"Stage {self.stage} step {step}: {sorted(gone)} had stepped past it without this peer and are gone; "
+                "this peer goes on from its own state (the ledger marks their steps as abandoned)"
+            )
+
     def start_serving(self) -> None:
         """Marks this peer as holding the stage's state; it may then start or join rounds."""
         self.serving = True
@@ -196,12 +214,13 @@ class StageMates:
         self.progress.reached(step)  # what the mates told of steps ahead of this peer's counts from here
         if result is not None:
             self.progress.remember_summed(frozenset((trainer, mb) for trainer, mb, _ in result.ids))
+            self._abandon_lines_ahead(step - 1)
             record = step_record(
                 self.peer_id, self.stage, step - 1, result.ids, result.lost, fingerprint, result.seconds
             )
             self.ledger.write(record)
-            if machine.outran.get(step - 1):  # members stepped on it alone: their step is an abandoned history
-                self.ledger.write(restore_record(self.peer_id, self.stage, step - 1, step))
+        else:
+            machine.forget_behind(step)
         for old in [s for s in machine.outran if s < step]:
             del machine.outran[old]
         for old in [s for s in machine.ahead_of if s < step]:

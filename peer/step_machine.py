@@ -147,6 +147,9 @@ class StepMachine:
         # per step: members that stepped on it without this peer and whose state no other mate confirmed; its round
         # goes on without them, and the ledger marks their step abandoned once this peer steps (`StageMates`)
         self.outran: dict[int, set[str]] = {}
+        # mates whose records announced a step past this peer's, and the furthest: should they be gone when this
+        # peer steps on its own, their later steps are a history it abandons (`left_ahead`)
+        self.seen_ahead: dict[str, int] = {}
         self.resyncs = 0
         self.resyncing = False
         self.fruitless_at = -math.inf  # when the last resync ended without a state
@@ -262,6 +265,9 @@ class StepMachine:
     def check_behind(self, mates: dict[str, StageRecord]) -> None:
         """Takes the mates' state if their records say this peer fell behind them."""
         step = self.runtime.step
+        for peer_id, record in mates.items():
+            if record.step > step:
+                self.seen_ahead[peer_id] = max(self.seen_ahead.get(peer_id, 0), record.step)
         # one mate's record alone is no proof: where two or more serve, another must be as far ahead
         steps = sorted((r.step for r in mates.values()), reverse=True)
         ahead = (steps[1] if len(steps) >= 2 else steps[0] if steps else step) - step
@@ -271,6 +277,20 @@ class StepMachine:
         self.behind_checks = self.behind_checks + 1 if ahead >= 1 and not in_round else 0
         if ahead >= 2 or self.behind_checks >= 2:
             self.schedule_resync(f"mates announce step {step + ahead}, this peer is at {step}")
+
+    def left_ahead(self, step: int, mates: set[str]) -> dict[str, int]:
+        """This peer stepped on `step` by a round of its own: the mates not in `mates` (gone: dropped as unreachable,
+        their records expired) whose records had announced a later step, and that step. They stepped on `step`
+        without this peer and died before it could take their state (a lone restorer a newcomer joined, say):
+        their steps are a history this peer's abandons, which the ledger must say, or their samples count as
+        silently lost and their step as divergent."""
+        gone = {p: at for p, at in self.seen_ahead.items() if at > step and p not in mates}
+        self.seen_ahead = {p: at for p, at in self.seen_ahead.items() if at > step + 1 and p in mates}
+        return gone
+
+    def forget_behind(self, step: int) -> None:
+        """This peer reached `step` by a state load: mates announced at or before it are no longer ahead."""
+        self.seen_ahead = {p: at for p, at in self.seen_ahead.items() if at > step}
 
     def claim_ahead(self, mate: str, step: int) -> None:
         """`mate` sent a message of its later `step`: this peer may have missed rounds. One mate's word is no

@@ -25,6 +25,7 @@ from swarm.peer.step_machine import (
     held_by_the_gone,
 )
 from swarm.proto import PROTOCOL_VERSION, Error, ErrorCode, GradContribution, MateReply
+from swarm.records.stage_records import SERVING, StageRecord
 
 ME = "QmPeerAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA"
 MATE = "QmPeerMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMM"
@@ -41,11 +42,17 @@ class Membership:
         raise AssertionError(f"{peer_id} answered nothing wrong: it must not be dropped")
 
 
-def averaging_round() -> tuple[AveragingRound, SimpleNamespace]:
+def stage_1_at_step_5() -> StepMachine:
+    """The step machine of a peer of stage 1 of 2 at step 5, over a stand-in runtime (not serving yet)."""
     module = torch.nn.Linear(2, 2)
     module.stage, module.num_stages = 1, 2
     runtime = SimpleNamespace(module=module, step=5, max_batch_samples=64, target_batch_size=16)
-    machine = StepMachine(runtime, ME, "gpt-tiny", FaultPlan())
+    return StepMachine(runtime, ME, "gpt-tiny", FaultPlan())
+
+
+def averaging_round() -> tuple[AveragingRound, SimpleNamespace]:
+    machine = stage_1_at_step_5()
+    runtime = machine.runtime
     machine.serving = True
     machine.start(p2p=None)
     averaging = AveragingRound(
@@ -207,6 +214,25 @@ def test_a_member_that_stepped_alone_on_a_state_no_mate_confirms_is_left_out_of_
     assert first == [5]  # the step's round went on after the fruitless resync
     assert held_up == [False]  # a second refusal from the lone mate starts no resync and leaves the round alone
     assert outran == {MATE}
+
+
+def test_mates_gone_after_announcing_a_later_step_are_named_when_the_peer_steps_on_its_own():
+    """A replay: a holder restored a lost stage and stepped twice alone while a newcomer restored the same copy; it
+    died before the newcomer could take its state. The newcomer stepped from the older step: its ledger must mark
+    the dead one's two steps abandoned, or their samples count as silently lost and its step as divergent."""
+    machine = stage_1_at_step_5()  # not serving: the records start no resync here
+    other = "QmPeerOOOOOOOOOOOOOOOOOOOOOOOOOOOOOOOOOOOOOOOO"
+
+    def record(peer: str, step: int) -> StageRecord:
+        return StageRecord(peer, 1, "gpt-tiny", 2, SERVING, step, 10.0, 0, 16, 0, PROTOCOL_VERSION)
+
+    machine.check_behind({MATE: record(MATE, 7), other: record(other, 6)})  # this peer is at step 5
+    assert machine.left_ahead(5, {MATE, other}) == {}  # both live: no history abandoned
+    assert machine.left_ahead(5, {other}) == {MATE: 7}  # MATE is gone: its steps 5 and 6 are abandoned
+    assert machine.left_ahead(6, {other}) == {}  # said once; and `other`, at 6, was no longer ahead
+    machine.check_behind({MATE: record(MATE, 9)})
+    machine.forget_behind(9)  # a state load to step 9: nobody is ahead any more
+    assert machine.left_ahead(9, set()) == {}
 
 
 # --- a leaving mate's hand-over in the rounds after it ----------------------------------------------------------
