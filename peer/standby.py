@@ -72,7 +72,7 @@ INFO_TIMEOUT = 5.0
 CHURN_MEMORY = 600.0  # seconds after a peer's death during which copies follow their stages step by step
 HEARD_MEMORY = 60.0  # seconds after a read last showed a record whose peer saw a death (`saw_death`)
 # while copies follow their stages (churn), the least share of the time whole refreshes may take: a slow refresh
-# (a loaded start) at the idle share of 5% held a copy 75 s behind its stage, the one a restore then took
+# (a loaded start) at the idle share of 5% held a copy 78 s unrefreshed, 73 steps behind, the one a restore then took
 FOLLOWING_SHARE = 0.5
 MAX_DELTA_MISSES = 2  # sources whose deltas led nowhere confirmed before a stage's copy is only refreshed whole
 WHOLE_SWARM_EVERY = 5  # announce periods between a keeper's reads of every stage; in between, the ones it holds
