@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import assert_matches_reference, reference_run, trainer_flags, wait_for_records
 from test_peer_death import trainer_exit_code
-from test_step_protocol import peer_infos, read_lines, start_swarm
+from test_step_protocol import peer_infos, start_swarm, step_lines
 
 from swarm.peer.checkpoint import load_checkpoint
 from swarm.peer.contribution_bounds import CLIP_FACTOR
@@ -96,7 +96,7 @@ def test_a_mate_dying_before_its_slices_fails_the_round_alike_and_it_is_retried_
         # the dead mate's commit agrees without it instead: either way its samples are found lost and resent
         log = local_swarm.log_path(name).read_text()
         assert "the round failed" in log or "a mate died holding" in log, log[-3000:]
-        assert not [entry for line in read_lines(tmp_path / f"{name}.ledger") for entry in line["lost"]]
+        assert not [entry for line in step_lines(tmp_path / f"{name}.ledger") for entry in line["lost"]]
     stage_1_matches_reference(local_swarm, tmp_path, steps, "peer1b")
 
 
@@ -120,7 +120,7 @@ def test_a_sum_whose_owner_died_is_taken_from_a_mate_that_holds_it(local_swarm, 
     logs = [local_swarm.log_path(name).read_text() for name in ("peer1b", "peer1c")]
     assert sum("'s sum from" in log for log in logs) == 1, "one mate took the dead owner's sum from the other"
     assert not any("the round failed" in log for log in logs)
-    ledgers = [read_lines(tmp_path / f"{name}.ledger") for name in ("peer1b", "peer1c")]
+    ledgers = [step_lines(tmp_path / f"{name}.ledger") for name in ("peer1b", "peer1c")]
     first = [next(line for line in ledger if line["step"] == 0) for ledger in ledgers]
     assert first[0]["ids"] == first[1]["ids"] and not first[0]["lost"]  # both stepped on peer1a's samples too
     stage_1_matches_reference(local_swarm, tmp_path, steps, "peer1b")

@@ -39,6 +39,11 @@ def read_lines(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+def step_lines(path) -> list[dict]:
+    """A peer ledger's step lines (it also holds restore and left lines, which sum nothing)."""
+    return [line for line in read_lines(path) if line["kind"] == "step"]
+
+
 def start_swarm(local_swarm, tmp_path, layout: dict[int, list[str]], extra: dict[str, list[str]] | None = None) -> None:
     """Peers named in `layout` (stage -> names), each with a ledger NAME.ledger and its `extra` flags."""
     local_swarm.start_bootstrap()
@@ -178,7 +183,7 @@ def test_samples_that_die_with_a_peer_are_resent_or_counted_lost_by_id(local_swa
     summary = json.loads(summary_file.read_text())
     wait_for_records(local_swarm.initial_peers, lambda r: any(p.step >= steps for p in r[1]))
     (survivor,) = peer_infos(local_swarm, 1)
-    lost_lines = [entry for line in read_lines(tmp_path / "peer1b.ledger") for entry in line["lost"]]
+    lost_lines = [entry for line in step_lines(tmp_path / "peer1b.ledger") for entry in line["lost"]]
     if resend_buffer_mb == "0":
         assert survivor.samples_lost >= 1, survivor
         assert sum(n for _, _, n in lost_lines) == survivor.samples_lost
@@ -221,7 +226,7 @@ def test_samples_lost_after_a_trainers_last_step_are_sent_again_before_it_exits(
     # the trainer exited only after the stage stepped: no wait on records for it
     (survivor,) = peer_infos(local_swarm, 1)
     assert survivor.step == steps and survivor.samples_lost == 0, survivor
-    assert not [entry for line in read_lines(tmp_path / "peer1b.ledger") for entry in line["lost"]]
+    assert not [entry for line in step_lines(tmp_path / "peer1b.ledger") for entry in line["lost"]]
     local_swarm.stop_all()
     reference = reference_run(steps, microbatch_size=1)
     checkpoint = load_checkpoint(tmp_path / "peer1b", "gpt-tiny", 1, 3)
@@ -252,7 +257,7 @@ def test_a_replica_that_differs_from_its_mates_takes_their_state(local_swarm, tm
 def summed_per_stage(tmp_path, names: dict[int, str]) -> dict[int, Counter]:
     """Per stage, how many times each (trainer, microbatch) was summed into a step (one replica's ledger)."""
     return {
-        stage: Counter((t, mb) for line in read_lines(tmp_path / f"{name}.ledger") for t, mb, _ in line["ids"])
+        stage: Counter((t, mb) for line in step_lines(tmp_path / f"{name}.ledger") for t, mb, _ in line["ids"])
         for stage, name in names.items()
     }
 
