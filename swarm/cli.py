@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from swarm.config import DemoConfig, PeerConfig
 from swarm.config.options import option
 from swarm.launch import commands
+from swarm.planning.command import PlanConfig, run_plan
 
 
 def _demo(config: DemoConfig) -> int:
@@ -59,6 +60,9 @@ COMMANDS: dict[str, commands.Command] = {
     "demo": commands.Command(DemoConfig, _demo, "train the tiny model on a local swarm of processes (the quick start)"),
     **commands.ROLES,
     "peer": commands.Command(PeerConfig, _peers, commands.ROLES["peer"].help),
+    "plan": commands.Command(
+        PlanConfig, run_plan, "choose cuts, layout, microbatch, windows and codecs for a cluster file's peers and links"
+    ),
     "swarm-key": commands.Command(
         SwarmKeyConfig, _swarm_key, "make a private swarm's shared key file (or read one) and print its fingerprint"
     ),
