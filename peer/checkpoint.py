@@ -45,6 +45,12 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be resumed: unreadable, of another stage, or of another model shape."""
 
 
+def checkpoint_name(model: str, stage_blocks: tuple[int, ...] = ()) -> str:
+    """The model name a stage's checkpoint is kept under: with the cut where it is uneven (`gpt-tiny@1-2-3`),
+    so that a peer started with another cut never takes blocks that are not its stage's."""
+    return f"{model}@{'-'.join(map(str, stage_blocks))}" if stage_blocks else model
+
+
 def checkpoint_path(directory: str | os.PathLike, model: str, stage: int, num_stages: int) -> Path:
     """Where the checkpoint of one stage lives inside a checkpoint directory (a `.pt` one of an older
     version, if that is there and no safetensors one yet)."""

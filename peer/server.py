@@ -26,7 +26,7 @@ from swarm.net.request_budget import RequestBudget
 from swarm.net.request_limits import StageLimits, stage_limits
 from swarm.net.transport import INFO_PROTOCOL, STAGE_PROTOCOL, STANDBY_PROTOCOL
 from swarm.peer.announcer import Announcer
-from swarm.peer.checkpoint import checkpoint_path, load_checkpoint, restore, save_checkpoint
+from swarm.peer.checkpoint import checkpoint_name, checkpoint_path, load_checkpoint, restore, save_checkpoint
 from swarm.peer.direct_links import keep_direct_links
 from swarm.peer.faults import FaultPlan
 from swarm.peer.handler import StageHandler
@@ -121,7 +121,8 @@ class Peer:
         optimizer = build_optimizer(module, settings)
         step, samples_stepped = 0, 0
         if resume and config.checkpoint_dir:
-            checkpoint = load_checkpoint(config.checkpoint_dir, config.model, stage, config.num_stages)
+            name = checkpoint_name(config.model, self.spec.stage_blocks)
+            checkpoint = load_checkpoint(config.checkpoint_dir, name, stage, config.num_stages)
             if checkpoint is not None:
                 restore(checkpoint, module, optimizer)
                 step, samples_stepped = checkpoint.step, checkpoint.samples_stepped
@@ -224,7 +225,7 @@ class Peer:
     def save_checkpoint(self) -> None:
         path = save_checkpoint(
             self.config.checkpoint_dir,
-            self.config.model,
+            checkpoint_name(self.config.model, self.spec.stage_blocks),
             self.runtime.module,
             self.runtime.optimizer,
             self.runtime.step,
@@ -255,6 +256,7 @@ class Peer:
             dtype=flag_value(self.runtime.dtype),
             caught=tuple(self.mates.membership.caught)[:MAX_CAUGHT] if self.mates is not None else (),
             saw_death=self.standbys.saw_death() if self.standbys is not None else False,
+            stage_blocks=self.spec.stage_blocks,
         )
 
     def _renewal(self) -> StageRecord | None:
@@ -557,7 +559,9 @@ class Peer:
         await self._leave_stage()
         self.runtime.shutdown(timeout=config.shutdown_timeout)
         if config.checkpoint_dir:  # a restart resumes the stage this peer hosts, not one it left
-            checkpoint_path(config.checkpoint_dir, config.model, source, config.num_stages).unlink(missing_ok=True)
+            checkpoint_path(
+                config.checkpoint_dir, checkpoint_name(config.model, self.spec.stage_blocks), source, config.num_stages
+            ).unlink(missing_ok=True)
         self._build(target, resume=False, standby=self.standbys.claim(target) if self.standbys else None)
         self.moves += 1
         logger.info(f"Left stage {source} in {time.monotonic() - left_at:.1f}s; joining stage {target}")

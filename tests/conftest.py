@@ -231,7 +231,9 @@ def trainer_flags(
 
 
 @functools.cache
-def reference_run(steps: int, microbatch_size: int = MICRO, model: str = "gpt-tiny"):
+def reference_run(
+    steps: int, microbatch_size: int = MICRO, model: str = "gpt-tiny", stage_blocks: tuple[int, ...] = ()
+):
     """The same training in one process (see swarm.trainer.reference). Deterministic, so each is run once per
     test process and shared: callers only read it."""
     from swarm.models import get_model_spec
@@ -240,7 +242,7 @@ def reference_run(steps: int, microbatch_size: int = MICRO, model: str = "gpt-ti
     from swarm.trainer.reference import train_reference
 
     return train_reference(
-        get_model_spec(model),
+        get_model_spec(model, **({"stage_blocks": stage_blocks} if stage_blocks else {})),
         3,
         ByteCorpus(SMALL_CORPUS),
         steps,

@@ -61,6 +61,9 @@ def test_flag_typo_is_an_error(capsys):
         ({"cli": {"initial_peers": ["/ip4/10.0.0.1/tcp/31337"]}}, "names no peer"),
         ({"cli": {"host_maddrs": ["0.0.0.0:31337"]}}, "--host-maddrs: '0.0.0.0:31337' is not a multiaddr"),
         ({"env": {"SWARM_ROBUST_SUM": "median"}}, "--robust-sum must be one of ['exact', 'centered-clip']"),
+        ({"cli": {"stage_blocks": ["3,3"]}}, "--stage-blocks 3,3 must give each of the 3 stages"),
+        ({"cli": {"stage_blocks": ["4", "1", "2"]}}, "6 in all for gpt-tiny"),
+        ({"env": {"SWARM_STAGE_BLOCKS": "6,0,0"}}, "at least one block"),
     ],
 )
 def test_bad_settings_are_clear_errors(tmp_path, source, message):

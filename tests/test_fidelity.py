@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import assert_matches_reference, peer_flags, reference_run, reordering_noise, trainer_flags
 
-from swarm.peer.checkpoint import load_checkpoint
+from swarm.peer.checkpoint import checkpoint_name, load_checkpoint
 
 STEPS = 4
 
@@ -38,3 +38,32 @@ def test_swarm_matches_one_process(local_swarm, tmp_path, model):
         # the bottleneck's projections amplify rounding: hold it to the drift of a reordered reference
         noise = reordering_noise(STEPS, stage, model=model) if model == "gpt-tiny-bottleneck" else (0.0, 0.0)
         assert_matches_reference(module, checkpoint.parameters, f"stage {stage}", noise)
+
+
+@pytest.mark.timeout(240)
+def test_an_uneven_cut_trains_like_one_process_and_a_newcomer_cut_otherwise_is_refused(local_swarm, tmp_path):
+    """Peers cut 3,1,2 (`--stage-blocks`, as `swarm plan` may choose) train to the one-process reference cut alike;
+    the trainer, given no cut, takes the swarm's. A newcomer with the even cut is refused, told the swarm's."""
+    cut = (3, 1, 2)
+    checkpoints = tmp_path / "checkpoints"
+    local_swarm.start_bootstrap()
+    for stage in range(3):
+        local_swarm.start_peer(f"peer{stage}", stage, peer_flags(checkpoints, "--stage-blocks", "3,1,2"))
+    summary_file = tmp_path / "summary.json"
+    trainer = local_swarm.start_trainer("trainer", trainer_flags(STEPS, summary_file))
+    assert trainer.wait(180) == 0, (local_swarm.workdir / "trainer.log").read_text()
+    newcomer = local_swarm.start_peer("even", 1, peer_flags(tmp_path / "even"))
+    assert newcomer.wait(120) != 0
+    assert "--stage-blocks 3,1,2 (you gave '')" in local_swarm.log_path("even").read_text()
+    for stage in range(3):
+        assert local_swarm.stop(f"peer{stage}") == 0
+
+    reference = reference_run(STEPS, stage_blocks=cut)
+    summary = json.loads(summary_file.read_text())
+    assert summary["steps"] == STEPS
+    torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(reference.losses), rtol=1e-4, atol=1e-4)
+    for stage, module in enumerate(reference.stages):
+        assert len(module.blocks) == cut[stage]
+        checkpoint = load_checkpoint(checkpoints, checkpoint_name("gpt-tiny", cut), stage, 3)
+        assert checkpoint is not None and checkpoint.step == STEPS
+        assert_matches_reference(module, checkpoint.parameters, f"stage {stage}")

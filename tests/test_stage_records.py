@@ -57,10 +57,20 @@ def test_a_sound_record_parses():
         {"caught": ["not a peer id"]},
         {"caught": [OTHER] * 17},
         {"caught": OTHER},
+        {"stage_blocks": [2, 4]},  # not one count per stage
+        {"stage_blocks": [2, 0, 4]},
+        {"stage_blocks": "2,2,2"},
+        {"stage_blocks": [2, 2.5, 2]},
     ],
 )
 def test_a_field_out_of_type_or_range_drops_the_record(changes):
     assert StageRecord.from_value(sound(**changes), 99.0) is None
+
+
+def test_an_uneven_cut_is_announced_and_read_back():
+    record = StageRecord.from_value(sound(stage_blocks=[1, 2, 3]), 99.0)
+    assert record is not None and record.stage_blocks == (1, 2, 3)
+    assert StageRecord.from_value(record.to_value(), 99.0) == record
 
 
 def test_trainers_leave_out_a_mate_two_others_caught_lying_never_one_named_by_one():

@@ -51,7 +51,7 @@ def test_the_swarm_setting_is_what_most_serving_peers_announce():
     config = load_config(PeerConfig, {"target_batch_size": 32}, environ={}, config_file=str(EXAMPLE))
     agreeing = [record(0), record(1), record(2, target_batch_size=32)]
     assert swarm_settings(agreeing) == (
-        {"model": "gpt-tiny", "num_stages": 2, "vocab_size": 257, "target_batch_size": 16},
+        {"model": "gpt-tiny", "num_stages": 2, "stage_blocks": (), "vocab_size": 257, "target_batch_size": 16},
         3,
     )
     assert differing_settings(config, agreeing) == (

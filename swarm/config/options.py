@@ -61,6 +61,8 @@ def _convert(value: Any, annotation: Any, source: str) -> Any:
         items = value.split(",") if isinstance(value, str) else value
         if not isinstance(items, (list, tuple)):
             raise ConfigError(f"{source}: expected a list, got {value!r}")
+        # flags take the items apart or comma-separated, as the environment does: `--stage-blocks 3,1,2`
+        items = [part for item in items for part in (item.split(",") if isinstance(item, str) else [item])]
         return [_convert(item, kind, source) for item in items if item != ""]
     if kind is bool:
         if isinstance(value, bool):

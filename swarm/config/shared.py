@@ -137,6 +137,12 @@ class ModelConfig:
         "the same folder). Every peer and trainer of the swarm gives it",
     )
     num_stages: int = option(3, "number of pipeline stages the model is cut into")
+    stage_blocks: list[int] = option(
+        [],
+        "blocks of each stage, first to last, for an uneven cut (e.g. 1,2,3: one --num-stages count each, adding "
+        "up to the model's blocks; `swarm plan` chooses one); empty: as even as possible. Every peer and trainer "
+        "of a swarm must agree",
+    )
     seed: int = option(0, "seed of the initial parameters and of the data order")
     vocab_size: int = option(
         0,
@@ -154,11 +160,14 @@ class ModelConfig:
         """The model's spec: the checkpoint's with --hf-checkpoint, else the preset with --vocab-size if given."""
         from swarm.models import get_model_spec
 
+        cut = {"stage_blocks": tuple(self.stage_blocks)} if self.stage_blocks else {}
         if self.hf_checkpoint:
+            from dataclasses import replace
+
             from swarm.models.hf_checkpoint import read_spec
 
-            return read_spec(self.hf_checkpoint, self.model if self.model.startswith("hf:") else None)
-        return get_model_spec(self.model, **({"vocab_size": self.vocab_size} if self.vocab_size else {}))
+            return replace(read_spec(self.hf_checkpoint, self.model if self.model.startswith("hf:") else None), **cut)
+        return get_model_spec(self.model, **({"vocab_size": self.vocab_size} if self.vocab_size else {}), **cut)
 
     def check(self) -> None:
         from swarm.models import get_model_spec
@@ -169,6 +178,12 @@ class ModelConfig:
             raise ConfigError(str(e)) from None
         if not 1 <= self.num_stages <= spec.n_layer:
             raise ConfigError(f"--num-stages must be within 1..{spec.n_layer} for {spec.name}, got {self.num_stages}")
+        blocks = self.stage_blocks
+        if blocks and (len(blocks) != self.num_stages or min(blocks) < 1 or sum(blocks) != spec.n_layer):
+            raise ConfigError(
+                f"--stage-blocks {','.join(map(str, blocks))} must give each of the {self.num_stages} stages "
+                f"(--num-stages) at least one block, {spec.n_layer} in all for {spec.name}"
+            )
         if self.vocab_size != 0 and not 2 <= self.vocab_size <= MAX_VOCAB_SIZE:
             raise ConfigError(f"--vocab-size must be 0 (bytes) or within 2..{MAX_VOCAB_SIZE}, got {self.vocab_size}")
         from swarm.models.precision import DTYPE_CHOICES, FP16_REFUSAL

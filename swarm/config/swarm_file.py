@@ -18,6 +18,7 @@ SWARM_SETTINGS: dict[str, str] = {
     "model": "the model preset every stage is cut from",
     "hf_checkpoint": "the published checkpoint every stage starts from (a folder of the same name on every machine)",
     "num_stages": "how the model is cut into stages",
+    "stage_blocks": "how many blocks each stage holds (an uneven cut; empty: as even as possible)",
     "seed": "the initial parameters (and the trainers' default data order)",
     "vocab_size": "the token ids every stage's embedding and head know",
     "tokenizer": "how trainers turn text into those ids",

@@ -69,16 +69,19 @@ def _whole_stream(learned: torch.Tensor, fixed: torch.Tensor | None) -> torch.Te
     return learned if fixed is None else torch.cat([learned, fixed], dim=-1)
 
 
-def partition_layers(n_layer: int, num_stages: int) -> list[range]:
-    """Which blocks each stage holds: as even as possible, earlier stages take the remainder."""
+def partition_layers(n_layer: int, num_stages: int, stage_blocks: tuple[int, ...] = ()) -> list[range]:
+    """Which blocks each stage holds: `stage_blocks` of them where given (an uneven cut), else as even as
+    possible, earlier stages taking the remainder."""
     if not 1 <= num_stages:
         raise ValueError(f"num_stages must be at least 1, got {num_stages}")
+    if stage_blocks and (len(stage_blocks) != num_stages or sum(stage_blocks) != n_layer):
+        raise ValueError(f"stage blocks {list(stage_blocks)} are not {num_stages} counts adding up to {n_layer}")
     base, extra = divmod(n_layer, num_stages)
+    counts = stage_blocks or tuple(base + (1 if stage < extra else 0) for stage in range(num_stages))
     bounds, start = [], 0
-    for stage in range(num_stages):
-        end = start + base + (1 if stage < extra else 0)
-        bounds.append(range(start, end))
-        start = end
+    for count in counts:
+        bounds.append(range(start, start + count))
+        start += count
     return bounds
 
 
@@ -103,7 +106,9 @@ class GPTStage(PipelineStage):
             tok_fixed, pos_fixed = _fixed_embedding(spec)
             self.register_buffer("tok_fixed", tok_fixed, persistent=False)
             self.register_buffer("pos_fixed", pos_fixed, persistent=False)
-        self.blocks = nn.ModuleList(Block(spec) for _ in partition_layers(spec.n_layer, num_stages)[stage])
+        self.blocks = nn.ModuleList(
+            Block(spec) for _ in partition_layers(spec.n_layer, num_stages, spec.stage_blocks)[stage]
+        )
         if self.is_last:
             self.ln_f = nn.LayerNorm(spec.d_model)
             self.head = nn.Linear(spec.d_model, spec.vocab_size)

@@ -163,7 +163,7 @@ def stage_tensor_names(spec: ModelSpec, stage: int, num_stages: int, tied: bool)
         "mlp.up_proj.weight",
         "mlp.down_proj.weight",
     )
-    for i, layer in enumerate(partition_layers(spec.n_layer, num_stages)[stage]):
+    for i, layer in enumerate(partition_layers(spec.n_layer, num_stages, spec.stage_blocks)[stage]):
         names.update({f"blocks.{i}.{part}": f"model.layers.{layer}.{part}" for part in parts})
     if stage == num_stages - 1:
         names["norm.weight"] = "model.norm.weight"

@@ -140,7 +140,9 @@ class LlamaStage(PipelineStage):
             self.embed_tokens = nn.Embedding(spec.vocab_size, spec.d_model)
         # not in the state dict: it follows from the spec, like GPTStage's fixed embeddings
         self.register_buffer("inv_freq", rotary_frequencies(spec), persistent=False)
-        self.blocks = nn.ModuleList(Block(spec) for _ in partition_layers(spec.n_layer, num_stages)[stage])
+        self.blocks = nn.ModuleList(
+            Block(spec) for _ in partition_layers(spec.n_layer, num_stages, spec.stage_blocks)[stage]
+        )
         if self.is_last:
             self.norm = RMSNorm(spec.d_model, spec.norm_eps)
             self.lm_head = nn.Linear(spec.d_model, spec.vocab_size, bias=False)

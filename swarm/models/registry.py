@@ -49,6 +49,9 @@ class ModelSpec:
     # original_max_position_embeddings); None: plain rotary embedding
     rope_scaling: tuple[float, float, float, int] | None = None
     norm_eps: float = 1e-5  # RMSNorm's epsilon
+    # blocks of each stage, first to last, where the cut is uneven (`--stage-blocks`, `swarm plan`); (): as even
+    # as possible, earlier stages taking the remainder
+    stage_blocks: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -65,6 +68,11 @@ class ModelSpec:
             raise ValueError(f"{self.name}: subspace must be 0 (off) or 1..{self.d_model - 1}, got {self.subspace}")
         if self.subspace and self.bottleneck:
             raise ValueError(f"{self.name}: a bottleneck and a subspace do not combine; choose one")
+        if self.stage_blocks and (min(self.stage_blocks) < 1 or sum(self.stage_blocks) != self.n_layer):
+            raise ValueError(
+                f"{self.name}: stage blocks {list(self.stage_blocks)} must each be at least 1 and add up to its "
+                f"{self.n_layer} blocks"
+            )
 
     def _check_llama(self) -> None:
         if self.bottleneck or self.subspace:
@@ -163,7 +171,7 @@ MODELS: dict[str, ModelSpec] = {
 }
 
 
-def get_model_spec(name: str, **overrides: int) -> ModelSpec:
+def get_model_spec(name: str, **overrides: int | tuple[int, ...]) -> ModelSpec:
     """The registered spec called `name`, optionally with some fields replaced."""
     try:
         spec = MODELS[name]

@@ -49,13 +49,13 @@ class MonitorHistory:
 
 
 def _stage_costs(records: dict[int, list[StageRecord]], num_stages: int) -> tuple[str | None, list[float]]:
-    """The model most peers announce and its stages' relative costs (all 1 if it is unknown here)."""
-    models = Counter(r.model for found in records.values() for r in found)
+    """The model and cut most peers announce and its stages' relative costs (all 1 if it is unknown here)."""
+    models = Counter((r.model, r.stage_blocks) for found in records.values() for r in found)
     if not models:
         return None, [1.0] * num_stages
-    model = models.most_common(1)[0][0]
+    model, cut = models.most_common(1)[0][0]
     try:
-        spec = get_model_spec(model)
+        spec = get_model_spec(model, **({"stage_blocks": cut} if cut and len(cut) == num_stages else {}))
         if num_stages <= spec.n_layer:
             return model, stage_costs(spec, num_stages)
     except ValueError:

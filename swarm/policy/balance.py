@@ -134,7 +134,7 @@ def _believed(loads: dict[str, PeerLoad]) -> dict[str, PeerLoad]:
 
 def stage_costs(spec: ModelSpec, num_stages: int) -> list[float]:
     """Relative compute per sample of each stage (mean 1), from the matrix multiplications it holds."""
-    d, layers = spec.d_model, partition_layers(spec.n_layer, num_stages)
+    d, layers = spec.d_model, partition_layers(spec.n_layer, num_stages, spec.stage_blocks)
     # projections (those writing the residual stream are narrower with a subspace), then attention scores
     per_block = (3 + spec.mlp_ratio) * d * d + (1 + spec.mlp_ratio) * d * spec.learned_width + 2 * spec.seq_len * d
     costs = []

@@ -29,7 +29,7 @@ from swarm.config import ConfigError, ModelConfig
 from swarm.models.precision import resolve_dtype
 from swarm.records.stage_records import SERVING, StageRecord, fetch_stage_records
 
-ANNOUNCED = ("model", "num_stages", "vocab_size", "target_batch_size", "dtype")
+ANNOUNCED = ("model", "num_stages", "stage_blocks", "vocab_size", "target_batch_size", "dtype")
 # the value of a record from before a setting was announced, which says nothing about it
 UNANNOUNCED = {"vocab_size": 0, "dtype": ""}
 REFUSING_PEERS = 2  # serving peers that must agree on a value before a newcomer that differs is refused
@@ -62,6 +62,8 @@ def differing_settings(config: ModelConfig, records: Iterable[StageRecord], excl
     }
     if hasattr(config, "target_batch_size"):  # a trainer takes the peers' own
         mine["target_batch_size"] = (config.target_batch_size, config.target_batch_size)
+    if hasattr(config, "device") or config.stage_blocks:  # a peer builds its stage by the cut; a trainer may take it
+        mine["stage_blocks"] = (tuple(config.stage_blocks), tuple(config.stage_blocks))
     if hasattr(config, "device"):  # a peer: what its --dtype means on its device
         mine["dtype"] = (resolve_dtype(config.dtype, config.device), config.dtype)
     elif config.dtype != "auto":  # a trainer's auto takes the swarm's
@@ -71,12 +73,21 @@ def differing_settings(config: ModelConfig, records: Iterable[StageRecord], excl
     ]
     if not differ:
         return None
-    flags = ", ".join(f"--{name.replace('_', '-')} {value} (you gave {given})" for name, value, given in differ)
-    keys = ", ".join(f"{name}: {value}" for name, value, _ in differ)
+    flags = ", ".join(
+        f"--{name.replace('_', '-')} {_shown(value)} (you gave {_shown(given)})" for name, value, given in differ
+    )
+    keys = ", ".join(f"{name}: {_shown(value)}" for name, value, _ in differ)
     return (
         f"this swarm trains with {flags}, as most of its {serving} serving peers announce: "
         f"set {keys} or use the swarm's file"
     )
+
+
+def _shown(value: Any) -> str:
+    """A setting's value as its flag takes it: a cut as 1,2,3, and the even cut as ''."""
+    if isinstance(value, tuple):
+        return ",".join(map(str, value)) or "''"
+    return str(value)
 
 
 def check_against_swarm(config: ModelConfig, dht: DHT, run_id: str) -> dict[str, Any]:

@@ -98,6 +98,8 @@ class StageRecord:
     # the peer saw a peer die (its record vanish unannounced) within the last ten minutes: a peer that joins
     # a churning swarm learns it here and keeps its standby copies close from the start (`swarm.peer.standby`)
     saw_death: bool = False
+    # blocks of each stage where the swarm's cut is uneven (`--stage-blocks`); (): as even as possible
+    stage_blocks: tuple[int, ...] = ()
 
     def standby_of(self, stage: int) -> tuple[int, str] | None:
         """(step, fingerprint) of this peer's standby copy of `stage`, step -1 while it fetches one; None if none."""
@@ -107,6 +109,7 @@ class StageRecord:
         value = asdict(self)
         value.pop("expiration")
         value["standbys"] = [list(entry) for entry in self.standbys]
+        value["stage_blocks"] = list(self.stage_blocks)
         return value
 
     @classmethod
@@ -123,6 +126,10 @@ class StageRecord:
             }
             if "standbys" in kwargs:
                 kwargs["standbys"] = _standby_entries(kwargs["standbys"])
+            if "stage_blocks" in kwargs:
+                if not isinstance(kwargs["stage_blocks"], (list, tuple)) or len(kwargs["stage_blocks"]) > 1024:
+                    return None
+                kwargs["stage_blocks"] = tuple(kwargs["stage_blocks"])
             if "caught" in kwargs:
                 if not isinstance(kwargs["caught"], (list, tuple)) or len(kwargs["caught"]) > MAX_CAUGHT:
                     return None
@@ -164,6 +171,12 @@ class StageRecord:
                 return "standbys"
             if not isinstance(fingerprint, str) or not FINGERPRINT.fullmatch(fingerprint):
                 return "standbys"
+        if not isinstance(self.stage_blocks, tuple) or (
+            self.stage_blocks and len(self.stage_blocks) != self.num_stages
+        ):
+            return "stage_blocks"
+        if not all(type(b) is int and 1 <= b <= 2**31 for b in self.stage_blocks):
+            return "stage_blocks"
         if not isinstance(self.caught, tuple) or len(self.caught) > MAX_CAUGHT:
             return "caught"
         if not all(isinstance(p, str) and PEER_ID.fullmatch(p) for p in self.caught):

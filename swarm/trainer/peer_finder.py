@@ -55,6 +55,8 @@ class PeerFinder:
             own["dtype"] = config.dtype
         if self.target_batch_size is not None:
             own["target_batch_size"] = self.target_batch_size
+        if config.stage_blocks:  # an explicit cut; without one the trainer takes the swarm's (it holds no blocks)
+            own["stage_blocks"] = tuple(config.stage_blocks)
         return own
 
     async def refresh(self) -> dict[int, list[StageRecord]]:
