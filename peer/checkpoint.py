@@ -97,6 +97,19 @@ def load_checkpoint(directory: str | os.PathLike, model: str, stage: int, num_st
     return checkpoint
 
 
+def resume_stage(
+    directory: str | os.PathLike, model: str, module: nn.Module, optimizer: torch.optim.Optimizer
+) -> tuple[int, int]:
+    """Loads the stage's checkpoint in `directory`, if there is one, into `module` and `optimizer`; returns its
+    (step, samples stepped), (0, 0) without one."""
+    checkpoint = load_checkpoint(directory, model, module.stage, module.num_stages)
+    if checkpoint is None:
+        return 0, 0
+    restore(checkpoint, module, optimizer)
+    logger.info(f"Resumed stage {module.stage} from its checkpoint at step {checkpoint.step}")
+    return checkpoint.step, checkpoint.samples_stepped
+
+
 def restore(checkpoint: StageCheckpoint, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Loads a checkpoint's parameters and optimizer state into a freshly built stage."""
     try:

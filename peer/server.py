@@ -26,7 +26,7 @@ from swarm.net.request_budget import RequestBudget
 from swarm.net.request_limits import StageLimits, stage_limits
 from swarm.net.transport import INFO_PROTOCOL, STAGE_PROTOCOL, STANDBY_PROTOCOL
 from swarm.peer.announcer import Announcer
-from swarm.peer.checkpoint import checkpoint_name, checkpoint_path, load_checkpoint, restore, save_checkpoint
+from swarm.peer.checkpoint import checkpoint_name, checkpoint_path, resume_stage, save_checkpoint
 from swarm.peer.direct_links import keep_direct_links
 from swarm.peer.faults import FaultPlan
 from swarm.peer.handler import StageHandler
@@ -122,11 +122,7 @@ class Peer:
         step, samples_stepped = 0, 0
         if resume and config.checkpoint_dir:
             name = checkpoint_name(config.model, self.spec.stage_blocks)
-            checkpoint = load_checkpoint(config.checkpoint_dir, name, stage, config.num_stages)
-            if checkpoint is not None:
-                restore(checkpoint, module, optimizer)
-                step, samples_stepped = checkpoint.step, checkpoint.samples_stepped
-                logger.info(f"Resumed stage {stage} from its checkpoint at step {step}")
+            step, samples_stepped = resume_stage(config.checkpoint_dir, name, module, optimizer)
         self.restored_from_standby = standby is not None  # then its own copy is the freshest it could find
         if standby is not None:
             self.standbys.restore_into(standby, module, optimizer)
