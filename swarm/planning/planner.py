@@ -2,7 +2,8 @@
 
 For each stage count and microbatch size it alternates two steps, starting from even cuts and from a
 layout by memory (the largest memories in one group of equal flops, and so on, the groups given to the
-stages in order and in reverse, so that a stage of many blocks can go to those who can hold it):
+stages in every order where stages are few, else in order and in reverse, so that a stage of many
+blocks can go to those who can hold it):
 - layout: peers go to stages one by one, those that fit the fewest stages first and the fastest
   before the slower, each to the stage it fits with the least capacity so far (longest processing
   time first, the rule that keeps the least-served stage as high as a greedy can);
@@ -16,6 +17,7 @@ best. numpy does the per-peer arithmetic, so 1,000 peers plan in a fraction of a
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +27,7 @@ from swarm.planning.cluster import Cluster
 from swarm.planning.pipeline_model import LinkView, Plan, Prediction, predict, stage_bytes
 
 PATIENCE = 3  # stage counts tried past the best before the search stops
+PERMUTED_STAGES, PERMUTED_PEERS = 4, 256  # up to these, every order of the memory groups over the stages is tried
 ROUNDS = 2  # layout-then-cuts alternations per candidate
 
 
@@ -186,8 +189,8 @@ def _alternate(arrays: _PeerArrays, blocks: tuple[int, ...], stages: tuple[int, 
 
 
 def _memory_layouts(arrays: _PeerArrays, num_stages: int) -> list[tuple[int, ...]]:
-    """Peers by memory, largest first, in groups of equal flops, the groups given to the stages in order and in
-    reverse: a stage of many blocks then goes to the peers that can hold it (the cuts follow the groups)."""
+    """Peers by memory, largest first, in groups of equal flops, the groups given to the stages in some orders: a
+    stage of many blocks then goes to the peers that can hold it (the cuts follow the groups)."""
     order = np.argsort(-arrays.memory, kind="stable")
     flops = arrays.flops[order]
     before = (np.cumsum(flops) - flops) / flops.sum()  # the share of flops ahead of each peer
@@ -195,7 +198,13 @@ def _memory_layouts(arrays: _PeerArrays, num_stages: int) -> list[tuple[int, ...
     if len(set(groups.tolist())) < num_stages:
         return []
     layouts = []
-    for stage_of_group in (np.arange(num_stages), np.arange(num_stages)[::-1]):
+    # stages differ (the first takes token ids, the last the head, the middle ones two boundaries): where it is
+    # cheap, every order of the groups over the stages; else in order and in reverse
+    if num_stages <= PERMUTED_STAGES and len(order) <= PERMUTED_PEERS:
+        orders = [np.array(p) for p in itertools.permutations(range(num_stages))]
+    else:
+        orders = [np.arange(num_stages), np.arange(num_stages)[::-1]]
+    for stage_of_group in orders:
         stages = np.empty(len(order), dtype=int)
         stages[order] = stage_of_group[groups]
         layouts.append(tuple(stages.tolist()))
