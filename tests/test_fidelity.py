@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 from conftest import assert_matches_reference, peer_flags, reference_run, reordering_noise, trainer_flags
+from test_planner import tiny_plan_file
 
 from swarm.peer.checkpoint import checkpoint_name, load_checkpoint
 
@@ -42,19 +43,23 @@ def test_swarm_matches_one_process(local_swarm, tmp_path, model):
 
 @pytest.mark.timeout(240)
 def test_an_uneven_cut_trains_like_one_process_and_a_newcomer_cut_otherwise_is_refused(local_swarm, tmp_path):
-    """Peers cut 3,1,2 (`--stage-blocks`, as `swarm plan` may choose) train to the one-process reference cut alike;
-    the trainer, given no cut, takes the swarm's. A newcomer with the even cut is refused, told the swarm's."""
+    """Peers that take a plan file cutting the model 3,1,2 (`--stage-blocks`, as `swarm plan` may choose) train to
+    the one-process reference cut alike; the trainer, given no cut, takes the swarm's. A newcomer with the even cut
+    is refused, told the swarm's."""
     cut = (3, 1, 2)
     checkpoints = tmp_path / "checkpoints"
+    plan = tiny_plan_file(tmp_path / "plan.json", cut)
     local_swarm.start_bootstrap()
     for stage in range(3):
-        local_swarm.start_peer(f"peer{stage}", stage, peer_flags(checkpoints, "--stage-blocks", "3,1,2"))
+        flags = peer_flags(checkpoints, "--plan", str(plan), "--plan-name", f"peer{stage}")
+        local_swarm.start_peer(f"peer{stage}", stage, flags)
     summary_file = tmp_path / "summary.json"
     trainer = local_swarm.start_trainer("trainer", trainer_flags(STEPS, summary_file))
     assert trainer.wait(180) == 0, (local_swarm.workdir / "trainer.log").read_text()
     newcomer = local_swarm.start_peer("even", 1, peer_flags(tmp_path / "even"))
     assert newcomer.wait(120) != 0
     assert "--stage-blocks 3,1,2 (you gave '')" in local_swarm.log_path("even").read_text()
+    assert "Settings from the plan" in local_swarm.log_path("peer1").read_text()
     for stage in range(3):
         assert local_swarm.stop(f"peer{stage}") == 0
 

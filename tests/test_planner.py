@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 from swarm.cli import main
+from swarm.config import PeerConfig, TrainerConfig
+from swarm.config.options import ConfigError, load_config
 from swarm.models.registry import get_model_spec
 from swarm.planning.cluster import (
     MEBIBIT,
@@ -23,7 +25,7 @@ from swarm.planning.cluster import (
 )
 from swarm.planning.exhaustive import best_plan
 from swarm.planning.pipeline_model import LinkView, Plan, predict
-from swarm.planning.planner import plan_pipeline, replan_gain
+from swarm.planning.planner import PipelinePlan, plan_pipeline, replan_gain
 
 GIB = 2**30
 EXAMPLE = Path(__file__).parent.parent / "examples" / "cluster.yaml"
@@ -164,3 +166,64 @@ def test_swarm_plan_writes_a_plan_file_and_keeps_a_current_plan_that_is_still_be
     assert "must be positive and add up to 24" in capsys.readouterr().err
     assert main(["plan", "--cluster", str(tmp_path / "missing.yaml")]) == 2
     assert "cannot read the cluster file" in capsys.readouterr().err
+
+
+def tiny_plan_file(path: Path, blocks: tuple[int, ...], microbatch: int = 5) -> Path:
+    """A plan file as `swarm plan` writes it, for gpt-tiny's peers peer0..peer2 (one per stage) and an idle one."""
+    model = ModelCosts.from_spec(get_model_spec("gpt-tiny"))
+    peers = tuple(PlanPeer(f"peer{i}", 1e12, 8 * GIB, 1e9) for i in range(4))
+    cluster = Cluster(model, peers, (PlanTrainer("trainer", 1e9),), max_in_flight=3)
+    plan = Plan(blocks, tuple(range(len(blocks))) + (-1,) * (4 - len(blocks)), microbatch)
+    view = LinkView(cluster)
+    path.write_text(json.dumps(PipelinePlan(plan, predict(plan, view), view.codecs_by_region()).to_dict(cluster)))
+    return path
+
+
+def test_peers_and_trainers_take_their_settings_from_a_plan_file(tmp_path):
+    plan = str(tiny_plan_file(tmp_path / "plan.json", (3, 1, 2)))
+    peer = load_config(PeerConfig, {"plan": plan, "plan_name": "peer2", "stage": "0"}, environ={})
+    assert (peer.num_stages, peer.stage_blocks, peer.stage) == (3, [3, 1, 2], "2")  # the plan's stand over flags
+    assert peer.model_spec().stage_blocks == (3, 1, 2)
+    trainer = load_config(TrainerConfig, {"plan": plan, "plan_name": "trainer"}, environ={})
+    assert (trainer.num_stages, trainer.stage_blocks, trainer.microbatch_size) == (3, [3, 1, 2], 5)
+    assert 1 <= trainer.max_in_flight <= 3
+    # a plan whose cut is the even one sets none: such peers announce the same cut as peers started without it
+    even = str(tiny_plan_file(tmp_path / "even.json", (2, 2, 2)))
+    assert load_config(PeerConfig, {"plan": even, "plan_name": "peer0"}, environ={}).stage_blocks == []
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"plan_name": "peer3"}, "no stage for it in"),  # the plan leaves peer3 idle
+        ({"plan_name": "nobody"}, "no stage for it in"),
+        ({"plan_name": "peer0", "model": "llama-tiny"}, None),  # another model of 6 blocks: the cut still fits
+        ({"plan_name": "peer0", "model": "gpt-micro"}, "is not of this model's 8 blocks"),
+    ],
+)
+def test_a_plan_that_does_not_fit_the_process_is_a_clear_error(tmp_path, settings, message):
+    plan = str(tiny_plan_file(tmp_path / "plan.json", (3, 1, 2)))
+    if message is None:
+        assert load_config(PeerConfig, {"plan": plan, **settings}, environ={}).stage == "0"
+        return
+    with pytest.raises(ConfigError, match=message):
+        load_config(PeerConfig, {"plan": plan, **settings}, environ={})
+
+
+def test_a_file_that_is_no_plan_and_a_name_without_a_plan_are_clear_errors(tmp_path):
+    with pytest.raises(ConfigError, match="give the file with --plan"):
+        load_config(TrainerConfig, {"plan_name": "trainer"}, environ={})
+    for content, message in [
+        ("{", "is not JSON"),
+        ('{"blocks_per_stage": [3, 3]}', "is not a plan file from `swarm plan`"),
+        (
+            json.dumps({"blocks_per_stage": [6], "stages": {"a": 4}, "microbatch_size": 1, "max_in_flight": {}}),
+            "names a stage",
+        ),
+    ]:
+        bad = tmp_path / "bad.json"
+        bad.write_text(content)
+        with pytest.raises(ConfigError, match=message):
+            load_config(PeerConfig, {"plan": str(bad), "plan_name": "a"}, environ={})
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(PeerConfig, {"plan": str(tmp_path / "missing.json")}, environ={})

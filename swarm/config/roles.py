@@ -9,6 +9,7 @@ from pathlib import Path
 
 from swarm.config.faults_flag import FaultError, parse_faults
 from swarm.config.options import ConfigError, option
+from swarm.config.plan_flag import PlanFileConfig
 from swarm.config.preemption_flag import PreemptionSourceError, parse_notice_source
 from swarm.config.shared import MetricsConfig, ModelConfig, NetworkConfig
 from swarm.config.trust_settings import TrustConfig, VoucherConfig
@@ -29,7 +30,7 @@ class DHTConfig(NetworkConfig):
 
 
 @dataclass
-class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig, TrustConfig):
+class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig, TrustConfig, PlanFileConfig):
     """`swarm peer`: hosts one stage, serves forward and backward, steps its optimizer."""
 
     stage: str = option(
@@ -235,6 +236,7 @@ class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig, TrustConfig):
         NetworkConfig.check(self)
         if self.client_mode:
             raise ConfigError("--client-mode: a peer serves its stage, so it must accept connections (or use a relay)")
+        self.take_plan(self.model_blocks())
         ModelConfig.check(self)
         MetricsConfig.check(self)
         TrustConfig.check(self)
@@ -310,7 +312,7 @@ class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig, TrustConfig):
 
 
 @dataclass
-class TrainerConfig(NetworkConfig, ModelConfig, MetricsConfig, VoucherConfig):
+class TrainerConfig(NetworkConfig, ModelConfig, MetricsConfig, VoucherConfig, PlanFileConfig):
     """`swarm train`: drives microbatches through the stages; holds no parameters."""
 
     steps: int = option(100, "optimizer steps to train for")
@@ -389,6 +391,7 @@ class TrainerConfig(NetworkConfig, ModelConfig, MetricsConfig, VoucherConfig):
 
     def check(self) -> None:
         NetworkConfig.check(self)
+        self.take_plan(self.model_blocks())
         ModelConfig.check(self)
         MetricsConfig.check(self)
         VoucherConfig.check(self)

@@ -169,6 +169,15 @@ class ModelConfig:
             return replace(read_spec(self.hf_checkpoint, self.model if self.model.startswith("hf:") else None), **cut)
         return get_model_spec(self.model, **({"vocab_size": self.vocab_size} if self.vocab_size else {}), **cut)
 
+    def model_blocks(self) -> int:
+        """The model's blocks (0 if the model is unknown: `check` says so)."""
+        from swarm.models import get_model_spec
+
+        try:
+            return (self._checkpoint_spec() if self.hf_checkpoint else get_model_spec(self.model)).n_layer
+        except (ValueError, ConfigError):
+            return 0
+
     def check(self) -> None:
         from swarm.models import get_model_spec
 

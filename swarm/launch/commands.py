@@ -28,6 +28,7 @@ from swarm.config import (
     load_config,
 )
 from swarm.config.inference_settings import EvalConfig, GenerateConfig
+from swarm.config.plan_flag import plan_settings
 from swarm.config.trust_settings import TrustRootConfig, VouchConfig
 from swarm.process.allocator import keep_large_buffers
 from swarm.process.lifeline import die_with_launcher
@@ -195,6 +196,8 @@ def run_command_line(argv: Sequence[str] | None, commands: Mapping[str, Command]
     except ConfigError as e:
         parser.exit(2, f"swarm {name}: error: {e}\n")
     setup_logging(level, name)
+    if getattr(config, "plan", ""):
+        logging.getLogger("swarm").info(f"Settings from the plan {config.plan}: {plan_settings(config)}")
     keep_large_buffers()  # tensors on the wire are megabytes: see swarm.process.allocator
     from swarm.net.dht_node import JoinError
     from swarm.peer.checkpoint import CheckpointError
