@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from swarm.compression.link_choice import choose_codec
 from swarm.planning.cluster import Cluster
@@ -105,19 +106,27 @@ def stage_bytes(cluster: Cluster, num_stages: int, stage: int) -> tuple[float, f
     return inward, model.boundary_bytes
 
 
+def microbatch_seconds(
+    cluster: Cluster, num_stages: int, stage: int, blocks: Any, microbatch: int, flops: Any, coding: Any, per_byte: Any
+) -> tuple[Any, Any]:
+    """(compute, transfer) seconds of one microbatch's forward and backward calls on `stage` of `blocks` blocks, at
+    a peer of `flops` flops/s that codes a byte in `coding` seconds and moves one in `per_byte`. Plain arithmetic,
+    so that numpy arrays (peers by block counts) go through it alike: the planner judges many at once."""
+    inward, outward = stage_bytes(cluster, num_stages, stage)
+    stage_flops = cluster.model.stage_flops(blocks, stage == 0, stage == num_stages - 1)
+    compute = microbatch * (stage_flops / flops + (3 * inward + 2 * outward) * coding) + 2 * cluster.call_overhead
+    return compute, microbatch * (2 * inward + outward) * per_byte
+
+
 def call_seconds(
     view: LinkView, peer: int, num_stages: int, stage: int, blocks: int, microbatch: int
 ) -> tuple[float, float]:
     """(compute, transfer) seconds of one microbatch's forward and backward calls at `peer` on `stage`."""
-    cluster = view.cluster
-    first, last = stage == 0, stage == num_stages - 1
-    inward, outward = stage_bytes(cluster, num_stages, stage)
-    flops = cluster.model.stage_flops(blocks, first, last)
-    p = cluster.peers[peer]
-    compute = microbatch * (flops / p.flops + (3 * inward + 2 * outward) * view.peer_coding[peer])
-    compute += 2 * cluster.call_overhead
-    transfer = microbatch * (2 * inward + outward) * view.peer_ratio[peer] / view.peer_bandwidth[peer]
-    return compute, transfer
+    per_byte = view.peer_ratio[peer] / view.peer_bandwidth[peer]
+    flops = view.cluster.peers[peer].flops
+    return microbatch_seconds(
+        view.cluster, num_stages, stage, blocks, microbatch, flops, view.peer_coding[peer], per_byte
+    )
 
 
 def fits(cluster: Cluster, peer: int, num_stages: int, stage: int, blocks: int, microbatch: int) -> bool:

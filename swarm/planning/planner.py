@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from swarm.planning.cluster import Cluster
-from swarm.planning.pipeline_model import LinkView, Plan, Prediction, predict, stage_bytes
+from swarm.planning.pipeline_model import LinkView, Plan, Prediction, microbatch_seconds, predict
 
 PATIENCE = 3  # stage counts tried past the best before the search stops
 PERMUTED_STAGES, PERMUTED_PEERS = 4, 256  # up to these, every order of the memory groups over the stages is tried
@@ -70,20 +70,21 @@ class _PeerArrays:
 
     def rates(self, peers: np.ndarray, num_stages: int, stage: int, blocks: np.ndarray, m: int) -> np.ndarray:
         """Samples/s of each of `peers` (rows) on `stage` at each block count (columns); 0 where it does not fit."""
-        cluster, model = self.view.cluster, self.view.cluster.model
-        first, last = stage == 0, stage == num_stages - 1
-        inward, outward = stage_bytes(cluster, num_stages, stage)
-        flops = 4.0 * (blocks * model.block_flops + first * model.first_flops + last * model.last_flops)
-        need = model.stage_memory(0, first, last, m) + blocks * (
-            model.block_state_bytes + m * model.block_activation_bytes
+        cluster = self.view.cluster
+        column = (peers, None)
+        compute, transfer = microbatch_seconds(
+            cluster,
+            num_stages,
+            stage,
+            blocks[None, :],
+            m,
+            self.flops[column],
+            self.coding[column],
+            self.per_byte[column],
         )
-        compute = m * (
-            flops[None, :] / self.flops[peers, None] + ((3 * inward + 2 * outward) * self.coding[peers])[:, None]
-        )
-        compute = compute + 2 * cluster.call_overhead
-        transfer = (m * (2 * inward + outward) * self.per_byte[peers])[:, None]
         rate = m / np.maximum(compute, transfer)
-        return np.where(need[None, :] <= self.memory[peers, None], rate, 0.0)
+        need = cluster.model.stage_memory(blocks, stage == 0, stage == num_stages - 1, m)
+        return np.where(need[None, :] <= self.memory[column], rate, 0.0)
 
 
 def _layout(arrays: _PeerArrays, blocks: tuple[int, ...], m: int) -> tuple[int, ...]:
