@@ -8,7 +8,10 @@ planner's plan and the best of every stage count, cut, layout and microbatch siz
 model (`swarm.planning.pipeline_model`); reported: the share of scenarios where the planner comes within
 5% of brute force (scenarios no layout holds are counted apart), the worst ratio, and the scenarios
 below 5%. Then the time to plan `--large` peers over 8 regions with 4 trainers (median of 3, one
-process; CPU seconds beside wall seconds).
+process; CPU seconds beside wall seconds). With `--simulate N` (10 by default), the planner's plan and
+brute force's N best are also run as events (scripts/simulation/pipeline_flow.py: queues on every link
+and device, windows, random routing): reported, the planner's simulated samples/s against the best of
+those, and against its own prediction.
 """
 
 from __future__ import annotations
@@ -22,9 +25,10 @@ import statistics
 import sys
 import time
 
+from simulation.pipeline_flow import simulate_plan
 from swarm.models.registry import get_model_spec
 from swarm.planning.cluster import MEBIBIT, Cluster, ModelCosts, Network, PlanPeer, PlanTrainer
-from swarm.planning.exhaustive import best_plan
+from swarm.planning.exhaustive import best_plans
 from swarm.planning.pipeline_model import LinkView
 from swarm.planning.planner import plan_pipeline
 
@@ -61,6 +65,7 @@ def scenario(
 def grid(args: argparse.Namespace, model: ModelCosts) -> dict:
     ratios, misses, shapes, infeasible = [], [], collections.Counter(), 0
     planner_seconds, brute_seconds = [], []
+    simulated, accuracy = [], []  # planner against the best simulated; simulated over predicted
     cells = itertools.product(args.bandwidths, args.round_trips, args.regions, range(args.seeds))
     for mbit, rtt, regions, seed in cells:
         cluster = scenario(model, args.peers, regions, mbit, rtt, seed)
@@ -69,13 +74,18 @@ def grid(args: argparse.Namespace, model: ModelCosts) -> dict:
         chosen = plan_pipeline(cluster, view)
         planner_seconds.append(time.perf_counter() - start)
         start = time.perf_counter()
-        _, best = best_plan(cluster, view, max_stages=args.max_stages)
+        ranked = best_plans(cluster, view, max_stages=args.max_stages, keep=max(1, args.simulate))
+        best = ranked[0][1]
         brute_seconds.append(time.perf_counter() - start)
         if best.samples_per_s <= 0:  # no layout holds the model on these cards: nothing to compare
             infeasible += 1
             continue
         ratio = chosen.prediction.samples_per_s / best.samples_per_s
         ratios.append(ratio)
+        if args.simulate:
+            ours = simulate_plan(chosen.plan, view)
+            simulated.append(ours / max(simulate_plan(plan, view) for plan, _ in ranked))
+            accuracy.append(ours / chosen.prediction.samples_per_s)
         shapes[f"{len(chosen.plan.blocks)} stages, microbatch {chosen.plan.microbatch}"] += 1
         if ratio < 0.95:
             misses.append({"mbit": mbit, "rtt_ms": rtt, "regions": regions, "seed": seed, "ratio": round(ratio, 4)})
@@ -92,6 +102,22 @@ def grid(args: argparse.Namespace, model: ModelCosts) -> dict:
         "planner_plans": dict(shapes.most_common()),
         "planner_seconds_median": round(statistics.median(planner_seconds), 4),
         "brute_force_seconds_median": round(statistics.median(brute_seconds), 3),
+        **(_simulated(simulated, accuracy, args.simulate) if args.simulate else {}),
+    }
+
+
+def _simulated(ratios: list[float], accuracy: list[float], ranked: int) -> dict:
+    """The planner's plan in the event simulation against the best of brute force's `ranked` top plans there, and
+    its simulated samples/s over its predicted ones."""
+    return {
+        "simulated_top_plans": ranked,
+        "simulated_within_5_percent": round(sum(r >= 0.95 for r in ratios) / len(ratios), 4),
+        "simulated_worst_ratio": round(min(ratios), 4),
+        "simulated_over_predicted": {
+            "min": round(min(accuracy), 3),
+            "median": round(statistics.median(accuracy), 3),
+            "max": round(max(accuracy), 3),
+        },
     }
 
 
@@ -132,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--round-trips", type=float, nargs="+", default=[1, 20, 200], help="ms")
     parser.add_argument("--regions", type=int, nargs="+", default=[2, 4, 8], help="regions per scenario")
     parser.add_argument("--seeds", type=int, default=2, help="device draws per grid cell")
+    parser.add_argument(
+        "--simulate", type=int, default=10, help="run the planner's plan and brute force's best N as events (0: no)"
+    )
     parser.add_argument("--large", type=int, default=1000, help="peers of the timing run (0: skip it)")
     parser.add_argument("--large-model", default="gpt-xl", help="the timing run's model")
     parser.add_argument("--large-d-model", type=int, default=8192, help="its width (no card holds it whole)")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from simulation.pipeline_flow import simulate_plan
 from swarm.cli import main
 from swarm.config import PeerConfig, TrainerConfig
 from swarm.config.options import ConfigError, load_config
@@ -227,3 +228,19 @@ def test_a_file_that_is_no_plan_and_a_name_without_a_plan_are_clear_errors(tmp_p
             load_config(PeerConfig, {"plan": str(bad), "plan_name": "a"}, environ={})
     with pytest.raises(ConfigError, match="cannot read"):
         load_config(PeerConfig, {"plan": str(tmp_path / "missing.json")}, environ={})
+
+
+def test_a_plan_run_as_events_delivers_what_the_model_predicts():
+    # queues on every link and device, random routing by speed: the plan's windows keep the stages busy
+    peers = (PlanPeer("big", 150e12, 40 * GIB, 1250e6),) + tuple(
+        PlanPeer(f"t4-{i}", 25e12, 16 * GIB, 125e6, "far") for i in range(3)
+    )
+    cluster = Cluster(WIDE, peers, (PlanTrainer("t", 1250e6),), Network({("default", "far"): 0.1}))
+    view = LinkView(cluster)
+    planned = plan_pipeline(cluster, view)
+    assert planned.plan.num_stages > 1
+    predicted = planned.prediction.samples_per_s
+    simulated = simulate_plan(planned.plan, view)
+    assert 0.9 <= simulated / predicted <= 1.1, (simulated, planned.prediction)
+    # one microbatch in flight leaves every stage but one idle at any moment
+    assert simulate_plan(planned.plan, view, windows=(1,)) < 0.75 * simulated

@@ -3,6 +3,7 @@ microbatch size, each judged by the same model as the planner's. What the planne
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections.abc import Iterator
 
@@ -29,11 +30,19 @@ def search_size(cluster: Cluster, max_stages: int | None = None) -> int:
 
 def best_plan(cluster: Cluster, view: LinkView | None = None, max_stages: int | None = None) -> tuple[Plan, Prediction]:
     """The plan with the most predicted samples/s among all of them (layouts that leave a stage empty skipped)."""
+    return best_plans(cluster, view, max_stages, keep=1)[0]
+
+
+def best_plans(
+    cluster: Cluster, view: LinkView | None = None, max_stages: int | None = None, keep: int = 1
+) -> list[tuple[Plan, Prediction]]:
+    """The `keep` plans with the most predicted samples/s, best first."""
     if search_size(cluster, max_stages) > MAX_LAYOUTS:
         raise ValueError(f"brute force over {search_size(cluster, max_stages):,} plans is too many; use fewer peers")
     view = view or LinkView(cluster)
     n, peers = cluster.model.n_layer, len(cluster.peers)
-    best: tuple[Plan, Prediction] | None = None
+    kept: list[tuple[float, int, Plan, Prediction]] = []  # a heap of the best, worst on top
+    serial = itertools.count()
     for num_stages in range(1, min(n, peers, max_stages or n) + 1):
         layouts = [s for s in itertools.product(range(num_stages), repeat=peers) if len(set(s)) == num_stages]
         for blocks in compositions(n, num_stages):
@@ -41,7 +50,9 @@ def best_plan(cluster: Cluster, view: LinkView | None = None, max_stages: int | 
                 for stages in layouts:
                     plan = Plan(blocks, stages, m)
                     prediction = predict(plan, view)
-                    if best is None or prediction.samples_per_s > best[1].samples_per_s:
-                        best = (plan, prediction)
-    assert best is not None
-    return best
+                    entry = (prediction.samples_per_s, -next(serial), plan, prediction)
+                    if len(kept) < keep:
+                        heapq.heappush(kept, entry)
+                    elif entry[:2] > kept[0][:2]:
+                        heapq.heapreplace(kept, entry)
+    return [(plan, prediction) for _, _, plan, prediction in sorted(kept, key=lambda e: e[:2], reverse=True)]
