@@ -285,11 +285,13 @@ def assert_matches_reference(module, parameters: dict, what: str, noise: tuple[f
 
     Longer runs pass the `noise` of a reordered reference (see reordering_noise). Drift from rounding
     grows chaotically, so two reorderings can end an order of magnitude apart: the swarm may drift
-    10 times that far. Measured at 20 steps: noise (max, mean) about (4e-4, 3e-6); one lost
-    microbatch of 5 samples moves the mean by 1.4e-4, still several times over the bound.
+    20 times that far (seen: 10.7 times in the largest difference, 12 steps, a peer killed under load; 15
+    times in the mean). Over many steps the mean is what tells a lost microbatch. Measured at 20 steps:
+    noise (max, mean) about (4e-4, 3e-6); one lost microbatch of 5 samples moves the mean by 1.4e-4,
+    still several times over the bound.
     """
     max_diff, mean_diff = parameter_differences(module, parameters)
-    assert max_diff < max(1e-4, 10 * noise[0]), f"{what} differs from the one-process reference by {max_diff}"
+    assert max_diff < max(1e-4, 20 * noise[0]), f"{what} differs from the one-process reference by {max_diff}"
     # a run long enough to drift may drift further than 10 reorderings' worth (seen: 15x over 16 steps, and
     # 11x with a newcomer and a mover under load); up to 20x (3e-5 at 16 steps) or DRIFT_FLOOR it is still
     # 4 times short of what one lost microbatch does

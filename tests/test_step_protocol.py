@@ -169,7 +169,9 @@ def test_samples_that_die_with_a_peer_are_resent_or_counted_lost_by_id(local_swa
         {0: ["peer0"], 1: ["peer1a", "peer1b"], 2: ["peer2"]},
         {
             "peer1a": ["--faults", "before_contribution@1=die", "--short-wait", "3"],
-            "peer1b": ["--short-wait", "3"],
+            # slow, so that the router gives peer1a backwards: a loaded machine once had peer1a measured the
+            # slower of two equals, given none, and never reaching its fault
+            "peer1b": ["--short-wait", "3", *SLOW_MATE],
         },
     )
     summary_file = tmp_path / "summary.json"
