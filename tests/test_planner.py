@@ -167,6 +167,8 @@ def test_swarm_plan_writes_a_plan_file_and_keeps_a_current_plan_that_is_still_be
     assert "must be positive and add up to 24" in capsys.readouterr().err
     assert main(["plan", "--cluster", str(tmp_path / "missing.yaml")]) == 2
     assert "cannot read the cluster file" in capsys.readouterr().err
+    assert main(["plan", "--cluster", str(EXAMPLE), "--out", str(tmp_path / "no" / "such" / "plan.json")]) == 2
+    assert "cannot write the plan file" in capsys.readouterr().err
 
 
 def tiny_plan_file(path: Path, blocks: tuple[int, ...], microbatch: int = 5) -> Path:

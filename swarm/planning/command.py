@@ -37,7 +37,6 @@ def run_plan(config: PlanConfig) -> int:
     from swarm.planning.cluster import ClusterError, read_cluster
     from swarm.planning.planner import plan_pipeline, replan_gain
 
-    config.check()
     try:
         cluster = read_cluster(config.cluster)
         if config.current:
@@ -53,7 +52,11 @@ def run_plan(config: PlanConfig) -> int:
         print(f"the plan in use stands: the best found is {gain:.3f}x as fast", file=sys.stderr)
         return 1
     if config.out != "-":
-        Path(config.out).write_text(json.dumps(content, indent=2) + "\n")
+        try:
+            Path(config.out).write_text(json.dumps(content, indent=2) + "\n")
+        except OSError as e:
+            print(f"swarm plan: error: cannot write the plan file {config.out}: {e.strerror}", file=sys.stderr)
+            return 2
         print(
             f"plan written to {config.out}: {content['predicted_samples_per_s']} samples/s predicted", file=sys.stderr
         )
