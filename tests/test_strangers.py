@@ -177,7 +177,9 @@ def test_a_forged_record_with_a_high_step_is_not_taken(local_swarm, tmp_path):
     try:
         liar.announce()
         forged = StageRecord(honest[0], 1, "gpt-tiny", 3, SERVING, Liar.STEP, 500.0, 0, 16, 0, 4).to_value()
-        assert liar.dht.store(stage_key("swarm", 1), forged, get_dht_time() + 600, subkey=honest[0])
+        # nodes that check records' signatures refuse it; whether any node keeps it (the liar's own may) depends on
+        # which nodes the store reaches, so its outcome is not asserted: kept or not, it must not be taken
+        liar.dht.store(stage_key("swarm", 1), forged, get_dht_time() + 600, subkey=honest[0])
 
         async def scenario(p2p):
             await liar.serve()
