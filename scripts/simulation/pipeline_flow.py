@@ -62,6 +62,7 @@ def simulate_plan(
     trainer_out = [_Queue() for _ in cluster.trainers]
     # a call's cost at each peer of its stage: device time and its link's share, as the router times peers
     costs = [{i: _call_cost(view, plan, i, s) for i in group} for s, group in enumerate(members)]
+    service = {(i, s): _forward_backward(view, plan, i, s) for s, group in enumerate(members) for i in group}
     events: list[tuple[float, int, int, int]] = []  # (time, serial, trainer, call index)
     serial = itertools.count()
     done = [0] * len(cluster.trainers)
@@ -86,7 +87,7 @@ def simulate_plan(
         stage = call if call < num_stages else 2 * num_stages - 1 - call
         peer = _route(members[stage], costs[stage], device, peer_in, now, rng)
         finish = _call(view, plan, t, peer, stage, call >= num_stages, now, (trainer_out[t], trainer_in[t]),
-                       device[peer], (peer_out[peer], peer_in[peer]))  # fmt: skip
+                       device[peer], (peer_out[peer], peer_in[peer]), service[peer, stage])  # fmt: skip
         heapq.heappush(events, (finish, next(serial), t, call + 1))
     start = next((time for time, samples in marks if samples >= len(marks) * m // 4), 0.0)
     steady = [(time, samples) for time, samples in marks if time >= start]
@@ -136,9 +137,11 @@ def _call(
     trainer_link: tuple[_Queue, _Queue],
     device: _Queue,
     peer_link: tuple[_Queue, _Queue],
+    service: tuple[float, float],
 ) -> float:
     """When one call's reply is back at the trainer: the request leaves the trainer's link (at its own speed) and
-    enters the peer's (at the narrower of the peer's and the regions' link), half a round trip, the device, and the
+    enters the peer's (at the narrower of the peer's and the regions' link), half a round trip, the device (`service`:
+    forward and backward seconds), and the
     reply back the other way. Each link is (out, in)."""
     m, ratio = plan.microbatch, view.ratio[trainer][peer]
     inward, outward = stage_bytes(view.cluster, plan.num_stages, stage)
@@ -147,7 +150,7 @@ def _call(
     half_trip = view.round_trip[trainer][peer] / 2
     request, reply = m * sent * ratio, m * returned * ratio
     arrive = max(trainer_link[0].take(now, request / near), peer_link[1].take(now, request / far)) + half_trip
-    computed = device.take(arrive, _forward_backward(view, plan, peer, stage)[1 if backward else 0])
+    computed = device.take(arrive, service[1 if backward else 0])
     back = max(peer_link[0].take(computed, reply / far), trainer_link[1].take(computed, reply / near))
     return back + half_trip
 

@@ -64,18 +64,19 @@ def run_plan(config: PlanConfig) -> int:
 
 
 def read_plan(path: Path, cluster: Cluster) -> Plan:
-    """The Plan a plan file holds, against the cluster's peers (a peer it does not name is idle)."""
+    """The Plan a plan file holds, against the cluster's peers (a peer it does not name is idle); read as peers and
+    trainers read it (`swarm.config.plan_flag.read_plan_file`)."""
+    from swarm.config.plan_flag import read_plan_file
     from swarm.planning.cluster import ClusterError
     from swarm.planning.pipeline_model import Plan
 
     try:
-        data = json.loads(path.read_text())
-        stages = {str(k): int(v) for k, v in data["stages"].items()}
-        blocks = tuple(int(b) for b in data["blocks_per_stage"])
-        if min(blocks, default=0) < 1 or sum(blocks) != cluster.model.n_layer:
-            raise ValueError(f"blocks_per_stage {list(blocks)} must be positive and add up to {cluster.model.n_layer}")
-        return Plan(blocks, tuple(stages.get(p.name, -1) for p in cluster.peers), int(data["microbatch_size"]))
-    except OSError as e:
-        raise ClusterError(f"cannot read the plan file {path}: {e.strerror}") from None
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise ClusterError(f"{path} is not a plan file: {e}") from None
+        data = read_plan_file(str(path))
+    except ConfigError as e:
+        raise ClusterError(str(e)) from None
+    blocks = tuple(data["blocks_per_stage"])
+    if sum(blocks) != cluster.model.n_layer:
+        raise ClusterError(
+            f"{path}: blocks_per_stage {list(blocks)} must be positive and add up to {cluster.model.n_layer}"
+        )
+    return Plan(blocks, tuple(data["stages"].get(p.name, -1) for p in cluster.peers), data["microbatch_size"])
