@@ -141,8 +141,7 @@ def _call(
 ) -> float:
     """When one call's reply is back at the trainer: the request leaves the trainer's link (at its own speed) and
     enters the peer's (at the narrower of the peer's and the regions' link), half a round trip, the device (`service`:
-    forward and backward seconds), and the
-    reply back the other way. Each link is (out, in)."""
+    forward and backward seconds), and the reply back the other way. Each link is (out, in)."""
     m, ratio = plan.microbatch, view.ratio[trainer][peer]
     inward, outward = stage_bytes(view.cluster, plan.num_stages, stage)
     sent, returned = (inward + outward, inward) if backward else (inward, outward)
