@@ -4,7 +4,8 @@ A swarm pays for compression where the link, not the device, sets the pace: GPUs
 links. This machine's CPU is far slower than such a GPU, so the benchmark scales time instead: with
 `--time-scale K` the devices stand for devices K times faster than this machine, and every link is
 emulated K times slower with K times its latency (`--emulate-bandwidth-mbit B/K`,
-`--emulate-latency-ms L*K` in the trainer's transport). Every duration of the run is then K times
+`--emulate-latency-ms L*K` in the trainer's transport; the trainer's own link, which its calls to
+every peer share, is capped at B/K as well unless `--uncapped-trainer`). Every duration of the run is then K times
 the one the faster devices would see, so samples/s are reported multiplied by K: what the swarm
 would do on the named links with those devices. A run with no emulated link per model gives the
 devices' own pace (K times this machine's), which shows how far below it the links hold the swarm.
@@ -41,8 +42,8 @@ def trainer_flags(args: argparse.Namespace, codec: str, bandwidth: float | None)
         str(args.steps),
         "--microbatch-size",
         str(args.microbatch_size),
-        "--max-in-flight",
-        str(args.max_in_flight),
+        "--in-flight-ceiling",
+        str(args.in_flight_ceiling),
         # deadlines in this machine's time: K times those faster devices would need
         "--call-timeout",
         str(60.0 * scale),
@@ -52,8 +53,10 @@ def trainer_flags(args: argparse.Namespace, codec: str, bandwidth: float | None)
     ]
     if args.overlap_steps:
         flags.append("--overlap-steps")
-    if args.in_flight_from_links:
-        flags.append("--in-flight-from-links")
+    if args.max_in_flight is not None:
+        flags += ["--max-in-flight", str(args.max_in_flight)]
+    if args.uncapped_trainer:
+        flags.append("--no-emulate-own-link")
     if bandwidth is not None:
         flags += ["--emulate-bandwidth-mbit", str(bandwidth / scale)]
         flags += ["--emulate-latency-ms", str(args.latency_ms * scale)]
@@ -84,11 +87,18 @@ def parse_runs() -> tuple[argparse.Namespace, dict[str, list[str]]]:
     # steps large enough that the links' latency at each step boundary is a small part of a step
     parser.add_argument("--target-batch-size", type=int, default=512, help="samples per step")
     parser.add_argument("--microbatch-size", type=int, default=32, help="samples per microbatch")
-    parser.add_argument("--max-in-flight", type=int, default=16, help="microbatches in flight (at most)")
     parser.add_argument(
-        "--in-flight-from-links",
+        "--max-in-flight",
+        type=int,
+        default=None,
+        help="a fixed number of microbatches in flight; default: trainers size it from the pipeline's rate and round "
+        "trip, up to --in-flight-ceiling",
+    )
+    parser.add_argument("--in-flight-ceiling", type=int, default=256, help="the most microbatches in flight")
+    parser.add_argument(
+        "--uncapped-trainer",
         action="store_true",
-        help="trainers size the microbatches in flight from the pipeline's rate and round trip, up to --max-in-flight",
+        help="cap each trainer-to-peer link only, not the trainer's own link (which all its calls share)",
     )
     parser.add_argument(
         "--overlap-steps", action="store_true", help="trainers start each step while the one before finishes"
@@ -184,18 +194,19 @@ def main() -> None:
                 "microbatch_size": args.microbatch_size,
                 "max_in_flight": args.max_in_flight,
                 "overlap_steps": args.overlap_steps,
-                "in_flight_from_links": args.in_flight_from_links,
+                "in_flight_ceiling": args.in_flight_ceiling,
+                "trainer_link_capped": not args.uncapped_trainer,
                 **figures(args, summaries, links, baseline_model),
                 "retries": {name: summary["retries"] for name, summary in summaries.items()},
                 # per run: the window at the end of each step, and the smallest round trip it measured
                 "in_flight_window_per_step": (
                     {name: s["in_flight_window_per_step"] for name, s in summaries.items()}
-                    if args.in_flight_from_links
+                    if args.max_in_flight is None
                     else {}
                 ),
                 "in_flight_round_trip_s": (
                     {name: s["in_flight_round_trip_s"] for name, s in summaries.items()}
-                    if args.in_flight_from_links
+                    if args.max_in_flight is None
                     else {}
                 ),
                 "auto_choices": {name: s["codecs"] for name, s in summaries.items() if ":auto@" in name},

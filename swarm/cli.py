@@ -21,7 +21,12 @@ def _demo(config: DemoConfig) -> int:
 
 
 def _peers(config: PeerConfig) -> int:
-    """`swarm peer`, where `--device all` (or a list of devices) starts one peer process per device."""
+    """`swarm peer`, where `--device all` (or a list of devices) starts one peer process per device, and
+    `--run-id auto` one peer process at a time, for the run that needs it most."""
+    if config.runs:
+        from swarm.launch.auto_run import run_auto_peer
+
+        return run_auto_peer(config)
     if config.device != "all" and "," not in config.device:
         return commands.ROLES["peer"].run(config)
     import torch

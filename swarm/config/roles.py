@@ -36,6 +36,12 @@ class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig, TrustConfig, PlanFil
     stage: str = option(
         "auto", "the stage to host, 0-based, or auto: the stage where this peer raises the swarm's throughput most"
     )
+    runs: list[str] = option(
+        [],
+        "with --run-id auto: the swarm files of the runs this peer may serve (each with its total_steps and "
+        "priority); it serves the run that needs it most, the one with the longest remaining time first, and moves "
+        "between them as that changes",
+    )
     device: str = option(
         "cpu",
         "torch device for the stage, e.g. cpu or cuda:0; all: one peer per visible CUDA device (or a list, "
@@ -232,10 +238,17 @@ class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig, TrustConfig, PlanFil
                 "--standby-every at least 1, --standby-memory-mb 0 or more, --standby-share above 0 and at most 1"
             )
 
+    def _check_runs(self) -> None:
+        if (self.run_id == "auto") != bool(self.runs):
+            raise ConfigError("--run-id auto and --runs go together: the swarm files of the runs to choose among")
+        if self.runs and (self.plan or self.stage != "auto" or self.device == "all" or "," in self.device):
+            raise ConfigError("--run-id auto chooses the run and its stage: give no --plan or --stage, and one device")
+
     def check(self) -> None:
         NetworkConfig.check(self)
         if self.client_mode:
             raise ConfigError("--client-mode: a peer serves its stage, so it must accept connections (or use a relay)")
+        self._check_runs()
         self.take_plan(self.model_blocks())
         ModelConfig.check(self)
         MetricsConfig.check(self)
@@ -317,12 +330,14 @@ class TrainerConfig(NetworkConfig, ModelConfig, MetricsConfig, VoucherConfig, Pl
 
     steps: int = option(100, "optimizer steps to train for")
     microbatch_size: int = option(8, "samples in one microbatch")
-    max_in_flight: int = option(8, "microbatches in flight at once (with --in-flight-from-links: at most)")
-    in_flight_from_links: bool = option(
-        False,
-        "size the microbatches in flight from what the pipeline delivers: twice its rate times a microbatch's "
-        "round trip when nothing queues (the bandwidth-delay product), between 1 and --max-in-flight. For slow or "
-        "distant links give --max-in-flight room (e.g. 256); the summary reports the window's sizes",
+    max_in_flight: int | None = option(
+        None,
+        "a fixed number of microbatches in flight at once; default: a window sized from what the pipeline "
+        "delivers, twice its rate times a microbatch's round trip when nothing queues (the bandwidth-delay "
+        "product), from one microbatch per stage up to --in-flight-ceiling; the summary reports its sizes",
+    )
+    in_flight_ceiling: int = option(
+        256, "without --max-in-flight: the most microbatches in flight the window sized from the links may reach"
     )
     overlap_steps: bool = option(
         False,
@@ -361,6 +376,11 @@ class TrainerConfig(NetworkConfig, ModelConfig, MetricsConfig, VoucherConfig, Pl
         0.0, "for tests and benchmarks: slow every link to a peer to this bandwidth each way (0: off)"
     )
     emulate_latency_ms: float = option(0.0, "for tests and benchmarks: add this one-way latency to every call")
+    emulate_own_link: bool = option(
+        True,
+        "with --emulate-bandwidth-mbit: cap this trainer's own link at that bandwidth too, shared by its calls to "
+        "every peer, as a real uplink is; --no-emulate-own-link gives each peer's link the bandwidth alone",
+    )
     call_timeout: float = option(
         60.0, "longest a stage call may take before it is retried elsewhere (deadlines follow each peer's latency)"
     )
@@ -395,8 +415,8 @@ class TrainerConfig(NetworkConfig, ModelConfig, MetricsConfig, VoucherConfig, Pl
         ModelConfig.check(self)
         MetricsConfig.check(self)
         VoucherConfig.check(self)
-        for name in ("steps", "microbatch_size", "max_in_flight", "max_retries"):
-            if getattr(self, name) < 1:
+        for name in ("steps", "microbatch_size", "max_in_flight", "in_flight_ceiling", "max_retries"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
         if not 0 < self.call_timeout_floor <= self.call_timeout:
             raise ConfigError("--call-timeout-floor must be positive and at most --call-timeout")
@@ -423,7 +443,9 @@ class DemoConfig(ModelConfig):
     steps: int = option(300, "optimizer steps to train for")
     target_batch_size: int = option(32, "samples per optimizer step")
     microbatch_size: int = option(8, "samples in one microbatch")
-    max_in_flight: int = option(6, "microbatches in flight at once")
+    max_in_flight: int | None = option(
+        None, "a fixed number of microbatches in flight at once; default: a window sized from the links"
+    )
     lr: float = option(3e-3, "AdamW learning rate")
     data: str | None = option(
         None,

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 SWARM_SETTINGS: dict[str, str] = {
     "run_id": "the run's name: processes of other runs are ignored",
+    "total_steps": "the steps the run trains in all: what peers choosing among runs weigh (`--run-id auto`)",
+    "priority": "the run's weight against the other runs of the swarm (1: as any other; `--run-id auto`)",
     "initial_peers": "where a newcomer joins (any live member will do, so these may differ, but must be members)",
     "model": "the model preset every stage is cut from",
     "hf_checkpoint": "the published checkpoint every stage starts from (a folder of the same name on every machine)",

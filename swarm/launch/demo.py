@@ -98,11 +98,11 @@ def role_flags(config: DemoConfig, vocab_size: int, summary_file: str) -> tuple[
         str(config.steps),
         "--microbatch-size",
         str(config.microbatch_size),
-        "--max-in-flight",
-        str(config.max_in_flight),
         "--summary-file",
         summary_file,
     ]
+    if config.max_in_flight is not None:
+        trainer_flags += ["--max-in-flight", str(config.max_in_flight)]
     if config.data:
         trainer_flags += ["--data", config.data, "--data-split", config.data_split]
         trainer_flags += ["--text-column", config.text_column]

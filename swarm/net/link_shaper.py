@@ -2,8 +2,11 @@
 
 `tc netem` is not available on the machines we test on, so a trainer can slow its own calls
 instead: each peer gets a link of `bandwidth_mbit` in each direction, shared by every call in
-flight to that peer (a message waits for the ones ahead of it), plus `latency_ms` one way. Used by
-tests and benchmarks to study compression and routing on 127.0.0.1; off (None) in real runs.
+flight to that peer (a message waits for the ones ahead of it), plus `latency_ms` one way. With
+`own_link`, the sender's own link has that bandwidth too, shared by its calls to every peer: a
+message then waits for both queues, as a flow through two bottlenecks in a row is held to the slower
+one. Used by tests and benchmarks to study compression and routing on 127.0.0.1; off (None) in real
+runs.
 """
 
 from __future__ import annotations
@@ -16,10 +19,12 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class LinkShape:
-    """One emulated link: bandwidth in each direction (0: unlimited) and one-way latency."""
+    """One emulated link: bandwidth in each direction (0: unlimited), one-way latency, and whether the sender's
+    own link is capped at that bandwidth as well as each peer's."""
 
     bandwidth_mbit: float = 0.0
     latency_ms: float = 0.0
+    own_link: bool = False
 
     def transmit_seconds(self, num_bytes: int) -> float:
         return num_bytes * 8 / (self.bandwidth_mbit * 1e6) if self.bandwidth_mbit > 0 else 0.0
@@ -35,10 +40,12 @@ class LinkShaper:
     def delay(self, peer: str, direction: str, num_bytes: int, now: float | None = None) -> float:
         """Seconds until `num_bytes` sent now in `direction` ("up" or "down") have arrived at the other end."""
         now = time.monotonic() if now is None else now
-        key = (peer, direction)
-        start = max(now, self._busy_until[key])
-        self._busy_until[key] = start + self.shape.transmit_seconds(num_bytes)
-        return self._busy_until[key] + self.shape.latency_ms / 1000 - now
+        # the sender's own link is keyed by no peer: every call queues on it
+        keys = [(peer, direction), ("", direction)] if self.shape.own_link else [(peer, direction)]
+        for key in keys:
+            start = max(now, self._busy_until[key])
+            self._busy_until[key] = start + self.shape.transmit_seconds(num_bytes)
+        return max(self._busy_until[key] for key in keys) + self.shape.latency_ms / 1000 - now
 
     async def send(self, peer: str, num_bytes: int) -> None:
         """Waits as long as a request of `num_bytes` takes to reach `peer`."""

@@ -39,7 +39,7 @@ class TrainingSummary:
     found_swarm_after_launch_s: float = float("nan")
     first_step_after_launch_s: float = float("nan")
     losses: list[float] = field(default_factory=list)
-    # with --in-flight-from-links: the window's size at the end, its largest, its size at the end of each
+    # without a fixed --max-in-flight: the window's size at the end, its largest, its size at the end of each
     # step, and the smallest round trip of a microbatch it measured (seconds)
     in_flight_window: int = 0
     in_flight_window_largest: int = 0

@@ -77,7 +77,9 @@ class Trainer:
             profiles = {dtype: profile_codecs(CODECS.values(), sample.to(dtype)) for dtype in BOUNDARY_DTYPES}
         shaper = None
         if config.emulate_bandwidth_mbit or config.emulate_latency_ms:
-            shaper = LinkShaper(LinkShape(config.emulate_bandwidth_mbit, config.emulate_latency_ms))
+            shaper = LinkShaper(
+                LinkShape(config.emulate_bandwidth_mbit, config.emulate_latency_ms, config.emulate_own_link)
+            )
         self.router = Router(
             deadline_floor=config.call_timeout_floor, deadline_ceiling=config.call_timeout, probation=True
         )
@@ -97,7 +99,7 @@ class Trainer:
         self.ledger = SampleLedger(config.ledger)
         # random start: a restarted trainer with the same identity must not reuse microbatch ids
         self._microbatch_ids = random.getrandbits(62)
-        self.in_flight_window: InFlightWindow | None = None  # with --in-flight-from-links
+        self.in_flight_window: InFlightWindow | None = None  # without a fixed --max-in-flight
         # microbatches go whole, or in parts no peer refuses (`swarm.trainer.microbatch_split`)
         self.split = SplitPlan(config.microbatch_size, config.microbatch_size)
         # per stage, the step to ask a forward for: the one after the step its latest backwards reached
@@ -242,15 +244,16 @@ class Trainer:
             return False
 
     def _in_flight_gate(self) -> InFlightGate:
-        """The bound on microbatches in flight: --max-in-flight, or a window sized from the pipeline (the
+        """The bound on microbatches in flight: a fixed --max-in-flight, or a window sized from the pipeline (the
         trainer keeps one window for the whole run, so what it learned carries from step to step)."""
-        if self.in_flight_window is None and self.config.in_flight_from_links:
+        fixed = self.config.max_in_flight
+        if fixed is None and self.in_flight_window is None:
             # from one microbatch per stage: the pipeline holds at least that much once it is full
             self.in_flight_window = InFlightWindow(
-                initial=self.config.num_stages, maximum=self.config.max_in_flight,
+                initial=self.config.num_stages, maximum=self.config.in_flight_ceiling,
                 microbatch_samples=self.config.microbatch_size,
             )  # fmt: skip
-        return InFlightGate(self.config.max_in_flight, self.in_flight_window)
+        return InFlightGate(fixed or self.config.in_flight_ceiling, self.in_flight_window)
 
     # --- the run ---------------------------------------------------------------------------------
 

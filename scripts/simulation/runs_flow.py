@@ -1,0 +1,235 @@
+"""Several runs in one swarm, simulated: peers come and go, and each serves the run the runs rule picks.
+
+The peers are the swarm's volunteers, each with a speed in flops/s and a churn trace of the times it is
+up (`churn_trace`). Every run has its model's flops per sample at each stage, the samples it must train,
+a priority, and the samples/s its trainers can feed it. Time advances in steps of `dt` seconds; at each:
+
+- a peer whose trace ends an up-time leaves at once (preempted); one whose trace starts one joins where
+  `swarm.policy.run_choice.choose_placement` puts it, serving after the time its stage's state takes to
+  download (`MoveCost`-like: bytes over the link, plus a start-up);
+- each serving peer looks at the rule on the timing of `swarm.policy.rebalance_timing.RebalanceTiming`
+  (a look every period, a second look to confirm, as a real peer's rebalancing does) and moves where it
+  says, within its run or to another, serving there after the download;
+- each run trains at its slowest stage's pace (its peers' speeds over that stage's flops), within its
+  trainers' feed, until its samples are done.
+
+A peer on its way is counted where it goes in everyone's view, as a LEAVING record naming its target is.
+The run of each peer, the compute each run was given per window, and the time each emptied stage took
+to be refilled are recorded; `scripts/bench_runs.py` holds them against a lower bound
+(`simulation.runs_bound`) and against the same runs trained one after another.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from swarm.policy.rebalance_timing import CONFIRM, LOOK, MOVE, RebalanceTiming
+from swarm.policy.run_choice import Placement, RunState, choose_placement, fair_shares
+
+
+@dataclass(frozen=True)
+class SimRun:
+    """One run: its model's cost per stage, its work, its weight, and what its trainers can feed."""
+
+    name: str
+    stage_flops: tuple[float, ...]  # per sample, forward and backward, per stage
+    stage_bytes: tuple[float, ...]  # a stage's state (parameters, gradients, optimizer): what a joiner downloads
+    samples: float  # to train in all
+    demand: float = math.inf  # samples/s its trainers send at most
+    priority: float = 1.0
+
+
+@dataclass(frozen=True)
+class RunsScenario:
+    """The peers, the runs, and the swarm's timing."""
+
+    speeds: tuple[float, ...]  # flops/s per peer
+    runs: tuple[SimRun, ...]
+    up_times: tuple[tuple[tuple[float, float], ...], ...]  # per peer: the (start, end) seconds it is up
+    rebalance_period: float = 60.0
+    announce_period: float = 10.0
+    move_mbit: float = 1000.0  # what a joiner downloads its stage's state at
+    move_overhead: float = 20.0  # seconds to start serving besides the download
+    margin: float = 0.1
+    dt: float = 1.0
+    window: float = 1800.0  # seconds over which each run's share is measured
+    horizon: float = 7 * 86400.0
+    seed: int = 0
+
+
+@dataclass
+class _Peer:
+    index: int
+    speed: float
+    placement: Placement | None = None
+    ready_at: float = math.inf  # when it serves its placement
+    timing: RebalanceTiming | None = None
+    next_at: float = math.inf
+    action: str = ""
+    target: Placement | None = None  # what the first look chose, for the second to confirm
+
+
+@dataclass
+class RunsOutcome:
+    """What one simulation gave."""
+
+    finished: dict[str, float]  # run -> the time its last sample was trained (inf if it was not)
+    shares: list[dict[str, float]]  # per window: given compute / fair share, for the runs busy all of it
+    refills: list[float]  # seconds each emptied stage of a run with work left waited for a peer
+    moves: int = 0
+    run_moves: int = 0  # the moves to another run
+    joins: int = 0
+    idle_compute: float = 0.0  # share of the up peers' compute placed in no run with work left
+    trace: list[dict[str, int]] = field(default_factory=list)  # per window: peers per run at its end
+
+    @property
+    def total(self) -> float:
+        return max(self.finished.values())
+
+
+def churn_trace(
+    count: int, horizon: float, mean_up: float, mean_down: float, rng: random.Random, always_up: int = 0
+) -> tuple[tuple[tuple[float, float], ...], ...]:
+    """Up-times of `count` peers: exponential up and down spells (spot instances reclaimed and restarted);
+    the first `always_up` never go down. Every peer starts up."""
+    traces = []
+    for i in range(count):
+        spells, t = [], 0.0
+        while t < horizon:
+            end = horizon if i < always_up or mean_up <= 0 else t + rng.expovariate(1 / mean_up)
+            spells.append((t, min(end, horizon)))
+            t = end + rng.expovariate(1 / mean_down)
+        traces.append(tuple(spells))
+    return tuple(traces)
+
+
+def simulate_runs(scenario: RunsScenario, runs: Sequence[SimRun] | None = None, start: float = 0.0) -> RunsOutcome:
+    """Runs `runs` (default: all of the scenario's) from `start` until each is trained; see the docstring."""
+    runs = list(scenario.runs if runs is None else runs)
+    rng = random.Random(scenario.seed)
+    peers = [_Peer(i, speed) for i, speed in enumerate(scenario.speeds)]
+    remaining = {r.name: r.samples for r in runs}
+    by_name = {r.name: r for r in runs}
+    outcome = RunsOutcome({r.name: math.inf for r in runs}, [], [])
+    empty_since: dict[tuple[str, int], float] = {}
+    given = {r.name: 0.0 for r in runs}
+    fair = {r.name: 0.0 for r in runs}
+    busy_all_window = set(remaining)
+    window_start, placed_compute, up_compute = start, 0.0, 0.0
+    t = start
+    while t < scenario.horizon and any(v > 0 for v in remaining.values()):
+        for peer in peers:
+            up = _is_up(scenario.up_times[peer.index], t)
+            if peer.placement is None and up:
+                _join(scenario, peer, runs, remaining, peers, t, rng, outcome)
+            elif peer.placement is not None and not up:
+                peer.placement, peer.timing, peer.ready_at = None, None, math.inf
+        for peer in sorted(peers, key=lambda p: p.next_at):
+            if peer.placement is not None and peer.next_at <= t:
+                _act(scenario, peer, runs, remaining, peers, t, outcome)
+        states = _states(runs, remaining, peers, t, serving_only=True)
+        for state in states:
+            run = by_name[state.run_id]
+            for s, count in enumerate(state.peers):
+                key = (state.run_id, s)
+                if count == 0 and remaining[state.run_id] > 0:
+                    empty_since.setdefault(key, t)
+                elif key in empty_since:
+                    outcome.refills.append(t - empty_since.pop(key))
+            if remaining[run.name] > 0:
+                remaining[run.name] -= state.rate() * scenario.dt
+                if remaining[run.name] <= 0:
+                    outcome.finished[run.name] = t + scenario.dt
+                    busy_all_window.discard(run.name)
+        up_now = sum(p.speed for p in peers if _is_up(scenario.up_times[p.index], t))
+        shares = fair_shares(states, up_now)
+        for state in states:
+            given[state.run_id] += state.compute() * scenario.dt
+            fair[state.run_id] += shares[state.run_id] * scenario.dt
+            if remaining[state.run_id] > 0:
+                placed_compute += state.compute() * scenario.dt
+        up_compute += up_now * scenario.dt
+        t += scenario.dt
+        if t - window_start >= scenario.window:
+            outcome.shares.append({n: given[n] / fair[n] for n in busy_all_window if fair[n] > 0})
+            outcome.trace.append(_peers_per_run(peers))
+            given, fair = {n: 0.0 for n in given}, {n: 0.0 for n in fair}
+            busy_all_window = {n for n, v in remaining.items() if v > 0}
+            window_start = t
+    outcome.idle_compute = 1 - placed_compute / up_compute if up_compute else 0.0
+    return outcome
+
+
+def _is_up(spells: Sequence[tuple[float, float]], t: float) -> bool:
+    return any(a <= t < b for a, b in spells)
+
+
+def _peers_per_run(peers: Sequence[_Peer]) -> dict[str, int]:
+    count: dict[str, int] = {}
+    for peer in peers:
+        if peer.placement is not None:
+            count[peer.placement.run_id] = count.get(peer.placement.run_id, 0) + 1
+    return count
+
+
+def _states(
+    runs: Sequence[SimRun], remaining: dict[str, float], peers: Sequence[_Peer], t: float, serving_only: bool
+) -> list[RunState]:
+    """The runs as records show them: every placed peer where it is (or goes), or only those serving."""
+    states = []
+    for run in runs:
+        caps, count = [0.0] * len(run.stage_flops), [0] * len(run.stage_flops)
+        for peer in peers:
+            placement = peer.placement
+            if placement is None or placement.run_id != run.name or (serving_only and peer.ready_at > t):
+                continue
+            caps[placement.stage] += peer.speed / run.stage_flops[placement.stage]
+            count[placement.stage] += 1
+        left = max(0.0, remaining[run.name])
+        states.append(RunState(run.name, run.priority, left, run.stage_flops, tuple(caps), tuple(count), run.demand))
+    return states
+
+
+def _arrive(scenario: RunsScenario, peer: _Peer, runs: Sequence[SimRun], placement: Placement, t: float) -> None:
+    run = next(r for r in runs if r.name == placement.run_id)
+    download = run.stage_bytes[placement.stage] * 8 / (scenario.move_mbit * 1e6)
+    peer.placement, peer.ready_at = placement, t + scenario.move_overhead + download
+
+
+def _join(scenario, peer, runs, remaining, peers, t, rng, outcome) -> None:
+    choice = choose_placement(_states(runs, remaining, peers, t, serving_only=False), peer.speed)
+    if choice is None:
+        return
+    _arrive(scenario, peer, runs, choice.placement, t)
+    outcome.joins += 1
+    peer.timing = RebalanceTiming(scenario.rebalance_period, scenario.announce_period, rng)
+    wait = peer.timing.start()
+    peer.action, peer.next_at = wait.action, peer.ready_at + wait.seconds
+
+
+def _act(scenario, peer, runs, remaining, peers, t, outcome) -> None:
+    """The peer's rebalancing step that is due: look, confirm, or move."""
+    assert peer.timing is not None and peer.placement is not None
+    if peer.action == MOVE:
+        target = peer.target
+        assert target is not None
+        outcome.run_moves += target.run_id != peer.placement.run_id
+        _arrive(scenario, peer, runs, target, t)
+        outcome.moves += 1
+        peer.timing = RebalanceTiming(scenario.rebalance_period, scenario.announce_period, peer.timing.rng, False)
+        wait = peer.timing.start()
+        peer.action, peer.next_at = wait.action, peer.ready_at + wait.seconds
+        return
+    view = _states(runs, remaining, peers, t, serving_only=False)
+    choice = choose_placement(view, peer.speed, peer.placement, scenario.margin)
+    moves = choice is not None and choice.placement != peer.placement
+    if peer.action == LOOK:
+        peer.target = choice.placement if moves and choice is not None else None
+        wait = peer.timing.looked(moves)
+    else:
+        assert peer.action == CONFIRM
+        wait = peer.timing.confirmed(moves and choice is not None and choice.placement == peer.target)
+    peer.action, peer.next_at = wait.action, t + wait.seconds

@@ -1,0 +1,163 @@
+"""`swarm peer --run-id auto --runs a.yaml,b.yaml`: a peer that serves whichever run of the swarm needs it most.
+
+This process holds no stage. It reads the records of every run in `--runs`, picks a run and a stage with
+the runs rule (`swarm.policy.run_choice`), and starts a peer process that serves it with the run's settings
+and this peer's own (its logs go to a folder this process names). It then looks at the rule again on the
+rebalancing timing (`swarm.policy.rebalance_timing`: a look every `--rebalance-period`, jittered, and a
+second look to confirm), and where the rule moves it to another run, stops the peer (it leaves its stage as
+on SIGTERM: the stage's other peers carry on) and starts one for the new run. Moves within a run are the
+peer's own rebalancing. A peer that dies is started again; one refused for its settings is not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import signal
+import threading
+import time
+from pathlib import Path
+
+from swarm.config import ConfigError, PeerConfig
+from swarm.config.options import to_flags
+from swarm.config.run_files import RunFile, read_run_files
+from swarm.launch.local_swarm import LocalSwarm, reap
+from swarm.net.identity import load_identity
+from swarm.policy.rebalance_timing import CONFIRM, LOOK, MOVE, RebalanceTiming
+from swarm.policy.run_choice import Choice, Placement, choose_placement
+from swarm.records.run_states import peer_speed, placement_of, run_state
+from swarm.records.stage_records import fetch_stage_records
+
+logger = logging.getLogger(__name__)
+
+CONFIG_ERROR = 2  # a peer's exit code for settings it was refused for: starting it again would not help
+RESTART_PAUSE_S = 5.0
+LEAVE_TIMEOUT_S = 60.0
+
+
+class AutoRunPeer:
+    """Runs one peer process at a time, for the run and stage the runs rule picks."""
+
+    def __init__(self, config: PeerConfig, runs: list[RunFile], stop: threading.Event) -> None:
+        self.config, self.runs, self.stop = config, {r.run_id: r for r in runs}, stop
+        self.swarm = LocalSwarm(env={"OMP_NUM_THREADS": str(config.num_threads)})
+        # the peer's identity is fixed across runs, so this process can find the peer's own records
+        identity = config.identity_path or str(self.swarm.workdir / "identity.key")
+        self.identity_path = identity
+        self.peer_id = load_identity(identity).peer_id
+        reader = dataclasses.replace(
+            runs[0].config, identity_path=None, client_mode=True, check_reachability=False, use_auto_relay=False
+        )
+        from swarm.net.dht_node import start_dht
+
+        self.dht = start_dht(reader)
+        self.rng = random.Random()
+        self.process = None
+        self.placement: Placement | None = None
+        self.started = 0
+
+    def view(self) -> tuple[list, dict]:
+        """Every run's state, and every run's records."""
+        records = {
+            run_id: fetch_stage_records(self.dht, run_id, run.config.num_stages) for run_id, run in self.runs.items()
+        }
+        return [run_state(self.runs[run_id], r) for run_id, r in records.items()], records
+
+    def choose(self) -> tuple[Choice | None, Placement | None]:
+        """What the rule says now, and where the peer serves (by its own record, else where it was started)."""
+        states, records = self.view()
+        current = None
+        if self.process is not None and self.placement is not None:
+            current = placement_of(self.peer_id, records) or self.placement
+        return choose_placement(states, peer_speed(self.peer_id, states, records), current), current
+
+    def start_peer(self, choice: Choice) -> None:
+        run = self.runs[choice.placement.run_id]
+        config = dataclasses.replace(
+            run.config, stage=str(choice.placement.stage), identity_path=self.identity_path, runs=[], run_id=run.run_id
+        )
+        self.started += 1
+        name = f"peer-{run.run_id}-{self.started}"
+        self.process = self.swarm.spawn(name, "peer", to_flags(config))
+        self.placement = choice.placement
+        logger.info(
+            f"Serving run {run.run_id}, stage {choice.placement.stage}: {choice.reason}; the peer's log is "
+            f"{self.swarm.log_path(name)}"
+        )
+
+    def stop_peer(self) -> int | None:
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        code = reap(self.process, LEAVE_TIMEOUT_S)
+        self.process = None
+        return code
+
+    def run(self) -> int:
+        """Until stopped: serve, look, move; returns the exit code."""
+        try:
+            return self._loop()
+        finally:
+            self.stop_peer()
+            self.swarm.stop_all()
+            self.dht.shutdown()
+
+    def _loop(self) -> int:
+        timing: RebalanceTiming | None = None
+        wait_until, target = 0.0, None
+        while not self.stop.is_set():
+            if self.process is None or self.process.poll() is not None:
+                code = None if self.process is None else self.process.poll()
+                if code == CONFIG_ERROR:
+                    logger.error(f"The peer for run {self.placement.run_id} was refused its settings; see its log")
+                    return CONFIG_ERROR
+                if code is not None:
+                    logger.warning(f"The peer for run {self.placement.run_id} exited ({code}); starting one again")
+                    self.process = None
+                    if self.stop.wait(RESTART_PAUSE_S):
+                        break
+                choice, _ = self.choose()
+                if choice is None:
+                    raise ConfigError("--runs: no run to serve")
+                self.start_peer(choice)
+                timing = RebalanceTiming(self.config.rebalance_period, self.config.announce_period, self.rng)
+                wait = timing.start()
+                wait_until, action = time.monotonic() + wait.seconds, wait.action
+            if self.config.rebalance_period <= 0 or self.stop.wait(max(0.0, min(1.0, wait_until - time.monotonic()))):
+                continue
+            if time.monotonic() < wait_until:
+                continue
+            assert timing is not None
+            if action == MOVE:
+                logger.info(f"Leaving run {self.placement.run_id} for run {target.placement.run_id}")
+                self.stop_peer()
+                self.start_peer(target)
+                timing = RebalanceTiming(self.config.rebalance_period, self.config.announce_period, self.rng, False)
+                wait = timing.start()
+            else:
+                choice, current = self.choose()
+                moves = choice is not None and current is not None and choice.placement.run_id != current.run_id
+                if action == LOOK:
+                    target = choice if moves else None
+                    wait = timing.looked(moves)
+                else:
+                    assert action == CONFIRM
+                    same = moves and target is not None and choice.placement.run_id == target.placement.run_id
+                    target = choice if same else None
+                    wait = timing.confirmed(same)
+            wait_until, action = time.monotonic() + wait.seconds, wait.action
+        return 0
+
+
+def run_auto_peer(config: PeerConfig) -> int:
+    """`swarm peer --run-id auto`: serve the runs of `--runs` as the runs rule says, until SIGTERM or Ctrl-C."""
+    runs = read_run_files(config)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    logger.info(
+        f"Choosing among runs {', '.join(r.run_id for r in runs)} ({', '.join(Path(r.path).name for r in runs)})"
+    )
+    return AutoRunPeer(config, runs, stop).run()

@@ -1,0 +1,67 @@
+"""The runs of a swarm as their stage records show them, for the runs rule (`swarm.policy.run_choice`).
+
+A run's capacity per stage is the throughput its serving peers announce; a joining peer counts as a
+peer of its stage (it will serve soon, and the next chooser must not pile onto the same gap) but adds
+no throughput yet. Its progress is the highest step a serving peer announces, and its remaining work
+the steps its file says it trains in all, less that step, times its batch. A peer's speed in flops/s
+is its throughput times the flops a sample costs at its stage.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+
+from swarm.config.run_files import RunFile
+from swarm.models.gpt import partition_layers
+from swarm.planning.cluster import ModelCosts
+from swarm.policy.run_choice import Placement, RunState
+from swarm.records.stage_records import JOINING, SERVING, StageRecord
+
+
+def stage_flops(run: RunFile) -> tuple[float, ...]:
+    """Flops one sample costs at each stage of the run, forward and backward."""
+    spec = run.config.model_spec()
+    costs = ModelCosts.from_spec(spec)
+    stages = run.config.num_stages
+    layers = partition_layers(spec.n_layer, stages, spec.stage_blocks)
+    return tuple(costs.stage_flops(len(layers[s]), s == 0, s == stages - 1) for s in range(stages))
+
+
+def run_state(run: RunFile, records: dict[int, list[StageRecord]]) -> RunState:
+    """The run's state from its stages' records."""
+    flops = stage_flops(run)
+    capacities, peers, step = [], [], 0
+    for stage in range(len(flops)):
+        live = [r for r in records.get(stage, []) if r.state in (SERVING, JOINING)]
+        capacities.append(sum(r.throughput for r in live if r.state == SERVING))
+        peers.append(len(live))
+        step = max([step, *(r.step for r in live if r.state == SERVING)])
+    remaining = max(0, run.total_steps - step) * run.config.target_batch_size
+    return RunState(run.run_id, run.priority, float(remaining), flops, tuple(capacities), tuple(peers))
+
+
+def placement_of(peer_id: str, records_by_run: dict[str, dict[int, list[StageRecord]]]) -> Placement | None:
+    """Where a peer's own record says it serves (or joins), if anywhere."""
+    for run_id, records in records_by_run.items():
+        for stage, stage_records in records.items():
+            if any(r.peer_id == peer_id and r.state in (SERVING, JOINING) for r in stage_records):
+                return Placement(run_id, stage)
+    return None
+
+
+def peer_speed(
+    peer_id: str | None, states: Sequence[RunState], records_by_run: dict[str, dict[int, list[StageRecord]]]
+) -> float:
+    """A peer's flops/s: from its own record once it has measured a throughput, else the median of the peers
+    that have (a newcomer's guess), else 1 (no one has: any positive speed compares the runs alike)."""
+    flops = {state.run_id: state.stage_flops for state in states}
+    own, others = [], []
+    for run_id, records in records_by_run.items():
+        for stage, stage_records in records.items():
+            for r in stage_records:
+                if r.state == SERVING and r.throughput > 0 and stage < len(flops[run_id]):
+                    (own if r.peer_id == peer_id else others).append(r.throughput * flops[run_id][stage])
+    if own:
+        return max(own)
+    return statistics.median(others) if others else 1.0
