@@ -312,7 +312,7 @@ def main() -> None:
     parser.add_argument(
         "--sync-steps", action="store_true", help="the trainer does not overlap steps (trains as one process would)"
     )
-    parser.add_argument("--trainer-flags", default="", help="more flags for the trainer, e.g. '--in-flight-from-links'")
+    parser.add_argument("--trainer-flags", default="", help="more flags for the trainer, e.g. '--overlap-steps'")
     parser.add_argument("--seed", type=int, default=0, help="seed of speeds, layout and churn")
     args = parser.parse_args()
     if args.start == "one":

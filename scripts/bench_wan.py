@@ -85,7 +85,7 @@ def parse_runs() -> tuple[argparse.Namespace, dict[str, list[str]]]:
     parser.add_argument("--num-stages", type=int, default=3, help="pipeline stages (one peer each)")
     parser.add_argument("--steps", type=int, default=2, help="steps per run")
     # steps large enough that the links' latency at each step boundary is a small part of a step
-    parser.add_argument("--target-batch-size", type=int, default=512, help="samples per step")
+    parser.add_argument("--target-batch-size", type=int, default=1024, help="samples per step")
     parser.add_argument("--microbatch-size", type=int, default=32, help="samples per microbatch")
     parser.add_argument(
         "--max-in-flight",

@@ -209,17 +209,17 @@ def peer_flags(checkpoint_dir: Path, *extra: str, model: str = "gpt-tiny") -> li
 
 
 def trainer_flags(
-    steps: int, summary_file: Path, microbatch_size: int = MICRO, in_flight: int = 3, model: str = "gpt-tiny"
+    steps: int, summary_file: Path, microbatch_size: int = MICRO, in_flight: int | None = 3, model: str = "gpt-tiny"
 ) -> list[str]:
-    """Flags of a trainer in the fidelity tests, training `steps` steps on SMALL_CORPUS."""
+    """Flags of a trainer in the fidelity tests, training `steps` steps on SMALL_CORPUS; `in_flight` None: the
+    window follows the links (the default) instead of a fixed --max-in-flight."""
     return [
         *model_flags(model),
         "--steps",
         str(steps),
         "--microbatch-size",
         str(microbatch_size),
-        "--max-in-flight",
-        str(in_flight),
+        *(["--max-in-flight", str(in_flight)] if in_flight is not None else []),
         "--data",
         SMALL_CORPUS,
         "--summary-file",

@@ -146,18 +146,19 @@ def test_a_fixed_gate_is_a_semaphore_of_its_limit():
 @pytest.mark.timeout(300)
 def test_a_trainer_sizes_its_microbatches_in_flight_from_slow_links(local_swarm, tmp_path):
     """Behind 40 ms links, a trainer started with 3 microbatches in flight (one per stage) finds that the
-    pipeline holds more and raises its window, within --max-in-flight, while it trains."""
+    pipeline holds more and raises its window, within --in-flight-ceiling, while it trains (no --max-in-flight:
+    the window follows the links by default)."""
     local_swarm.start_bootstrap()
     for stage in range(3):
         local_swarm.start_peer(f"peer{stage}", stage, peer_flags(tmp_path / f"peer{stage}"))
     wait_for_records(local_swarm.initial_peers, lambda r: all(any(p.state == SERVING for p in r[s]) for s in range(3)))
     summary_file = tmp_path / "summary.json"
-    flags = [*trainer_flags(4, summary_file, microbatch_size=2, in_flight=64), "--in-flight-from-links"]
+    flags = [*trainer_flags(4, summary_file, microbatch_size=2, in_flight=None), "--in-flight-ceiling", "64"]
     trainer = local_swarm.start_trainer("trainer", [*flags, "--emulate-latency-ms", "40"])
     assert trainer_exit_code(local_swarm, trainer, 240) == 0, local_swarm.log_path("trainer").read_text()[-3000:]
     summary = json.loads(summary_file.read_text())
     assert summary["steps"] == 4 and summary["last_loss"] < summary["first_loss"], summary
-    # the window grows past its start of 3 (one microbatch per stage), never past --max-in-flight
+    # the window grows past its start of 3 (one microbatch per stage), never past its ceiling
     assert 3 < summary["in_flight_window_largest"] <= 64, summary
     assert 1 <= summary["in_flight_window"] <= summary["in_flight_window_largest"], summary
     # and says how it got there: its size at the end of each step, and the round trip it measured

@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-from swarm.config import ConfigError, PeerConfig
+from swarm.config import PeerConfig
 from swarm.config.options import to_flags
 from swarm.config.run_files import RunFile, read_run_files
 from swarm.launch.local_swarm import LocalSwarm, reap
@@ -66,7 +66,11 @@ class AutoRunPeer:
 
     def choose(self) -> tuple[Choice | None, Placement | None]:
         """What the rule says now, and where the peer serves (by its own record, else where it was started)."""
-        states, records = self.view()
+        try:
+            states, records = self.view()
+        except TimeoutError as e:
+            logger.warning(f"Could not read the runs' records ({e}); looking again later")
+            return None, self.placement
         current = None
         if self.process is not None and self.placement is not None:
             current = placement_of(self.peer_id, records) or self.placement
@@ -119,8 +123,9 @@ class AutoRunPeer:
                     if self.stop.wait(RESTART_PAUSE_S):
                         break
                 choice, _ = self.choose()
-                if choice is None:
-                    raise ConfigError("--runs: no run to serve")
+                if choice is None:  # the records could not be read: try again shortly
+                    self.stop.wait(RESTART_PAUSE_S)
+                    continue
                 self.start_peer(choice)
                 timing = RebalanceTiming(self.config.rebalance_period, self.config.announce_period, self.rng)
                 wait = timing.start()
