@@ -109,6 +109,20 @@ def add_options(parser: argparse.ArgumentParser, cls: type) -> None:
             parser.add_argument(flag, metavar=kind.__name__.upper(), **kwargs)
 
 
+def read_settings_file(path: str) -> dict[str, Any]:
+    """The settings in a YAML file (a swarm file, say): a mapping; ConfigError if it cannot be read as one."""
+    try:
+        with open(path) as file:
+            settings = yaml.safe_load(file) or {}
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+    if not isinstance(settings, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of settings")
+    return settings
+
+
 def load_config(
     cls: type[C],
     cli: Mapping[str, Any] | argparse.Namespace | None = None,
@@ -119,17 +133,7 @@ def load_config(
     cli = vars(cli) if isinstance(cli, argparse.Namespace) else dict(cli or {})
     environ = os.environ if environ is None else environ
     config_file = cli.pop("config", None) or config_file
-    from_file: dict[str, Any] = {}
-    if config_file:
-        try:
-            with open(config_file) as file:
-                from_file = yaml.safe_load(file) or {}
-        except OSError as e:
-            raise ConfigError(f"cannot read config file {config_file}: {e}") from None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {config_file} is not valid YAML: {e}") from None
-        if not isinstance(from_file, dict):
-            raise ConfigError(f"config file {config_file} must hold a mapping of settings")
+    from_file = read_settings_file(config_file) if config_file else {}
     known = {f.name for f in dataclasses.fields(cls)}
     # one swarm file serves every role: a role skips the swarm's settings it has no use for, not a typo
     unknown = sorted(set(from_file) - known - set(SWARM_SETTINGS))

@@ -12,11 +12,8 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
-import yaml
-
-from swarm.config.options import ConfigError, load_config
+from swarm.config.options import ConfigError, load_config, read_settings_file
 from swarm.config.roles import PeerConfig
 from swarm.config.swarm_file import SWARM_SETTINGS
 
@@ -35,21 +32,12 @@ class RunFile:
     config: PeerConfig  # the peer's own settings, with the run's from its file
 
 
-def _read_yaml(path: str) -> dict:
-    try:
-        data = yaml.safe_load(Path(path).read_text()) or {}
-    except OSError as e:
-        raise ConfigError(f"--runs: cannot read {path}: {e}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"--runs: {path} is not valid YAML: {e}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"--runs: {path} must hold a mapping of settings")
-    return data
-
-
 def read_run_file(path: str, own: PeerConfig) -> RunFile:
     """One run's file, checked; its settings stand over the peer's for the keys the file holds."""
-    data = _read_yaml(path)
+    try:
+        data = read_settings_file(path)
+    except ConfigError as e:
+        raise ConfigError(f"--runs: {e}") from None
     steps, priority = data.get("total_steps"), data.get("priority", 1)
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise ConfigError(f"--runs: {path} must give total_steps, the steps the run trains in all (got {steps!r})")
