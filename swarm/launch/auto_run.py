@@ -24,7 +24,7 @@ from swarm.config.options import to_flags
 from swarm.config.run_files import RunFile, read_run_files
 from swarm.launch.local_swarm import LocalSwarm, reap
 from swarm.net.identity import load_identity
-from swarm.policy.rebalance_timing import CONFIRM, LOOK, MOVE, RebalanceTiming
+from swarm.policy.rebalance_timing import LOOK, MOVE, RebalanceTiming, Wait
 from swarm.policy.run_choice import Choice, Placement, choose_placement
 from swarm.records.run_states import peer_speed, placement_of, run_state
 from swarm.records.stage_records import fetch_stage_records
@@ -56,6 +56,9 @@ class AutoRunPeer:
         self.process = None
         self.placement: Placement | None = None
         self.started = 0
+        self.timing: RebalanceTiming | None = None  # None with --rebalance-period 0
+        self.wait_until, self.action = 0.0, LOOK
+        self.target: Choice | None = None  # where the last look would move the peer
 
     def view(self) -> tuple[list, dict]:
         """Every run's state, and every run's records."""
@@ -78,8 +81,15 @@ class AutoRunPeer:
 
     def start_peer(self, choice: Choice) -> None:
         run = self.runs[choice.placement.run_id]
+        # each run's checkpoints in a folder of its own: two runs of one model and cut would share names
+        folder = None if run.config.checkpoint_dir is None else str(Path(run.config.checkpoint_dir) / run.run_id)
         config = dataclasses.replace(
-            run.config, stage=str(choice.placement.stage), identity_path=self.identity_path, runs=[], run_id=run.run_id
+            run.config,
+            stage=str(choice.placement.stage),
+            identity_path=self.identity_path,
+            runs=[],
+            run_id=run.run_id,
+            checkpoint_dir=folder,
         )
         self.started += 1
         name = f"peer-{run.run_id}-{self.started}"
@@ -109,51 +119,67 @@ class AutoRunPeer:
             self.dht.shutdown()
 
     def _loop(self) -> int:
-        timing: RebalanceTiming | None = None
-        wait_until, target = 0.0, None
         while not self.stop.is_set():
             if self.process is None or self.process.poll() is not None:
-                code = None if self.process is None else self.process.poll()
-                if code == CONFIG_ERROR:
-                    logger.error(f"The peer for run {self.placement.run_id} was refused its settings; see its log")
-                    return CONFIG_ERROR
+                code = self._serve_again()
                 if code is not None:
-                    logger.warning(f"The peer for run {self.placement.run_id} exited ({code}); starting one again")
-                    self.process = None
-                    if self.stop.wait(RESTART_PAUSE_S):
-                        break
-                choice, _ = self.choose()
-                if choice is None:  # the records could not be read: try again shortly
-                    self.stop.wait(RESTART_PAUSE_S)
-                    continue
-                self.start_peer(choice)
-                timing = RebalanceTiming(self.config.rebalance_period, self.config.announce_period, self.rng)
-                wait = timing.start()
-                wait_until, action = time.monotonic() + wait.seconds, wait.action
-            if self.config.rebalance_period <= 0 or self.stop.wait(max(0.0, min(1.0, wait_until - time.monotonic()))):
+                    return code
                 continue
-            if time.monotonic() < wait_until:
-                continue
-            assert timing is not None
-            if action == MOVE:
-                logger.info(f"Leaving run {self.placement.run_id} for run {target.placement.run_id}")
-                self.stop_peer()
-                self.start_peer(target)
-                timing = RebalanceTiming(self.config.rebalance_period, self.config.announce_period, self.rng, False)
-                wait = timing.start()
-            else:
-                choice, current = self.choose()
-                moves = choice is not None and current is not None and choice.placement.run_id != current.run_id
-                if action == LOOK:
-                    target = choice if moves else None
-                    wait = timing.looked(moves)
-                else:
-                    assert action == CONFIRM
-                    same = moves and target is not None and choice.placement.run_id == target.placement.run_id
-                    target = choice if same else None
-                    wait = timing.confirmed(same)
-            wait_until, action = time.monotonic() + wait.seconds, wait.action
+            if self.timing is None:  # --rebalance-period 0: the run first chosen is kept
+                self.stop.wait(1.0)
+            elif not self.stop.wait(max(0.0, min(1.0, self.wait_until - time.monotonic()))):
+                if time.monotonic() >= self.wait_until:
+                    self._next_timing_step()
         return 0
+
+    def _serve_again(self) -> int | None:
+        """Starts a peer where the rule says, the first time or after the last one exited; an exit code to
+        return with if that cannot help (the peer was refused its settings)."""
+        code = None if self.process is None else self.process.poll()
+        if code == CONFIG_ERROR:
+            logger.error(f"The peer for run {self.placement.run_id} was refused its settings; see its log")
+            return CONFIG_ERROR
+        if code is not None:
+            logger.warning(f"The peer for run {self.placement.run_id} exited ({code}); starting one again")
+            self.process = None
+            if self.stop.wait(RESTART_PAUSE_S):
+                return 0
+        choice, _ = self.choose()
+        if choice is None:  # the records could not be read: try again shortly
+            self.stop.wait(RESTART_PAUSE_S)
+            return None
+        self._start_timed(choice, first_look=True)
+        return None
+
+    def _start_timed(self, choice: Choice, first_look: bool) -> None:
+        self.start_peer(choice)
+        if self.config.rebalance_period > 0:
+            self.timing = RebalanceTiming(
+                self.config.rebalance_period, self.config.announce_period, self.rng, first_look
+            )
+            self._wait(self.timing.start())
+
+    def _wait(self, wait: Wait) -> None:
+        self.wait_until, self.action = time.monotonic() + wait.seconds, wait.action
+
+    def _next_timing_step(self) -> None:
+        """The look, confirmation or move that is due (see `swarm.policy.rebalance_timing`)."""
+        assert self.timing is not None
+        if self.action == MOVE:
+            assert self.target is not None and self.placement is not None
+            logger.info(f"Leaving run {self.placement.run_id} for run {self.target.placement.run_id}")
+            self.stop_peer()
+            self._start_timed(self.target, first_look=False)
+            return
+        choice, current = self.choose()
+        moves = choice is not None and current is not None and choice.placement.run_id != current.run_id
+        if self.action == LOOK:
+            self.target = choice if moves else None
+            self._wait(self.timing.looked(moves))
+        else:
+            same = moves and self.target is not None and choice.placement.run_id == self.target.placement.run_id
+            self.target = choice if same else None
+            self._wait(self.timing.confirmed(same))
 
 
 def run_auto_peer(config: PeerConfig) -> int:
