@@ -123,3 +123,26 @@ def test_the_lower_bound_is_exact_for_one_peer_and_one_run():
     # up only half the time past 20 s: the same work takes 80 s
     spells = [((0.0, 20.0), (30.0, 40.0), (50.0, 60.0), (70.0, 80.0), (90.0, 1e6))]
     assert lower_bound([10.0], spells, runs, 1e6) == pytest.approx(80.0, rel=1e-2)
+
+
+def test_a_run_read_from_records_bounds_claims_and_progress():
+    """One record claiming a vast throughput counts as a typical peer of its stage, and one announcing a far step
+    cannot make its run look done; a joining peer counts as a peer of its stage without throughput."""
+    from swarm.config import PeerConfig
+    from swarm.config.run_files import RunFile
+    from swarm.records.run_states import run_state, stage_flops
+    from swarm.records.stage_records import JOINING, SERVING, StageRecord
+
+    config = PeerConfig(run_id="red", num_stages=2, target_batch_size=10)
+    red = RunFile("red.yaml", "red", total_steps=100, priority=1.0, config=config)
+
+    def record(name: str, stage: int, throughput: float, step: int = 40, state: str = SERVING) -> StageRecord:
+        return StageRecord(name, stage, "gpt-tiny", 2, state, step, throughput, 0, 10, 0, 1)
+
+    records = {
+        0: [record("a", 0, 4.0), record("b", 0, 5.0), record("liar", 0, 1e9, step=10**6)],
+        1: [record("c", 1, 6.0), record("d", 1, 0.0, state=JOINING)],
+    }
+    state = run_state(red, records)
+    assert state.capacities == (4.0 + 5.0 + 5.0, 6.0) and state.peers == (3, 2)  # the liar as the lower median
+    assert state.remaining == (100 - 40) * 10 and state.stage_flops == stage_flops(red)

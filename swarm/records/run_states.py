@@ -1,10 +1,11 @@
 """The runs of a swarm as their stage records show them, for the runs rule (`swarm.policy.run_choice`).
 
-A run's capacity per stage is the throughput its serving peers announce; a joining peer counts as a
-peer of its stage (it will serve soon, and the next chooser must not pile onto the same gap) but adds
-no throughput yet. Its progress is the highest step a serving peer announces, and its remaining work
-the steps its file says it trains in all, less that step, times its batch. A peer's speed in flops/s
-is its throughput times the flops a sample costs at its stage.
+A run's capacity per stage is the throughput its serving peers announce, each claim bounded as the
+balance rule bounds it (`swarm.policy.claim_bounds`); a joining peer counts as a peer of its stage (it
+will serve soon, and the next chooser must not pile onto the same gap) but adds no throughput yet. Its
+progress is the lower median of the steps its serving peers announce (one record cannot make it look
+done), and its remaining work the steps its file says it trains in all, less that step, times its
+batch. A peer's speed in flops/s is its throughput times the flops a sample costs at its stage.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Sequence
 from swarm.config.run_files import RunFile
 from swarm.models.gpt import partition_layers
 from swarm.planning.cluster import ModelCosts
+from swarm.policy.claim_bounds import bounded_claims, lower_median
 from swarm.policy.run_choice import Placement, RunState
 from swarm.records.stage_records import JOINING, SERVING, StageRecord
 
@@ -31,13 +33,16 @@ def stage_flops(run: RunFile) -> tuple[float, ...]:
 def run_state(run: RunFile, records: dict[int, list[StageRecord]]) -> RunState:
     """The run's state from its stages' records."""
     flops = stage_flops(run)
-    capacities, peers, step = [], [], 0
+    capacities, peers, steps = [], [], []
     for stage in range(len(flops)):
         live = [r for r in records.get(stage, []) if r.state in (SERVING, JOINING)]
-        capacities.append(sum(r.throughput for r in live if r.state == SERVING))
+        serving = [r for r in live if r.state == SERVING]
+        # a claim far above its stage's counts as a typical peer's, as in the balance rule
+        capacities.append(sum(bounded_claims({r.peer_id: r.throughput for r in serving})[0].values()))
         peers.append(len(live))
-        step = max([step, *(r.step for r in live if r.state == SERVING)])
-    remaining = max(0, run.total_steps - step) * run.config.target_batch_size
+        steps += [r.step for r in serving]
+    # the lower median: one record announcing a far step cannot make the run look done
+    remaining = max(0, run.total_steps - int(lower_median(steps))) * run.config.target_batch_size
     return RunState(run.run_id, run.priority, float(remaining), flops, tuple(capacities), tuple(peers))
 
 
