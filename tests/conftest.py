@@ -232,7 +232,11 @@ def trainer_flags(
 
 @functools.cache
 def reference_run(
-    steps: int, microbatch_size: int = MICRO, model: str = "gpt-tiny", stage_blocks: tuple[int, ...] = ()
+    steps: int,
+    microbatch_size: int = MICRO,
+    model: str = "gpt-tiny",
+    stage_blocks: tuple[int, ...] = (),
+    num_stages: int = 3,
 ):
     """The same training in one process (see swarm.trainer.reference). Deterministic, so each is run once per
     test process and shared: callers only read it."""
@@ -243,7 +247,7 @@ def reference_run(
 
     return train_reference(
         get_model_spec(model, **({"stage_blocks": stage_blocks} if stage_blocks else {})),
-        3,
+        num_stages,
         ByteCorpus(SMALL_CORPUS),
         steps,
         TARGET,

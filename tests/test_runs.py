@@ -13,7 +13,7 @@ from conftest import LR, TARGET, assert_matches_reference, peer_flags, reference
 from swarm.peer.checkpoint import checkpoint_name, load_checkpoint
 
 STEPS = 3
-CUT = (3, 1, 2)
+CUT = (4, 2)
 
 
 def run_records(initial_peers: list[str], run_id: str, num_stages: int, ready, timeout: float = 120.0) -> dict:
@@ -38,34 +38,32 @@ def serving(stage: int):
 
 @pytest.mark.timeout(300)
 def test_two_runs_in_one_swarm_each_train_as_they_would_alone(local_swarm, tmp_path):
-    """Runs red (gpt-tiny cut evenly) and blue (gpt-tiny cut 3,1,2) share one DHT, and train at once: each run's
-    stages end with its own one-run reference's parameters, and its trainer's losses are the reference's."""
+    """Runs red (gpt-tiny cut evenly in 2) and blue (gpt-tiny cut 4,2) share one DHT and train at once: each
+    run's stages end with its own one-run reference's parameters, and its trainer's losses are the reference's."""
     local_swarm.start_bootstrap()
     runs = {"red": [], "blue": ["--stage-blocks", ",".join(map(str, CUT))]}
     for run_id, extra in runs.items():
-        for stage in range(3):
-            flags = peer_flags(tmp_path / run_id, "--run-id", run_id, *extra)
+        for stage in range(2):
+            flags = peer_flags(tmp_path / run_id, "--run-id", run_id, "--num-stages", "2", *extra)
             local_swarm.start_peer(f"{run_id}{stage}", stage, flags)
-    trainers = {
-        run_id: local_swarm.start_trainer(
-            f"trainer-{run_id}", [*trainer_flags(STEPS, tmp_path / f"{run_id}.json"), "--run-id", run_id]
-        )
-        for run_id in runs
-    }
+    trainers = {}
+    for run_id in runs:
+        flags = [*trainer_flags(STEPS, tmp_path / f"{run_id}.json"), "--run-id", run_id, "--num-stages", "2"]
+        trainers[run_id] = local_swarm.start_trainer(f"trainer-{run_id}", flags)
     for run_id, trainer in trainers.items():
         assert trainer.wait(240) == 0, local_swarm.log_path(f"trainer-{run_id}").read_text()[-3000:]
     for run_id in runs:
-        for stage in range(3):
+        for stage in range(2):
             assert local_swarm.stop(f"{run_id}{stage}") == 0
 
     for run_id, cut in (("red", ()), ("blue", CUT)):
-        reference = reference_run(STEPS, stage_blocks=cut)
+        reference = reference_run(STEPS, stage_blocks=cut, num_stages=2)
         summary = json.loads((tmp_path / f"{run_id}.json").read_text())
         assert summary["steps"] == STEPS
         losses = torch.tensor(summary["losses"])
         torch.testing.assert_close(losses, torch.tensor(reference.losses), rtol=1e-4, atol=1e-4)
         for stage, module in enumerate(reference.stages):
-            checkpoint = load_checkpoint(tmp_path / run_id, checkpoint_name("gpt-tiny", cut), stage, 3)
+            checkpoint = load_checkpoint(tmp_path / run_id, checkpoint_name("gpt-tiny", cut), stage, 2)
             assert checkpoint is not None and checkpoint.step == STEPS
             assert_matches_reference(module, checkpoint.parameters, f"run {run_id}, stage {stage}")
 

@@ -102,8 +102,14 @@ def read_identity(path: str | os.PathLike) -> Identity:
 
 
 def create_identity_file(path: str | os.PathLike) -> None:
-    """Writes a new RSA identity to `path`, readable by its owner only."""
-    P2P.generate_identity(str(path))
+    """Writes a new RSA identity to `path`, readable by its owner only; whole or not at all, so that a process
+    that sees the file (a launcher waiting for its peer's id) never reads half a key."""
+    partial = Path(f"{path}.partial-{os.getpid()}")
+    try:
+        P2P.generate_identity(str(partial))
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def load_identity(path: str | None) -> Identity:
