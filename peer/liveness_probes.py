@@ -34,6 +34,10 @@ class LivenessProbes:
         self.record_ttl = record_ttl
         self.timeout = timeout
         self.silent: dict[str, float] = {}  # peer id -> DHT time of its last failed probe
+        # peer id -> its record's expiration at the first read after that failure: a renewal shows a later one.
+        # (Not the expiration less this peer's own --record-ttl: another peer's TTL may differ, and a longer own
+        # one would date every renewal too early and keep a live peer out of view.)
+        self.expiration_at_failure: dict[str, float] = {}
         self.in_flight = False  # one round of probes at a time: a slow one must not pile up behind the next
         self.probes = 0
         self.failures = 0
@@ -51,12 +55,14 @@ class LivenessProbes:
             self.in_flight = False
         self.probes += len(peers)
         for peer_id, answer in zip(peers, answers):
+            self.expiration_at_failure.pop(peer_id, None)
             if isinstance(answer, BaseException):
                 self.failures += 1
                 self.silent[peer_id] = started
             else:
                 self.silent.pop(peer_id, None)
         self.silent = {p: at for p, at in self.silent.items() if started - at < SILENCE_MEMORY}
+        self.expiration_at_failure = {p: e for p, e in self.expiration_at_failure.items() if p in self.silent}
 
     async def _ask(self, p2p: P2P, peer_id: str) -> PeerInfo:
         # any reply counts, an error too (a busy gate, another protocol version): only silence is a failure
@@ -69,7 +75,12 @@ class LivenessProbes:
         """Whether `record`'s peer failed a probe sent after the record was last renewed. A LEAVING record is never
         dead: it says the peer went on request, which a holder must still read (that stage is not restored)."""
         failed_at = self.silent.get(record.peer_id) if record.state != LEAVING else None
-        return failed_at is not None and record.expiration - self.record_ttl <= failed_at
+        if failed_at is None:
+            return False
+        if record.expiration - self.record_ttl > failed_at:  # renewed after the probe even by this peer's TTL
+            return False
+        first = self.expiration_at_failure.setdefault(record.peer_id, record.expiration)
+        return record.expiration <= first
 
     def live(self, records: dict[int, list[StageRecord]]) -> dict[int, list[StageRecord]]:
         """`records` without those of peers that failed a probe since their last renewal."""

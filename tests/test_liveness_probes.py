@@ -31,3 +31,12 @@ def test_a_leaving_record_stays_in_view_after_its_peer_went_silent():
     probes.silent = {"a" * 4: 100.0}
     read = {0: [record("a", 0, renewed_at=99.0, state=LEAVING)]}
     assert probes.live(read) == read
+
+
+def test_a_peer_with_a_shorter_record_ttl_counts_again_at_its_next_renewal():
+    """The holder's --record-ttl (60 s) may exceed the silent peer's (6 s): its renewals then look older than the
+    failed probe by the holder's reckoning, but a later expiration still shows one, within a period."""
+    probes = LivenessProbes(record_ttl=60.0, timeout=1.0)
+    probes.silent = {"a" * 4: 100.0}
+    assert probes.live({0: [record("a", 0, renewed_at=99.0)]})[0] == []
+    assert [r.peer_id for r in probes.live({0: [record("a", 0, renewed_at=101.0)]})[0]] == ["a" * 4]

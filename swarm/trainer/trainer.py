@@ -62,6 +62,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+WINDOW_FLOOR = 8  # microbatches in flight at least when the window follows the links
+
 
 class Trainer:
     """Drives training through the swarm found in the DHT."""
@@ -248,11 +250,13 @@ class Trainer:
         trainer keeps one window for the whole run, so what it learned carries from step to step)."""
         fixed = self.config.max_in_flight
         if fixed is None and self.in_flight_window is None:
-            # from one microbatch per stage: the pipeline holds at least that much once it is full
+            # never below WINDOW_FLOOR (nor one per stage): a call held by a slow or silent peer then leaves
+            # room for the rest, as the fixed window of that size did, on links whose product is smaller
+            ceiling = self.config.in_flight_ceiling
+            floor = min(ceiling, max(WINDOW_FLOOR, self.config.num_stages))
             self.in_flight_window = InFlightWindow(
-                initial=self.config.num_stages, maximum=self.config.in_flight_ceiling,
-                microbatch_samples=self.config.microbatch_size,
-            )  # fmt: skip
+                initial=floor, maximum=ceiling, minimum=floor, microbatch_samples=self.config.microbatch_size
+            )
         return InFlightGate(fixed or self.config.in_flight_ceiling, self.in_flight_window)
 
     # --- the run ---------------------------------------------------------------------------------
