@@ -22,7 +22,7 @@ from pathlib import Path
 from swarm.config import PeerConfig
 from swarm.config.options import to_flags
 from swarm.config.run_files import RunFile, read_run_files
-from swarm.launch.local_swarm import LocalSwarm, reap
+from swarm.launch.local_swarm import LocalSwarm
 from swarm.net.identity import load_identity
 from swarm.policy.rebalance_timing import LOOK, MOVE, RebalanceTiming, Wait
 from swarm.policy.run_choice import Choice, Placement, choose_placement
@@ -54,6 +54,7 @@ class AutoRunPeer:
         self.dht = start_dht(reader)
         self.rng = random.Random()
         self.process = None
+        self.name = ""  # the running peer's name in `self.swarm`
         self.placement: Placement | None = None
         self.started = 0
         self.timing: RebalanceTiming | None = None  # None with --rebalance-period 0
@@ -92,7 +93,7 @@ class AutoRunPeer:
             checkpoint_dir=folder,
         )
         self.started += 1
-        name = f"peer-{run.run_id}-{self.started}"
+        self.name = name = f"peer-{run.run_id}-{self.started}"
         self.process = self.swarm.spawn(name, "peer", to_flags(config))
         self.placement = choice.placement
         logger.info(
@@ -101,13 +102,11 @@ class AutoRunPeer:
         )
 
     def stop_peer(self) -> int | None:
+        """Stops the peer (it leaves its stage as on SIGTERM), killing what is left of it after LEAVE_TIMEOUT_S."""
         if self.process is None:
             return None
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        code = reap(self.process, LEAVE_TIMEOUT_S)
         self.process = None
-        return code
+        return self.swarm.stop(self.name, timeout=LEAVE_TIMEOUT_S)
 
     def run(self) -> int:
         """Until stopped: serve, look, move; returns the exit code."""
