@@ -91,6 +91,15 @@ def test_a_pipeline_that_holds_hundreds_of_microbatches_is_filled():
     assert 300 <= statistics.median(sizes[-200:]) <= 450, sizes[-200:]  # twice the product of 200
 
 
+def test_the_first_flight_raises_the_window_a_round_trip_sooner_and_never_lowers_it():
+    """The first 8 microbatches go out together; as they come back, what has come back so far is a rate the
+    pipeline held at least: the first one back (1 of 8 in 4 s) does not shrink the window, the last one back
+    doubles it, a round trip before microbatches sent after them could say so."""
+    window = InFlightWindow(initial=8, maximum=1000, microbatch_samples=8)
+    sizes, _ = simulate(window, [("delay", 2.0), ("server", "stage", 0.02), ("delay", 2.0)], microbatches=8)
+    assert sizes[0] == 8 and sizes == sorted(sizes) and sizes[-1] == 16, sizes
+
+
 def test_the_window_stays_within_its_bounds():
     capped = InFlightWindow(initial=1, maximum=4, microbatch_samples=8)
     assert max(simulate(capped, ONE_STAGE, microbatches=200)[0]) == 4
@@ -145,7 +154,7 @@ def test_a_fixed_gate_is_a_semaphore_of_its_limit():
 
 @pytest.mark.timeout(300)
 def test_a_trainer_sizes_its_microbatches_in_flight_from_slow_links(local_swarm, tmp_path):
-    """Behind 40 ms links, a trainer started with 8 microbatches in flight (the window's floor) finds that the
+    """Behind 100 ms links, a trainer started with 16 microbatches in flight (twice the floor) finds that the
     pipeline holds more and raises its window, within --in-flight-ceiling, while it trains (no --max-in-flight:
     the window follows the links by default)."""
     local_swarm.start_bootstrap()
@@ -154,13 +163,13 @@ def test_a_trainer_sizes_its_microbatches_in_flight_from_slow_links(local_swarm,
     wait_for_records(local_swarm.initial_peers, lambda r: all(any(p.state == SERVING for p in r[s]) for s in range(3)))
     summary_file = tmp_path / "summary.json"
     flags = [*trainer_flags(4, summary_file, microbatch_size=2, in_flight=None), "--in-flight-ceiling", "64"]
-    trainer = local_swarm.start_trainer("trainer", [*flags, "--emulate-latency-ms", "40"])
+    trainer = local_swarm.start_trainer("trainer", [*flags, "--emulate-latency-ms", "100"])
     assert trainer_exit_code(local_swarm, trainer, 240) == 0, local_swarm.log_path("trainer").read_text()[-3000:]
     summary = json.loads(summary_file.read_text())
     assert summary["steps"] == 4 and summary["last_loss"] < summary["first_loss"], summary
-    # the window grows past its start of 8 (its floor), never past its ceiling
-    assert 8 < summary["in_flight_window_largest"] <= 64, summary
+    # the window grows past its start of 16, never past its ceiling
+    assert 16 < summary["in_flight_window_largest"] <= 64, summary
     assert 1 <= summary["in_flight_window"] <= summary["in_flight_window_largest"], summary
     # and says how it got there: its size at the end of each step, and the round trip it measured
-    assert len(summary["in_flight_window_per_step"]) == 4 and max(summary["in_flight_window_per_step"]) > 8, summary
-    assert summary["in_flight_round_trip_s"] > 0.04, summary  # the 40 ms links, at the least
+    assert len(summary["in_flight_window_per_step"]) == 4 and max(summary["in_flight_window_per_step"]) > 16, summary
+    assert summary["in_flight_round_trip_s"] > 0.1, summary  # the 100 ms links, at the least

@@ -54,13 +54,13 @@ class InFlightWindow:
         round_trip = max(round_trip, 1e-6)
         self.round_trip = min(self.round_trip, round_trip)
         self.delivered += samples
-        # one sent before anything came back measures the pipeline filling up, not its rate
-        if delivered_at_send > 0:
-            self._rates.append((self.delivered - delivered_at_send) / round_trip)
-        if self._rates:
-            self.rate = max(self._rates)
-            self.size = self._bounded(self.gain * self.rate * self.round_trip / self.microbatch_samples)
-            self.largest = max(self.largest, self.size)
+        self._rates.append((self.delivered - delivered_at_send) / round_trip)
+        self.rate = max(self._rates)
+        size = self._bounded(self.gain * self.rate * self.round_trip / self.microbatch_samples)
+        # the first flight (sent before anything came back) counts too, but only to raise the window: what came
+        # back of it so far is a rate the pipeline held at least, an understatement until all of it is back
+        self.size = max(self.size, size) if delivered_at_send == 0 else size
+        self.largest = max(self.largest, self.size)
         return self.size
 
     def _bounded(self, microbatches: float) -> int:

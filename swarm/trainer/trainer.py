@@ -63,6 +63,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 WINDOW_FLOOR = 8  # microbatches in flight at least when the window follows the links
+# the window before anything is measured: twice the floor, as TCP starts with ten segments rather than one. A
+# guess too small costs a round trip per doubling, and a step whose last microbatches miss the window waits
+# a whole pipeline round trip more for them; one too large only queues, and the first estimates shrink it
+WINDOW_START = 16
 
 
 class Trainer:
@@ -255,7 +259,10 @@ class Trainer:
             ceiling = self.config.in_flight_ceiling
             floor = min(ceiling, max(WINDOW_FLOOR, self.config.num_stages))
             self.in_flight_window = InFlightWindow(
-                initial=floor, maximum=ceiling, minimum=floor, microbatch_samples=self.config.microbatch_size
+                initial=min(ceiling, max(WINDOW_START, floor)),
+                maximum=ceiling,
+                minimum=floor,
+                microbatch_samples=self.config.microbatch_size,
             )
         return InFlightGate(fixed or self.config.in_flight_ceiling, self.in_flight_window)
 
