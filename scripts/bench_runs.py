@@ -1,8 +1,9 @@
-"""Several runs in one swarm: the runs rule in simulation, against a lower bound and one run after another.
+"""Several runs in one swarm, simulated against a lower bound and against one run after another.
 
 Peers of several device kinds, each reclaimed and restarted at random (spot instances), serve 2-3 runs
 of different models and sizes in one swarm; each peer serves the run the runs rule
-(`swarm.policy.run_choice`) picks, on the rebalancing timing real peers use (`simulation.runs_flow`).
+(`swarm.policy.run_choice`) picks, and the stage of it the balance rule moves it to, on the rebalancing
+timings real peers use (`simulation.runs_flow`).
 Each run's trainers feed it at most `--trainer-share` of what the whole swarm could train of it, as a
 trainer's links and window bound a real run (the planner's trainer limit). Reported, per seed and worst
 over seeds:

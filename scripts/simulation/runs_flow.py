@@ -7,9 +7,11 @@ a priority, and the samples/s its trainers can feed it. Time advances in steps o
 - a peer whose trace ends an up-time leaves at once (preempted); one whose trace starts one joins where
   `swarm.policy.run_choice.choose_placement` puts it, serving after the time its stage's state takes to
   download (`MoveCost`-like: bytes over the link, plus a start-up);
-- each serving peer looks at the rule on the timing of `swarm.policy.rebalance_timing.RebalanceTiming`
-  (a look every period, a second look to confirm, as a real peer's rebalancing does) and moves where it
-  says, within its run or to another, serving there after the download;
+- each serving peer moves as a real `--run-id auto` peer does, on two timings of
+  `swarm.policy.rebalance_timing.RebalanceTiming` (a look every period, a second look to confirm): its
+  supervisor's, to another run where the runs rule says so, and its peer process's, to another stage of
+  its run where the balance rule's plan (`swarm.policy.balance.plan_moves`, at the peers' default margin
+  and move cost) has it move. It serves there after the download;
 - each run trains at its slowest stage's pace (its peers' speeds over that stage's flops), within its
   trainers' feed, until its samples are done.
 
@@ -26,6 +28,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from swarm.policy.balance import MoveCost, PeerLoad, plan_moves
 from swarm.policy.rebalance_timing import CONFIRM, LOOK, MOVE, RebalanceTiming
 from swarm.policy.run_choice import Placement, RunState, choose_placement, fair_shares
 
@@ -53,11 +56,23 @@ class RunsScenario:
     announce_period: float = 10.0
     move_mbit: float = 1000.0  # what a joiner downloads its stage's state at
     move_overhead: float = 20.0  # seconds to start serving besides the download
-    margin: float = 0.1
+    margin: float = 0.1  # the runs rule's
+    balance_margin: float = 0.5  # the balance rule's, within a run (`--rebalance-margin`)
+    balance_horizon: float = 600.0  # seconds a move within a run must pay off in (`--rebalance-horizon`)
     dt: float = 1.0
     window: float = 1800.0  # seconds over which each run's share is measured
     horizon: float = 7 * 86400.0
     seed: int = 0
+
+
+@dataclass
+class _Looks:
+    """One rebalancing timing of a peer: the supervisor's (to other runs) or its peer process's (within its run)."""
+
+    timing: RebalanceTiming
+    next_at: float = math.inf
+    action: str = ""
+    target: Placement | None = None  # what the first look chose, for the second to confirm
 
 
 @dataclass
@@ -66,10 +81,11 @@ class _Peer:
     speed: float
     placement: Placement | None = None
     ready_at: float = math.inf  # when it serves its placement
-    timing: RebalanceTiming | None = None
-    next_at: float = math.inf
-    action: str = ""
-    target: Placement | None = None  # what the first look chose, for the second to confirm
+    runs_looks: _Looks | None = None  # the supervisor's
+    stage_looks: _Looks | None = None  # its peer process's
+
+    def looks(self) -> list[_Looks]:
+        return [looks for looks in (self.runs_looks, self.stage_looks) if looks is not None]
 
 
 @dataclass
@@ -126,10 +142,12 @@ def simulate_runs(scenario: RunsScenario, runs: Sequence[SimRun] | None = None, 
             if peer.placement is None and up:
                 _join(scenario, peer, runs, remaining, peers, t, rng, outcome)
             elif peer.placement is not None and not up:
-                peer.placement, peer.timing, peer.ready_at = None, None, math.inf
-        for peer in sorted(peers, key=lambda p: p.next_at):
-            if peer.placement is not None and peer.next_at <= t:
-                _act(scenario, peer, runs, remaining, peers, t, outcome)
+                peer.placement, peer.runs_looks, peer.stage_looks, peer.ready_at = None, None, None, math.inf
+        due = [(looks.next_at, peer.index, looks) for peer in peers for looks in peer.looks() if looks.next_at <= t]
+        for _, index, looks in sorted(due, key=lambda d: d[:2]):
+            peer = peers[index]
+            if looks in peer.looks():  # not restarted by a move of its other timing this step
+                _act(scenario, peer, looks, runs, remaining, peers, t, outcome)
         states = _states(runs, remaining, peers, t, serving_only=True)
         for state in states:
             run = by_name[state.run_id]
@@ -205,31 +223,72 @@ def _join(scenario, peer, runs, remaining, peers, t, rng, outcome) -> None:
         return
     _arrive(scenario, peer, runs, choice.placement, t)
     outcome.joins += 1
-    peer.timing = RebalanceTiming(scenario.rebalance_period, scenario.announce_period, rng)
-    wait = peer.timing.start()
-    peer.action, peer.next_at = wait.action, peer.ready_at + wait.seconds
+    _start_looks(scenario, peer, rng, first_look=True)
 
 
-def _act(scenario, peer, runs, remaining, peers, t, outcome) -> None:
-    """The peer's rebalancing step that is due: look, confirm, or move."""
-    assert peer.timing is not None and peer.placement is not None
-    if peer.action == MOVE:
-        target = peer.target
+def _start_looks(scenario: RunsScenario, peer: _Peer, rng: random.Random, first_look: bool) -> None:
+    """A peer process (re)started: both timings begin again from when it serves."""
+    peer.runs_looks = _Looks(RebalanceTiming(scenario.rebalance_period, scenario.announce_period, rng, first_look))
+    peer.stage_looks = _Looks(RebalanceTiming(scenario.rebalance_period, scenario.announce_period, rng, first_look))
+    for looks in peer.looks():
+        _begin(looks, peer.ready_at)
+
+
+def _begin(looks: _Looks, at: float) -> None:
+    wait = looks.timing.start()
+    looks.action, looks.next_at = wait.action, at + wait.seconds
+
+
+def _act(scenario, peer, looks, runs, remaining, peers, t, outcome) -> None:
+    """The look, confirmation or move of one of the peer's timings that is due."""
+    assert peer.placement is not None
+    if looks.action == MOVE:
+        target = looks.target
         assert target is not None
-        outcome.run_moves += target.run_id != peer.placement.run_id
+        to_run = target.run_id != peer.placement.run_id
+        outcome.run_moves += to_run
         _arrive(scenario, peer, runs, target, t)
         outcome.moves += 1
-        peer.timing = RebalanceTiming(scenario.rebalance_period, scenario.announce_period, peer.timing.rng, False)
-        wait = peer.timing.start()
-        peer.action, peer.next_at = wait.action, peer.ready_at + wait.seconds
+        rng = looks.timing.rng
+        if to_run:  # the supervisor starts a peer process for the other run
+            _start_looks(scenario, peer, rng, first_look=False)
+        else:  # the peer process moved itself: its own timing begins again
+            looks.timing = RebalanceTiming(scenario.rebalance_period, scenario.announce_period, rng, False)
+            _begin(looks, peer.ready_at)
         return
-    view = _states(runs, remaining, peers, t, serving_only=False)
-    choice = choose_placement(view, peer.speed, peer.placement, scenario.margin)
-    moves = choice is not None and choice.placement != peer.placement
-    if peer.action == LOOK:
-        peer.target = choice.placement if moves and choice is not None else None
-        wait = peer.timing.looked(moves)
+    if looks is peer.runs_looks:
+        choice = choose_placement(
+            _states(runs, remaining, peers, t, False), peer.speed, peer.placement, scenario.margin
+        )
+        target = choice.placement if choice is not None and choice.placement.run_id != peer.placement.run_id else None
     else:
-        assert peer.action == CONFIRM
-        wait = peer.timing.confirmed(moves and choice is not None and choice.placement == peer.target)
-    peer.action, peer.next_at = wait.action, t + wait.seconds
+        target = _balance_move(scenario, peer, runs, peers, t)
+    if looks.action == LOOK:
+        looks.target = target
+        wait = looks.timing.looked(target is not None)
+    else:
+        assert looks.action == CONFIRM
+        wait = looks.timing.confirmed(target is not None and target == looks.target)
+    looks.action, looks.next_at = wait.action, t + wait.seconds
+
+
+def _balance_move(
+    scenario: RunsScenario, peer: _Peer, runs: Sequence[SimRun], peers: Sequence[_Peer], t: float
+) -> Placement | None:
+    """Where the balance rule moves `peer` within its run, as the run's peers would plan it; None to stay."""
+    assert peer.placement is not None
+    run_id = peer.placement.run_id
+    run = next(r for r in runs if r.name == run_id)
+    loads = [
+        PeerLoad(str(p.index), p.placement.stage, p.speed / run.stage_flops[p.placement.stage], p.ready_at <= t)
+        for p in peers
+        if p.placement is not None and p.placement.run_id == run_id
+    ]
+    cost = MoveCost.of_state(
+        max(run.stage_bytes) / 2**20, scenario.move_mbit, scenario.move_overhead, scenario.balance_horizon
+    )
+    plan = plan_moves(loads, len(run.stage_flops), scenario.balance_margin, run.stage_flops, move_cost=cost)
+    mine = next((m for m in plan if m.peer_id == str(peer.index)), None)
+    if mine is None or mine.source != peer.placement.stage:
+        return None
+    return Placement(run_id, mine.target)
