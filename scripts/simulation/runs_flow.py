@@ -28,6 +28,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from simulation.scenario import PEER_DEFAULTS
 from swarm.policy.balance import MoveCost, PeerLoad, plan_moves
 from swarm.policy.rebalance_timing import CONFIRM, LOOK, MOVE, RebalanceTiming
 from swarm.policy.run_choice import Placement, RunState, choose_placement, fair_shares
@@ -57,15 +58,15 @@ class RunsScenario:
     move_mbit: float = 1000.0  # what a joiner downloads its stage's state at
     move_overhead: float = 20.0  # seconds to start serving besides the download
     margin: float = 0.1  # the runs rule's
-    balance_margin: float = 0.5  # the balance rule's, within a run (`--rebalance-margin`)
-    balance_horizon: float = 600.0  # seconds a move within a run must pay off in (`--rebalance-horizon`)
+    balance_margin: float = PEER_DEFAULTS.rebalance_margin  # the balance rule's, within a run
+    balance_horizon: float = PEER_DEFAULTS.rebalance_horizon  # seconds a move within a run must pay off in
     dt: float = 1.0
     window: float = 1800.0  # seconds over which each run's share is measured
     horizon: float = 7 * 86400.0
     seed: int = 0
 
 
-@dataclass
+@dataclass(eq=False)  # one peer's timing is itself, not any timing in the same state
 class _Looks:
     """One rebalancing timing of a peer: the supervisor's (to other runs) or its peer process's (within its run)."""
 
@@ -228,15 +229,16 @@ def _join(scenario, peer, runs, remaining, peers, t, rng, outcome) -> None:
 
 def _start_looks(scenario: RunsScenario, peer: _Peer, rng: random.Random, first_look: bool) -> None:
     """A peer process (re)started: both timings begin again from when it serves."""
-    peer.runs_looks = _Looks(RebalanceTiming(scenario.rebalance_period, scenario.announce_period, rng, first_look))
-    peer.stage_looks = _Looks(RebalanceTiming(scenario.rebalance_period, scenario.announce_period, rng, first_look))
-    for looks in peer.looks():
-        _begin(looks, peer.ready_at)
+    peer.runs_looks = _fresh_looks(scenario, rng, first_look, peer.ready_at)
+    peer.stage_looks = _fresh_looks(scenario, rng, first_look, peer.ready_at)
 
 
-def _begin(looks: _Looks, at: float) -> None:
+def _fresh_looks(scenario: RunsScenario, rng: random.Random, first_look: bool, at: float) -> _Looks:
+    """A timing that begins at `at`, its first wait drawn."""
+    looks = _Looks(RebalanceTiming(scenario.rebalance_period, scenario.announce_period, rng, first_look))
     wait = looks.timing.start()
     looks.action, looks.next_at = wait.action, at + wait.seconds
+    return looks
 
 
 def _act(scenario, peer, looks, runs, remaining, peers, t, outcome) -> None:
@@ -253,13 +255,11 @@ def _act(scenario, peer, looks, runs, remaining, peers, t, outcome) -> None:
         if to_run:  # the supervisor starts a peer process for the other run
             _start_looks(scenario, peer, rng, first_look=False)
         else:  # the peer process moved itself: its own timing begins again
-            looks.timing = RebalanceTiming(scenario.rebalance_period, scenario.announce_period, rng, False)
-            _begin(looks, peer.ready_at)
+            peer.stage_looks = _fresh_looks(scenario, rng, False, peer.ready_at)
         return
     if looks is peer.runs_looks:
-        choice = choose_placement(
-            _states(runs, remaining, peers, t, False), peer.speed, peer.placement, scenario.margin
-        )
+        view = _states(runs, remaining, peers, t, serving_only=False)
+        choice = choose_placement(view, peer.speed, peer.placement, scenario.margin)
         target = choice.placement if choice is not None and choice.placement.run_id != peer.placement.run_id else None
     else:
         target = _balance_move(scenario, peer, runs, peers, t)

@@ -334,7 +334,8 @@ class TrainerConfig(NetworkConfig, ModelConfig, MetricsConfig, VoucherConfig, Pl
         None,
         "a fixed number of microbatches in flight at once; default: a window sized from what the pipeline "
         "delivers, twice its rate times a microbatch's round trip when nothing queues (the bandwidth-delay "
-        "product), at least 8 (or one per stage) and at most --in-flight-ceiling; the summary reports its sizes",
+        "product), from 16, at least 8 (or one per stage) and at most --in-flight-ceiling; the summary reports "
+        "its sizes",
     )
     in_flight_ceiling: int = option(
         256, "without --max-in-flight: the most microbatches in flight the window sized from the links may reach"

@@ -259,7 +259,7 @@ class Trainer:
             ceiling = self.config.in_flight_ceiling
             floor = min(ceiling, max(WINDOW_FLOOR, self.config.num_stages))
             self.in_flight_window = InFlightWindow(
-                initial=min(ceiling, max(WINDOW_START, floor)),
+                initial=WINDOW_START,  # within the floor and the ceiling, as every size of the window
                 maximum=ceiling,
                 minimum=floor,
                 microbatch_samples=self.config.microbatch_size,
