@@ -216,7 +216,9 @@ def test_samples_lost_after_a_trainers_last_step_are_sent_again_before_it_exits(
         {
             # a long wait: without the resend the stage would step short long after the trainer exited
             "peer1a": ["--faults", "before_contribution@1=die", "--short-wait", "60"],
-            "peer1b": ["--short-wait", "60"],
+            # slow, so that peer1a takes the backwards: one that held none (measured the slower of two equal
+            # peers on a loaded machine) had nothing to lose and never reached its fault
+            "peer1b": ["--short-wait", "60", *SLOW_MATE],
         },
     )
     summary_file = tmp_path / "summary.json"
