@@ -65,6 +65,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from swarm.launch.local_swarm import LocalSwarm  # noqa: E402
 from swarm.peer.checkpoint import load_checkpoint  # noqa: E402
+from swarm.peer.round_waiting import ABSENT_GRACE  # noqa: E402
 from swarm.trust.vouchers import load_root_key, make_root_key, make_voucher  # noqa: E402
 
 HOSTILE = Path(__file__).parent / "harness" / "hostile_peer.py"
@@ -106,8 +107,11 @@ DETECTED_AFTER_USE = {"wrong-outputs": 10, "wrong-backwards": 10}
 # trainers read its mates' reports is lost (not steered), so the judge is the round the honest peers caught it in and
 # whether they all ended on the same parameters
 CAUGHT_IN_ROUND = {"owner-lies": 1}
-# attacks that slow training rather than steer it: failed only where it took at most this many times as long
+# attacks that slow training rather than steer it: failed only where it took at most this many times as long, or
+# at most the honest run's time plus a few of a round's waits for a member that never worked (paid once: a wait
+# each step costs the steps times ABSENT_GRACE, over this slack from 4 steps on)
 SLOWING = {"record-flood": 3.0}
+SLOWING_SLACK = 3 * ABSENT_GRACE
 # where an attack does not apply: the last stage answers no forward alone (one backward per microbatch computes
 # its forward and loss); the first stage's backward answers no input gradient
 NOT_APPLICABLE = {"wrong-outputs": 2, "wrong-backwards": 0}
@@ -265,7 +269,7 @@ def judge(run: dict, honest: dict, attack: str, stage: int, args: argparse.Names
         unchanged = unchanged and f"Took stage {stage} state at step {args.steps} " in run["logs"][newcomer]
     close = abs(run["loss"] - honest["loss"]) <= args.loss_spread
     if attack in SLOWING:  # what it is after is time: the training must take about as long as the honest one
-        close = close and run["seconds"] <= max(SLOWING[attack] * honest["seconds"], honest["seconds"] + 10)
+        close = close and run["seconds"] <= max(SLOWING[attack] * honest["seconds"], honest["seconds"] + SLOWING_SLACK)
     if attack in DETECTED_AFTER_USE:  # bounded in time instead: accused within its steps
         close = bool(proof) and int(re.search(r"at step (\d+)", proof).group(1)) <= DETECTED_AFTER_USE[attack]
     if attack in CAUGHT_IN_ROUND:  # the work it took until trainers left it out is lost: judged by the honest replicas

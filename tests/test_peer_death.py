@@ -176,7 +176,9 @@ def test_newcomer_learns_samples_lost_with_a_mate_that_died_before_it_joined(loc
     assert trainer_exit_code(local_swarm, trainer, 200) == 0, local_swarm.log_path("trainer").read_text()[-3000:]
     summary = json.loads(summary_file.read_text())
     assert summary["steps"] == steps
-    assert summary["samples_resent"] >= sum(held), summary
+    # what the dead peer held comes back (only its mate's word told the newcomer of it); what the mate held too
+    # comes back where the mate told the newcomer before it died, and the checkpoint below counts every sample
+    assert summary["samples_resent"] >= held[0 if dying == "peer1a" else 1], summary
     assert "died holding" in local_swarm.log_path("peer1c").read_text()
     for name in ("peer0", "peer1c", "peer2"):
         assert local_swarm.stop(name) == 0
