@@ -27,24 +27,32 @@ from hivemind.p2p import PeerID
 
 from swarm.net.transport import get_peer_info
 from swarm.peer.checkpoint import load_checkpoint
+from swarm.records.sample_ledger import account, read_ledger
 from swarm.records.stage_records import SERVING
 
 
 def start_two_mates_and_trainer(
-    local_swarm, tmp_path, steps: int, in_flight: int, *extra: str, mates: tuple[str, ...] = ()
+    local_swarm, tmp_path, steps: int, in_flight: int, *extra: str, mates: tuple[str, ...] = (), ledgers: bool = False
 ):
     """Stages 0 and 2 with one peer each, stage 1 with peer1a and peer1b (both with flags `mates`); a trainer
-    of one-sample microbatches over 100 ms links. Returns the trainer's process and its summary file."""
+    of one-sample microbatches over 100 ms links; with `ledgers`, each writes its ledger to tmp_path/NAME.jsonl.
+    Returns the trainer's process and its summary file."""
     local_swarm.start_bootstrap()
     names = {0: ["peer0"], 1: ["peer1a", "peer1b"], 2: ["peer2"]}
     for stage, peers in names.items():
         for name in peers:
-            local_swarm.start_peer(name, stage, peer_flags(tmp_path / name, *(mates if stage == 1 else ())))
+            flags = [*(mates if stage == 1 else ()), *ledger_flag(tmp_path, name, ledgers)]
+            local_swarm.start_peer(name, stage, peer_flags(tmp_path / name, *flags))
     counts = [lambda r, s=s: sum(p.state == SERVING for p in r[s]) for s in range(3)]
     wait_for_records(local_swarm.initial_peers, lambda r: [count(r) for count in counts] == [1, 2, 1])
     summary_file = tmp_path / "summary.json"
     flags = [*trainer_flags(steps, summary_file, 1, in_flight), "--emulate-latency-ms", "100", *extra]
-    return local_swarm.start_trainer("trainer", flags), summary_file
+    return local_swarm.start_trainer("trainer", [*flags, *ledger_flag(tmp_path, "trainer", ledgers)]), summary_file
+
+
+def ledger_flag(tmp_path, name: str, ledgers: bool) -> list[str]:
+    """`--ledger tmp_path/NAME.jsonl` where the test reads ledgers, else nothing."""
+    return ["--ledger", str(tmp_path / f"{name}.jsonl")] if ledgers else []
 
 
 def trainer_exit_code(local_swarm, trainer, timeout: float) -> int:
@@ -149,7 +157,9 @@ def test_newcomer_learns_samples_lost_with_a_mate_that_died_before_it_joined(loc
     # stage 1: A holds samples of a step; A dies; C joins from its mate B; B dies. Only C is left, and only
     # B's word tells it that A held samples: without it, C would wait for a batch that never fills
     steps = 4
-    trainer, summary_file = start_two_mates_and_trainer(local_swarm, tmp_path, steps, 4, "--stage-wait-timeout", "60")
+    trainer, summary_file = start_two_mates_and_trainer(
+        local_swarm, tmp_path, steps, 4, "--stage-wait-timeout", "60", ledgers=True
+    )
     wait_for_records(local_swarm.initial_peers, lambda r: any(p.step >= 1 for p in r[1]), timeout=150)
     # pause the trainer at a moment a stage-1 peer holds samples of an unfinished step; routing decides which
     # (a loaded machine may give one peer nearly all of them), so the one that holds some is the one to die
@@ -166,7 +176,7 @@ def test_newcomer_learns_samples_lost_with_a_mate_that_died_before_it_joined(loc
     dying, mate = ("peer1a", "peer1b") if held[0] > 0 else ("peer1b", "peer1a")
     try:
         local_swarm.stop(dying, signal.SIGKILL)
-        local_swarm.start_peer("peer1c", 1, peer_flags(tmp_path / "peer1c"))
+        local_swarm.start_peer("peer1c", 1, peer_flags(tmp_path / "peer1c", *ledger_flag(tmp_path, "peer1c", True)))
         newcomer = peer_id_of_when_serving(local_swarm, "peer1c")
         wait_for_records(local_swarm.initial_peers, lambda r: any(p.peer_id == newcomer for p in r[1]))
         local_swarm.stop(mate, signal.SIGKILL)
@@ -177,9 +187,14 @@ def test_newcomer_learns_samples_lost_with_a_mate_that_died_before_it_joined(loc
     summary = json.loads(summary_file.read_text())
     assert summary["steps"] == steps
     # what the dead peer held comes back (only its mate's word told the newcomer of it); what the mate held too
-    # comes back where the mate told the newcomer before it died, and the checkpoint below counts every sample
+    # comes back where the mate told the newcomer before it died
     assert summary["samples_resent"] >= held[0 if dying == "peer1a" else 1], summary
     assert "died holding" in local_swarm.log_path("peer1c").read_text()
+    # and by id, every sample fed was stepped once at every stage: none lost, silently or not, none twice
+    report = account(read_ledger(tmp_path / "trainer.jsonl"), read_ledger(tmp_path.glob("peer*.jsonl")))
+    assert report["totals"]["samples_fed"] == steps * TARGET, report["totals"]
+    for name in ("samples_lost", "samples_silently_lost", "samples_doubled", "samples_orphaned"):
+        assert report["totals"][name] == 0, report["totals"]
     for name in ("peer0", "peer1c", "peer2"):
         assert local_swarm.stop(name) == 0
     checkpoint = load_checkpoint(tmp_path / "peer1c", "gpt-tiny", 1, 3)
