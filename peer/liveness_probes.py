@@ -34,6 +34,7 @@ class LivenessProbes:
         self.record_ttl = record_ttl
         self.timeout = timeout
         self.silent: dict[str, float] = {}  # peer id -> DHT time of its last failed probe
+        self.answered: dict[str, float] = {}  # peer id -> DHT time of its last answered probe
         # peer id -> its record's expiration at the first read after that failure: a renewal shows a later one.
         # (Not the expiration less this peer's own --record-ttl: another peer's TTL may differ, and a longer own
         # one would date every renewal too early and keep a live peer out of view.)
@@ -61,7 +62,9 @@ class LivenessProbes:
                 self.silent[peer_id] = started
             else:
                 self.silent.pop(peer_id, None)
+                self.answered[peer_id] = started
         self.silent = {p: at for p, at in self.silent.items() if started - at < SILENCE_MEMORY}
+        self.answered = {p: at for p, at in self.answered.items() if started - at < SILENCE_MEMORY}
         self.expiration_at_failure = {p: e for p, e in self.expiration_at_failure.items() if p in self.silent}
 
     async def _ask(self, p2p: P2P, peer_id: str) -> PeerInfo:
@@ -70,6 +73,15 @@ class LivenessProbes:
         call = exchange(p2p, PeerID.from_base58(peer_id), INFO_PROTOCOL, [request], PeerInfo, WireLimits())
         info, _ = await asyncio.wait_for(call, self.timeout)
         return info
+
+    def verdict(self, peer_id: str, since: float) -> bool | None:
+        """Whether `peer_id` answered (True) or failed (False) a probe sent at DHT time `since` or later; None if
+        no such probe has ended yet."""
+        if self.silent.get(peer_id, float("-inf")) >= since:
+            return False
+        if self.answered.get(peer_id, float("-inf")) >= since:
+            return True
+        return None
 
     def dead(self, record: StageRecord) -> bool:
         """Whether `record`'s peer failed a probe sent after the record was last renewed. A LEAVING record is never

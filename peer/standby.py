@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from hivemind.utils import get_dht_time
 
 from swarm.models import build_stage
 from swarm.models.optimizer import OptimizerSettings
@@ -76,6 +77,9 @@ HEARD_MEMORY = 60.0  # seconds after a read last showed a record whose peer saw 
 FOLLOWING_SHARE = 0.5
 MAX_DELTA_MISSES = 2  # sources whose deltas led nowhere confirmed before a stage's copy is only refreshed whole
 WHOLE_SWARM_EVERY = 5  # announce periods between a keeper's reads of every stage; in between, the ones it holds
+# announce periods a peer whose record vanished from a read is asked whether it lives before it is forgotten: a read
+# can miss a live peer's record (a DHT node that missed its last store), and only a failed probe says it died
+SUSPECT_PERIODS = 10
 
 
 class StandbyKeeper:
@@ -113,6 +117,8 @@ class StandbyKeeper:
         self.present: dict[int, dict[str, str]] = {}  # per stage read: its peers and their states, at the last read
         self.last_death = float("-inf")  # when a peer's record last vanished without its saying it was leaving
         self.heard_of_death = float("-inf")  # when a read last showed a record saying its peer saw a death
+        self.vanished: dict[str, tuple[int, float]] = {}  # peer id -> (stage, DHT time) its record vanished, unprobed
+        self.deaths = 0  # peers counted dead: their records vanished, or they failed a probe, not saying they left
         self.rng = random.Random()
         # peers of the stages held and of the peer's own, asked every period whether they live (see liveness_probes)
         self.probes = LivenessProbes(config.record_ttl, timeout=max(1.0, config.announce_period))
@@ -173,6 +179,7 @@ class StandbyKeeper:
         for stage in [s for s in self.standbys if s not in targets]:
             self._drop(stage)
         now = time.monotonic()
+        self._confirm_deaths(read, now)
         self._note_stages(records, now, read)
         self._refresh_copies(records, now)
         if peer.state != SERVING or self.restore_pending is not None or not whole_swarm:
@@ -205,9 +212,9 @@ class StandbyKeeper:
         stages = {peer.stage, *self.targets()}
         named = {r.peer_id for s in stages for r in records.get(s, []) if r.state in (SERVING, JOINING)}
         named |= self.to_probe
-        self.to_probe = set()
         named.discard(peer.peer_id)
         if named and not self.probes.in_flight:
+            self.to_probe = set()  # asked now; while a round is in flight they wait for the next one
             self._spawn(self.probes.probe(peer.mates.p2p, named))
 
     def _note_stages(
@@ -222,10 +229,11 @@ class StandbyKeeper:
         for stage, group in records.items():
             if any(r.state == SERVING for r in group):
                 self.seen_serving.add(stage)
-            # a peer whose record vanished, not saying it was leaving, died: the swarm shows churn
-            present = {r.peer_id: r.state for r in group}
-            if any(p not in present and state != LEAVING for p, state in self.present.get(stage, {}).items()):
-                self.last_death = now
+            # from every record read, a probe's verdict aside: a slow answer on a loaded machine is no death
+            present = {r.peer_id: r.state for r in read.get(stage, group)}
+            for peer_id, state in self.present.get(stage, {}).items():
+                if peer_id not in present and state != LEAVING:  # its record gone, not saying it was leaving
+                    self._note_gone(peer_id, stage, now)
             if any(r.saw_death and r.peer_id != self.peer.peer_id for r in group):
                 self.heard_of_death = now  # a peer that joined after the deaths learns of them from the others
             self.present[stage] = present
@@ -237,6 +245,39 @@ class StandbyKeeper:
             elif stage not in lost:
                 self.empty_since.pop(stage, None)
                 self.left_on_request.discard(stage)
+
+    def _note_gone(self, peer_id: str, stage: int, now: float) -> None:
+        """A peer's record vanished from a stage's records without saying it was leaving: its peer died, or a read
+        missed a live record (a DHT node that missed its last store). It is asked first; unaskable, it counts."""
+        if getattr(self.peer.mates, "p2p", None) is None:
+            self._count_death(peer_id, stage, now, "left no record")
+        else:
+            self.vanished.setdefault(peer_id, (stage, get_dht_time()))
+            self.to_probe.add(peer_id)
+
+    def _confirm_deaths(self, read: dict[int, list[StageRecord]], now: float) -> None:
+        """Settles the peers whose records vanished: dead once a probe sent since failed, alive once one answered or
+        their records are read again; asked again each period until then, forgotten after `SUSPECT_PERIODS`."""
+        seen = {r.peer_id for group in read.values() for r in group}
+        for peer_id, (stage, since) in list(self.vanished.items()):
+            verdict = self.probes.verdict(peer_id, since)
+            expired = get_dht_time() - since > SUSPECT_PERIODS * self.peer.config.announce_period
+            if peer_id not in seen and verdict is False:
+                self._count_death(peer_id, stage, now, "left no record and failed a probe")
+            if verdict is not None or peer_id in seen or expired:
+                del self.vanished[peer_id]
+            else:
+                self.to_probe.add(peer_id)
+
+    def _count_death(self, peer_id: str, stage: int, now: float, why: str) -> None:
+        """A peer of `stage` died: the swarm shows churn, and copies follow their stages step by step."""
+        if not self.saw_death(now):
+            logger.info(
+                f"Peer {peer_id[-8:]} of stage {stage} {why}: counting it dead; standby copies follow their "
+                f"stages step by step for {CHURN_MEMORY:.0f}s"
+            )
+        self.last_death = now
+        self.deaths += 1
 
     def following(self, now: float) -> bool:
         """Whether copies follow their stages step by step: while this peer saw a peer die within `CHURN_MEMORY`
