@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
@@ -20,7 +20,7 @@ from hivemind.utils import get_dht_time
 from swarm.net.transport import INFO_PROTOCOL, exchange
 from swarm.net.wire import WireLimits
 from swarm.proto import PROTOCOL_VERSION, PeerInfo, PeerInfoRequest
-from swarm.records.stage_records import JOINING, LEAVING, SERVING, StageRecord
+from swarm.records.stage_records import LEAVING, StageRecord
 
 logger = logging.getLogger(__name__)
 
@@ -43,42 +43,29 @@ class LivenessProbes:
         self.probes = 0
         self.failures = 0
 
-    async def probe(self, p2p: P2P, peers: Iterable[str], backups: Mapping[str, Iterable[str]] | None = None) -> None:
-        """Asks each of `peers` what it hosts, at once; notes which failed to answer within the timeout. Those of
-        `backups` a failed peer names (its stage's other peers) are asked next, in the same round: one live peer
-        per stage says the stage is not lost, and only its silence calls for asking the rest."""
+    async def probe(self, p2p: P2P, peers: Iterable[str]) -> None:
+        """Asks each of `peers` what it hosts, at once; notes which failed to answer within the timeout."""
         peers = list(dict.fromkeys(peers))
         if not peers:
             return
+        started = get_dht_time()
         self.in_flight = True
         try:
-            failed = await self._ask_all(p2p, peers)
-            backups = backups or {}
-            more = [b for p in failed for b in backups.get(p, ()) if b not in peers]
-            if more:
-                await self._ask_all(p2p, list(dict.fromkeys(more)))
+            answers = await asyncio.gather(*(self._ask(p2p, p) for p in peers), return_exceptions=True)
         finally:
             self.in_flight = False
-
-    async def _ask_all(self, p2p: P2P, peers: list[str]) -> list[str]:
-        """Asks `peers` at once and notes the answers; returns those that failed."""
-        started = get_dht_time()
-        answers = await asyncio.gather(*(self._ask(p2p, p) for p in peers), return_exceptions=True)
         self.probes += len(peers)
-        failed = []
         for peer_id, answer in zip(peers, answers):
             self.expiration_at_failure.pop(peer_id, None)
             if isinstance(answer, BaseException):
                 self.failures += 1
                 self.silent[peer_id] = started
-                failed.append(peer_id)
             else:
                 self.silent.pop(peer_id, None)
                 self.answered[peer_id] = started
         self.silent = {p: at for p, at in self.silent.items() if started - at < SILENCE_MEMORY}
         self.answered = {p: at for p, at in self.answered.items() if started - at < SILENCE_MEMORY}
         self.expiration_at_failure = {p: e for p, e in self.expiration_at_failure.items() if p in self.silent}
-        return failed
 
     async def _ask(self, p2p: P2P, peer_id: str) -> PeerInfo:
         # any reply counts, an error too (a busy gate, another protocol version): only silence is a failure
@@ -112,31 +99,3 @@ class LivenessProbes:
         if not self.silent:
             return records
         return {stage: [r for r in group if not self.dead(r)] for stage, group in records.items()}
-
-
-def probe_plan(
-    records: dict[int, list[StageRecord]],
-    own_stage: int,
-    held: Iterable[int],
-    me: str,
-    heard: set[str],
-    answered: Mapping[str, float],
-) -> tuple[set[str], dict[str, list[str]]]:
-    """Whom a round of probes asks (`LivenessProbes.probe`'s `peers` and `backups`): on this peer's own stage, the
-    peers its mates' messages have not shown alive (`heard`); on each stage it holds a copy of, the peer that
-    answered last, the rest of that stage if it fails. With every peer asked every period, the probes took
-    about half of what standby copies cost a calm swarm's CPU (scripts/bench_standby.py)."""
-
-    def named(stage: int) -> list[str]:
-        group = [r.peer_id for r in records.get(stage, []) if r.state in (SERVING, JOINING) and r.peer_id != me]
-        return list(dict.fromkeys(group))
-
-    peers = {p for p in named(own_stage) if p not in heard}
-    backups: dict[str, list[str]] = {}
-    for stage in held:
-        group = named(stage)
-        if group:
-            first = max(group, key=lambda p: answered.get(p, float("-inf")))
-            peers.add(first)
-            backups[first] = [p for p in group if p != first]
-    return peers, backups

@@ -62,7 +62,6 @@ class MateMembership:
         # that renews a record and answers nothing (any key can) would cost a failed round every step. Each
         # time a mate is found unreachable again, it stays out longer (UNREACHABLE_HOLD, doubling)
         self.unreachable: dict[str, float] = {}
-        self.last_heard: dict[str, float] = {}  # mate -> DHT time of the last message it sent (see `heard_within`)
         self._unreachable_marks: dict[str, int] = {}
         # peers this peer gave its state to, until they announce themselves serving: they are members
         # from the step they took, and must hear this peer's progress before its backwards are answered
@@ -186,18 +185,10 @@ class MateMembership:
     def heard_from(self, peer_id: str) -> None:
         """A mate sent something: it is reachable (it rejoins the rounds with the next read of the records),
         unless it is still held out for having been unreachable again and again."""
-        if peer_id in self.mates:  # members only: what an outsider sends must not grow this
-            self.last_heard[peer_id] = get_dht_time()
         until = self.unreachable.get(peer_id)
         now = self.machine.loop.time() if self.machine.loop is not None else 0.0
         if until is not None and now >= until:
             del self.unreachable[peer_id]
-
-    def heard_within(self, seconds: float) -> set[str]:
-        """The mates that sent this peer something within the last `seconds`: alive, whatever a probe would say."""
-        since = get_dht_time() - seconds
-        self.last_heard = {p: at for p, at in self.last_heard.items() if p in self.mates}
-        return {p for p, at in self.last_heard.items() if at >= since}
 
     def is_member(self, peer_id: str) -> bool:
         """Whether `peer_id` belongs to the stage as this peer knows it now (no read of the records)."""

@@ -39,7 +39,7 @@ from swarm.models import build_stage
 from swarm.models.optimizer import OptimizerSettings
 from swarm.net.wire import WireLimits, pack_frames
 from swarm.peer.delta_transfer import request_deltas
-from swarm.peer.liveness_probes import LivenessProbes, probe_plan
+from swarm.peer.liveness_probes import LivenessProbes
 from swarm.peer.stage_state import StageStateError, check_state_tensors, parameter_fingerprint
 from swarm.peer.standby_copy import Standby
 from swarm.peer.standby_host import StandbyHost
@@ -204,17 +204,18 @@ class StandbyKeeper:
         self._fill_empty(records, now)
 
     def _probe(self, records: dict[int, list[StageRecord]]) -> None:
-        """Starts this period's probes (`probe_plan`): of this peer's stage, of the stages it holds copies of, and
-        the restorers chosen and peers gone from records last period; the answers count from the next period on."""
+        """Starts this period's probes: the peers records put on this peer's stage and on the stages it holds copies
+        of, and the restorers chosen last period; the answers count from the next period's records on."""
         peer = self.peer
-        if getattr(peer.mates, "p2p", None) is None or self.probes.in_flight:
-            return  # while a round is in flight, those to ask wait for the next one
-        heard = peer.mates.membership.heard_within(peer.config.announce_period) if peer.state == SERVING else set()
-        named, backups = probe_plan(records, peer.stage, self.targets(), peer.peer_id, heard, self.probes.answered)
-        named |= self.to_probe - {peer.peer_id}
-        self.to_probe = set()
-        if named:
-            self._spawn(self.probes.probe(peer.mates.p2p, named, backups))
+        if getattr(peer.mates, "p2p", None) is None:
+            return
+        stages = {peer.stage, *self.targets()}
+        named = {r.peer_id for s in stages for r in records.get(s, []) if r.state in (SERVING, JOINING)}
+        named |= self.to_probe
+        named.discard(peer.peer_id)
+        if named and not self.probes.in_flight:
+            self.to_probe = set()  # asked now; while a round is in flight they wait for the next one
+            self._spawn(self.probes.probe(peer.mates.p2p, named))
 
     def _note_stages(
         self, records: dict[int, list[StageRecord]], now: float, read: dict[int, list[StageRecord]]
