@@ -115,10 +115,10 @@ class StandbyKeeper:
         self.no_deltas: dict[int, int] = {}  # per stage: the copy's step its peers had no deltas from
         self.delta_misses: dict[int, set[str]] = {}  # per stage: sources whose deltas led to no confirmed version
         self.present: dict[int, dict[str, str]] = {}  # per stage read: its peers and their states, at the last read
-        self.last_death = float("-inf")  # when a peer's record last vanished without its saying it was leaving
+        self.last_death = float("-inf")  # when a peer was last counted dead (see _confirm_deaths)
         self.heard_of_death = float("-inf")  # when a read last showed a record saying its peer saw a death
         self.vanished: dict[str, tuple[int, float]] = {}  # peer id -> (stage, DHT time) its record vanished, unprobed
-        self.deaths = 0  # peers counted dead: their records vanished, or they failed a probe, not saying they left
+        self.deaths = 0  # peers counted dead: records gone, not saying they left, and a probe since failed
         self.rng = random.Random()
         # peers of the stages held and of the peer's own, asked every period whether they live (see liveness_probes)
         self.probes = LivenessProbes(config.record_ttl, timeout=max(1.0, config.announce_period))
@@ -230,7 +230,7 @@ class StandbyKeeper:
             if any(r.state == SERVING for r in group):
                 self.seen_serving.add(stage)
             # from every record read, a probe's verdict aside: a slow answer on a loaded machine is no death
-            present = {r.peer_id: r.state for r in read.get(stage, group)}
+            present = {r.peer_id: r.state for r in read[stage]}
             for peer_id, state in self.present.get(stage, {}).items():
                 if peer_id not in present and state != LEAVING:  # its record gone, not saying it was leaving
                     self._note_gone(peer_id, stage, now)
@@ -259,9 +259,10 @@ class StandbyKeeper:
         """Settles the peers whose records vanished: dead once a probe sent since failed, alive once one answered or
         their records are read again; asked again each period until then, forgotten after `SUSPECT_PERIODS`."""
         seen = {r.peer_id for group in read.values() for r in group}
+        forget_before = get_dht_time() - SUSPECT_PERIODS * self.peer.config.announce_period
         for peer_id, (stage, since) in list(self.vanished.items()):
             verdict = self.probes.verdict(peer_id, since)
-            expired = get_dht_time() - since > SUSPECT_PERIODS * self.peer.config.announce_period
+            expired = since < forget_before
             if peer_id not in seen and verdict is False:
                 self._count_death(peer_id, stage, now, "left no record and failed a probe")
             if verdict is not None or peer_id in seen or expired:
