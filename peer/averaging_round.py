@@ -149,7 +149,10 @@ class AveragingRound:
     async def _agree(self, step: int, state: StepState, grad_sum: torch.Tensor | None, held: Held):
         machine = self.machine
         attempt = state.attempt
-        give_up = state.short_deadline is not None and machine.loop.time() >= state.short_deadline
+        # waited long enough for lost samples, or waits for none that can come (any member's give-up is everyone's)
+        give_up = state.short_deadline is not None and (
+            machine.loop.time() >= state.short_deadline or machine.waits_in_vain(step)
+        )
         state.progress[machine.peer_id] = held
         box = state.mailbox[attempt]
         members = {machine.peer_id, *self.membership.mates, *state.progress} | named_in(box)
@@ -252,8 +255,8 @@ class AveragingRound:
             self.samples_lost += sum(lost.values())
             logger.warning(
                 f"Stage {stage} step {step}: stepping without {sum(lost.values())} lost samples "
-                f"({len(lost)} microbatches: their holder died and they were not sent again within "
-                f"{self.short_wait:.0f}s)"
+                f"({len(lost)} microbatches: their holder died, and their trainers did not send them again within "
+                f"{self.short_wait:.0f}s or finished training)"
             )
         if len(contributions) > 1:
             logger.debug(f"Stage {stage} step {step}: averaged {total} samples over {len(contributions)} peers")
@@ -314,7 +317,8 @@ class AveragingRound:
             machine.changed.clear()
             members |= named_in(box)
             missing = members - set(box) - unreachable - self.departed
-            if not missing and not (members - sent):
+            # a member that handed over is sent nothing: waiting to send it one held the round ABSENT_GRACE for naught
+            if not missing and not (members - sent - handovers_in(box)):
                 return True
             machine.check_left_behind(step)
             if state.attempt > attempt or missing & set(state.mailbox.get(attempt + 1, {})):

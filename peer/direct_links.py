@@ -43,7 +43,7 @@ async def keep_direct_links(p2p: P2P, dht: DHT, run_id: str, period: float = PER
         now = time.monotonic()
         for record in records:
             kinds = connections.get(record.peer_id, set())
-            if record.peer_id == own or not record.addresses or "direct" in kinds:
+            if record.peer_id == own or not record.addresses or record.finished or "direct" in kinds:
                 continue
             if next_dial.get(record.peer_id, 0.0) > now:
                 continue

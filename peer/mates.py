@@ -69,6 +69,7 @@ from swarm.peer.mate_progress import ProgressExchange
 from swarm.peer.runtime import RoundResult, SampleKey, StageRuntime
 from swarm.peer.state_handover import StateHandOver
 from swarm.peer.step_machine import StepMachine
+from swarm.peer.trainer_departures import watch_departures
 from swarm.peer.work_receipts import WorkReceipts
 from swarm.proto import PeerInfo
 from swarm.records.sample_ledger import SampleLedger, left_record, restore_record, step_record
@@ -116,10 +117,23 @@ class StageMates:
         self.averaging.slices.centered = robust_sum == "centered-clip"
         self.averaging.on_fork = self._forked
         self.handover = StateHandOver(self.machine, self.membership, self.progress, self.averaging)
+        self.trainers_source: tuple | None = None  # (DHT, run id) where trainers publish, once `watch_departures`
+
+    def watch_departures(self, dht, run_id: str) -> None:
+        """From `start` on: reads the trainers' records while a step is short, so that it does not wait for
+        trainers that finished (`trainer_departures`)."""
+        self.trainers_source = (dht, run_id)
 
     async def start(self, p2p: P2P, admit: Callable[[Handler, str], Handler] = lambda handler, _: handler) -> None:
         """Registers the mate protocols on the peer's P2P (each through `admit`) and hooks into the runtime."""
-        self.machine.start(p2p)
+        machine = self.machine
+        machine.start(p2p)
+        if self.trainers_source is not None:
+
+            def news() -> None:  # the trainers' records were read: the short step may end now
+                machine.advance(self.runtime.step)
+
+            machine.spawn(watch_departures(machine.departures, machine.waiting_on, news, *self.trainers_source))
         handlers = (
             self.progress.handle,
             self.averaging.handle_contribution,

@@ -181,6 +181,7 @@ class Peer:
         self.runtime.on_stepped = self._on_stepped
         self.mates.refresh_records = self._read_mates
         self.mates.membership.watch_accusations(self.dht, config.trust_root, config.run_id)  # spot checks' verdicts
+        self.mates.watch_departures(self.dht, config.run_id)  # a short step waits for no trainer that finished
         # a peer unknown to the stage asking for its state may be a new standby holder: a read of every stage shows it
         self.mates.refresh_holders = self._refresh_whole_swarm if self.standbys is not None else None
 

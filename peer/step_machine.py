@@ -29,6 +29,7 @@ from swarm.peer.faults import FaultPlan
 from swarm.peer.mate_messages import Held
 from swarm.peer.round_slices import SliceInbox
 from swarm.peer.runtime import SampleKey, StageRuntime
+from swarm.peer.trainer_departures import TrainerDepartures
 from swarm.peer.work_receipts import WorkReceipts
 from swarm.proto import MateReply
 from swarm.records.stage_records import StageRecord
@@ -154,6 +155,8 @@ class StepMachine:
         self.resyncing = False
         self.fruitless_at = -math.inf  # when the last resync ended without a state
         self.behind_checks = 0
+        # trainers seen finished: a short step does not wait for what only they could send again
+        self.departures = TrainerDepartures()
         self._tasks: set[asyncio.Task] = set()
 
     def start(self, p2p: P2P) -> None:
@@ -227,12 +230,31 @@ class StepMachine:
         return self.steps[self.runtime.step].phase
 
     def lost(self) -> Held:
-        """While the current step is short: the microbatches it waits for."""
-        state = self.steps[self.runtime.step]
+        """While the current step is short: the microbatches it waits for (those a member holds toward the next
+        step are not asked for: sent again, they would be answered without accumulating; see `waits_in_vain`)."""
+        step = self.runtime.step
+        state = self.steps[step]
         if state.phase != SHORT:
             return {}
         known = state.known()  # those sent again already are not asked for twice
-        return {key: n for key, n in state.lost.items() if key not in known}
+        ahead = self._ahead(step)
+        return {key: n for key, n in state.lost.items() if key not in known and key not in ahead}
+
+    def waiting_on(self) -> set[str]:
+        """While the current step is short: the trainers whose lost microbatches it waits for."""
+        return {trainer for trainer, _ in self.lost()}
+
+    def waits_in_vain(self, step: int) -> bool:
+        """Whether short `step` waits only for microbatches that cannot come: held by a member toward the next step
+        (a backward that came while the round was under way: it is summed there, and counted lost here), or sent by
+        trainers that finished. Giving up then costs nothing that waiting would have saved."""
+        known, ahead = self.steps[step].known(), self._ahead(step)
+        missing = [key for key in self.steps[step].lost if key not in known]
+        return bool(missing) and all(key in ahead or self.departures.has_finished(key[0]) for key in missing)
+
+    def _ahead(self, step: int) -> Held:
+        following = self.steps.get(step + 1)
+        return following.known() if following is not None else {}
 
     def is_full(self) -> bool:
         """Whether the current step has reached its target batch (or its round has begun): it will step."""
@@ -255,7 +277,7 @@ class StepMachine:
         if state.phase == SHORT:
             known = state.known()
             back = all(key in known for key in state.lost)
-            expired = self.loop.time() >= state.short_deadline
+            expired = self.loop.time() >= state.short_deadline or self.waits_in_vain(step)
             if back or expired or self.started_by_mate(state):
                 self.runtime.request_step(step)
             return

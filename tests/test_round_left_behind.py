@@ -348,3 +348,22 @@ def test_a_mate_claiming_a_far_step_in_every_offer_starts_one_resync_per_pause_n
     codes, first, taken = asyncio.run(go())
     assert set(codes) == {ErrorCode.OUT_OF_SYNC}
     assert first == [6] and taken == [6, 6]
+
+
+def test_a_round_whose_only_mate_handed_over_and_left_steps_without_waiting_for_it():
+    """A mate that left the stage handed this peer its gradient: the round sums it and steps at once. It used to
+    wait out the grace for absent mates (5 s, every attempt) for an offer it never sends a leaver."""
+
+    async def go() -> tuple[object, float]:
+        averaging, _ = averaging_round()
+        machine = averaging.machine
+        state = machine.steps[5]
+        members = frozenset({ME, MATE})
+        state.mailbox[0][MATE] = Contribution(8, torch.ones(6), members, {("t", 2): 8}, {}, norm=6**0.5, handover=True)
+        started = time.monotonic()
+        result = await asyncio.wait_for(averaging.round(5, torch.ones(6), {("t", 1): 8}), 10)
+        return result, time.monotonic() - started
+
+    result, waited = asyncio.run(go())
+    assert result is not None and result.samples == 16, result
+    assert waited < 2.0, f"the round waited {waited:.1f}s for a mate that left"

@@ -15,6 +15,7 @@ from swarm.records.trainer_records import (
     MAX_ADDRESSES,
     MAX_BANNED,
     MAX_POINTS,
+    RECORD_TTL,
     ProgressPoint,
     TrainerProgress,
     TrainerRecord,
@@ -137,3 +138,5 @@ def test_a_trainer_that_finishes_leaves_its_final_step_in_its_record(local_swarm
         reader.shutdown()
     assert record.step == summary["first_step"] + summary["steps"] == 3, record
     assert record.samples == summary["samples"] and record.loss == pytest.approx(summary["losses"][-1]), record
+    # and that it finished, for longer than a training record lives: a stage short of its samples steps at once
+    assert record.finished and record.expiration > get_dht_time() + RECORD_TTL, record

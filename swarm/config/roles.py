@@ -170,7 +170,8 @@ class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig, TrustConfig, PlanFil
     short_wait: float = option(
         20.0,
         "seconds a stage whose mate died holding samples waits for the trainers to send them again, "
-        "before it steps without them (counting them as lost)",
+        "before it steps without them (counting them as lost); trainers whose records say they finished are "
+        "not waited for",
     )
     ledger: str | None = option(
         None, "append a JSON line per step to FILE: the microbatches summed and lost, by id (for chaos tests)"

@@ -243,7 +243,7 @@ function render(s) {
   setText("throughput", num(b.throughput));
   setText("throughput-sub", "ideal " + num(b.ideal_throughput) + (b.bottleneck === null ? "" :
           ", bottleneck stage " + b.bottleneck));
-  setText("trainer-count", s.trainers.length);
+  setText("trainer-count", s.trainers.filter(t => !t.finished).length);
   setText("trainer-sub", s.trainers.length ? "max step " + Math.max(...s.trainers.map(t => t.step)) : "none yet");
   setText("bans", s.bans_issued);
   const bannedNow = s.peers.filter(p => p.banned_by > 0).length;
@@ -285,7 +285,7 @@ function render(s) {
     cell(row, t.samples);
     cell(row, t.bans_issued);
     cell(row, t.banned.length ? t.banned.map(short).join(", ") : "-", "text");
-    cell(row, num(t.expires_in) + "s");
+    cell(row, t.finished ? "finished" : num(t.expires_in) + "s");
   });
   drawChart(document.getElementById("loss-chart"), document.getElementById("loss-legend"), s.history, 2, "");
   drawChart(document.getElementById("rate-chart"), document.getElementById("rate-legend"), s.history, 3,

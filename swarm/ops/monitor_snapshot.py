@@ -86,7 +86,7 @@ def build_snapshot(
         max_exact_peers=IDEAL_MAX_EXACT_PEERS,
     )
     moves = plan_moves(loads, num_stages, costs=costs)
-    banned_by = Counter(b for t in trainers for b in set(t.banned))
+    banned_by = Counter(b for t in trainers if not t.finished for b in set(t.banned))  # a finished one calls no one
     throughput = min(caps) if caps else 0.0
     served = [stage for stage in range(num_stages) if any(r.state == SERVING for r in records.get(stage, []))]
     # the stage holding the pipeline back; none while nothing has been measured yet
@@ -172,6 +172,7 @@ def _trainer_rows(trainers: list[TrainerRecord], now: float) -> list[dict]:
             "bans_issued": t.bans_issued,
             "banned": list(t.banned),
             "expires_in": t.expiration - now,
+            "finished": t.finished,
         }
         for t in sorted(trainers, key=lambda t: t.peer_id)
     ]

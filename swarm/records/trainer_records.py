@@ -36,6 +36,8 @@ MAX_TRAINERS = 256  # sound records kept per run at most: a flood of strangers' 
 RATE_WINDOW = 10.0  # seconds over which samples/s is measured
 PUBLISH_PERIOD = 2.0
 RECORD_TTL = 30.0
+# a finished trainer's last record stays up this long: stages short of its lost samples learn not to wait for them
+FINISHED_TTL = 600.0
 MAX_LOSS = 1e6
 MAX_RATE = 1e9  # samples/s
 MAX_COUNT = 2**53
@@ -87,6 +89,8 @@ class TrainerRecord:
     # direct connection instead of through a relay
     addresses: tuple[str, ...] = ()
     expiration: float = 0.0
+    # the trainer finished training and sends nothing again: a stage short of its lost samples steps without them
+    finished: bool = False
 
     def to_value(self) -> dict:
         return {
@@ -101,6 +105,7 @@ class TrainerRecord:
             "banned": list(self.banned),
             "points": [p.to_value() for p in self.points],
             "addresses": list(self.addresses),
+            "finished": self.finished,
         }
 
     @classmethod
@@ -123,7 +128,8 @@ class TrainerRecord:
         if any(p is None for p in points):
             return None
         addresses = parse_addresses(value.get("addresses", []))
-        if addresses is None:
+        finished = value.get("finished", False)  # absent from a record of an older trainer
+        if addresses is None or not isinstance(finished, bool):
             return None
         num_stages, step, samples, bans = (value.get(k) for k in ("num_stages", "step", "samples", "bans_issued"))
         if not (_is_int(num_stages, 1, 1024) and _is_int(step) and _is_int(samples) and _is_int(bans)):
@@ -145,6 +151,7 @@ class TrainerRecord:
             tuple(points),
             addresses,
             float(expiration),
+            finished,
         )
 
 
@@ -207,7 +214,8 @@ def sound_trainer_records(items: Iterable[tuple[object, object]], now: float, al
     """The live records among the (subkey, DHT item) pairs of a run's trainers key, at most MAX_TRAINERS of them.
 
     The cap applies after each record is checked (its fields and its signer), so records that are dropped
-    cannot crowd out sound ones; past the cap, those renewed last are kept (a trainer that stopped goes first).
+    cannot crowd out sound ones; past the cap, those training are kept first, then those renewed last (a trainer
+    that stopped goes first).
     """
     records = []
     for subkey, item in items:
@@ -220,7 +228,7 @@ def sound_trainer_records(items: Iterable[tuple[object, object]], now: float, al
             records.append(record)
     if len(records) > MAX_TRAINERS:
         dropped_records["over_cap"] += len(records) - MAX_TRAINERS
-        records = sorted(records, key=lambda r: (-r.expiration, r.peer_id))[:MAX_TRAINERS]
+        records = sorted(records, key=lambda r: (r.finished, -r.expiration, r.peer_id))[:MAX_TRAINERS]
     return records
 
 
@@ -236,7 +244,8 @@ class TrainerProgress:
         self.bans_issued = 0
         self.banned: tuple[str, ...] = ()
         self.addresses: tuple[str, ...] = ()  # where the trainer listens (see TrainerRecord.addresses)
-        self._finished: deque[tuple[float, int]] = deque()  # (clock, samples so far) at the end of recent steps
+        self.finished = False  # set once the trainer sends nothing more (see TrainerRecord.finished)
+        self._step_ends: deque[tuple[float, int]] = deque()  # (clock, samples so far) at the end of recent steps
         self._started = clock()
 
     def begin(self) -> None:
@@ -249,18 +258,18 @@ class TrainerProgress:
         self.step, self.bans_issued = step, bans_issued
         self.banned = tuple(b for b in banned if PEER_ID.fullmatch(b))[:MAX_BANNED]
         self.samples += samples
-        self._finished.append((now, self.samples))
-        while len(self._finished) > 2 and now - self._finished[1][0] >= RATE_WINDOW:
-            self._finished.popleft()
+        self._step_ends.append((now, self.samples))
+        while len(self._step_ends) > 2 and now - self._step_ends[1][0] >= RATE_WINDOW:
+            self._step_ends.popleft()
         if math.isfinite(loss) and 0 <= loss <= MAX_LOSS:
             self.points.append(ProgressPoint(get_dht_time(), step, float(loss), self.samples_per_second()))
 
     def samples_per_second(self) -> float:
         """Samples/s over about the last RATE_WINDOW seconds (since the start, over the first steps)."""
-        if not self._finished:
+        if not self._step_ends:
             return 0.0
-        now, total = self._finished[-1]
-        since, before = (self._started, 0) if len(self._finished) < 2 else self._finished[0]
+        now, total = self._step_ends[-1]
+        since, before = (self._started, 0) if len(self._step_ends) < 2 else self._step_ends[0]
         return min(MAX_RATE, (total - before) / max(now - since, 1e-6))
 
     def record(self) -> TrainerRecord:
@@ -278,6 +287,7 @@ class TrainerProgress:
             self.banned,
             tuple(self.points),
             self.addresses,
+            finished=self.finished,
         )
 
 
@@ -285,7 +295,9 @@ async def publish_now(dht: DHT, run_id: str, progress: TrainerProgress, timeout:
     """Publishes `progress` once, off the event loop, within `timeout` seconds; never raises."""
     loop = asyncio.get_running_loop()
     try:
-        return await asyncio.wait_for(loop.run_in_executor(None, publish, dht, run_id, progress.record()), timeout)
+        ttl = FINISHED_TTL if progress.finished else RECORD_TTL
+        store = loop.run_in_executor(None, publish, dht, run_id, progress.record(), ttl)
+        return await asyncio.wait_for(store, timeout)
     except Exception as e:
         logger.debug(f"Could not publish training progress: {type(e).__name__}: {e}")
         return False

@@ -368,7 +368,9 @@ class Trainer:
             if self.calls.spot_checks is not None:
                 await self.calls.spot_checks.stop()
                 self.summary.spot_checks = asdict(self.calls.spot_checks.counts)
-        # the steps since the last periodic record: a monitor shows where this trainer ended, not a step before
+        # the steps since the last periodic record: a monitor shows where this trainer ended, not a step before;
+        # and that it finished, so that a stage short of its lost samples steps without them at once
+        self.progress.finished = True
         if not await publish_now(self.dht, config.run_id, self.progress):
             logger.warning("Could not publish this trainer's final progress; monitors show its last record before")
         return self._finish_summary()
