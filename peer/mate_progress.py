@@ -293,6 +293,7 @@ class ProgressExchange:
         """Adds one round's summed microbatches to the last RECENT_ROUNDS', and their union."""
         self._recently_summed.append(keys)
         self.summed_union = frozenset().union(*self._recently_summed)
+        self.machine.summed_recently = self.summed_union
 
     def held_elsewhere(self) -> frozenset[SampleKey]:
         """Microbatches another replica holds toward the current step, or a recent step summed (any thread).

@@ -157,6 +157,8 @@ class StepMachine:
         self.behind_checks = 0
         # trainers seen finished: a short step does not wait for what only they could send again
         self.departures = TrainerDepartures()
+        # what the stage's last rounds summed (kept by `ProgressExchange`): a short step does not wait for it again
+        self.summed_recently: frozenset[SampleKey] = frozenset()
         self._tasks: set[asyncio.Task] = set()
 
     def start(self, p2p: P2P) -> None:
@@ -230,15 +232,15 @@ class StepMachine:
         return self.steps[self.runtime.step].phase
 
     def lost(self) -> Held:
-        """While the current step is short: the microbatches it waits for (those a member holds toward the next
-        step are not asked for: sent again, they would be answered without accumulating; see `waits_in_vain`)."""
+        """While the current step is short: the microbatches it waits for (not those that cannot come: see
+        `waits_in_vain`; sent again, they would be answered without accumulating)."""
         step = self.runtime.step
         state = self.steps[step]
         if state.phase != SHORT:
             return {}
         known = state.known()  # those sent again already are not asked for twice
-        ahead = self._ahead(step)
-        return {key: n for key, n in state.lost.items() if key not in known and key not in ahead}
+        ahead, summed = self._ahead(step), self.summed_recently
+        return {key: n for key, n in state.lost.items() if key not in known and key not in ahead and key not in summed}
 
     def waiting_on(self) -> set[str]:
         """While the current step is short: the trainers whose lost microbatches it waits for."""
@@ -246,11 +248,16 @@ class StepMachine:
 
     def waits_in_vain(self, step: int) -> bool:
         """Whether short `step` waits only for microbatches that cannot come: held by a member toward the next step
-        (a backward that came while the round was under way: it is summed there, and counted lost here), or sent by
-        trainers that finished. Giving up then costs nothing that waiting would have saved."""
+        (a backward that came while the round was under way: it is summed there, and counted lost here), summed by
+        a recent round already (a dead member held a second copy, sent again), or sent by trainers that finished.
+        Giving up then costs nothing that waiting would have saved."""
         known, ahead = self.steps[step].known(), self._ahead(step)
         missing = [key for key in self.steps[step].lost if key not in known]
-        return bool(missing) and all(key in ahead or self.departures.has_finished(key[0]) for key in missing)
+
+        def cannot_come(key: SampleKey) -> bool:
+            return key in ahead or key in self.summed_recently or self.departures.has_finished(key[0])
+
+        return bool(missing) and all(cannot_come(key) for key in missing)
 
     def _ahead(self, step: int) -> Held:
         following = self.steps.get(step + 1)

@@ -84,6 +84,22 @@ def test_a_short_step_does_not_wait_for_what_a_member_holds_toward_the_next_step
     asyncio.run(go())
 
 
+def test_a_short_step_does_not_wait_for_what_a_recent_round_summed():
+    """A dead member held a second copy of a microbatch that a round had summed already (sent again after a failed
+    call): sent once more it would be answered as already summed, so the step does not wait for it."""
+
+    async def go() -> None:
+        machine, requested = short_machine({(LIVE, 1): 8})
+        machine.advance(5)
+        assert requested == [] and machine.lost() == {(LIVE, 1): 8}
+        machine.summed_recently = frozenset({(LIVE, 1)})
+        assert machine.lost() == {}
+        machine.advance(5)
+        assert requested == [5]
+
+    asyncio.run(go())
+
+
 def test_the_round_of_a_step_short_only_of_finished_trainers_gives_up_and_counts_them_lost():
     """The round itself steps without them, counted lost by id, instead of going short again for --short-wait."""
 
