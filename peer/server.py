@@ -53,6 +53,7 @@ from swarm.records.stage_records import (
     StageRecord,
     announce,
     fetch_stage_records,
+    short_entries,
 )
 
 if TYPE_CHECKING:
@@ -232,6 +233,7 @@ class Peer:
 
     def record(self) -> StageRecord:
         config = self.config
+        lost = self.mates.lost() if self.mates is not None and self.state == SERVING else {}
         return StageRecord(
             peer_id=self.peer_id,
             stage=self.stage,
@@ -254,6 +256,8 @@ class Peer:
             caught=tuple(self.mates.membership.caught)[:MAX_CAUGHT] if self.mates is not None else (),
             saw_death=self.standbys.saw_death() if self.standbys is not None else False,
             stage_blocks=self.spec.stage_blocks,
+            short_step=self.runtime.step if lost else -1,
+            short=short_entries(lost),  # trainers whose calls wait at another stage read what to send again here
         )
 
     def _renewal(self) -> StageRecord | None:

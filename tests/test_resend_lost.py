@@ -1,16 +1,22 @@
-"""A trainer sending again the microbatches a SHORT reply names as lost: once per step where a live peer took it."""
+"""A trainer sending again the microbatches a SHORT reply (or a short peer's record) names as lost: once per step
+where a live peer took it."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from swarm.proto import SampleId, StageReply
+from swarm.records.stage_records import MAX_SHORT, SERVING, StageRecord
 from swarm.trainer.stage_calls import StageCaller
 
 TRAINER = "QmTrainerTTTTTTTTTTTTTTTTTTTTTTTTTTTTTTTTTTTTT"
+PEER_A = "QmPeerAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA"
+PEER_C = "QmPeerCCCCCCCCCCCCCCCCCCCCCCCCCCCCCCCCCCCCCCCCC"
 
 
 class Peers:
@@ -61,3 +67,43 @@ def test_a_microbatch_two_peers_report_lost_at_one_step_goes_again_once_while_it
     asyncio.run(caller.resend_lost(2, short(5), to="C"))
     asyncio.run(caller.resend_lost(2, short(6), to="A"))
     assert sent == [(7, 5, "A"), (7, 5, "C"), (7, 5, "C"), (7, 6, "A")]
+
+
+def short_record(peer: str, step: int, short: tuple) -> StageRecord:
+    return StageRecord(peer, 2, "gpt-tiny", 3, SERVING, step, 10.0, 0, 24, 0, 1, short_step=step, short=short)
+
+
+def test_a_short_peers_record_has_the_trainer_send_its_lost_microbatches_again_once_per_step():
+    """A trainer whose calls wait at another stage never hears a short stage's SHORT reply: the peer's record names
+    what it waits for, and the trainer sends its own again, once per short step."""
+    router = Peers(PEER_A, PEER_C)
+    caller, sent = caller_with(router)
+    other = "QmOtherTrainerOOOOOOOOOOOOOOOOOOOOOOOOOOOOOOO"
+    record = short_record(PEER_A, 5, ((TRAINER, 7, 4), (other, 8, 4)))
+    asyncio.run(caller.resend_listed(2, record))
+    assert sent == [(7, 5, PEER_A)], "only its own microbatch, to the peer that is short of it"
+    asyncio.run(caller.resend_listed(2, record))  # the next read of the same record
+    asyncio.run(caller.resend_listed(2, short_record(PEER_C, 5, ((TRAINER, 7, 4),))))
+    assert len(sent) == 1, "sent again for step 5 already"
+    asyncio.run(caller.resend_listed(2, short_record(PEER_A, 6, ((TRAINER, 7, 4),))))
+    assert sent[-1] == (7, 6, PEER_A), "a later step short of it: again"
+
+
+@pytest.mark.parametrize(
+    "short, step",
+    [
+        (((TRAINER, 7, 4),), -1),  # lost microbatches without the step they were lost at
+        ((("not a peer id", 7, 4),), 5),
+        (((TRAINER, -1, 4),), 5),
+        (((TRAINER, 7, 0),), 5),
+        (((TRAINER, 7),), 5),
+        (tuple((TRAINER, mb, 4) for mb in range(MAX_SHORT + 1)), 5),
+    ],
+)
+def test_a_record_whose_lost_microbatches_are_malformed_is_dropped(short, step):
+    record = short_record(PEER_A, 5, ((TRAINER, 7, 4),))
+    assert StageRecord.from_value(record.to_value(), 99.0) == dataclasses.replace(record, expiration=99.0)
+    value = {**record.to_value(), "short": [list(entry) for entry in short], "short_step": step}
+    assert StageRecord.from_value(value, 99.0) is None
+    old = {k: v for k, v in record.to_value().items() if k not in ("short", "short_step")}  # a peer before them
+    assert StageRecord.from_value(old, 99.0).short == ()

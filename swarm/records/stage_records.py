@@ -47,12 +47,14 @@ RANGES: dict[str, tuple[float, float]] = {
     "vocab_size": (0, 2**31),  # 0: a peer from before the field existed (byte-level)
     "moving_to": (-1, 1023),  # -1: not moving
     "max_microbatch": (0, 2**31),  # 0: a peer from before the field existed (announces no limit)
+    "short_step": (-1, 2**53),  # -1: not short
 }
 PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{20,128}")  # base58, as libp2p writes peer ids
 MAX_MODEL_NAME = 128
 ANNOUNCED_DTYPES = ("", "fp32", "bf16")  # a record's dtype: none (from before the field), or a compute dtype
 MAX_STANDBYS = 64  # standby copies one record may list: far above any sensible --standby-stages
 MAX_CAUGHT = 16  # mates one record may name as caught lying
+MAX_SHORT = 64  # lost microbatches one record may name (a short step names the rest in its SHORT replies)
 FINGERPRINT = re.compile(r"[0-9a-f]{16}|")  # `swarm.peer.stage_state.state_fingerprint`, or none yet
 dropped_records: Counter[str] = Counter()  # records skipped by this process, per reason
 
@@ -100,6 +102,11 @@ class StageRecord:
     saw_death: bool = False
     # blocks of each stage where the swarm's cut is uneven (`--stage-blocks`); (): as even as possible
     stage_blocks: tuple[int, ...] = ()
+    # while the peer's step is short of samples lost with a mate: that step (-1 otherwise), and the microbatches
+    # it waits for as (trainer, microbatch, samples). A trainer whose calls wait at another stage, and so never
+    # hear this one's SHORT reply, learns here which of its own to send again
+    short_step: int = -1
+    short: tuple[tuple[str, int, int], ...] = ()
 
     def standby_of(self, stage: int) -> tuple[int, str] | None:
         """(step, fingerprint) of this peer's standby copy of `stage`, step -1 while it fetches one; None if none."""
@@ -110,6 +117,7 @@ class StageRecord:
         value.pop("expiration")
         value["standbys"] = [list(entry) for entry in self.standbys]
         value["stage_blocks"] = list(self.stage_blocks)
+        value["short"] = [list(entry) for entry in self.short]
         return value
 
     @classmethod
@@ -126,6 +134,8 @@ class StageRecord:
             }
             if "standbys" in kwargs:
                 kwargs["standbys"] = _standby_entries(kwargs["standbys"])
+            if "short" in kwargs:
+                kwargs["short"] = _short_entries(kwargs["short"])
             if "stage_blocks" in kwargs:
                 if not isinstance(kwargs["stage_blocks"], (list, tuple)) or len(kwargs["stage_blocks"]) > 1024:
                     return None
@@ -181,6 +191,16 @@ class StageRecord:
             return "caught"
         if not all(isinstance(p, str) and PEER_ID.fullmatch(p) for p in self.caught):
             return "caught"
+        if not isinstance(self.short, tuple) or len(self.short) > MAX_SHORT or (self.short and self.short_step < 0):
+            return "short"
+        for entry in self.short:
+            if not (isinstance(entry, tuple) and len(entry) == 3 and all(type(x) is int for x in entry[1:])):
+                return "short"
+            trainer, microbatch, samples = entry
+            if not (isinstance(trainer, str) and PEER_ID.fullmatch(trainer) and 0 <= microbatch < 2**64):
+                return "short"
+            if not 0 < samples <= 2**31:
+                return "short"
         return None
 
 
@@ -204,6 +224,18 @@ def _standby_entries(value: object) -> tuple:
     if not isinstance(value, (list, tuple)) or len(value) > MAX_STANDBYS:
         raise ValueError("standbys")
     return tuple(tuple(entry) if isinstance(entry, (list, tuple)) else entry for entry in value)
+
+
+def _short_entries(value: object) -> tuple:
+    """A record's `short` as read from the DHT (lists of lists) made into tuples; checked by `problem`."""
+    if not isinstance(value, (list, tuple)) or len(value) > MAX_SHORT:
+        raise ValueError("short")
+    return tuple(tuple(entry) if isinstance(entry, (list, tuple)) else entry for entry in value)
+
+
+def short_entries(lost: dict[tuple[str, int], int]) -> tuple[tuple[str, int, int], ...]:
+    """What a record announces of the microbatches a short step waits for: at most MAX_SHORT, in id order."""
+    return tuple((trainer, microbatch, samples) for (trainer, microbatch), samples in sorted(lost.items()))[:MAX_SHORT]
 
 
 def stage_key(run_id: str, stage: int) -> str:

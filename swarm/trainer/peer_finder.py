@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 from hivemind import DHT
 from hivemind.utils import get_dht_time
@@ -45,6 +46,8 @@ class PeerFinder:
         self._named: set[tuple] = set()  # (peer, setting, value) already named in a warning
         # in a swarm with a trust root: the peers vouched trainers' spot checks accused, never called again
         self.accusations = accusation_book(config.trust_root, config.run_id, "Trainer")
+        # told of every serving record that says its step is short of lost samples (stage, record), after each read
+        self.on_short: Callable[[int, StageRecord], None] | None = None
 
     def own_settings(self) -> dict[str, object]:
         """The announced settings this trainer has of its own: a record that differs from one is ignored."""
@@ -72,6 +75,11 @@ class PeerFinder:
         self.router.update(mine, get_dht_time())
         if self.p2p is not None:
             self.p2p.learn(r for recs in mine.values() for r in recs)
+        if self.on_short is not None:
+            for stage, recs in mine.items():
+                for record in recs:
+                    if record.short and record.state == SERVING:
+                        self.on_short(stage, record)
         return mine
 
     async def _accused(self) -> set[str]:

@@ -33,7 +33,7 @@ from swarm.net.request_limits import reply_limits
 from swarm.net.transport import CallStats, StageCallError, call_stage
 from swarm.policy.router import Router
 from swarm.policy.service_timing import ServiceTimer
-from swarm.proto import BACKWARD, FORWARD, ErrorCode, StageReply, StageRequest
+from swarm.proto import BACKWARD, FORWARD, ErrorCode, SampleId, StageReply, StageRequest
 from swarm.records.stage_records import SERVING, StageRecord
 from swarm.trainer.outcome import TrainingError, TrainingSummary
 from swarm.trainer.peer_finder import PeerFinder
@@ -341,6 +341,21 @@ class StageCaller:
         that took it die, it is no longer live, and the microbatch goes again."""
         again = self._resent.get(key)
         return again is not None and again[0] == short_step and again[1] != to and again[1] in live
+
+    async def resend_listed(self, stage: int, record: StageRecord) -> None:
+        """Sends again this trainer's microbatches that a short peer's record names as lost, unless sent again for
+        that step already: a trainer whose calls wait at another stage never hears this one's SHORT reply, and
+        the stage would wait out its --short-wait for them. Never raises: the SHORT replies remain the way back."""
+        mine = [entry for entry in record.short if entry[0] == self.trainer_id]
+        fresh = [(mb, n) for _, mb, n in mine if self._resent.get((stage, mb), (None,))[0] != record.short_step]
+        if not fresh:
+            return
+        reply = StageReply(short_step=record.short_step)
+        reply.lost.extend(SampleId(trainer=self.trainer_id, microbatch=mb, samples=n) for mb, n in fresh)
+        try:
+            await self.resend_lost(stage, reply, record.peer_id)
+        except Exception as e:  # the stage's SHORT replies ask again; a stage that stays short is found there
+            logger.info(f"Could not send again what stage {stage} lost of this trainer's: {e}")
 
     async def resend_lost(self, stage: int, reply: StageReply, to: str) -> None:
         """Sends again this trainer's backwards that a SHORT reply names as lost with a dead peer of `stage`.

@@ -48,6 +48,7 @@ from swarm.process.event_loop import run, stop_event_on_signals
 from swarm.process.launch_clock import seconds_since_launch
 from swarm.records.announced_settings import check_against_swarm
 from swarm.records.sample_ledger import SampleLedger, fed_record
+from swarm.records.stage_records import StageRecord
 from swarm.records.trainer_records import TrainerProgress, direct_addresses, publish_forever, publish_now
 from swarm.trainer.data import Corpus, load_corpus
 from swarm.trainer.data_source import CorpusError
@@ -123,6 +124,15 @@ class Trainer:
         self.summary.dtype = flag_value(boundary_dtype) if boundary_dtype is not None else ""
         self.metrics: TrainerMetrics | None = None  # with --metrics-port
         self.progress = TrainerProgress(self.trainer_id, config.model, config.num_stages)  # for `swarm monitor`
+        self._resends: set[asyncio.Task] = set()  # what short peers' records named of this trainer's, sent again
+        self.peers.on_short = self._short_heard
+
+    def _short_heard(self, stage: int, record: StageRecord) -> None:
+        """A peer's record says its step is short: what it names of this trainer's goes again, in the background."""
+        if any(entry[0] == self.trainer_id for entry in record.short):
+            task = asyncio.ensure_future(self.calls.resend_listed(stage, record))
+            self._resends.add(task)
+            task.add_done_callback(self._resends.discard)
 
     def _load_corpus(self) -> Corpus:
         """The corpus of --data (and --tokenizer); TrainingError if it cannot be used or the model cannot hold it."""
@@ -363,6 +373,8 @@ class Trainer:
                 await steps.aclose()
             refreshing.cancel()
             publishing.cancel()
+            for task in list(self._resends):
+                task.cancel()
             await self.calls.trials.stop()
             self.summary.trial_forwards = {"passed": self.calls.trials.passed, "failed": self.calls.trials.failed}
             if self.calls.spot_checks is not None:
