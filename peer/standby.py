@@ -17,10 +17,10 @@ holder whose own stage keeps another serving peer; a movable one first; ties by 
 leaves its stage as on a move and builds the lost stage from its copy, at the copy's step, and says
 how many steps of progress were lost. A stage whose last peers left on request (a stop, a preemption
 notice) is not taken over: whoever stops a swarm one peer at a time does not want its stages
-shuffled. Where no holder restores a lost stage within `FILL_PERIODS` more announce periods (or at once,
-where none may), a peer of the stage with the most to spare moves there (`swarm.policy.empty_stages`).
-A peer that joins an empty stage (a newcomer with `--stage auto` picks one first) takes the freshest
-copy from a holder over `STANDBY_PROTOCOL`, which answers only a peer whose signed record is on that stage.
+shuffled. Where no holder restores a lost stage within `FILL_PERIODS` more announce periods, a peer
+of the stage with the most to spare moves there (`swarm.policy.empty_stages`). A peer that joins an
+empty stage (a newcomer with `--stage auto` picks one first) takes the freshest copy from a holder
+over `STANDBY_PROTOCOL`, which answers only a peer whose signed record is on that stage.
 """
 
 from __future__ import annotations
@@ -321,10 +321,8 @@ class StandbyKeeper:
     def _fill_empty(self, records: dict[int, list[StageRecord]], now: float) -> None:
         """Moves this peer to a stage left empty that no holder restores, if the records choose it."""
         peer = self.peer
-        fill = (LOST_GRACE + FILL_PERIODS) * peer.config.announce_period
+        grace = (LOST_GRACE + FILL_PERIODS) * peer.config.announce_period
         for stage, since in sorted(self.empty_since.items()):
-            # no holder may restore it (none holds a copy, or each is its stage's last peer): none is waited for
-            grace = fill if choose_restorer(stage, records) is not None else LOST_GRACE * peer.config.announce_period
             # a stage never seen served is one whose peers are still starting, not one that lost them
             waiting = now - since < grace or stage in self.left_on_request or stage not in self.seen_serving
             if waiting or on_the_way(stage, records) or choose_filler(stage, records, self.accused()) != peer.peer_id:
