@@ -149,10 +149,7 @@ class AveragingRound:
     async def _agree(self, step: int, state: StepState, grad_sum: torch.Tensor | None, held: Held):
         machine = self.machine
         attempt = state.attempt
-        # waited long enough for lost samples, or waits for none that can come (any member's give-up is everyone's)
-        give_up = state.short_deadline is not None and (
-            machine.loop.time() >= state.short_deadline or machine.waits_in_vain(step)
-        )
+        give_up = machine.gives_up(step)  # any member's give-up is everyone's
         state.progress[machine.peer_id] = held
         box = state.mailbox[attempt]
         members = {machine.peer_id, *self.membership.mates, *state.progress} | named_in(box)

@@ -259,6 +259,11 @@ class StepMachine:
 
         return bool(missing) and all(cannot_come(key) for key in missing)
 
+    def gives_up(self, step: int) -> bool:
+        """Whether short `step` stops waiting for lost samples: --short-wait is out, or none of them can come."""
+        deadline = self.steps[step].short_deadline
+        return deadline is not None and (self.loop.time() >= deadline or self.waits_in_vain(step))
+
     def _ahead(self, step: int) -> Held:
         following = self.steps.get(step + 1)
         return following.known() if following is not None else {}
@@ -284,8 +289,7 @@ class StepMachine:
         if state.phase == SHORT:
             known = state.known()
             back = all(key in known for key in state.lost)
-            expired = self.loop.time() >= state.short_deadline or self.waits_in_vain(step)
-            if back or expired or self.started_by_mate(state):
+            if back or self.gives_up(step) or self.started_by_mate(state):
                 self.runtime.request_step(step)
             return
         if self.is_full():
