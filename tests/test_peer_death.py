@@ -9,12 +9,12 @@ import re
 import signal
 import subprocess
 import time
+import urllib.request
 
 import pytest
 from conftest import (
     TARGET,
     assert_matches_reference,
-    metric,
     metrics_url,
     peer_flags,
     reference_run,
@@ -73,15 +73,7 @@ def test_killed_peer_loses_no_microbatch(local_swarm, tmp_path):
     # one mate is killed while it holds backwards it answered and has not averaged: a few accumulated toward a
     # step (their replies went out first), and the rest of the step (backwards and a round) still to come.
     # Whichever mate it is: the router may give one of them most of the calls (the earliest to finish wins)
-    deadline, victim = time.monotonic() + 150, None
-    while victim is None:
-        assert time.monotonic() < deadline and trainer.poll() is None, "no stage-1 peer held 2 samples of a step"
-        for name, url in urls.items():
-            if metric(url, "swarm_peer_step") >= kill_at and metric(url, "swarm_peer_samples_accumulated") >= 2:
-                victim = name
-                break
-        else:
-            time.sleep(0.05)
+    victim = peer_holding_answered_backwards(urls, kill_at, trainer)
     local_swarm.stop(victim, signal.SIGKILL)
     survivor = "peer1b" if victim == "peer1a" else "peer1a"
 
@@ -97,6 +89,37 @@ def test_killed_peer_loses_no_microbatch(local_swarm, tmp_path):
     assert checkpoint.step == steps and checkpoint.samples_stepped == steps * 24
     noise = reordering_noise(steps, 1, micro)
     assert_matches_reference(reference_run(steps, micro).stages[1], checkpoint.parameters, "stage 1", noise)
+
+
+def peer_holding_answered_backwards(urls: dict[str, str], from_step: int, trainer) -> str:
+    """The first of the peers at `urls` (stage-mates) seen, at `from_step` or later, holding 2 samples it answered
+    while the step has half its samples still to come. Answered, not only summed: a backward killed between its
+    sum and its reply fails over to the mate, nothing to resend. Half to come: a kill read just before the round
+    and landing after it (a loaded machine delays this process that long) would find the gradients summed."""
+    at_step: dict[str, tuple[float, float]] = {}  # per peer: its step, and its backward samples answered before it
+    deadline = time.monotonic() + 150
+    while True:
+        assert time.monotonic() < deadline and trainer.poll() is None, "no stage-1 peer held 2 answered samples"
+        read = {name: peer_counts(url) for name, url in urls.items()}
+        for name, (step, answered, _) in read.items():
+            if at_step.get(name, (None,))[0] != step:
+                at_step[name] = (step, answered)
+        since = {name: read[name][1] - at_step[name][1] for name in urls}
+        for name, (step, _, held) in read.items():
+            if step >= from_step and held >= 2 and since[name] >= 2 and sum(since.values()) <= TARGET // 2:
+                return name
+        time.sleep(0.05)
+
+
+def peer_counts(url: str) -> tuple[float, float, float]:
+    """A peer's step, backward samples answered, and samples held toward its step, from one metrics read."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        families = {family.name: family for family in text_string_to_metric_families(reply.read().decode())}
+    answered = [s.value for s in families["swarm_peer_samples"].samples if s.labels.get("kind") == "backward"]
+    step, held = (families[name].samples[0].value for name in ("swarm_peer_step", "swarm_peer_samples_accumulated"))
+    return step, sum(answered), held
 
 
 @pytest.mark.timeout(300)
