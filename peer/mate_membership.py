@@ -37,6 +37,10 @@ ACCUSATIONS_PERIOD = 2.0  # seconds between reads of the run's accusations
 UNREACHABLE_HOLD = 10.0
 UNREACHABLE_HOLD_MAX = 600.0
 HOLDERS_REFRESH_INTERVAL = 5.0  # an unknown asker for state makes it re-read every stage at most this often
+# seconds a peer that took this peer's state keeps hearing its progress, answering or not, until it announces
+# itself: one still loading the state (a loaded host takes seconds) misses no holdings that its first answer
+# would have carried, and one that never comes up is dropped then
+NEWCOMER_GRACE = 60.0
 
 
 class MateMembership:
@@ -66,6 +70,7 @@ class MateMembership:
         # peers this peer gave its state to, until they announce themselves serving: they are members
         # from the step they took, and must hear this peer's progress before its backwards are answered
         self.newcomers: set[str] = set()
+        self._newcomer_since: dict[str, float] = {}  # per newcomer: when (loop time) it took the state
         self.state_source: str | None = None  # the mate whose state this peer is downloading now
         self._holders_refresh: asyncio.Task | None = None
         self._holders_refreshed_at = float("-inf")
@@ -169,6 +174,23 @@ class MateMembership:
         for peer_id, record in self.mates.items():
             if peer_id not in read and peer_id not in mates and record.expiration > now:
                 mates[peer_id] = record
+
+    def add_newcomer(self, peer_id: str) -> None:
+        """`peer_id` took this peer's state to join the stage: a member from then on, told this peer's progress."""
+        now = self.machine.loop.time() if self.machine.loop is not None else 0.0
+        self.newcomers.add(peer_id)
+        self._newcomer_since = {p: t for p, t in self._newcomer_since.items() if p in self.newcomers}
+        self._newcomer_since[peer_id] = now
+
+    def newcomer_silent(self, peer_id: str) -> None:
+        """A progress message to `peer_id` failed. A newcomer is told on for `NEWCOMER_GRACE` after it took the
+        state: dropped at once, it would hear nothing of this peer's holdings toward a later step until its record
+        showed, and should this peer die meanwhile, those samples would be lost without anyone naming them."""
+        since = self._newcomer_since.get(peer_id)
+        now = self.machine.loop.time() if self.machine.loop is not None else 0.0
+        if since is None or now - since > NEWCOMER_GRACE:
+            self.newcomers.discard(peer_id)
+            self._newcomer_since.pop(peer_id, None)
 
     def mark_unreachable(self, peer_id: str) -> None:
         """Leaves a mate that could not be reached out of later rounds until it shows a sign of life (once it

@@ -150,7 +150,7 @@ class ProgressExchange:
             if peer_id not in self._silent:
                 self._silent.add(peer_id)
                 self.note_holdings()
-            self.membership.newcomers.discard(peer_id)  # one that never came up; a live one speaks for itself
+            self.membership.newcomer_silent(peer_id)  # dropped if it never came up; a live one speaks for itself
             logger.debug(f"Could not send progress to {peer_id}: {type(e).__name__}: {e}")
 
     def _new_reply(self) -> MateReply:

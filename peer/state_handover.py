@@ -90,7 +90,7 @@ class StateHandOver:
             # the newcomer is a member from the step it takes: rounds from then on include it
             machine.steps[step].progress.setdefault(requester, {})
             if requester not in membership.mates:
-                membership.newcomers.add(requester)
+                membership.add_newcomer(requester)
             self.averaging.departed.discard(requester)
             # it learns the progress of this peer's mates from here until it shows in the DHT
             self.progress.tell([requester], step)
