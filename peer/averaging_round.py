@@ -40,6 +40,7 @@ from swarm.peer.mate_messages import (
     check_members,
     ids_from_wire,
     ids_to_wire,
+    named_ids,
 )
 from swarm.peer.mate_progress import ProgressExchange
 from swarm.peer.protocol_handler import protocol_handler
@@ -251,9 +252,9 @@ class AveragingRound:
         if lost:
             self.samples_lost += sum(lost.values())
             logger.warning(
-                f"Stage {stage} step {step}: stepping without {sum(lost.values())} lost samples "
-                f"({len(lost)} microbatches: their holder died, and their trainers did not send them again within "
-                f"{self.short_wait:.0f}s or finished training)"
+                f"Stage {stage} step {step}: stepping without {sum(lost.values())} lost samples ({named_ids(lost)}: "
+                f"their holder died, and their trainers did not send them again within {self.short_wait:.0f}s, "
+                "finished training, or sent them again after the round began)"
             )
         if len(contributions) > 1:
             logger.debug(f"Stage {stage} step {step}: averaged {total} samples over {len(contributions)} peers")
@@ -284,15 +285,14 @@ class AveragingRound:
         for peer_id in [p for p in state.progress if p not in agreed and p != machine.peer_id]:
             del state.progress[peer_id]
         self.progress.note_holdings()
-        # what leaving mates handed over is still good: it goes into the next attempt as it is
-        carry_handovers(box, state.mailbox[attempt + 1])
+        carry_handovers(box, state.mailbox[attempt + 1])  # what leaving mates handed over is still good as it is
         if state.short_deadline is None:
             state.short_deadline = machine.loop.time() + self.short_wait
             machine.loop.call_later(self.short_wait + 0.01, machine.advance, step)
         logger.warning(
             f"Stage {machine.stage} step {step}: a mate died holding {sum(lost.values())} samples ({len(lost)} "
-            f"microbatches); waiting up to {state.short_deadline - machine.loop.time():.0f}s for their trainers to "
-            "send them again"
+            f"microbatches: {named_ids(lost)}); waiting up to {state.short_deadline - machine.loop.time():.0f}s for "
+            f"their trainers to send them again (all that is now missing: {named_ids(state.lost)})"
         )
 
     # --- first phase: the contributions -------------------------------------------------------------------

@@ -32,6 +32,13 @@ def as_triples(held: Held) -> list[tuple[str, int, int]]:
     return [(trainer, mb, n) for (trainer, mb), n in sorted(held.items())]
 
 
+def named_ids(held: Held, limit: int = 8) -> str:
+    """The microbatches of `held` as a log line names them (trainer id's tail/microbatch), at most `limit`, so that
+    a loss can be followed by id through the ledgers and the other peers' logs."""
+    names = [f"{trainer[-8:]}/{mb}" for trainer, mb, _ in as_triples(held)]
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
 def check_header(message, model: str, stage: int) -> Error | None:
     """A mate message speaks this protocol version and names this peer's model and stage."""
     if message.protocol_version != PROTOCOL_VERSION:

@@ -26,7 +26,7 @@ from hivemind.p2p import P2P, PeerID
 from swarm.net.transport import exchange
 from swarm.net.wire import Frame, WireLimits
 from swarm.peer.faults import FaultPlan
-from swarm.peer.mate_messages import Held
+from swarm.peer.mate_messages import Held, named_ids
 from swarm.peer.round_slices import SliceInbox
 from swarm.peer.runtime import SampleKey, StageRuntime
 from swarm.peer.trainer_departures import TrainerDepartures
@@ -111,6 +111,7 @@ class StepState:
     # per member (this peer too): what it held and dropped to take a state, and the stage's round expects again
     dropped: dict[str, Held] = field(default_factory=dict)
     short_deadline: float | None = None  # loop time: then the stage steps without what is still lost
+    short_ended: str = ""  # why this peer stopped waiting for what was lost (logged once)
 
     def known(self) -> Held:
         """Every microbatch a member is known to hold at this step."""
@@ -287,13 +288,24 @@ class StepMachine:
         if state.phase == AVERAGING:
             return
         if state.phase == SHORT:
-            known = state.known()
-            back = all(key in known for key in state.lost)
-            if back or self.gives_up(step) or self.started_by_mate(state):
+            if why := self._short_ends(step, state):
+                if not state.short_ended:
+                    state.short_ended = why
+                    missing = {key: n for key, n in state.lost.items() if key not in state.known()}
+                    logger.info(f"Stage {self.stage} step {step}: {why}; still missing: {named_ids(missing) or 'none'}")
                 self.runtime.request_step(step)
             return
         if self.is_full():
             self.runtime.request_step(step)
+
+    def _short_ends(self, step: int, state: StepState) -> str:
+        """Why short `step` stops waiting for its lost samples now, or "" while it waits."""
+        known = state.known()
+        if all(key in known for key in state.lost):
+            return "every lost microbatch is held again"
+        if self.gives_up(step):
+            return "waiting is over (--short-wait, or nothing missing can come)"
+        return "a mate started the next attempt" if self.started_by_mate(state) else ""
 
     def check_behind(self, mates: dict[str, StageRecord]) -> None:
         """Takes the mates' state if their records say this peer fell behind them."""
