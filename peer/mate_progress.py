@@ -68,7 +68,7 @@ class ProgressExchange:
         self.fingerprints: dict[str, tuple[int, str]] = {}  # per mate: its latest (step, fingerprint)
         self.divergences = 0
         self._sends: dict[asyncio.Task, str] = {}  # progress on its way, and the mate it goes to
-        self._silent: set[str] = set()  # mates the last progress did not reach: not waited for
+        self._silent: set[str] = set()  # mates the last progress did not reach: not waited for until they speak
         self._recently_summed: deque[frozenset[SampleKey]] = deque(maxlen=RECENT_ROUNDS)
         self.summed_union: frozenset[SampleKey] = frozenset()  # of _recently_summed, rebuilt once a step
         # read on the runtime thread, replaced whole on the event loop (see held_elsewhere)
@@ -109,7 +109,8 @@ class ProgressExchange:
         A backward is answered only after this: once a trainer holds the reply, the mates know which
         microbatches this peer holds, so should it die before the round they know exactly what was
         lost and ask for it again, instead of waiting for a batch that never fills. Mates the last
-        progress did not reach are not waited for, so a dead mate does not slow every backward down.
+        progress did not reach are not waited for, so a dead mate does not slow every backward down, until
+        they speak again: alive after all, a mate left out would not know what a wave took with this peer.
         """
         pending = [task for task, mate in self._sends.items() if mate not in self._silent]
         if pending:
@@ -159,6 +160,9 @@ class ProgressExchange:
     async def _answer(self, sender: str, message: MateProgress, _parts, reply: MateReply) -> list:
         machine = self.machine
         self.membership.heard_from(sender)
+        if sender in self._silent:  # alive: waited for again before this peer answers a backward
+            self._silent.discard(sender)
+            self.note_holdings()
         error = check_header(message, machine.model, machine.stage)
         if (error := error or check_ids(machine.runtime.max_batch_samples, message.held, message.dropped)) is not None:
             reply.error.CopyFrom(error)

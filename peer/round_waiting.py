@@ -104,8 +104,8 @@ class RoundWaiting:
             self._silent.pop(peer_id, None)
             if (elsewhere := self._elsewhere(info)) is not None:
                 self._drop(step, peer_id, elsewhere, gone)
-            elif info.step > step:  # it stepped past this round: it sends nothing more for it, and has the state
-                machine.schedule_resync(f"mate {peer_id} is at step {info.step}, past the round of step {step}")
+            elif info.step > step:  # it stepped on this round without this peer, as a reply from a later step says
+                machine.mate_stepped_past(step, peer_id, info.step)
             elif info.step == step and nudge is not None and machine.runtime.step == step:
                 nudge(peer_id)
 

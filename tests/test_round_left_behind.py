@@ -9,12 +9,16 @@ from collections import defaultdict
 from types import SimpleNamespace
 
 import torch
+from hivemind.p2p import P2P
 
 from swarm.compression import get_codec
+from swarm.net.transport import INFO_PROTOCOL
 from swarm.net.wire import encode_tensor
 from swarm.peer.averaging_round import AveragingRound
 from swarm.peer.faults import FaultPlan
 from swarm.peer.mate_messages import ids_to_wire
+from swarm.peer.protocol_handler import protocol_handler
+from swarm.peer.round_waiting import RoundWaiting
 from swarm.peer.state_transfer import MateState, take_holdings
 from swarm.peer.step_machine import (
     CLAIM_PAUSE_S,
@@ -24,7 +28,7 @@ from swarm.peer.step_machine import (
     handovers_in,
     held_by_the_gone,
 )
-from swarm.proto import PROTOCOL_VERSION, Error, ErrorCode, GradContribution, MateReply
+from swarm.proto import PROTOCOL_VERSION, Error, ErrorCode, GradContribution, MateReply, PeerInfo, PeerInfoRequest
 from swarm.records.stage_records import SERVING, StageRecord
 
 ME = "QmPeerAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA"
@@ -367,3 +371,44 @@ def test_a_round_whose_only_mate_handed_over_and_left_steps_without_waiting_for_
     result, waited = asyncio.run(go())
     assert result is not None and result.samples == 16, result
     assert waited < 2.0, f"the round waited {waited:.1f}s for a mate that left"
+
+
+def test_a_member_a_probe_finds_past_the_round_is_left_out_once_no_state_of_its_can_be_taken():
+    # a wave run: a restorer stepped with one newcomer, the other two newcomers' probes found it a step ahead, it
+    # left the stage, and they stepped on their own; the ledger showed two lines of one step, with no restore
+    # between them. Found past the round by a probe, as by a reply from a later step, the member stepped on the
+    # round without this peer: the round ends, and where its state cannot be had, goes on without it, its step
+    # marked abandoned (`outran`, which the ledger line before this peer's own says)
+    async def go() -> tuple[int, set, set, list]:
+        averaging, _ = averaging_round()
+        machine, taken = averaging.machine, []
+        member = await P2P.create()
+        asker = await P2P.create(initial_peers=[str(a) for a in await member.get_visible_maddrs()])
+        try:
+
+            async def answer(sender, request, parts, reply) -> list:
+                return [reply]
+
+            reply = PeerInfo(protocol_version=PROTOCOL_VERSION, model="gpt-tiny", stage=1, num_stages=2, step=6)
+            await member.add_binary_stream_handler(
+                INFO_PROTOCOL, protocol_handler(PeerInfoRequest, lambda: reply, answer)
+            )
+
+            async def take_state(minimum_step, source):
+                taken.append(minimum_step)
+                return None  # the member left the stage meanwhile: its state is not to be had
+
+            machine.p2p, machine.take_state = asker, take_state
+            gone: set[str] = set()
+            await RoundWaiting(machine, Membership(), 30.0)._probe(5, str(member.peer_id), gone)
+            ended_round = machine.stepped_without
+            for _ in range(20):  # the resync runs in the background
+                await asyncio.sleep(0)
+            return ended_round, gone, machine.outran.get(5, set()), taken
+        finally:
+            await asker.shutdown()
+            await member.shutdown()
+
+    ended_round, gone, outran, taken = asyncio.run(asyncio.wait_for(go(), 60))
+    assert ended_round == 5 and not gone, "the round ends: the member lives, a step ahead"
+    assert taken == [6] and outran and len(outran) == 1, "no state of its: the round goes on without it"

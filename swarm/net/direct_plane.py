@@ -255,7 +255,9 @@ class DirectPlane:
         address = self.addresses.get(peer) if self.dial else None
         if address is not None and not self._known_unreachable(peer, address):
             try:
-                opened = await asyncio.wait_for(self._open(peer_id, peer, address, protocol), CONNECT_TIMEOUT)
+                opening = asyncio.ensure_future(self._open(peer_id, peer, address, protocol))
+                opening.add_done_callback(_retrieved)
+                opened = await asyncio.wait_for(opening, CONNECT_TIMEOUT)
             except (OSError, HandshakeError, asyncio.TimeoutError, asyncio.IncompleteReadError) as e:
                 self.calls["direct_failed"] += 1
                 self._unreachable[peer] = (address, time.monotonic() + UNREACHABLE_FOR)
@@ -340,3 +342,10 @@ def announce_host(listen_host: str, maddrs: Iterable[str]) -> str:
     found = [m.split("/")[2] for m in maddrs if m.startswith("/ip4/") and len(m.split("/")) > 2]
     public = [h for h in found if not (ipaddress.ip_address(h).is_loopback or ipaddress.ip_address(h).is_unspecified)]
     return public[0] if public else ("127.0.0.1" if found else "")
+
+
+def _retrieved(task: asyncio.Future) -> None:
+    """Marks a connection attempt's failure as seen: a call cancelled while it failed (its caller's deadline) would
+    otherwise leave asyncio to log "Task exception was never retrieved" with a traceback, for an ordinary failure."""
+    if not task.cancelled():
+        task.exception()

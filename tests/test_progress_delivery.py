@@ -1,6 +1,6 @@
-"""A peer that gave its state to a newcomer tells it its progress until the newcomer announces itself, even
-through a moment the newcomer does not answer: otherwise the holdings it answered meanwhile are known to nobody
-but itself, and should it die, they are lost without any peer naming them."""
+"""A backward is answered once every live mate knows this peer holds it: should the peer then die, a survivor
+names the loss and its trainer sends it again. Two mates this could miss: a newcomer that took the state and
+did not answer a moment, and a mate that went silent once (a loaded host) and spoke again."""
 
 from __future__ import annotations
 
@@ -66,6 +66,45 @@ def test_a_newcomer_that_missed_a_progress_message_hears_the_next_one_toward_a_l
             await giver_p2p.shutdown()
 
     assert asyncio.run(asyncio.wait_for(go(), 90)) == {(TRAINER, 1): 2, (TRAINER, 2): 2}
+
+
+def test_a_mate_that_went_silent_and_spoke_again_is_waited_for_before_a_backward_is_answered():
+    # a mate that missed one progress message is likely dead, and is not waited for; once it speaks again it is
+    # alive, and a backward answered without its hearing would, should this peer die with the rest of a wave,
+    # be known to no survivor
+    async def go() -> tuple[dict, float]:
+        peer_p2p = await P2P.create()
+        mate_p2p = await P2P.create(initial_peers=[str(a) for a in await peer_p2p.get_visible_maddrs()])
+        try:
+            peer_id, mate_id = str(peer_p2p.peer_id), str(mate_p2p.peer_id)
+            machine, _, progress = stage_1_peer(peer_id, serving=True)
+            machine.start(peer_p2p)
+            await peer_p2p.add_binary_stream_handler(PROGRESS_PROTOCOL, progress.handle)
+            machine.steps[0].progress.setdefault(mate_id, {})
+            progress.on_local_progress(0, {(TRAINER, 1): 2})  # the mate takes no progress yet: it goes silent
+            await until(lambda: progress._silent)
+            mate, _, mate_progress = stage_1_peer(mate_id, serving=True)
+            mate.start(mate_p2p)
+
+            async def slow(*args) -> None:  # a loaded host: each message is taken a second late
+                await asyncio.sleep(1.0)
+                await mate_progress.handle(*args)
+
+            await mate_p2p.add_binary_stream_handler(PROGRESS_PROTOCOL, slow)
+            mate.steps[0].progress.setdefault(peer_id, {})
+            mate_progress.on_local_progress(0, {(TRAINER, 7): 2})  # it speaks
+            await until(lambda: mate_id in machine.steps[0].progress and machine.steps[0].progress[mate_id])
+            started = asyncio.get_running_loop().time()
+            progress.on_local_progress(0, {(TRAINER, 1): 2, (TRAINER, 2): 2})
+            await progress.delivered()  # as before a backward's reply
+            waited = asyncio.get_running_loop().time() - started
+            return dict(mate.steps[0].progress.get(peer_id, {})), waited
+        finally:
+            await mate_p2p.shutdown()
+            await peer_p2p.shutdown()
+
+    heard, waited = asyncio.run(asyncio.wait_for(go(), 90))
+    assert heard == {(TRAINER, 1): 2, (TRAINER, 2): 2}, f"answered after {waited:.2f}s, the mate not told"
 
 
 def test_a_newcomer_that_never_answers_is_dropped_after_its_grace():
