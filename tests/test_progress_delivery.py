@@ -5,6 +5,7 @@ did not answer a moment, and a mate that went silent once (a loaded host) and sp
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 from hivemind.p2p import P2P
 
@@ -30,6 +31,21 @@ def stage_1_peer(peer_id: str, serving: bool) -> tuple[StepMachine, MateMembersh
     return machine, membership, ProgressExchange(machine, membership)
 
 
+@contextlib.asynccontextmanager
+async def two_peers():
+    """Two stage-1 peers over real libp2p: the first's machine, membership and progress exchange (its machine
+    started on its P2P), and the second's P2P, which answers no mate protocol yet."""
+    first_p2p = await P2P.create()
+    second_p2p = await P2P.create(initial_peers=[str(a) for a in await first_p2p.get_visible_maddrs()])
+    try:
+        machine, membership, progress = stage_1_peer(str(first_p2p.peer_id), serving=True)
+        machine.start(first_p2p)
+        yield machine, membership, progress, second_p2p
+    finally:
+        await second_p2p.shutdown()
+        await first_p2p.shutdown()
+
+
 async def until(condition, timeout: float = 30.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout
     while not condition():
@@ -39,12 +55,8 @@ async def until(condition, timeout: float = 30.0) -> None:
 
 def test_a_newcomer_that_missed_a_progress_message_hears_the_next_one_toward_a_later_step():
     async def go() -> dict:
-        giver_p2p = await P2P.create()
-        newcomer_p2p = await P2P.create(initial_peers=[str(a) for a in await giver_p2p.get_visible_maddrs()])
-        try:
-            giver_id, newcomer_id = str(giver_p2p.peer_id), str(newcomer_p2p.peer_id)
-            machine, membership, progress = stage_1_peer(giver_id, serving=True)
-            machine.start(giver_p2p)
+        async with two_peers() as (machine, membership, progress, newcomer_p2p):
+            giver_id, newcomer_id = machine.peer_id, str(newcomer_p2p.peer_id)
             # the newcomer took the state of step 0 (as `StateHandOver` records it); its round is under way, so
             # backwards accumulate toward step 1, where only the newcomer list says the newcomer is a member
             machine.steps[0].progress.setdefault(newcomer_id, {})
@@ -61,9 +73,6 @@ def test_a_newcomer_that_missed_a_progress_message_hears_the_next_one_toward_a_l
             await until(lambda: giver_id in newcomer.steps[1].progress)
             await progress.delivered()
             return newcomer.steps[1].progress[giver_id]
-        finally:
-            await newcomer_p2p.shutdown()
-            await giver_p2p.shutdown()
 
     assert asyncio.run(asyncio.wait_for(go(), 90)) == {(TRAINER, 1): 2, (TRAINER, 2): 2}
 
@@ -73,13 +82,9 @@ def test_a_mate_that_went_silent_and_spoke_again_is_waited_for_before_a_backward
     # alive, and a backward answered without its hearing would, should this peer die with the rest of a wave,
     # be known to no survivor
     async def go() -> tuple[dict, float]:
-        peer_p2p = await P2P.create()
-        mate_p2p = await P2P.create(initial_peers=[str(a) for a in await peer_p2p.get_visible_maddrs()])
-        try:
-            peer_id, mate_id = str(peer_p2p.peer_id), str(mate_p2p.peer_id)
-            machine, _, progress = stage_1_peer(peer_id, serving=True)
-            machine.start(peer_p2p)
-            await peer_p2p.add_binary_stream_handler(PROGRESS_PROTOCOL, progress.handle)
+        async with two_peers() as (machine, _, progress, mate_p2p):
+            peer_id, mate_id = machine.peer_id, str(mate_p2p.peer_id)
+            await machine.p2p.add_binary_stream_handler(PROGRESS_PROTOCOL, progress.handle)
             machine.steps[0].progress.setdefault(mate_id, {})
             progress.on_local_progress(0, {(TRAINER, 1): 2})  # the mate takes no progress yet: it goes silent
             await until(lambda: progress._silent)
@@ -99,9 +104,6 @@ def test_a_mate_that_went_silent_and_spoke_again_is_waited_for_before_a_backward
             await progress.delivered()  # as before a backward's reply
             waited = asyncio.get_running_loop().time() - started
             return dict(mate.steps[0].progress.get(peer_id, {})), waited
-        finally:
-            await mate_p2p.shutdown()
-            await peer_p2p.shutdown()
 
     heard, waited = asyncio.run(asyncio.wait_for(go(), 90))
     assert heard == {(TRAINER, 1): 2, (TRAINER, 2): 2}, f"answered after {waited:.2f}s, the mate not told"
