@@ -157,16 +157,21 @@ def metrics_url(local_swarm, name: str, timeout: float = 60.0) -> str:
 
 def metric(url: str, name: str, **labels: str) -> float:
     """The sum of a process's samples of `name` with these labels, read from its metrics endpoint."""
+    return metric_sum(metric_samples(url), name, **labels)
+
+
+def metric_samples(url: str) -> list:
+    """Every sample a process's metrics endpoint shows now (one read, for several figures of one moment)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     with urllib.request.urlopen(url, timeout=10) as reply:
         text = reply.read().decode()
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == name and labels.items() <= sample.labels.items()
-    )
+    return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+
+
+def metric_sum(samples: list, name: str, **labels: str) -> float:
+    """The sum of `samples` named `name` with these labels."""
+    return sum(s.value for s in samples if s.name == name and labels.items() <= s.labels.items())
 
 
 @pytest.fixture

@@ -9,12 +9,13 @@ import re
 import signal
 import subprocess
 import time
-import urllib.request
 
 import pytest
 from conftest import (
     TARGET,
     assert_matches_reference,
+    metric_samples,
+    metric_sum,
     metrics_url,
     peer_flags,
     reference_run,
@@ -113,13 +114,9 @@ def peer_holding_answered_backwards(urls: dict[str, str], from_step: int, traine
 
 def peer_counts(url: str) -> tuple[float, float, float]:
     """A peer's step, backward samples answered, and samples held toward its step, from one metrics read."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(url, timeout=10) as reply:
-        families = {family.name: family for family in text_string_to_metric_families(reply.read().decode())}
-    answered = [s.value for s in families["swarm_peer_samples"].samples if s.labels.get("kind") == "backward"]
-    step, held = (families[name].samples[0].value for name in ("swarm_peer_step", "swarm_peer_samples_accumulated"))
-    return step, sum(answered), held
+    samples = metric_samples(url)
+    answered = metric_sum(samples, "swarm_peer_samples_total", kind="backward")
+    return metric_sum(samples, "swarm_peer_step"), answered, metric_sum(samples, "swarm_peer_samples_accumulated")
 
 
 @pytest.mark.timeout(300)
