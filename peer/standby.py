@@ -3,9 +3,10 @@
 With `--standby-stages K`, a peer of stage s also holds a copy of the state (parameters, optimizer
 state, step) of stages s+1 .. s+K (mod the number of stages), in host memory (or, past
 `--standby-memory-mb`, in `--checkpoint-dir`), never on the accelerator. Its record lists each copy
-as (stage, step, parameter fingerprint). Once a stage's peers announce a step `--standby-every`
-steps past the copy (and a refresh has not taken more than `--standby-share` of the time since the
-last), the holder downloads the stage's state again in the background, over the
+as (stage, step, parameter fingerprint). The holder catches the copy up with the stage's step deltas
+(`swarm.peer.step_deltas`), or, where those cannot reach it, downloads the whole state once the stage
+is `--standby-every` steps past it; either waits until the refreshes have taken no more than
+`--standby-share` of the time (every announce period while the swarm shows churn). Both go over the
 stage-mates' state protocol: a stage's peers give their state to a peer whose signed record names
 it as a standby holder of that stage, without taking it for a mate. As a joiner does, the holder
 takes only a (step, fingerprint) that two of the stage's peers confirm, where two or more serve.
@@ -26,6 +27,7 @@ over `STANDBY_PROTOCOL`, which answers only a peer whose signed record is on tha
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import random
 import time
@@ -37,19 +39,18 @@ from hivemind.utils import get_dht_time
 
 from swarm.models import build_stage
 from swarm.models.optimizer import OptimizerSettings
-from swarm.net.wire import WireLimits, pack_frames
+from swarm.net.wire import WireLimits
 from swarm.peer.delta_transfer import request_deltas
 from swarm.peer.liveness_probes import LivenessProbes
 from swarm.peer.stage_state import StageStateError, check_state_tensors, parameter_fingerprint
 from swarm.peer.standby_copy import Standby
 from swarm.peer.standby_host import StandbyHost
-from swarm.peer.standby_newcomer import JOIN_RESTORE_TIMEOUT, STATE_TIMEOUT, NewcomerRestore
+from swarm.peer.standby_newcomer import JOIN_RESTORE_TIMEOUT, STATE_TIMEOUT, NewcomerRestore, answer_standby
 from swarm.peer.state_file import write_tensor_list
 from swarm.peer.state_transfer import (
     Version,
     confirmed_holders,
     confirmed_versions,
-    encode_state,
     parameters_fingerprint,
     peer_versions,
     request_state,
@@ -58,7 +59,6 @@ from swarm.peer.state_transfer import (
 from swarm.peer.work_receipts import WorkReceipts, work_receipts
 from swarm.policy.empty_stages import choose_filler, on_the_way
 from swarm.policy.lost_stages import choose_restorer, lost_stages, standby_holders, standby_targets
-from swarm.proto import PROTOCOL_VERSION, Error, ErrorCode, StateReply, StateRequest
 from swarm.records.sample_ledger import restore_record
 from swarm.records.stage_records import JOINING, LEAVING, SERVING, StageRecord
 
@@ -127,7 +127,9 @@ class StandbyKeeper:
         self._warned_budget: set[int] = set()
         # `STANDBY_PROTOCOL`: gives a held copy to a peer whose signed record is on that copy's stage
         self.handle_standby = state_handler(
-            self._answer_standby, failure="Failed to give a standby copy", caller="a standby request"
+            functools.partial(answer_standby, peer, self.standbys),
+            failure="Failed to give a standby copy",
+            caller="a standby request",
         )
 
     # --- what the record says -----------------------------------------------------------------------
@@ -291,8 +293,9 @@ class StandbyKeeper:
         return (time.monotonic() if now is None else now) - self.last_death < CHURN_MEMORY
 
     def _refresh_copies(self, records: dict[int, list[StageRecord]], now: float) -> None:
-        """Starts the refresh each held copy is due: its stage's step deltas while the swarm shows churn (whatever
-        `--standby-share`), else the whole state every `--standby-every` steps, within the share."""
+        """Starts the refresh each held copy is due: its stage's step deltas, every announce period while the swarm
+        shows churn and within `--standby-share` of the time in the calm; the whole state every `--standby-every`
+        steps, within the share, where no deltas reach the copy."""
         if self.peer.state != SERVING:
             return
         for stage in self.targets():
@@ -301,8 +304,11 @@ class StandbyKeeper:
             newest = max((r.step for r in serving), default=-1)
             if not serving or stage in self.fetching:
                 continue
-            if self.following(now) and self._deltas_reach(copy, newest):
-                self._spawn(self.catch_up(stage, [r.peer_id for r in serving]))
+            if self._deltas_reach(copy, newest):
+                # a third of the state per step keeps a copy a few steps behind in the calm too (a wave comes
+                # without warning: copies refreshed whole every 15 steps lost 8-9 steps to a first wave)
+                if self.following(now) or now >= self._refresh_due(stage, now):
+                    self._spawn(self.catch_up(stage, [r.peer_id for r in serving]))
                 continue
             # a copy at step 0 would be worth nothing: a stage restarted from scratch has the same parameters
             step = copy.step if copy is not None else 0
@@ -312,8 +318,8 @@ class StandbyKeeper:
                 self._spawn(self.refresh(stage, [r.peer_id for r in serving]))
 
     def _refresh_due(self, stage: int, now: float) -> float:
-        """When `stage`'s copy may be refreshed whole again: its copies' cost stays a bounded share of the time,
-        whatever the step rate and state size; a larger one while the copies follow their stages."""
+        """When `stage`'s copy may be refreshed again (whole, or by deltas in the calm): its copies' cost stays a
+        bounded share of the time, whatever the step rate and state size; a larger one under churn."""
         ended, took = self.last_refresh.get(stage, (0.0, 0.0))
         share = max(self.share, FOLLOWING_SHARE) if self.following(now) else self.share
         return ended + took / share
@@ -508,6 +514,8 @@ class StandbyKeeper:
             logger.info(f"Could not catch up the standby copy of stage {stage}: {type(e).__name__}: {e}")
         finally:
             self.fetching.discard(stage)
+            if stage in self.standbys:  # not after a miss: a copy dropped is taken whole at once
+                self.last_refresh[stage] = (time.monotonic(), time.perf_counter() - started)
 
     def _missed(self, stage: int, source: str, version: tuple[int, str]) -> None:
         copy = self.standbys.pop(stage, None) or self.standbys.get(stage)
@@ -566,31 +574,3 @@ class StandbyKeeper:
     async def fetch_for_newcomer(self, timeout: float = JOIN_RESTORE_TIMEOUT) -> bool:
         """Brings this peer's stage back from a standby copy (see `NewcomerRestore.fetch`); True if it did."""
         return await NewcomerRestore(self.peer, self.accused, self.limits, dict(self.last_step)).fetch(timeout)
-
-    async def _answer_standby(self, requester: str, request: StateRequest, _parts, reply: StateReply) -> list:
-        copy = self.standbys.get(request.stage)
-        error = None
-        if request.protocol_version != PROTOCOL_VERSION:
-            error = Error(code=ErrorCode.VERSION_MISMATCH, message=f"this peer speaks protocol {PROTOCOL_VERSION}")
-        elif request.model != self.peer.config.model or copy is None:
-            error = Error(code=ErrorCode.WRONG_STAGE, message=f"no standby copy of stage {request.stage} here")
-        else:
-            records = await self.peer._fetch_records(only=copy.stage)
-            on_stage = {r.peer_id for r in records[copy.stage] if r.state in (JOINING, SERVING)}
-            if requester not in on_stage:
-                error = Error(
-                    code=ErrorCode.FORBIDDEN, message=f"no signed record puts {requester} on stage {copy.stage}"
-                )
-        if error is not None:
-            reply.error.CopyFrom(error)
-            return [reply]
-        tensors = await asyncio.get_running_loop().run_in_executor(None, copy.load)
-        parts = await encode_state(tensors)
-        given = StateReply(
-            protocol_version=PROTOCOL_VERSION,
-            step=copy.step,
-            has_optimizer_state=copy.has_optimizer_state,
-            samples_stepped=copy.samples_stepped,
-        )
-        logger.info(f"Giving the standby copy of stage {copy.stage} (step {copy.step}) to {requester}")
-        return pack_frames(given, parts)

@@ -18,13 +18,14 @@ from collections.abc import Callable
 from hivemind.p2p import PeerID
 
 from swarm.net.transport import STANDBY_PROTOCOL, exchange
-from swarm.net.wire import WireLimits, decode_tensors
+from swarm.net.wire import WireLimits, decode_tensors, pack_frames
 from swarm.peer.stage_state import StageStateError, check_state_tensors
+from swarm.peer.standby_copy import Standby
 from swarm.peer.standby_host import StandbyHost
-from swarm.peer.state_transfer import load_into_runtime, parameters_fingerprint
+from swarm.peer.state_transfer import encode_state, load_into_runtime, parameters_fingerprint
 from swarm.policy.empty_stages import on_the_way
 from swarm.policy.lost_stages import reached_step, standby_copies
-from swarm.proto import PROTOCOL_VERSION, ErrorCode, StateReply, StateRequest
+from swarm.proto import PROTOCOL_VERSION, Error, ErrorCode, StateReply, StateRequest
 from swarm.records.sample_ledger import restore_record
 from swarm.records.stage_records import JOINING, SERVING, StageRecord
 
@@ -222,3 +223,34 @@ class NewcomerRestore:
         await load_into_runtime(runtime, reply.step, tensors, reply.has_optimizer_state, reply.samples_stepped)
         peer.mates.progress.reached(reply.step)
         return reply.step, fingerprint
+
+
+async def answer_standby(
+    peer: StandbyHost, copies: dict[int, Standby], requester: str, request: StateRequest, _parts, reply: StateReply
+) -> list:
+    """A holder's answer to a peer asking over `STANDBY_PROTOCOL` for its copy of a stage: the copy, if the asker's
+    signed record is on that stage (a newcomer on an empty stage, a restorer), else the refusal."""
+    copy = copies.get(request.stage)
+    error = None
+    if request.protocol_version != PROTOCOL_VERSION:
+        error = Error(code=ErrorCode.VERSION_MISMATCH, message=f"this peer speaks protocol {PROTOCOL_VERSION}")
+    elif request.model != peer.config.model or copy is None:
+        error = Error(code=ErrorCode.WRONG_STAGE, message=f"no standby copy of stage {request.stage} here")
+    else:
+        records = await peer._fetch_records(only=copy.stage)
+        on_stage = {r.peer_id for r in records[copy.stage] if r.state in (JOINING, SERVING)}
+        if requester not in on_stage:
+            error = Error(code=ErrorCode.FORBIDDEN, message=f"no signed record puts {requester} on stage {copy.stage}")
+    if error is not None:
+        reply.error.CopyFrom(error)
+        return [reply]
+    tensors = await asyncio.get_running_loop().run_in_executor(None, copy.load)
+    parts = await encode_state(tensors)
+    given = StateReply(
+        protocol_version=PROTOCOL_VERSION,
+        step=copy.step,
+        has_optimizer_state=copy.has_optimizer_state,
+        samples_stepped=copy.samples_stepped,
+    )
+    logger.info(f"Giving the standby copy of stage {copy.stage} (step {copy.step}) to {requester}")
+    return pack_frames(given, parts)

@@ -78,6 +78,8 @@ class StateHandOver:
         if request.deltas:  # a standby holder catching its copy up
             return await answer_deltas(runtime.deltas, request, runtime.step, reply)
         member = membership.joins_stage(requester)
+        if not member and runtime.deltas is not None:
+            runtime.deltas.note_interest()  # a holder's copy taken whole follows by the next steps' deltas
         # it will not contribute to a round under way here: stop waiting for it
         if member and machine.phase() == AVERAGING:
             self.averaging.depart(requester)

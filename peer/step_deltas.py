@@ -67,10 +67,12 @@ class DeltaRing:
     def __init__(self, keep: int, wanted: Callable[[], bool] = lambda: True, interest: float | None = None) -> None:
         self.keep = keep
         self.wanted = wanted  # whether any peer holds a copy of the stage now: else nothing is kept
-        # with `interest`, deltas are kept only that many seconds after a holder last asked for some: copies
-        # follow their stage only while the swarm shows churn, and the calm costs no copy of every gradient
+        # with `interest`, deltas are kept only that many seconds after a holder last asked for some (or took the
+        # whole state), and after the ring's start: holders catch up from any of the stage's peers, so each peer
+        # keeps them before it is first asked; where every holder refreshes whole (`--standby-deltas 0` there),
+        # no gradient is copied once that start is past
         self.interest = interest
-        self.asked_at = float("-inf")
+        self.asked_at = time.monotonic()
         self._deltas: OrderedDict[int, StepDelta] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -94,9 +96,13 @@ class DeltaRing:
         with self._lock:
             self._deltas.clear()
 
+    def note_interest(self) -> None:
+        """A holder asked for deltas, or took the whole state: the steps from now on are kept for `interest` s."""
+        self.asked_at = time.monotonic()
+
     def since(self, step: int, limit: int = DELTAS_PER_CALL) -> list[StepDelta] | None:
         """The deltas from `step` on (at most `limit`), or None if `step`'s is no longer (or not yet) kept."""
-        self.asked_at = time.monotonic()
+        self.note_interest()
         with self._lock:
             if step not in self._deltas:
                 return None

@@ -84,6 +84,8 @@ def keeper_on_stage_0(moves: list[int]) -> StandbyKeeper:
     peer.request_move = moves.append
     keeper = StandbyKeeper(peer)
     keeper.standbys[1] = Standby(1, 4, 96, True, "0123456789abcdef", 0, tensors=[])
+    keeper.spawned = []  # the refreshes it would start, by name (no event loop here: never run)
+    keeper._spawn = lambda coroutine: (keeper.spawned.append(coroutine.__name__), coroutine.close())
     return keeper
 
 
@@ -164,6 +166,26 @@ def test_a_slow_whole_refresh_holds_a_copy_back_a_bounded_share_of_the_time_less
     keeper.last_death = now  # a peer died: copies follow their stages, and a whole refresh waits as long as it took
     assert keeper._refresh_due(1, now) == pytest.approx(now + 4.0 / FOLLOWING_SHARE)
     assert keeper._refresh_due(2, now) == 0.0  # never refreshed: due at once
+
+
+def test_in_the_calm_a_copy_follows_its_stage_by_deltas_within_the_share_and_whole_where_they_cannot_reach():
+    """Measured in wave runs: copies refreshed whole every 15 steps in the calm lost 8-9 steps to a first wave."""
+    keeper = keeper_on_stage_0([])
+    spawned = keeper.spawned
+    stage1 = [record("peerC", 1), record("peerE", 1)]  # at step 5, one past the copy
+    now = time.monotonic()
+    keeper.last_refresh[1] = (now, 0.2)  # a catch-up of 0.2 s just ended: the next waits 0.2 s / 5%
+    keeper._refresh_copies({1: stage1}, now + 1.0)
+    assert spawned == [] and not keeper.following(now)
+    keeper._refresh_copies({1: stage1}, now + 0.2 / keeper.share)
+    assert spawned == ["catch_up"]
+    # the stage ran further than its peers keep deltas for: the whole state, every 15 steps within the share
+    far = [dataclasses.replace(r, step=4 + keeper.deltas + 1) for r in stage1]
+    keeper._refresh_copies({1: far}, now + 0.2 / keeper.share)
+    assert spawned == ["catch_up"], "not 15 steps past the copy yet"
+    far = [dataclasses.replace(r, step=4 + keeper.every) for r in stage1]
+    keeper._refresh_copies({1: far}, now + 0.2 / keeper.share)
+    assert spawned == ["catch_up", "refresh"]
 
 
 def test_a_keeper_that_saw_no_death_follows_its_copies_while_a_record_says_its_peer_saw_one():
@@ -371,8 +393,8 @@ RESTORED = r"Restored stage 1 from a standby at step (\d+) \(lost (\d+) steps\);
 
 def train_then_kill_stage_1(local_swarm, tmp_path, steps: int, follow: bool = False, flags: tuple[str, ...] = ()):
     """Two stages of two peers under a trainer; once a copy of stage 1 is past step 2, both of its peers are
-    SIGKILLed. With `follow`, b1 dies first: the holders see the death and follow stage 1 by its step deltas,
-    and b0 dies once a copy has caught up that way. Returns (trainer, summary file, holders' log lengths at the
+    SIGKILLed. With `follow`, they die once a copy has caught up by stage 1's step deltas (in the calm: no
+    peer died before); without, every copy is refreshed whole (`--standby-deltas 0`). Returns (trainer, summary file, holders' log lengths at the
     kill, time of the kill)."""
     local_swarm.start_bootstrap()
     for stage, peers in ((0, HOLDERS), (1, DOOMED)):
@@ -388,7 +410,6 @@ def train_then_kill_stage_1(local_swarm, tmp_path, steps: int, follow: bool = Fa
     )
     wait_for_holders(local_swarm, trainer, r"Refreshed the standby copy of stage 1 at step ([2-9]|\d\d+)")
     if follow:
-        local_swarm.signal("b1", signal.SIGKILL)
         wait_for_holders(local_swarm, trainer, r"Caught up the standby copy of stage 1 to step \d+")
     marks = {n: len(local_swarm.log_path(n).read_text(errors="replace")) for n in HOLDERS}
     for name in DOOMED:
@@ -412,10 +433,11 @@ def wait_for_holders(local_swarm, trainer, pattern: str, timeout: float = 150) -
 @pytest.mark.parametrize("follow", [False, True], ids=["whole-copy", "followed-by-deltas"])
 def test_a_stage_whose_every_peer_dies_is_restored_from_a_standby(local_swarm, tmp_path, follow):
     """The restored stage holds exactly the state its dead peers announced at the copy's step: a copy taken
-    whole, or one that followed the stage by its step deltas once a first death showed churn."""
-    # a trainer that starts in 3 s did 14 steps before any copy got past step 2; following takes a death first
+    whole, or one that followed the stage by its step deltas in the calm, before any peer died."""
+    # a trainer that starts in 3 s did 14 steps before any copy got past step 2, and a catch-up follows
     steps = 80 if follow else 30
-    trainer, summary_file, marks, killed_at = train_then_kill_stage_1(local_swarm, tmp_path, steps, follow)
+    flags = () if follow else ("--standby-deltas", "0")
+    trainer, summary_file, marks, killed_at = train_then_kill_stage_1(local_swarm, tmp_path, steps, follow, flags)
     names = {0: HOLDERS, 1: DOOMED}
     # one holder of the copy moves to stage 1 and serves it from the copy's step
     deadline = killed_at + RESTORE_BOUND

@@ -85,3 +85,19 @@ def test_the_ring_forgets_when_a_state_is_loaded_between_steps_and_keeps_nothing
     unwanted = DeltaRing(keep=4, wanted=lambda: bool(holders))
     unwanted.record(0, module, "stepped", 8)
     assert unwanted.since(0) is None
+
+
+def test_the_ring_keeps_deltas_from_its_start_and_while_holders_ask_or_take_the_whole_state():
+    """Measured in bench_standby: a holder took the whole state from one peer and caught up from another, which
+    kept no deltas since nobody had asked it yet; each copy was then taken whole twice."""
+    module = build_stage(SPEC, 1, 3, seed=1)
+    for p in module.parameters():
+        p.grad = torch.ones_like(p)
+    ring = DeltaRing(keep=4, interest=60.0)
+    ring.record(0, module, "stepped", 8)  # never asked yet: kept, for whichever holder asks first
+    ring.asked_at -= 61.0  # a minute with no holder asking: holders refresh whole, no gradient is copied
+    ring.record(1, module, "stepped", 8)
+    assert ring.since(0) is None and ring.since(1) is None
+    ring.note_interest()  # a holder took the whole state: the next steps are kept for its catch-up
+    ring.record(2, module, "stepped", 8)
+    assert [d.step for d in ring.since(2)] == [2]

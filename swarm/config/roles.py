@@ -138,13 +138,14 @@ class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig, TrustConfig, PlanFil
     )
     standby_every: int = option(
         15,
-        "refresh each standby copy whole once its stage is this many steps ahead of it (while the swarm shows "
-        "churn, copies follow their stage step by step instead: see --standby-deltas)",
+        "refresh a standby copy whole once its stage is this many steps ahead of it, where the stage's step "
+        "deltas cannot catch it up (copies follow their stage by the deltas otherwise: see --standby-deltas)",
     )
     standby_share: float = option(
         0.05,
-        "the most of the time a standby copy's refreshes may take: after a refresh that took T seconds, "
-        "the next waits T / this, however many steps go by (T / 0.5 at most while the swarm shows churn)",
+        "the most of the time a standby copy's refreshes may take: after a refresh (whole, or by step deltas) "
+        "that took T seconds, the next waits T / this, however many steps go by (while the swarm shows churn, "
+        "deltas every announce period and a whole refresh after T / 0.5 at most)",
     )
     standby_memory_mb: float = option(
         4096.0,
