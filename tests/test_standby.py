@@ -394,8 +394,8 @@ RESTORED = r"Restored stage 1 from a standby at step (\d+) \(lost (\d+) steps\);
 def train_then_kill_stage_1(local_swarm, tmp_path, steps: int, follow: bool = False, flags: tuple[str, ...] = ()):
     """Two stages of two peers under a trainer; once a copy of stage 1 is past step 2, both of its peers are
     SIGKILLed. With `follow`, they die once a copy has caught up by stage 1's step deltas (in the calm: no
-    peer died before); without, every copy is refreshed whole (`--standby-deltas 0`). Returns (trainer, summary file, holders' log lengths at the
-    kill, time of the kill)."""
+    peer died before); without, every copy is refreshed whole (`--standby-deltas 0`). Returns (trainer, summary
+    file, holders' log lengths at the kill, time of the kill)."""
     local_swarm.start_bootstrap()
     for stage, peers in ((0, HOLDERS), (1, DOOMED)):
         for name in peers:
