@@ -18,11 +18,11 @@ holder whose own stage keeps another serving peer; a movable one first; ties by 
 leaves its stage as on a move and builds the lost stage from its copy, at the copy's step, and says
 how many steps of progress were lost. A stage whose last peers left on request (a stop, a preemption
 notice) is not taken over: whoever stops a swarm one peer at a time does not want its stages
-shuffled. Where no holder restores a lost stage within `FILL_PERIODS` more announce periods, a peer
-of the stage with the most to spare moves there (`swarm.policy.empty_stages`). A peer that joins an
-empty stage (a newcomer with `--stage auto` picks one first) takes the freshest copy from a holder
-over `STANDBY_PROTOCOL`, which answers only a peer whose signed record is on that stage.
-"""
+shuffled. Where no holder restores a lost stage within `FILL_PERIODS` more announce periods (at once where
+no holder may), a peer of the stage with the most to spare moves there (`swarm.policy.empty_stages`).
+A peer that joins an empty stage (a newcomer with `--stage auto` picks one first) takes the freshest
+copy from a holder over `STANDBY_PROTOCOL`, which answers only a peer whose signed record is on that
+stage."""
 
 from __future__ import annotations
 
@@ -327,8 +327,11 @@ class StandbyKeeper:
     def _fill_empty(self, records: dict[int, list[StageRecord]], now: float) -> None:
         """Moves this peer to a stage left empty that no holder restores, if the records choose it."""
         peer = self.peer
-        grace = (LOST_GRACE + FILL_PERIODS) * peer.config.announce_period
         for stage, since in sorted(self.empty_since.items()):
+            # the holders have their periods to restore it first, unless none can (each its own stage's last peer):
+            # a filler that waited for them anyway served a first wave's lost stage 15 s after the wave
+            holders_may = choose_restorer(stage, records) is not None
+            grace = (LOST_GRACE + (FILL_PERIODS if holders_may else 0)) * peer.config.announce_period
             # a stage never seen served is one whose peers are still starting, not one that lost them
             waiting = now - since < grace or stage in self.left_on_request or stage not in self.seen_serving
             if waiting or on_the_way(stage, records) or choose_filler(stage, records, self.accused()) != peer.peer_id:

@@ -224,21 +224,29 @@ def test_the_filler_of_an_empty_stage_leaves_the_pipeline_fastest_and_its_stage_
 
 
 def test_a_stage_lost_with_its_copies_is_filled_after_the_holders_had_their_chance():
+    """Traced in a wave run: the one live holder of stage 1's copy was its own stage's last peer, so no holder could
+    restore; the filler still waited the holders' periods, and the stage served again 15 s after the wave."""
     moves: list[int] = []
-    # no refresh of its copy of stage 1 falls due here: this keeper runs without an event loop
-    config = PeerConfig(model="gpt-tiny", num_stages=3, announce_period=1.0, standby_every=100)
+    config = PeerConfig(model="gpt-tiny", num_stages=3, announce_period=1.0)
     peer = SimpleNamespace(config=config, stage=0, state=SERVING, mates=None, peer_id="peerA" * 4)
     peer.request_move = moves.append
     keeper = StandbyKeeper(peer)  # it holds no copy of stage 2
-    stage0 = [record("peerA", 0), record("peerB", 0)]
-    keeper.observe({0: stage0, 1: [record("peerC", 1)], 2: [record("peerD", 2)]})
-    keeper.observe({0: stage0, 1: [record("peerC", 1)], 2: []})
-    keeper.empty_since[2] -= LOST_GRACE * 1.0  # lost now: a holder of a copy would restore it here
-    keeper.observe({0: stage0, 1: [record("peerC", 1)], 2: []})
-    assert moves == []
-    keeper.empty_since[2] -= FILL_PERIODS * 1.0
-    keeper.observe({0: stage0, 1: [record("peerC", 1)], 2: []})
-    assert moves == [2] and keeper.restore_pending is None
+    stage0 = [record("peerA", 0), record("peerB", 0), record("peerF", 0)]  # the stage with the most to spare
+    copy = [(2, 4, "0123456789abcdef")]
+    # stage 1's peers hold copies of stage 2: a holder with a mate may restore it, its stage's last peer may not
+    alone = [record("peerC", 1, standbys=copy)]
+    for holders, fill_after in (([*alone, record("peerE", 1)], FILL_PERIODS), (alone, 0)):
+        moves.clear()
+        keeper.empty_since.clear()
+        keeper.observe({0: stage0, 1: holders, 2: [record("peerD", 2)]})
+        keeper.observe({0: stage0, 1: holders, 2: []})
+        keeper.empty_since[2] -= LOST_GRACE * 1.0  # lost now: a holder of a copy would restore it here
+        keeper.observe({0: stage0, 1: holders, 2: []})
+        assert moves == ([] if fill_after else [2]), "no holder can restore it: filled at once"
+        if fill_after:
+            keeper.empty_since[2] -= fill_after * 1.0
+            keeper.observe({0: stage0, 1: holders, 2: []})
+        assert moves == [2] and keeper.restore_pending is None
     # a stage no record ever showed served is one whose peers are still starting: nobody fills it
     moves.clear()
     keeper = StandbyKeeper(peer)
