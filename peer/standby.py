@@ -306,8 +306,11 @@ class StandbyKeeper:
                 continue
             if self._deltas_reach(copy, newest):
                 # a third of the state per step keeps a copy a few steps behind in the calm too (a wave comes
-                # without warning: copies refreshed whole every 15 steps lost 8-9 steps to a first wave)
-                if self.following(now) or now >= self._refresh_due(stage, now):
+                # without warning: copies refreshed whole every 15 steps lost 8-9 steps to a first wave); in the
+                # calm, within the share, or before the copy falls out of the deltas' reach: the whole refresh that
+                # would follow costs three steps' deltas, and catching up sooner costs no more bytes
+                lagging = newest - copy.step >= max(1, self.deltas // 2)
+                if self.following(now) or lagging or now >= self._refresh_due(stage, now):
                     self._spawn(self.catch_up(stage, [r.peer_id for r in serving]))
                 continue
             # a copy at step 0 would be worth nothing: a stage restarted from scratch has the same parameters
@@ -479,12 +482,13 @@ class StandbyKeeper:
         is not asked again: one liar cannot turn the following off)."""
         self.fetching.add(stage)
         copy = self.standbys[stage]
-        started = time.perf_counter()
+        started: float | None = None  # from the transfer on: asking which version to take is no refresh to pace
         try:
             versions = await self._versions(stage, serving)
             if (picked := self._pick_source(stage, versions, copy.step + 1)) is None:
-                return
+                return  # no two peers at one version now (a fast stage): asked again next period
             source, top = picked
+            started = time.perf_counter()
             config, loop = self.peer.config, asyncio.get_running_loop()
             if copy.module is None:  # live from the first catch-up on: the stage's step deltas advance it
                 settings = OptimizerSettings(config.lr, config.weight_decay, config.beta1, config.beta2)
@@ -517,7 +521,7 @@ class StandbyKeeper:
             logger.info(f"Could not catch up the standby copy of stage {stage}: {type(e).__name__}: {e}")
         finally:
             self.fetching.discard(stage)
-            if stage in self.standbys:  # not after a miss: a copy dropped is taken whole at once
+            if stage in self.standbys and started is not None:  # not after a miss: a dropped copy is taken whole
                 self.last_refresh[stage] = (time.monotonic(), time.perf_counter() - started)
 
     def _missed(self, stage: int, source: str, version: tuple[int, str]) -> None:

@@ -52,6 +52,7 @@ def one_run(args: argparse.Namespace, workdir: Path, standby_stages: int) -> dic
     model = ["--model", args.model, "--num-stages", str(args.stages), "--seed", "7"]
     peer_flags = [*model, "--announce-period", "1", "--target-batch-size", str(args.batch)]
     peer_flags += ["--standby-stages", str(standby_stages), "--standby-every", str(args.standby_every)]
+    peer_flags += ["--standby-deltas", str(args.standby_deltas)]
     with LocalSwarm(workdir) as swarm:
         swarm.start_bootstrap()
         names = []
@@ -115,6 +116,12 @@ def main() -> None:
     parser.add_argument("--microbatch", type=int, default=8)
     parser.add_argument("--standby-stages", type=int, default=1, help="K for the runs with standbys on")
     parser.add_argument("--standby-every", type=int, default=PeerConfig().standby_every, help="as the peers' flag")
+    parser.add_argument(
+        "--standby-deltas",
+        type=int,
+        default=PeerConfig().standby_deltas,
+        help="as the peers' flag (0: copies refreshed whole only, never following their stage by step deltas)",
+    )
     parser.add_argument("--rounds", type=int, default=1, help="pairs of runs (off and on)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one trainer may take")
     args = parser.parse_args()
@@ -136,6 +143,7 @@ def main() -> None:
         "steps": args.steps,
         "standby_stages": args.standby_stages,
         "standby_every": args.standby_every,
+        "standby_deltas": args.standby_deltas,
         "samples_per_s_off": round(off, 2),
         "samples_per_s_on": round(on, 2),
         "slowdown": round(1 - on / off, 3) if off else None,

@@ -179,13 +179,17 @@ def test_in_the_calm_a_copy_follows_its_stage_by_deltas_within_the_share_and_who
     assert spawned == [] and not keeper.following(now)
     keeper._refresh_copies({1: stage1}, now + 0.2 / keeper.share)
     assert spawned == ["catch_up"]
+    # half-way out of the deltas' reach, whatever the share: the whole refresh after would cost more
+    half = [dataclasses.replace(r, step=4 + keeper.deltas // 2) for r in stage1]
+    keeper._refresh_copies({1: half}, now + 1.0)
+    assert spawned == ["catch_up"] * 2
     # the stage ran further than its peers keep deltas for: the whole state, every 15 steps within the share
     far = [dataclasses.replace(r, step=4 + keeper.deltas + 1) for r in stage1]
     keeper._refresh_copies({1: far}, now + 0.2 / keeper.share)
-    assert spawned == ["catch_up"], "not 15 steps past the copy yet"
+    assert spawned == ["catch_up"] * 2, "not 15 steps past the copy yet"
     far = [dataclasses.replace(r, step=4 + keeper.every) for r in stage1]
     keeper._refresh_copies({1: far}, now + 0.2 / keeper.share)
-    assert spawned == ["catch_up", "refresh"]
+    assert spawned == ["catch_up", "catch_up", "refresh"]
 
 
 def test_a_keeper_that_saw_no_death_follows_its_copies_while_a_record_says_its_peer_saw_one():
