@@ -144,8 +144,9 @@ class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig, TrustConfig, PlanFil
     standby_share: float = option(
         0.05,
         "the most of the time a standby copy's refreshes may take: after a refresh (whole, or by step deltas) "
-        "that took T seconds, the next waits T / this, however many steps go by (while the swarm shows churn, "
-        "deltas every announce period and a whole refresh after T / 0.5 at most)",
+        "whose transfer took T seconds, the next waits T / this, however many steps go by (step deltas sooner "
+        "once the copy is half --standby-deltas steps behind; while the swarm shows churn, deltas every announce "
+        "period and a whole refresh after T / 0.5 at most)",
     )
     standby_memory_mb: float = option(
         4096.0,
