@@ -111,6 +111,7 @@ class StandbyKeeper:
         self.bytes_received = 0
         self.refreshes = 0
         self.deltas = config.standby_deltas  # how many steps' deltas the stage's peers keep (0: refresh whole)
+        self.calm_deltas = config.standby_calm_deltas  # whether copies follow by deltas with no churn too
         self.deltas_applied = 0
         self.no_deltas: dict[int, int] = {}  # per stage: the copy's step its peers had no deltas from
         self.delta_misses: dict[int, set[str]] = {}  # per stage: sources whose deltas led to no confirmed version
@@ -307,10 +308,11 @@ class StandbyKeeper:
             if self._deltas_reach(copy, newest):
                 # a third of the state per step keeps a copy a few steps behind in the calm too (a wave comes
                 # without warning: copies refreshed whole every 15 steps lost 8-9 steps to a first wave); in the
-                # calm, within the share, or before the copy falls out of the deltas' reach: the whole refresh that
-                # would follow costs three steps' deltas, and catching up sooner costs no more bytes
+                # calm once half the kept steps behind, before it falls out of their reach (the whole refresh
+                # that would follow costs three steps' deltas): every catch-up asks the stage's peers for their
+                # versions, and catching up every period cost 15% of samples/s in bench_standby
                 lagging = newest - copy.step >= max(1, self.deltas // 2)
-                if self.following(now) or lagging or now >= self._refresh_due(stage, now):
+                if self.following(now) or (lagging and self.calm_deltas):
                     self._spawn(self.catch_up(stage, [r.peer_id for r in serving]))
                 continue
             # a copy at step 0 would be worth nothing: a stage restarted from scratch has the same parameters

@@ -136,6 +136,12 @@ class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig, TrustConfig, PlanFil
         "only while some peer holds a copy of the stage), so that holders catch their copies up step by step "
         "instead of downloading the whole state (0: keep none; copies are refreshed whole)",
     )
+    standby_calm_deltas: bool = option(
+        True,
+        "in the calm too, catch standby copies up by step deltas once half --standby-deltas steps behind, so that "
+        "a first wave loses a few steps, not up to --standby-every (a third of the state per step per copy, against "
+        "the whole state every --standby-every steps); --no-standby-calm-deltas follows only while peers die",
+    )
     standby_every: int = option(
         15,
         "refresh a standby copy whole once its stage is this many steps ahead of it, where the stage's step "
@@ -143,10 +149,9 @@ class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig, TrustConfig, PlanFil
     )
     standby_share: float = option(
         0.05,
-        "the most of the time a standby copy's refreshes may take: after a refresh (whole, or by step deltas) "
-        "whose transfer took T seconds, the next waits T / this, however many steps go by (step deltas sooner "
-        "once the copy is half --standby-deltas steps behind; while the swarm shows churn, deltas every announce "
-        "period and a whole refresh after T / 0.5 at most)",
+        "the most of the time a standby copy's whole refreshes may take: after a refresh "
+        "whose transfer took T seconds, the next waits T / this, however many steps go by (step deltas are not "
+        "held back: see --standby-calm-deltas; while the swarm shows churn, a whole refresh waits T / 0.5 at most)",
     )
     standby_memory_mb: float = option(
         4096.0,
