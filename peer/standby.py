@@ -13,7 +13,7 @@ takes only a (step, fingerprint) that two of the stage's peers confirm, where tw
 
 A stage is lost when no record shows a peer serving or joining it for `LOST_GRACE` announce periods.
 If its last peers died (their records vanished, none saying it was leaving), every holder then
-computes, from the same records, which of them restores it (`choose_restorer`: the freshest copy; a
+computes, from the same records, which of them restores it (`choose_restorer`: a copy close to the freshest; a
 holder whose own stage keeps another serving peer; a movable one first; ties by peer id). That peer
 leaves its stage as on a move and builds the lost stage from its copy, at the copy's step, and says
 how many steps of progress were lost. A stage whose last peers left on request (a stop, a preemption

@@ -27,7 +27,13 @@ from swarm.peer.standby import (
 from swarm.peer.standby_copy import Standby
 from swarm.peer.standby_newcomer import NewcomerRestore
 from swarm.policy.empty_stages import choose_filler, on_the_way
-from swarm.policy.lost_stages import choose_restorer, lost_stages, standby_holders, standby_targets
+from swarm.policy.lost_stages import (
+    RESTORE_STEP_SLACK,
+    choose_restorer,
+    lost_stages,
+    standby_holders,
+    standby_targets,
+)
 from swarm.records.sample_ledger import read_ledger
 from swarm.records.stage_records import JOINING, LEAVING, SERVING, StageRecord
 
@@ -67,8 +73,18 @@ def test_the_restorer_is_the_freshest_holder_that_leaves_a_peer_behind():
         2: [record("peerD", 2, LEAVING)],
     }
     assert lost_stages(records, 3) == {2}
-    assert choose_restorer(2, records) == ("peerB" * 4, 9)
+    # 7 and 9 count as equally fresh: the peer id decides (the restorer takes peerB's fresher copy once it serves)
+    assert choose_restorer(2, records) == ("peerA" * 4, 7)
     assert standby_holders(2, records) == {"peerA" * 4, "peerB" * 4, "peerC" * 4}
+    # traced in a wave run: three holders' reads showed their copies a step apart, each chose itself, and all
+    # three left their stage; views a step apart now agree
+    for a, b in ((7, 8), (8, 7), (8, 8)):
+        records[0] = [record("peerA", 0, standbys=copy(a)), record("peerB", 0, standbys=copy(b))]
+        assert choose_restorer(2, records)[0] == "peerA" * 4
+    records[0][0] = record("peerA", 0, standbys=copy(9 - RESTORE_STEP_SLACK - 1))
+    records[0][1] = record("peerB", 0, standbys=copy(9))
+    assert choose_restorer(2, records) == ("peerB" * 4, 9)  # a copy further behind is not chosen
+    records[0][0] = record("peerA", 0, standbys=copy(7))
     records[0][1] = record("peerB", 0, standbys=copy(7), movable=False)
     assert choose_restorer(2, records) == ("peerA" * 4, 7)  # a pinned peer restores only when no other can
     records[0] = [record("peerA", 0, standbys=copy(-1)), record("peerB", 0)]

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from swarm.records.stage_records import JOINING, SERVING, StageRecord
 
+RESTORE_STEP_SLACK = 4  # copy steps apart that count as equally fresh when choosing a restorer
+
 
 def standby_targets(stage: int, num_stages: int, count: int) -> list[int]:
     """The stages a peer of `stage` holds standby copies of: the next `count`, never its own."""
@@ -23,10 +25,13 @@ def lost_stages(records: dict[int, list[StageRecord]], num_stages: int) -> set[i
 def choose_restorer(stage: int, records: dict[int, list[StageRecord]]) -> tuple[str, int] | None:
     """(peer id, step) of the holder that restores `stage`, or None if none may.
 
-    Every holder computes this from the records, so all agree where their views agree: the freshest
-    copy first (the least progress lost), then a movable peer before a pinned one, then the holder
-    whose own stage keeps the most serving peers, then the peer id. A stage's last serving peer never
-    restores another: that would only move the loss.
+    Every holder computes this from the records, so all must agree though their reads differ by a period:
+    copies within `RESTORE_STEP_SLACK` steps of the freshest count as equally fresh (records a period old
+    show copies that follow their stage a step or two apart, and three holders that each saw their own as
+    the freshest once all left their stage at once). Among those: a movable peer before a pinned one, then
+    the holder whose own stage keeps the most serving peers, then the peer id. The restorer takes a fresher
+    copy after it serves, if a holder announces one. A stage's last serving peer never restores another:
+    that would only move the loss.
     """
     candidates = []
     for own, group in records.items():
@@ -36,11 +41,12 @@ def choose_restorer(stage: int, records: dict[int, list[StageRecord]]) -> tuple[
         for record in serving:
             copy = record.standby_of(stage)
             if copy is not None and copy[0] >= 0:
-                candidates.append((-copy[0], not record.movable, -len(serving), record.peer_id))
+                candidates.append((copy[0], not record.movable, -len(serving), record.peer_id))
     if not candidates:
         return None
-    best = min(candidates)
-    return best[3], -best[0]
+    freshest = max(c[0] for c in candidates)
+    best = min((c for c in candidates if c[0] >= freshest - RESTORE_STEP_SLACK), key=lambda c: c[1:])
+    return best[3], best[0]
 
 
 def standby_copies(stage: int, records: dict[int, list[StageRecord]]) -> dict[str, tuple[int, str]]:
