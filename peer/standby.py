@@ -4,12 +4,13 @@ With `--standby-stages K`, a peer of stage s also holds a copy of the state (par
 state, step) of stages s+1 .. s+K (mod the number of stages), in host memory (or, past
 `--standby-memory-mb`, in `--checkpoint-dir`), never on the accelerator. Its record lists each copy
 as (stage, step, parameter fingerprint). The holder catches the copy up with the stage's step deltas
-(`swarm.peer.step_deltas`), or, where those cannot reach it, downloads the whole state once the stage
-is `--standby-every` steps past it; either waits until the refreshes have taken no more than
-`--standby-share` of the time (every announce period while the swarm shows churn). Both go over the
-stage-mates' state protocol: a stage's peers give their state to a peer whose signed record names
-it as a standby holder of that stage, without taking it for a mate. As a joiner does, the holder
-takes only a (step, fingerprint) that two of the stage's peers confirm, where two or more serve.
+(`swarm.peer.step_deltas`: every announce period while the swarm shows churn, else once the copy is
+half the kept steps behind), or, where those cannot reach it, downloads the whole state once the stage
+is `--standby-every` steps past it and the whole refreshes have taken no more than `--standby-share`
+of the time. Both go over the stage-mates' state protocol: a stage's peers give their state to a peer
+whose signed record names it as a standby holder of that stage, without taking it for a mate. As a
+joiner does, the holder takes only a (step, fingerprint) that two of the stage's peers confirm, where
+two or more serve.
 
 A stage is lost when no record shows a peer serving or joining it for `LOST_GRACE` announce periods.
 If its last peers died (their records vanished, none saying it was leaving), every holder then
@@ -295,8 +296,8 @@ class StandbyKeeper:
 
     def _refresh_copies(self, records: dict[int, list[StageRecord]], now: float) -> None:
         """Starts the refresh each held copy is due: its stage's step deltas, every announce period while the swarm
-        shows churn and within `--standby-share` of the time in the calm; the whole state every `--standby-every`
-        steps, within the share, where no deltas reach the copy."""
+        shows churn and once half the kept steps behind in the calm (`--standby-calm-deltas`); the whole state every
+        `--standby-every` steps, within `--standby-share`, where no deltas reach the copy."""
         if self.peer.state != SERVING:
             return
         for stage in self.targets():
@@ -323,8 +324,8 @@ class StandbyKeeper:
                 self._spawn(self.refresh(stage, [r.peer_id for r in serving]))
 
     def _refresh_due(self, stage: int, now: float) -> float:
-        """When `stage`'s copy may be refreshed again (whole, or by deltas in the calm): its copies' cost stays a
-        bounded share of the time, whatever the step rate and state size; a larger one under churn."""
+        """When `stage`'s copy may be refreshed whole again (after its last refresh, whole or by deltas): its copies'
+        cost stays a bounded share of the time, whatever the step rate and state size; a larger one under churn."""
         ended, took = self.last_refresh.get(stage, (0.0, 0.0))
         share = max(self.share, FOLLOWING_SHARE) if self.following(now) else self.share
         return ended + took / share
