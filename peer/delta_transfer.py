@@ -17,13 +17,16 @@ from swarm.net.transport import STATE_PROTOCOL, exchange
 from swarm.net.wire import WireLimits, decode_tensors, pack_frames
 from swarm.peer.stage_state import StageStateError
 from swarm.peer.state_transfer import encode_state
-from swarm.peer.step_deltas import DELTAS_PER_CALL, DeltaRing, StepDelta
+from swarm.peer.step_deltas import DeltaRing, StepDelta, deltas_per_call
 from swarm.proto import PROTOCOL_VERSION, Error, ErrorCode, StateReply, StateRequest
 
 
-async def answer_deltas(ring: DeltaRing | None, request: StateRequest, step: int, reply: StateReply) -> list:
-    """The frames answering a holder's request for the deltas since `request.from_step`, at stage step `step`."""
-    deltas = ring.since(request.from_step) if ring is not None and request.from_step < step else None
+async def answer_deltas(
+    ring: DeltaRing | None, request: StateRequest, step: int, parameters: int, reply: StateReply
+) -> list:
+    """The frames answering a holder's request for the deltas since `request.from_step`, at stage step `step`, of a
+    stage of `parameters` values."""
+    deltas = ring.since(request.from_step, parameters) if ring is not None and request.from_step < step else None
     if deltas is None:
         kept = f"keeps the last {ring.keep}" if ring is not None else "keeps none"
         message = f"no deltas from step {request.from_step} here (at step {step}; {kept}): take the whole state"
@@ -37,8 +40,8 @@ async def answer_deltas(ring: DeltaRing | None, request: StateRequest, step: int
 
 
 def delta_limits(parameters: int) -> WireLimits:
-    """The size limits of a reply with `DELTAS_PER_CALL` float32 gradient sums of `parameters` values."""
-    total = 4 * parameters * DELTAS_PER_CALL + 2**20
+    """The size limits of a reply with `deltas_per_call` float32 gradient sums of `parameters` values."""
+    total = 4 * parameters * deltas_per_call(parameters) + 2**20
     return WireLimits(max_message_bytes=total, max_tensor_bytes=4 * parameters + 2**20)
 
 
@@ -56,7 +59,7 @@ async def request_deltas(
     if reply.error.code != ErrorCode.OK:
         raise StageStateError(f"{ErrorCode.Name(reply.error.code)}: {reply.error.message}")
     samples = list(reply.delta_samples)
-    if reply.step != from_step or not 0 < len(samples) <= DELTAS_PER_CALL:
+    if reply.step != from_step or not 0 < len(samples) <= deltas_per_call(parameters):
         raise StageStateError(f"sent {len(samples)} deltas from step {reply.step}, asked from {from_step}")
     tensors = await asyncio.get_running_loop().run_in_executor(None, decode_tensors, parts, limits)
     if len(tensors) != sum(1 for n in samples if n > 0):

@@ -221,18 +221,13 @@ class Peer:
         await asyncio.wrap_future(runtime.run_exclusive(nudge))
 
     def save_checkpoint(self) -> None:
-        path = save_checkpoint(
-            self.config.checkpoint_dir,
-            checkpoint_name(self.config.model, self.spec.stage_blocks),
-            self.runtime.module,
-            self.runtime.optimizer,
-            self.runtime.step,
-            self.runtime.samples_stepped,
-        )
+        runtime, name = self.runtime, checkpoint_name(self.config.model, self.spec.stage_blocks)
+        state = (runtime.module, runtime.optimizer, runtime.step, runtime.samples_stepped)
+        path = save_checkpoint(self.config.checkpoint_dir, name, *state)
         logger.info(f"Saved checkpoint of step {self.runtime.step} to {path}")
 
     def record(self) -> StageRecord:
-        config = self.config
+        config, (step, fingerprint) = self.config, self.runtime.version  # a step and its own parameters' hash
         lost = self.mates.lost() if self.mates is not None and self.state == SERVING else {}
         return StageRecord(
             peer_id=self.peer_id,
@@ -240,7 +235,8 @@ class Peer:
             model=config.model,
             num_stages=config.num_stages,
             state=self.state,
-            step=self.runtime.step,
+            step=step,
+            fingerprint=fingerprint,
             throughput=self.runtime.throughput,
             queue_length=self.runtime.queue_length,
             target_batch_size=config.target_batch_size,

@@ -50,6 +50,7 @@ from swarm.peer.standby_newcomer import JOIN_RESTORE_TIMEOUT, STATE_TIMEOUT, New
 from swarm.peer.state_file import write_tensor_list
 from swarm.peer.state_transfer import (
     Version,
+    announced_versions,
     confirmed_holders,
     confirmed_versions,
     parameters_fingerprint,
@@ -314,7 +315,7 @@ class StandbyKeeper:
                 # versions, and catching up every period cost 15% of samples/s in bench_standby
                 lagging = newest - copy.step >= max(1, self.deltas // 2)
                 if self.following(now) or (lagging and self.calm_deltas):
-                    self._spawn(self.catch_up(stage, [r.peer_id for r in serving]))
+                    self._spawn(self.catch_up(stage, serving))
                 continue
             # a copy at step 0 would be worth nothing: a stage restarted from scratch has the same parameters
             step = copy.step if copy is not None else 0
@@ -387,14 +388,25 @@ class StandbyKeeper:
         state_bytes = 16 * count + 2**20
         return WireLimits(max_message_bytes=state_bytes, max_tensor_bytes=state_bytes)
 
+    def _receipts(self, stage: int) -> WorkReceipts | None:
+        """With a trust root, the receipts that say whose copies of `stage` count; None without one."""
+        if stage not in self.receipts:
+            self.receipts[stage] = work_receipts(self.peer.config, self.peer.mates.machine.peer_id, stage)
+        return self.receipts[stage]
+
     async def _versions(self, stage: int, peers: list[str]) -> dict[str, Version]:
         """Each of `peers`' (step, fingerprint) as it answers now, for `stage` (the silent ones left out; with a
         trust root, those that show no recent receipt naming them too)."""
-        if stage not in self.receipts:
-            self.receipts[stage] = work_receipts(self.peer.config, self.peer.mates.machine.peer_id, stage)
-        receipts = self.receipts[stage]
+        receipts = self._receipts(stage)
         sources = receipts.state_sources if receipts is not None else None
         return await peer_versions(self.peer.mates.p2p, peers, self.peer.config.model, stage, INFO_TIMEOUT, sources)
+
+    async def _announced_versions(self, stage: int, serving: list[StageRecord]) -> dict[str, Version]:
+        """What `serving` peers' records announce, where no trust root asks for receipts (only an answer carries
+        those: then each is asked): a catch-up costs the stage's peers one call, not one each."""
+        if self._receipts(stage) is not None:
+            return await self._versions(stage, [r.peer_id for r in serving])
+        return announced_versions(serving)
 
     def _pick_source(
         self, stage: int, versions: dict[str, Version], minimum_step: int = 0
@@ -476,8 +488,9 @@ class StandbyKeeper:
             and len(self.delta_misses.get(copy.stage, ())) < MAX_DELTA_MISSES
         )
 
-    async def catch_up(self, stage: int, serving: list[str]) -> None:
-        """Catches `stage`'s live copy up with the newest version two of its peers confirm, step delta by delta.
+    async def catch_up(self, stage: int, serving: list[StageRecord]) -> None:
+        """Catches `stage`'s live copy up with the newest version two of its `serving` peers confirm (their records,
+        see `_announced_versions`), step delta by delta.
 
         The copy's parameters must then show that version's fingerprint. If they do not (a source that lies,
         or peers whose arithmetic differs from this host's), the copy is dropped and taken whole at once; after
@@ -487,7 +500,7 @@ class StandbyKeeper:
         copy = self.standbys[stage]
         started: float | None = None  # from the transfer on: asking which version to take is no refresh to pace
         try:
-            versions = await self._versions(stage, serving)
+            versions = await self._announced_versions(stage, serving)
             if (picked := self._pick_source(stage, versions, copy.step + 1)) is None:
                 return  # no two peers at one version now (a fast stage): asked again next period
             source, top = picked

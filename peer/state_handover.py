@@ -76,7 +76,8 @@ class StateHandOver:
             return [reply]
         runtime = machine.runtime
         if request.deltas:  # a standby holder catching its copy up
-            return await answer_deltas(runtime.deltas, request, runtime.step, reply)
+            parameters = sum(p.numel() for p in runtime.module.parameters())
+            return await answer_deltas(runtime.deltas, request, runtime.step, parameters, reply)
         member = membership.joins_stage(requester)
         if not member and runtime.deltas is not None:
             runtime.deltas.note_interest()  # a holder's copy taken whole follows by the next steps' deltas

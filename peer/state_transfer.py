@@ -27,7 +27,7 @@ from swarm.peer.runtime import SampleKey, StageRuntime
 from swarm.peer.stage_state import StageStateError, load_state_tensors, state_fingerprint
 from swarm.peer.step_machine import StepState
 from swarm.proto import PROTOCOL_VERSION, ErrorCode, PeerInfo, StateReply, StateRequest
-from swarm.records.stage_records import SERVING
+from swarm.records.stage_records import SERVING, StageRecord
 
 Version = tuple[int, str]  # (step, parameter fingerprint) of a stage's state
 
@@ -149,6 +149,14 @@ async def peer_versions(
     if sources is not None:
         answered = sources(answered)
     return {peer_id: (int(info.step), info.fingerprint) for peer_id, info in answered.items()}
+
+
+def announced_versions(serving: list[StageRecord]) -> dict[str, Version]:
+    """The (step, fingerprint) the records of a stage's `serving` peers announce. None while fewer than two (or the
+    one serving) announce a fingerprint, so that a record built between a step and its hash never leaves another
+    peer's version confirmed alone (`confirmed_versions`)."""
+    versions = {r.peer_id: (r.step, r.fingerprint) for r in serving if r.state == SERVING and r.fingerprint}
+    return versions if len(versions) >= min(2, len(serving)) else {}
 
 
 def confirmed_versions(versions: dict[str, Version]) -> set[Version]:

@@ -25,7 +25,17 @@ from swarm.models.optimizer import apply_accumulated_step
 from swarm.peer.gradient_buffers import flat_gradient, gradients_finite, set_gradients
 
 DELTA_INTEREST = 60.0  # seconds a stage's peers keep deltas after a holder last asked for some
-DELTAS_PER_CALL = 4  # the most steps one reply to a holder carries (`swarm.peer.delta_transfer`)
+# what one reply to a holder carries (`swarm.peer.delta_transfer`): as many steps as fit in this many bytes,
+# at most `MAX_DELTAS_PER_CALL` and at least one. A call per catch-up for a small stage (each call costs both
+# sides a connection and a handshake), and a bounded message for a large one
+DELTA_CALL_BYTES = 64 * 2**20
+MAX_DELTAS_PER_CALL = 16
+
+
+def deltas_per_call(parameters: int) -> int:
+    """The most step deltas one reply carries for a stage of `parameters` values (float32 gradient sums)."""
+    return max(1, min(MAX_DELTAS_PER_CALL, DELTA_CALL_BYTES // max(1, 4 * parameters)))
+
 
 # what `step_on_sum` did
 EMPTY = "empty"  # no samples: the group steps on nothing
@@ -100,9 +110,11 @@ class DeltaRing:
         """A holder asked for deltas, or took the whole state: the steps from now on are kept for `interest` s."""
         self.asked_at = time.monotonic()
 
-    def since(self, step: int, limit: int = DELTAS_PER_CALL) -> list[StepDelta] | None:
-        """The deltas from `step` on (at most `limit`), or None if `step`'s is no longer (or not yet) kept."""
+    def since(self, step: int, parameters: int) -> list[StepDelta] | None:
+        """The deltas from `step` on (at most `deltas_per_call(parameters)`, for a stage of that many values), or
+        None if `step`'s is no longer (or not yet) kept."""
         self.note_interest()
+        limit = deltas_per_call(parameters)
         with self._lock:
             if step not in self._deltas:
                 return None

@@ -61,6 +61,8 @@ def test_a_sound_record_parses():
         {"stage_blocks": [2, 0, 4]},
         {"stage_blocks": "2,2,2"},
         {"stage_blocks": [2, 2.5, 2]},
+        {"fingerprint": "not a hash"},
+        {"fingerprint": 7},
     ],
 )
 def test_a_field_out_of_type_or_range_drops_the_record(changes):

@@ -26,6 +26,7 @@ from swarm.peer.standby import (
 )
 from swarm.peer.standby_copy import Standby
 from swarm.peer.standby_newcomer import NewcomerRestore
+from swarm.peer.state_transfer import announced_versions, confirmed_versions
 from swarm.policy.empty_stages import choose_filler, on_the_way
 from swarm.policy.lost_stages import (
     RESTORE_STEP_SLACK,
@@ -211,6 +212,21 @@ def test_in_the_calm_a_copy_follows_its_stage_by_deltas_half_their_reach_behind_
     calm.calm_deltas = False  # --no-standby-calm-deltas: in the calm, whole refreshes only
     calm._refresh_copies({1: half}, now)
     assert calm.spawned == []
+
+
+def test_a_catch_up_takes_the_versions_two_records_announce_never_one_alone():
+    """Each catch-up asked every peer of the stage for its version: calls that cost the copies a share of samples/s
+    in bench_standby, for what the peers' records say anyway."""
+    a, b, c = (
+        dataclasses.replace(record(p, 1), fingerprint=f)
+        for p, f in [("peerA", "a" * 16), ("peerB", "a" * 16), ("peerC", "")]
+    )
+    assert confirmed_versions(announced_versions([a, b, c])) == {(5, "a" * 16)}
+    # a record built between a step and its hash: the other peer's version is not confirmed by itself alone
+    assert announced_versions([a, c]) == {}
+    assert announced_versions([a]) == {a.peer_id: (5, "a" * 16)}  # the stage's one serving peer, as its answer would
+    liar = dataclasses.replace(b, fingerprint="b" * 16)
+    assert confirmed_versions(announced_versions([a, liar])) == set()
 
 
 def test_a_keeper_that_saw_no_death_follows_its_copies_while_a_record_says_its_peer_saw_one():

@@ -10,10 +10,11 @@ from swarm.models.optimizer import OptimizerSettings, build_optimizer
 from swarm.peer.runtime import StageRuntime
 from swarm.peer.stage_state import StageStateError, parameter_fingerprint, state_tensors
 from swarm.peer.standby_copy import Standby
-from swarm.peer.step_deltas import DeltaRing, StepDelta
+from swarm.peer.step_deltas import MAX_DELTAS_PER_CALL, DeltaRing, StepDelta, deltas_per_call
 
 SPEC = get_model_spec("gpt-tiny")
 TARGET = 4
+PARAMETERS = 1000  # a small stage: every kept delta fits in one reply
 
 
 def backward_inputs(batch: int, seed: int) -> list[torch.Tensor]:
@@ -41,7 +42,7 @@ def test_a_copy_fed_the_step_deltas_of_a_stepping_stage_shows_its_fingerprint_at
             runtime.submit(True, backward_inputs(TARGET, step), key=("trainer", step)).result(30)
             runtime.settle_fingerprint()
             assert runtime.step == step + 1
-            deltas = runtime.deltas.since(copy.step)
+            deltas = runtime.deltas.since(copy.step, PARAMETERS)
             assert [d.step for d in deltas] == [step] and deltas[0].samples == TARGET
             assert copy.advance(deltas) == runtime.version
         assert copy.samples_stepped == 5 * TARGET and copy.has_optimizer_state
@@ -49,7 +50,9 @@ def test_a_copy_fed_the_step_deltas_of_a_stepping_stage_shows_its_fingerprint_at
         given, _ = state_tensors(runtime.module, runtime.optimizer)
         assert all(torch.equal(a, b) for a, b in zip(copy.load(), given))
         # only the last `keep` steps are kept: an older copy is refreshed whole
-        assert runtime.deltas.since(1) is None and [d.step for d in runtime.deltas.since(2)] == [2, 3, 4]
+        assert runtime.deltas.since(1, PARAMETERS) is None and [
+            d.step for d in runtime.deltas.since(2, PARAMETERS)
+        ] == [2, 3, 4]
     finally:
         runtime.shutdown()
 
@@ -80,11 +83,13 @@ def test_the_ring_forgets_when_a_state_is_loaded_between_steps_and_keeps_nothing
     ring.record(3, module, "stepped", 8)
     ring.record(4, module, "stepped", 8)
     ring.record(9, module, "empty", 0)  # a mate's state at step 9 was loaded: 3 and 4 lead elsewhere
-    assert ring.since(3) is None and [(d.step, d.samples, d.grad_sum) for d in ring.since(9)] == [(9, 0, None)]
+    assert ring.since(3, PARAMETERS) is None and [
+        (d.step, d.samples, d.grad_sum) for d in ring.since(9, PARAMETERS)
+    ] == [(9, 0, None)]
     holders: list[str] = []
     unwanted = DeltaRing(keep=4, wanted=lambda: bool(holders))
     unwanted.record(0, module, "stepped", 8)
-    assert unwanted.since(0) is None
+    assert unwanted.since(0, PARAMETERS) is None
 
 
 def test_the_ring_keeps_deltas_from_its_start_and_while_holders_ask_or_take_the_whole_state():
@@ -97,7 +102,21 @@ def test_the_ring_keeps_deltas_from_its_start_and_while_holders_ask_or_take_the_
     ring.record(0, module, "stepped", 8)  # never asked yet: kept, for whichever holder asks first
     ring.asked_at -= 61.0  # a minute with no holder asking: holders refresh whole, no gradient is copied
     ring.record(1, module, "stepped", 8)
-    assert ring.since(0) is None and ring.since(1) is None
+    assert ring.since(0, PARAMETERS) is None and ring.since(1, PARAMETERS) is None
     ring.note_interest()  # a holder took the whole state: the next steps are kept for its catch-up
     ring.record(2, module, "stepped", 8)
-    assert [d.step for d in ring.since(2)] == [2]
+    assert [d.step for d in ring.since(2, PARAMETERS)] == [2]
+
+
+def test_a_reply_carries_every_kept_delta_of_a_small_stage_and_one_of_a_large_one():
+    """Each call costs both sides a connection and a handshake: a small stage's copy catches up in one."""
+    module = build_stage(SPEC, 1, 3, seed=1)
+    for p in module.parameters():
+        p.grad = torch.ones_like(p)
+    ring = DeltaRing(keep=8)
+    for step in range(8):
+        ring.record(step, module, "stepped", 8)
+    count = sum(p.numel() for p in module.parameters())
+    assert [d.step for d in ring.since(0, count)] == list(range(8))
+    assert deltas_per_call(count) == MAX_DELTAS_PER_CALL
+    assert len(ring.since(0, 10**9)) == deltas_per_call(10**9) == 1  # 4 GB a sum: one per message

@@ -107,6 +107,9 @@ class StageRecord:
     # hear this one's SHORT reply, learns here which of its own to send again
     short_step: int = -1
     short: tuple[tuple[str, int, int], ...] = ()
+    # the parameters' fingerprint at `step` ("" before it is taken): a standby holder catching its copy up by
+    # step deltas checks it against what two of the stage's records say, with no call to each peer
+    fingerprint: str = ""
 
     def standby_of(self, stage: int) -> tuple[int, str] | None:
         """(step, fingerprint) of this peer's standby copy of `stage`, step -1 while it fetches one; None if none."""
@@ -201,6 +204,8 @@ class StageRecord:
                 return "short"
             if not 0 < samples <= 2**31:
                 return "short"
+        if not isinstance(self.fingerprint, str) or not FINGERPRINT.fullmatch(self.fingerprint):
+            return "fingerprint"
         return None
 
 
