@@ -45,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import deque
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 
@@ -73,7 +74,7 @@ from swarm.peer.trainer_departures import watch_departures
 from swarm.peer.work_receipts import WorkReceipts
 from swarm.proto import PeerInfo
 from swarm.records.sample_ledger import SampleLedger, left_record, restore_record, step_record
-from swarm.records.stage_records import LEAVING, SERVING, StageRecord
+from swarm.records.stage_records import LEAVING, RECENT_VERSIONS, SERVING, StageRecord
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +119,8 @@ class StageMates:
         self.averaging.on_fork = self._forked
         self.handover = StateHandOver(self.machine, self.membership, self.progress, self.averaging)
         self.trainers_source: tuple | None = None  # (DHT, run id) where trainers publish, once `watch_departures`
+        # (step, parameter fingerprint) of the last steps, announced: holders confirm a copy by two peers' records
+        self.recent_versions: deque[tuple[int, str]] = deque(maxlen=RECENT_VERSIONS)
 
     def watch_departures(self, dht, run_id: str) -> None:
         """From `start` on: reads the trainers' records while a step is short, so that it does not wait for
@@ -216,6 +219,9 @@ class StageMates:
 
     def on_step(self, step: int, fingerprint: str) -> None:
         """Called from the runtime thread after every step or state load."""
+        while self.recent_versions and self.recent_versions[-1][0] >= step:  # a load back to an earlier step
+            self.recent_versions.pop()
+        self.recent_versions.append((step, fingerprint))
         result = self.runtime.last_round
         if self.loop is not None:
             self.loop.call_soon_threadsafe(self._after_step, step, fingerprint, result)

@@ -227,7 +227,7 @@ class Peer:
         logger.info(f"Saved checkpoint of step {self.runtime.step} to {path}")
 
     def record(self) -> StageRecord:
-        config, (step, fingerprint) = self.config, self.runtime.version  # a step and its own parameters' hash
+        config = self.config
         lost = self.mates.lost() if self.mates is not None and self.state == SERVING else {}
         return StageRecord(
             peer_id=self.peer_id,
@@ -235,8 +235,8 @@ class Peer:
             model=config.model,
             num_stages=config.num_stages,
             state=self.state,
-            step=step,
-            fingerprint=fingerprint,
+            step=self.runtime.step,
+            versions=tuple(self.mates.recent_versions) if self.mates is not None else (),
             throughput=self.runtime.throughput,
             queue_length=self.runtime.queue_length,
             target_batch_size=config.target_batch_size,

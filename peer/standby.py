@@ -310,10 +310,10 @@ class StandbyKeeper:
             if self._deltas_reach(copy, newest):
                 # a third of the state per step keeps a copy a few steps behind in the calm too (a wave comes
                 # without warning: copies refreshed whole every 15 steps lost 8-9 steps to a first wave); in the
-                # calm once half the kept steps behind, before it falls out of their reach (the whole refresh
-                # that would follow costs three steps' deltas): every catch-up asks the stage's peers for their
-                # versions, and catching up every period cost 15% of samples/s in bench_standby
-                lagging = newest - copy.step >= max(1, self.deltas // 2)
+                # calm about half the kept steps behind the newest step two records confirm, before it falls out
+                # of their reach (a whole refresh costs three steps' deltas; each catch-up costs both sides a call)
+                reach = max((version[0] for version in announced_versions(serving).values()), default=newest)
+                lagging = reach - copy.step >= max(1, self.deltas // 2 - 1)
                 if self.following(now) or (lagging and self.calm_deltas):
                     self._spawn(self.catch_up(stage, serving))
                 continue

@@ -152,11 +152,13 @@ async def peer_versions(
 
 
 def announced_versions(serving: list[StageRecord]) -> dict[str, Version]:
-    """The (step, fingerprint) the records of a stage's `serving` peers announce. None while fewer than two (or the
-    one serving) announce a fingerprint, so that a record built between a step and its hash never leaves another
-    peer's version confirmed alone (`confirmed_versions`)."""
-    versions = {r.peer_id: (r.step, r.fingerprint) for r in serving if r.state == SERVING and r.fingerprint}
-    return versions if len(versions) >= min(2, len(serving)) else {}
+    """Each of a stage's `serving` peers' newest (step, fingerprint) that its record announces and as many other
+    records as `confirmed_versions` asks for do too (records are built a moment apart, at different steps: each
+    lists its last ones). A peer whose record shares none is left out."""
+    histories = {r.peer_id: set(r.versions) for r in serving if r.state == SERVING and r.versions}
+    counts = Counter(version for history in histories.values() for version in history)
+    shared = {version for version, n in counts.items() if n >= min(2, len(serving))}
+    return {peer_id: max(history & shared) for peer_id, history in histories.items() if history & shared}
 
 
 def confirmed_versions(versions: dict[str, Version]) -> set[Version]:

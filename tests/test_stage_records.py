@@ -61,8 +61,11 @@ def test_a_sound_record_parses():
         {"stage_blocks": [2, 0, 4]},
         {"stage_blocks": "2,2,2"},
         {"stage_blocks": [2, 2.5, 2]},
-        {"fingerprint": "not a hash"},
-        {"fingerprint": 7},
+        {"versions": [[3, "not a hash"]]},
+        {"versions": [[3, ""]]},
+        {"versions": [[-1, "a" * 16]]},
+        {"versions": [[3, "a" * 16]] * 9},
+        {"versions": "3"},
     ],
 )
 def test_a_field_out_of_type_or_range_drops_the_record(changes):

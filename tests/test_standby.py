@@ -187,14 +187,18 @@ def test_a_slow_whole_refresh_holds_a_copy_back_a_bounded_share_of_the_time_less
 
 def test_in_the_calm_a_copy_follows_its_stage_by_deltas_half_their_reach_behind_and_whole_past_it():
     """Measured in wave runs: copies refreshed whole every 15 steps in the calm lost 8-9 steps to a first wave;
-    copies caught up every announce period cost 15% of samples/s in bench_standby (each catch-up asks every peer
-    of the stage for its version)."""
+    copies caught up every announce period cost 15% of samples/s in bench_standby (each catch-up then asked every
+    peer of the stage for its version)."""
     keeper = keeper_on_stage_0([])
     spawned = keeper.spawned
     stage1 = [record("peerC", 1), record("peerE", 1)]  # at step 5, one past the copy
     now = time.monotonic()
     keeper._refresh_copies({1: stage1}, now)
     assert spawned == [] and not keeper.following(now), "a step behind: not worth the calls yet"
+    # records built a moment apart: the newest step two of them confirm is the one a catch-up can reach
+    confirmed = [dataclasses.replace(r, step=4 + keeper.deltas // 2, versions=((5, "a" * 16),)) for r in stage1]
+    keeper._refresh_copies({1: confirmed}, now)
+    assert spawned == [], "two records confirm step 5 only: one delta to take, not worth a call yet"
     half = [dataclasses.replace(r, step=4 + keeper.deltas // 2) for r in stage1]
     keeper._refresh_copies({1: half}, now)
     assert spawned == ["catch_up"], "half-way out of the deltas' reach: the whole refresh after would cost more"
@@ -214,19 +218,24 @@ def test_in_the_calm_a_copy_follows_its_stage_by_deltas_half_their_reach_behind_
     assert calm.spawned == []
 
 
-def test_a_catch_up_takes_the_versions_two_records_announce_never_one_alone():
+def test_a_catch_up_takes_the_newest_version_two_records_announce_never_one_alone():
     """Each catch-up asked every peer of the stage for its version: calls that cost the copies a share of samples/s
-    in bench_standby, for what the peers' records say anyway."""
-    a, b, c = (
-        dataclasses.replace(record(p, 1), fingerprint=f)
-        for p, f in [("peerA", "a" * 16), ("peerB", "a" * 16), ("peerC", "")]
-    )
-    assert confirmed_versions(announced_versions([a, b, c])) == {(5, "a" * 16)}
-    # a record built between a step and its hash: the other peer's version is not confirmed by itself alone
-    assert announced_versions([a, c]) == {}
-    assert announced_versions([a]) == {a.peer_id: (5, "a" * 16)}  # the stage's one serving peer, as its answer would
-    liar = dataclasses.replace(b, fingerprint="b" * 16)
-    assert confirmed_versions(announced_versions([a, liar])) == set()
+    in bench_standby, for what the peers' records say anyway. Records are built a moment apart: each lists its
+    last steps, and the newest step two of them share is the one to take."""
+    x, y, z = "a" * 16, "b" * 16, "c" * 16
+
+    def announcing(peer, *versions):
+        return dataclasses.replace(record(peer, 1), versions=tuple(versions))
+
+    a = announcing("peerA", (3, x), (4, y), (5, z))
+    b = announcing("peerB", (2, "d" * 16), (3, x), (4, y))  # built a step earlier
+    fresh = announcing("peerC")  # a newcomer that has not stepped yet
+    assert announced_versions([a, b, fresh]) == {a.peer_id: (4, y), b.peer_id: (4, y)}
+    assert confirmed_versions(announced_versions([a, b])) == {(4, y)}
+    assert announced_versions([a, fresh]) == {}, "one record's word alone, with another serving"
+    assert announced_versions([a]) == {a.peer_id: (5, z)}, "the stage's one serving peer, as its answer would be"
+    liar = announcing("peerL", (3, x), (4, y), (5, "e" * 16), (9, "f" * 16))
+    assert announced_versions([a, liar]) == {a.peer_id: (4, y), liar.peer_id: (4, y)}
 
 
 def test_a_keeper_that_saw_no_death_follows_its_copies_while_a_record_says_its_peer_saw_one():

@@ -55,6 +55,7 @@ ANNOUNCED_DTYPES = ("", "fp32", "bf16")  # a record's dtype: none (from before t
 MAX_STANDBYS = 64  # standby copies one record may list: far above any sensible --standby-stages
 MAX_CAUGHT = 16  # mates one record may name as caught lying
 MAX_SHORT = 64  # lost microbatches one record may name (a short step names the rest in its SHORT replies)
+RECENT_VERSIONS = 8  # (step, fingerprint) pairs a record announces: the last steps a holder's catch-up may aim at
 FINGERPRINT = re.compile(r"[0-9a-f]{16}|")  # `swarm.peer.stage_state.state_fingerprint`, or none yet
 dropped_records: Counter[str] = Counter()  # records skipped by this process, per reason
 
@@ -107,9 +108,10 @@ class StageRecord:
     # hear this one's SHORT reply, learns here which of its own to send again
     short_step: int = -1
     short: tuple[tuple[str, int, int], ...] = ()
-    # the parameters' fingerprint at `step` ("" before it is taken): a standby holder catching its copy up by
-    # step deltas checks it against what two of the stage's records say, with no call to each peer
-    fingerprint: str = ""
+    # (step, parameter fingerprint) of the peer's last `RECENT_VERSIONS` steps: a standby holder catching its copy
+    # up by step deltas takes a version two of the stage's records show, with no call to each peer (records
+    # built a moment apart show different steps, so one step each would seldom agree)
+    versions: tuple[tuple[int, str], ...] = ()
 
     def standby_of(self, stage: int) -> tuple[int, str] | None:
         """(step, fingerprint) of this peer's standby copy of `stage`, step -1 while it fetches one; None if none."""
@@ -121,6 +123,7 @@ class StageRecord:
         value["standbys"] = [list(entry) for entry in self.standbys]
         value["stage_blocks"] = list(self.stage_blocks)
         value["short"] = [list(entry) for entry in self.short]
+        value["versions"] = [list(entry) for entry in self.versions]
         return value
 
     @classmethod
@@ -139,6 +142,8 @@ class StageRecord:
                 kwargs["standbys"] = _standby_entries(kwargs["standbys"])
             if "short" in kwargs:
                 kwargs["short"] = _short_entries(kwargs["short"])
+            if "versions" in kwargs:
+                kwargs["versions"] = _version_entries(kwargs["versions"])
             if "stage_blocks" in kwargs:
                 if not isinstance(kwargs["stage_blocks"], (list, tuple)) or len(kwargs["stage_blocks"]) > 1024:
                     return None
@@ -204,8 +209,13 @@ class StageRecord:
                 return "short"
             if not 0 < samples <= 2**31:
                 return "short"
-        if not isinstance(self.fingerprint, str) or not FINGERPRINT.fullmatch(self.fingerprint):
-            return "fingerprint"
+        if not isinstance(self.versions, tuple) or len(self.versions) > RECENT_VERSIONS:
+            return "versions"
+        for entry in self.versions:
+            if not (isinstance(entry, tuple) and len(entry) == 2 and type(entry[0]) is int and 0 <= entry[0] <= 2**53):
+                return "versions"
+            if not isinstance(entry[1], str) or not entry[1] or not FINGERPRINT.fullmatch(entry[1]):
+                return "versions"
         return None
 
 
@@ -235,6 +245,13 @@ def _short_entries(value: object) -> tuple:
     """A record's `short` as read from the DHT (lists of lists) made into tuples; checked by `problem`."""
     if not isinstance(value, (list, tuple)) or len(value) > MAX_SHORT:
         raise ValueError("short")
+    return tuple(tuple(entry) if isinstance(entry, (list, tuple)) else entry for entry in value)
+
+
+def _version_entries(value: object) -> tuple:
+    """A record's `versions` as read from the DHT made into tuples; checked by `problem`."""
+    if not isinstance(value, (list, tuple)) or len(value) > RECENT_VERSIONS:
+        raise ValueError("versions")
     return tuple(tuple(entry) if isinstance(entry, (list, tuple)) else entry for entry in value)
 
 
