@@ -251,6 +251,7 @@ class Peer:
             dtype=flag_value(self.runtime.dtype),
             caught=tuple(self.mates.membership.caught)[:MAX_CAUGHT] if self.mates is not None else (),
             saw_death=self.standbys.saw_death() if self.standbys is not None else False,
+            empty=self.standbys.announced_empty() if self.standbys is not None else (),
             stage_blocks=self.spec.stage_blocks,
             short_step=self.runtime.step if lost else -1,
             short=short_entries(lost),  # trainers whose calls wait at another stage read what to send again here

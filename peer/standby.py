@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import random
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -38,9 +37,8 @@ from typing import TYPE_CHECKING
 import torch
 from hivemind.utils import get_dht_time
 
-from swarm.models import build_stage
 from swarm.models.optimizer import OptimizerSettings
-from swarm.net.wire import WireLimits
+from swarm.peer.copy_sources import INFO_TIMEOUT, CopySources
 from swarm.peer.delta_transfer import request_deltas
 from swarm.peer.liveness_probes import LivenessProbes
 from swarm.peer.stage_state import StageStateError, check_state_tensors, parameter_fingerprint
@@ -49,16 +47,12 @@ from swarm.peer.standby_host import StandbyHost
 from swarm.peer.standby_newcomer import JOIN_RESTORE_TIMEOUT, STATE_TIMEOUT, NewcomerRestore, answer_standby
 from swarm.peer.state_file import write_tensor_list
 from swarm.peer.state_transfer import (
-    Version,
     announced_versions,
-    confirmed_holders,
     confirmed_versions,
     parameters_fingerprint,
-    peer_versions,
     request_state,
     state_handler,
 )
-from swarm.peer.work_receipts import WorkReceipts, work_receipts
 from swarm.policy.empty_stages import choose_filler, on_the_way
 from swarm.policy.lost_stages import choose_restorer, lost_stages, standby_holders, standby_targets
 from swarm.records.sample_ledger import restore_record
@@ -71,7 +65,6 @@ logger = logging.getLogger(__name__)
 
 LOST_GRACE = 2  # announce periods a stage shows no serving or joining record before it counts as lost
 FILL_PERIODS = 3  # announce periods after that in which a holder may restore it before another peer fills it
-INFO_TIMEOUT = 5.0
 CHURN_MEMORY = 600.0  # seconds after a peer's death during which copies follow their stages step by step
 HEARD_MEMORY = 60.0  # seconds after a read last showed a record whose peer saw a death (`saw_death`)
 # while copies follow their stages (churn), the least share of the time whole refreshes may take: a slow refresh
@@ -100,9 +93,9 @@ class StandbyKeeper:
         self.spill_dir = Path(config.checkpoint_dir) / "standby" if config.checkpoint_dir else None
         self.standbys: dict[int, Standby] = {}
         self.fetching: set[int] = set()
-        self.templates: dict[int, torch.nn.Module] = {}  # per stage: its shapes, on the meta device
-        self.receipts: dict[int, WorkReceipts | None] = {}  # per stage, with a trust root: whose copies count
+        self.sources = CopySources(peer)  # versions of the stages held, whom to take a copy from, their shapes
         self.empty_since: dict[int, float] = {}
+        self.hinted: set[int] = set()  # stages other peers' records name empty, beyond those this peer reads anyway
         self.seen_serving: set[int] = set()  # stages a record showed served: only those can be lost
         self.left_on_request: set[int] = set()  # lost stages whose last peers left on request: not restored
         self.last_step: dict[int, int] = {}  # the highest step seen announced per stage
@@ -116,13 +109,11 @@ class StandbyKeeper:
         self.calm_deltas = config.standby_calm_deltas  # whether copies follow by deltas with no churn too
         self.deltas_applied = 0
         self.no_deltas: dict[int, int] = {}  # per stage: the copy's step its peers had no deltas from
-        self.delta_misses: dict[int, set[str]] = {}  # per stage: sources whose deltas led to no confirmed version
         self.present: dict[int, dict[str, str]] = {}  # per stage read: its peers and their states, at the last read
         self.last_death = float("-inf")  # when a peer was last counted dead (see _confirm_deaths)
         self.heard_of_death = float("-inf")  # when a read last showed a record saying its peer saw a death
         self.vanished: dict[str, tuple[int, float]] = {}  # peer id -> (stage, DHT time) its record vanished, unprobed
         self.deaths = 0  # peers counted dead: records gone, not saying they left, and a probe since failed
-        self.rng = random.Random()
         # peers of the stages held and of the peer's own, asked every period whether they live (see liveness_probes)
         self.probes = LivenessProbes(config.record_ttl, timeout=max(1.0, config.announce_period))
         self.to_probe: set[str] = set()  # beyond those: holders chosen to restore a lost stage, asked once
@@ -152,6 +143,10 @@ class StandbyKeeper:
             entries.append((stage, copy.step, copy.fingerprint) if copy else (stage, -1, ""))
         return tuple(entries)
 
+    def announced_empty(self) -> tuple[int, ...]:
+        """The record's `empty`: the stages this peer sees with no live peer (not those left on request)."""
+        return tuple(sorted(s for s in self.empty_since if s not in self.left_on_request))
+
     def held_bytes(self) -> int:
         return sum(copy.nbytes for copy in self.standbys.values() if copy.in_memory)
 
@@ -160,9 +155,10 @@ class StandbyKeeper:
     def stages_to_read(self) -> list[int] | None:
         """The stages this period's read needs (the peer's own and those it holds copies of), or None for every
         stage: every `WHOLE_SWARM_EVERY` periods (which peers hold copies of this peer's stage) and while a
-        stage looks lost (its restorer, or the peer that fills it, is chosen from every peer's record)."""
+        stage looks lost, here or in another peer's record (its restorer, or the peer that fills it, is chosen
+        from every peer's record)."""
         self.reads += 1
-        if self.reads % WHOLE_SWARM_EVERY == 1 or self.empty_since:
+        if self.reads % WHOLE_SWARM_EVERY == 1 or self.empty_since or self.hinted:
             return None
         return [self.peer.stage, *self.targets()]
 
@@ -177,6 +173,10 @@ class StandbyKeeper:
             if group:
                 self.last_step[stage] = max([self.last_step.get(stage, 0), *(r.step for r in group)])
         read, records = records, self.probes.live(records)
+        # stages another peer's probes found empty: probed here too, so that a peer of any stage can fill one
+        # before its records lapse (a first wave's lost stage waited for that, 13-16 s, when its holders died)
+        regular = {peer.stage, *self.targets()}
+        self.hinted = {s for g in read.values() for r in g if r.peer_id != peer.peer_id for s in r.empty} - regular
         self._probe(records)
         if peer.mates is not None and whole_swarm:
             peer.mates.standby_holders = standby_holders(peer.stage, records)
@@ -209,12 +209,13 @@ class StandbyKeeper:
         self._fill_empty(records, now)
 
     def _probe(self, records: dict[int, list[StageRecord]]) -> None:
-        """Starts this period's probes: the peers records put on this peer's stage and on the stages it holds copies
-        of, and the restorers chosen last period; the answers count from the next period's records on."""
+        """Starts this period's probes: the peers records put on this peer's stage, on the stages it holds copies
+        of and on those another record names empty, and the restorers chosen last period; the answers count from
+        the next period's records on."""
         peer = self.peer
         if getattr(peer.mates, "p2p", None) is None:
             return
-        stages = {peer.stage, *self.targets()}
+        stages = {peer.stage, *self.targets(), *self.hinted}
         named = {r.peer_id for s in stages for r in records.get(s, []) if r.state in (SERVING, JOINING)}
         named |= self.to_probe
         named.discard(peer.peer_id)
@@ -375,70 +376,27 @@ class StandbyKeeper:
 
     # --- refreshing a copy ----------------------------------------------------------------------------
 
-    def template(self, stage: int) -> torch.nn.Module:
-        """The stage's module on the meta device: its shapes, to check a state against, at no memory cost."""
-        if stage not in self.templates:
-            config = self.peer.config
-            with torch.device("meta"):
-                self.templates[stage] = build_stage(self.peer.spec, stage, config.num_stages, config.seed)
-        return self.templates[stage]
-
-    def limits(self, stage: int) -> WireLimits:
-        count = sum(p.numel() for p in self.template(stage).parameters())
-        state_bytes = 16 * count + 2**20
-        return WireLimits(max_message_bytes=state_bytes, max_tensor_bytes=state_bytes)
-
-    def _receipts(self, stage: int) -> WorkReceipts | None:
-        """With a trust root, the receipts that say whose copies of `stage` count; None without one."""
-        if stage not in self.receipts:
-            self.receipts[stage] = work_receipts(self.peer.config, self.peer.mates.machine.peer_id, stage)
-        return self.receipts[stage]
-
-    async def _versions(self, stage: int, peers: list[str]) -> dict[str, Version]:
-        """Each of `peers`' (step, fingerprint) as it answers now, for `stage` (the silent ones left out; with a
-        trust root, those that show no recent receipt naming them too)."""
-        receipts = self._receipts(stage)
-        sources = receipts.state_sources if receipts is not None else None
-        return await peer_versions(self.peer.mates.p2p, peers, self.peer.config.model, stage, INFO_TIMEOUT, sources)
-
-    async def _announced_versions(self, stage: int, serving: list[StageRecord]) -> dict[str, Version]:
-        """What `serving` peers' records announce, where no trust root asks for receipts (only an answer carries
-        those: then each is asked): a catch-up costs the stage's peers one call, not one each."""
-        if self._receipts(stage) is not None:
-            return await self._versions(stage, [r.peer_id for r in serving])
-        return announced_versions(serving)
-
-    def _pick_source(
-        self, stage: int, versions: dict[str, Version], minimum_step: int = 0
-    ) -> tuple[str, Version] | None:
-        """A peer at the newest version two of `stage`'s peers confirm (from `minimum_step`), and that version; any
-        of them, so that the copies' cost is spread over the stage, but none whose deltas led nowhere confirmed."""
-        holders = confirmed_holders(versions, minimum_step)
-        if not holders:
-            return None
-        top = versions[holders[0]]
-        sources = [h for h in holders if versions[h] == top and h not in self.delta_misses.get(stage, ())]
-        return (self.rng.choice(sources), top) if sources else None
-
     async def refresh(self, stage: int, serving: list[str]) -> None:
         """Downloads `stage`'s state from one of its serving peers, taking only a confirmed version."""
         self.fetching.add(stage)
         started = time.perf_counter()
         try:
-            versions = await self._versions(stage, serving)
-            if (picked := self._pick_source(stage, versions)) is None:
+            versions = await self.sources.answered(stage, serving)
+            if (picked := self.sources.pick(stage, versions)) is None:
                 return
             source = picked[0]
             model = self.peer.config.model
-            given = await request_state(self.peer.mates.p2p, source, model, stage, self.limits(stage), STATE_TIMEOUT)
+            given = await request_state(
+                self.peer.mates.p2p, source, model, stage, self.sources.limits(stage), STATE_TIMEOUT
+            )
             step, tensors, has_optimizer_state = given.step, given.tensors, given.has_optimizer_state
             samples_stepped = given.samples_stepped
-            template = self.template(stage)
+            template = self.sources.template(stage)
             check_state_tensors(template, tensors, has_optimizer_state)
             fingerprint = await parameters_fingerprint(template, tensors)
             if (step, fingerprint) not in confirmed_versions(versions):
                 # the source stepped since its mates were asked: ask them again
-                if (step, fingerprint) not in confirmed_versions(await self._versions(stage, serving)):
+                if (step, fingerprint) not in confirmed_versions(await self.sources.answered(stage, serving)):
                     raise StageStateError(f"no other peer confirms step {step}, fingerprint {fingerprint}")
             if stage not in self.targets():
                 return  # this peer moved meanwhile
@@ -485,12 +443,12 @@ class StandbyKeeper:
             return False
         return (
             self.no_deltas.get(copy.stage) != copy.step
-            and len(self.delta_misses.get(copy.stage, ())) < MAX_DELTA_MISSES
+            and len(self.sources.delta_misses.get(copy.stage, ())) < MAX_DELTA_MISSES
         )
 
     async def catch_up(self, stage: int, serving: list[StageRecord]) -> None:
         """Catches `stage`'s live copy up with the newest version two of its `serving` peers confirm (their records,
-        see `_announced_versions`), step delta by delta.
+        see `CopySources.announced`), step delta by delta.
 
         The copy's parameters must then show that version's fingerprint. If they do not (a source that lies,
         or peers whose arithmetic differs from this host's), the copy is dropped and taken whole at once; after
@@ -500,15 +458,15 @@ class StandbyKeeper:
         copy = self.standbys[stage]
         started: float | None = None  # from the transfer on: asking which version to take is no refresh to pace
         try:
-            versions = await self._announced_versions(stage, serving)
-            if (picked := self._pick_source(stage, versions, copy.step + 1)) is None:
+            versions = await self.sources.announced(stage, serving)
+            if (picked := self.sources.pick(stage, versions, copy.step + 1)) is None:
                 return  # no two peers at one version now (a fast stage): asked again next period
             source, top = picked
             started = time.perf_counter()
             config, loop = self.peer.config, asyncio.get_running_loop()
             if copy.module is None:  # live from the first catch-up on: the stage's step deltas advance it
                 settings = OptimizerSettings(config.lr, config.weight_decay, config.beta1, config.beta2)
-                await loop.run_in_executor(None, copy.make_live, self.template(stage), settings)
+                await loop.run_in_executor(None, copy.make_live, self.sources.template(stage), settings)
             start, nbytes = copy.step, 0
             while copy.step < top[0]:
                 deltas = await request_deltas(
@@ -542,8 +500,8 @@ class StandbyKeeper:
 
     def _missed(self, stage: int, source: str, version: tuple[int, str]) -> None:
         copy = self.standbys.pop(stage, None) or self.standbys.get(stage)
-        self.delta_misses.setdefault(stage, set()).add(source)
-        misses = len(self.delta_misses[stage])
+        self.sources.delta_misses.setdefault(stage, set()).add(source)
+        misses = len(self.sources.delta_misses[stage])
         self.last_refresh.pop(stage, None)  # taken whole at the next look
         logger.warning(
             f"The step deltas of stage {stage} from {source} brought its standby copy to fingerprint "
@@ -577,7 +535,7 @@ class StandbyKeeper:
         if self.claimed is None:
             return
         (stage, step, fingerprint), self.claimed = self.claimed, None
-        newcomer = NewcomerRestore(self.peer, self.accused, self.limits, dict(self.last_step), self.probes.live)
+        newcomer = NewcomerRestore(self.peer, self.accused, self.sources.limits, dict(self.last_step), self.probes.live)
         await asyncio.sleep(self.peer.config.announce_period)  # a holder restoring the stage too has announced it
         if await newcomer.take_fresher(step):
             return
@@ -596,4 +554,4 @@ class StandbyKeeper:
 
     async def fetch_for_newcomer(self, timeout: float = JOIN_RESTORE_TIMEOUT) -> bool:
         """Brings this peer's stage back from a standby copy (see `NewcomerRestore.fetch`); True if it did."""
-        return await NewcomerRestore(self.peer, self.accused, self.limits, dict(self.last_step)).fetch(timeout)
+        return await NewcomerRestore(self.peer, self.accused, self.sources.limits, dict(self.last_step)).fetch(timeout)

@@ -66,6 +66,9 @@ def test_a_sound_record_parses():
         {"versions": [[-1, "a" * 16]]},
         {"versions": [[3, "a" * 16]] * 9},
         {"versions": "3"},
+        {"empty": [3]},
+        {"empty": "1"},
+        {"empty": [1, 1, 1, 1]},
     ],
 )
 def test_a_field_out_of_type_or_range_drops_the_record(changes):

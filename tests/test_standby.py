@@ -432,6 +432,25 @@ def test_a_keeper_reads_its_own_and_held_stages_and_every_stage_now_and_then():
     assert moves == [1]
 
 
+def test_a_stage_another_record_names_empty_is_read_and_probed_here_too():
+    """Measured in wave runs: a first wave's lost stage whose holders died with it waited 13-16 s for a filler, which
+    saw it empty only when its records lapsed; the one holder left, its own stage's last peer, had probed it."""
+    keeper = keeper_on_stage_0([])
+    keeper.peer.mates = SimpleNamespace(p2p=object(), standby_holders=set(), membership=SimpleNamespace(accused=()))
+    probed: list[set[str]] = []
+    keeper.probes.probe = lambda p2p, named: (probed.append(set(named)), asyncio.sleep(0))[1]
+    [keeper.stages_to_read() for _ in range(WHOLE_SWARM_EVERY)]  # past the first, whole read
+    seeing = dataclasses.replace(record("peerC", 1), empty=(2,))
+    keeper.observe({0: [record("peerB", 0)], 1: [seeing]}, whole_swarm=False)
+    assert keeper.hinted == {2} and keeper.stages_to_read() is None
+    keeper.observe({0: [record("peerB", 0)], 1: [seeing], 2: [record("peerD", 2)]})
+    assert record("peerD", 2).peer_id in probed[-1]
+    keeper.observe({0: [record("peerB", 0)], 1: [record("peerC", 1)], 2: [record("peerD", 2)]})
+    assert keeper.hinted == set(), "nobody names it empty any more: read and probed as before"
+    keeper.empty_since[1] = 0.0
+    assert keeper.announced_empty() == (1,)
+
+
 def wait_for_log(local_swarm, name: str, pattern: str, timeout: float, since: int = 0) -> re.Match:
     """The first match of `pattern` in `name`'s log after character `since`, polled until `timeout`."""
     deadline = time.monotonic() + timeout

@@ -112,6 +112,9 @@ class StageRecord:
     # up by step deltas takes a version two of the stage's records show, with no call to each peer (records
     # built a moment apart show different steps, so one step each would seldom agree)
     versions: tuple[tuple[int, str], ...] = ()
+    # stages the peer sees with no live peer (`swarm.peer.standby`): every peer that reads this probes their
+    # peers too, so that the one that fills such a stage need not wait for their records to lapse
+    empty: tuple[int, ...] = ()
 
     def standby_of(self, stage: int) -> tuple[int, str] | None:
         """(step, fingerprint) of this peer's standby copy of `stage`, step -1 while it fetches one; None if none."""
@@ -124,6 +127,7 @@ class StageRecord:
         value["stage_blocks"] = list(self.stage_blocks)
         value["short"] = [list(entry) for entry in self.short]
         value["versions"] = [list(entry) for entry in self.versions]
+        value["empty"] = list(self.empty)
         return value
 
     @classmethod
@@ -142,6 +146,10 @@ class StageRecord:
                 kwargs["standbys"] = _standby_entries(kwargs["standbys"])
             if "short" in kwargs:
                 kwargs["short"] = _short_entries(kwargs["short"])
+            if "empty" in kwargs:
+                if not isinstance(kwargs["empty"], (list, tuple)) or len(kwargs["empty"]) > MAX_STANDBYS:
+                    return None
+                kwargs["empty"] = tuple(kwargs["empty"])
             if "versions" in kwargs:
                 kwargs["versions"] = _version_entries(kwargs["versions"])
             if "stage_blocks" in kwargs:
@@ -209,6 +217,10 @@ class StageRecord:
                 return "short"
             if not 0 < samples <= 2**31:
                 return "short"
+        if not isinstance(self.empty, tuple) or len(self.empty) > self.num_stages:
+            return "empty"
+        if not all(type(s) is int and 0 <= s < self.num_stages for s in self.empty):
+            return "empty"
         if not isinstance(self.versions, tuple) or len(self.versions) > RECENT_VERSIONS:
             return "versions"
         for entry in self.versions:
