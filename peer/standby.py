@@ -206,7 +206,7 @@ class StandbyKeeper:
                 self.restore_pending = stage
                 peer.request_move(stage)
                 return
-        self._fill_empty(records, now)
+        self._fill_empty(records, now, read)
 
     def _probe(self, records: dict[int, list[StageRecord]]) -> None:
         """Starts this period's probes: the peers records put on this peer's stage, on the stages it holds copies
@@ -332,14 +332,22 @@ class StandbyKeeper:
         share = max(self.share, FOLLOWING_SHARE) if self.following(now) else self.share
         return ended + took / share
 
-    def _fill_empty(self, records: dict[int, list[StageRecord]], now: float) -> None:
-        """Moves this peer to a stage left empty that no holder restores, if the records choose it."""
+    def _fill_empty(
+        self, records: dict[int, list[StageRecord]], now: float, read: dict[int, list[StageRecord]]
+    ) -> None:
+        """Moves this peer to a stage left empty that no holder restores, if the records choose it (`records`:
+        `read` less the peers that failed a probe)."""
         peer = self.peer
         for stage, since in sorted(self.empty_since.items()):
             # the holders have their periods to restore it first, unless none can (each its own stage's last peer):
-            # a filler that waited for them anyway served a first wave's lost stage 15 s after the wave
-            holders_may = choose_restorer(stage, records) is not None
-            grace = (LOST_GRACE + (FILL_PERIODS if holders_may else 0)) * peer.config.announce_period
+            # a filler that waited for them anyway served a first wave's lost stage 15 s after the wave. Where only
+            # this peer's probes say none can (a holder's mate slow to answer on a loaded host), one period more,
+            # for a holder that found itself chosen to show its move: a filler and a holder once both moved
+            if choose_restorer(stage, records) is not None:
+                extra = FILL_PERIODS
+            else:
+                extra = 1 if choose_restorer(stage, read) is not None else 0
+            grace = (LOST_GRACE + extra) * peer.config.announce_period
             # a stage never seen served is one whose peers are still starting, not one that lost them
             waiting = now - since < grace or stage in self.left_on_request or stage not in self.seen_serving
             if waiting or on_the_way(stage, records) or choose_filler(stage, records, self.accused()) != peer.peer_id:

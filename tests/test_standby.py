@@ -285,9 +285,14 @@ def test_a_stage_lost_with_its_copies_is_filled_after_the_holders_had_their_chan
     copy = [(2, 4, "0123456789abcdef")]
     # stage 1's peers hold copies of stage 2: a holder with a mate may restore it, its stage's last peer may not
     alone = [record("peerC", 1, standbys=copy)]
-    for holders, fill_after in (([*alone, record("peerE", 1)], FILL_PERIODS), (alone, 0)):
+    # the holder's mate failed this peer's probe (a slow answer on a loaded host): the holder may still see itself
+    # chosen, so one period more for its move to show (a filler and a holder once both moved)
+    slow = [*alone, record("peerE", 1)]
+    cases = [([*alone, record("peerE", 1)], FILL_PERIODS, None), (alone, 0, None), (slow, 1, "peerE" * 4)]
+    for holders, fill_after, silent in cases:
         moves.clear()
         keeper.empty_since.clear()
+        keeper.probes.silent = {silent: get_dht_time()} if silent else {}
         keeper.observe({0: stage0, 1: holders, 2: [record("peerD", 2)]})
         keeper.observe({0: stage0, 1: holders, 2: []})
         keeper.empty_since[2] -= LOST_GRACE * 1.0  # lost now: a holder of a copy would restore it here
