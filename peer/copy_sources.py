@@ -79,3 +79,12 @@ class CopySources:
         top = versions[holders[0]]
         sources = [h for h in holders if versions[h] == top and h not in self.delta_misses.get(stage, ())]
         return (self.rng.choice(sources), top) if sources else None
+
+    def note_miss(self, stage: int, source: str) -> int:
+        """`source`'s deltas led `stage`'s copy to no confirmed version: never its source again. The stage's misses."""
+        self.delta_misses.setdefault(stage, set()).add(source)
+        return len(self.delta_misses[stage])
+
+    def misses(self, stage: int) -> int:
+        """How many sources' deltas led `stage`'s copy to no confirmed version."""
+        return len(self.delta_misses.get(stage, ()))

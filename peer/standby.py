@@ -449,10 +449,7 @@ class StandbyKeeper:
         """Whether `copy` can be caught up with its stage's step deltas, now at step `newest`."""
         if copy is None or not copy.in_memory or not copy.step < newest <= copy.step + self.deltas:
             return False
-        return (
-            self.no_deltas.get(copy.stage) != copy.step
-            and len(self.sources.delta_misses.get(copy.stage, ())) < MAX_DELTA_MISSES
-        )
+        return self.no_deltas.get(copy.stage) != copy.step and self.sources.misses(copy.stage) < MAX_DELTA_MISSES
 
     async def catch_up(self, stage: int, serving: list[StageRecord]) -> None:
         """Catches `stage`'s live copy up with the newest version two of its `serving` peers confirm (their records,
@@ -508,8 +505,7 @@ class StandbyKeeper:
 
     def _missed(self, stage: int, source: str, version: tuple[int, str]) -> None:
         copy = self.standbys.pop(stage, None) or self.standbys.get(stage)
-        self.sources.delta_misses.setdefault(stage, set()).add(source)
-        misses = len(self.sources.delta_misses[stage])
+        misses = self.sources.note_miss(stage, source)
         self.last_refresh.pop(stage, None)  # taken whole at the next look
         logger.warning(
             f"The step deltas of stage {stage} from {source} brought its standby copy to fingerprint "

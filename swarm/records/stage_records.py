@@ -56,6 +56,15 @@ MAX_STANDBYS = 64  # standby copies one record may list: far above any sensible 
 MAX_CAUGHT = 16  # mates one record may name as caught lying
 MAX_SHORT = 64  # lost microbatches one record may name (a short step names the rest in its SHORT replies)
 RECENT_VERSIONS = 8  # (step, fingerprint) pairs a record announces: the last steps a holder's catch-up may aim at
+# the list fields of a record and the most entries each may have, far above what a sound record announces
+LIST_FIELDS = {
+    "standbys": MAX_STANDBYS,
+    "short": MAX_SHORT,
+    "versions": RECENT_VERSIONS,
+    "empty": MAX_STANDBYS,
+    "stage_blocks": 1024,
+    "caught": MAX_CAUGHT,
+}
 FINGERPRINT = re.compile(r"[0-9a-f]{16}|")  # `swarm.peer.stage_state.state_fingerprint`, or none yet
 dropped_records: Counter[str] = Counter()  # records skipped by this process, per reason
 
@@ -142,24 +151,9 @@ class StageRecord:
                 for f in fields(cls)
                 if f.name != "expiration" and (f.name in value or f.default is MISSING)
             }
-            if "standbys" in kwargs:
-                kwargs["standbys"] = _standby_entries(kwargs["standbys"])
-            if "short" in kwargs:
-                kwargs["short"] = _short_entries(kwargs["short"])
-            if "empty" in kwargs:
-                if not isinstance(kwargs["empty"], (list, tuple)) or len(kwargs["empty"]) > MAX_STANDBYS:
-                    return None
-                kwargs["empty"] = tuple(kwargs["empty"])
-            if "versions" in kwargs:
-                kwargs["versions"] = _version_entries(kwargs["versions"])
-            if "stage_blocks" in kwargs:
-                if not isinstance(kwargs["stage_blocks"], (list, tuple)) or len(kwargs["stage_blocks"]) > 1024:
-                    return None
-                kwargs["stage_blocks"] = tuple(kwargs["stage_blocks"])
-            if "caught" in kwargs:
-                if not isinstance(kwargs["caught"], (list, tuple)) or len(kwargs["caught"]) > MAX_CAUGHT:
-                    return None
-                kwargs["caught"] = tuple(kwargs["caught"])
+            for name, limit in LIST_FIELDS.items():  # read from the DHT as lists (of lists): made tuples, bounded
+                if name in kwargs:
+                    kwargs[name] = _bounded_tuple(kwargs[name], limit, name)
             record = cls(**kwargs, expiration=float(expiration))
         except (KeyError, TypeError, ValueError):
             return None
@@ -246,24 +240,11 @@ def reported_liars(records: list[StageRecord]) -> set[str]:
     return {peer_id for peer_id, reporters in reports.items() if len(reporters) >= LIAR_REPORTS}
 
 
-def _standby_entries(value: object) -> tuple:
-    """A record's `standbys` as read from the DHT (lists of lists) made into tuples; checked by `problem`."""
-    if not isinstance(value, (list, tuple)) or len(value) > MAX_STANDBYS:
-        raise ValueError("standbys")
-    return tuple(tuple(entry) if isinstance(entry, (list, tuple)) else entry for entry in value)
-
-
-def _short_entries(value: object) -> tuple:
-    """A record's `short` as read from the DHT (lists of lists) made into tuples; checked by `problem`."""
-    if not isinstance(value, (list, tuple)) or len(value) > MAX_SHORT:
-        raise ValueError("short")
-    return tuple(tuple(entry) if isinstance(entry, (list, tuple)) else entry for entry in value)
-
-
-def _version_entries(value: object) -> tuple:
-    """A record's `versions` as read from the DHT made into tuples; checked by `problem`."""
-    if not isinstance(value, (list, tuple)) or len(value) > RECENT_VERSIONS:
-        raise ValueError("versions")
+def _bounded_tuple(value: object, limit: int, name: str) -> tuple:
+    """A list field of a record as read from the DHT, made a tuple (its list entries too); ValueError past `limit`
+    entries or if not a list. Entries are checked by `problem`."""
+    if not isinstance(value, (list, tuple)) or len(value) > limit:
+        raise ValueError(name)
     return tuple(tuple(entry) if isinstance(entry, (list, tuple)) else entry for entry in value)
 
 
