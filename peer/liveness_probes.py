@@ -3,15 +3,18 @@
 A record outlives its peer by up to the record TTL (10 s by default), and a stage counts as lost only when no
 record shows a peer on it, so without probes a standby holder starts restoring a stage well after its last
 peer died. Each announce period a holder asks the peers that records put on the stages it holds copies of
-(and the holder chosen to restore a lost one) what they host, over the info protocol. A peer that failed to
-answer since its record was last renewed is left out of the records the holder decides on; a record renewed
-after the failed probe counts again, so a slow answer costs at most one period of a wrong view, never a peer.
+(and the holder chosen to restore a lost one) what they host, over the info protocol; in the calm, only those
+whose records a read has shown unrenewed for a period (`stalled`): a live peer renews every period. A peer
+that failed to answer since its record was last renewed is left out of the records the holder decides on; a
+record renewed after the failed probe counts again, so a slow answer costs at most one period of a wrong
+view, never a peer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Iterable
 
 from hivemind.p2p import P2P, PeerID
@@ -39,9 +42,27 @@ class LivenessProbes:
         # (Not the expiration less this peer's own --record-ttl: another peer's TTL may differ, and a longer own
         # one would date every renewal too early and keep a live peer out of view.)
         self.expiration_at_failure: dict[str, float] = {}
+        # peer id -> (its record's expiration, when a read first showed it): a record not renewed for a period
+        # (`stalled`) is its peer's first sign of death, TTLs and clocks aside
+        self.renewals: dict[str, tuple[float, float]] = {}
         self.in_flight = False  # one round of probes at a time: a slow one must not pile up behind the next
         self.probes = 0
         self.failures = 0
+
+    def stalled(self, records: Iterable[StageRecord], period: float, now: float | None = None) -> set[str]:
+        """Notes each record's renewal; returns the peers whose records a read has shown unrenewed for at least
+        `period` seconds (this peer's announce period: a live peer renews once a period). A peer that announces
+        less often, or whose renewal is slow to spread, shows up here too, and is only asked once more."""
+        now = time.monotonic() if now is None else now
+        stalled = set()
+        for record in records:
+            expiration, since = self.renewals.get(record.peer_id, (float("-inf"), now))
+            if record.expiration > expiration:
+                self.renewals[record.peer_id] = (record.expiration, now)
+            elif now - since >= period:
+                stalled.add(record.peer_id)
+        self.renewals = {p: (e, at) for p, (e, at) in self.renewals.items() if now - at < SILENCE_MEMORY}
+        return stalled
 
     async def probe(self, p2p: P2P, peers: Iterable[str]) -> None:
         """Asks each of `peers` what it hosts, at once; notes which failed to answer within the timeout."""

@@ -114,7 +114,7 @@ class StandbyKeeper:
         self.heard_of_death = float("-inf")  # when a read last showed a record saying its peer saw a death
         self.vanished: dict[str, tuple[int, float]] = {}  # peer id -> (stage, DHT time) its record vanished, unprobed
         self.deaths = 0  # peers counted dead: records gone, not saying they left, and a probe since failed
-        # peers of the stages held and of the peer's own, asked every period whether they live (see liveness_probes)
+        # peers of the stages held and of the peer's own, asked whether they live (see liveness_probes and _probe)
         self.probes = LivenessProbes(config.record_ttl, timeout=max(1.0, config.announce_period))
         self.to_probe: set[str] = set()  # beyond those: holders chosen to restore a lost stage, asked once
         self._tasks: set[asyncio.Task] = set()
@@ -210,13 +210,18 @@ class StandbyKeeper:
 
     def _probe(self, records: dict[int, list[StageRecord]]) -> None:
         """Starts this period's probes: the peers records put on this peer's stage, on the stages it holds copies
-        of and on those another record names empty, and the restorers chosen last period; the answers count from
-        the next period's records on."""
+        of and on those another record names empty (in the calm only those whose records stopped renewing), and
+        the restorers chosen last period; the answers count from the next period's records on."""
         peer = self.peer
         if getattr(peer.mates, "p2p", None) is None:
             return
         stages = {peer.stage, *self.targets(), *self.hinted}
         named = {r.peer_id for s in stages for r in records.get(s, []) if r.state in (SERVING, JOINING)}
+        stalled = self.probes.stalled((r for s in stages for r in records.get(s, [])), peer.config.announce_period)
+        if not (self.following(time.monotonic()) or self.empty_since or self.hinted):
+            # the calm: a peer that renews its record lives (probing each peer every period cost the bench about
+            # 5% of its samples/s); one whose record stopped renewing is asked, which costs a first wave one period
+            named &= stalled
         named |= self.to_probe
         named.discard(peer.peer_id)
         if named and not self.probes.in_flight:

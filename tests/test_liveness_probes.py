@@ -40,3 +40,15 @@ def test_a_peer_with_a_shorter_record_ttl_counts_again_at_its_next_renewal():
     probes.silent = {"a" * 4: 100.0}
     assert probes.live({0: [record("a", 0, renewed_at=99.0)]})[0] == []
     assert [r.peer_id for r in probes.live({0: [record("a", 0, renewed_at=101.0)]})[0]] == ["a" * 4]
+
+
+def test_a_record_that_stops_renewing_is_stalled_after_a_period_and_one_that_renews_never_is():
+    """In the calm a holder asks only the peers whose records stopped renewing: a live peer renews every period,
+    whatever its TTL or clock (only a change of expiration counts, timed by the reader)."""
+    probes = LivenessProbes(record_ttl=TTL, timeout=1.0)
+    assert probes.stalled([record("a", 0, 100.0), record("b", 0, 500.0)], 1.0, now=10.0) == set()
+    assert probes.stalled([record("a", 0, 101.0), record("b", 0, 500.0)], 1.0, now=10.6) == set()  # within a period
+    assert probes.stalled([record("a", 0, 102.0), record("b", 0, 500.0)], 1.0, now=11.1) == {"b" * 4}
+    assert probes.stalled([record("a", 0, 102.0), record("b", 0, 500.0)], 1.0, now=12.2) == {"a" * 4, "b" * 4}
+    # b's renewal was only slow to spread: live again from the read that shows it
+    assert probes.stalled([record("a", 0, 103.0), record("b", 0, 501.0)], 1.0, now=12.9) == set()

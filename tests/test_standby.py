@@ -613,3 +613,27 @@ def test_a_stage_lost_before_any_copy_was_taken_is_filled_by_a_peer_of_another_s
     assert json.loads(summary_file.read_text())["steps"] == 3
     for name in ("a0", "a1"):
         assert local_swarm.stop(name) == 0
+
+
+def test_in_the_calm_only_peers_whose_records_stopped_renewing_are_probed():
+    """Probing every peer of the held and own stages every period cost bench_standby about 5% of its samples/s;
+    in the calm a peer that renews its record lives, and only one that stopped is asked. Under churn every one is."""
+    keeper = keeper_on_stage_0([])
+    keeper.peer.mates = SimpleNamespace(p2p=object(), standby_holders=set(), membership=SimpleNamespace(accused=()))
+    probed: list[set[str]] = []
+    keeper.probes.probe = lambda p2p, named: (probed.append(set(named)), asyncio.sleep(0))[1]
+
+    def read(renewed: float, renewed_d: float) -> dict[int, list[StageRecord]]:
+        at = {"peerA": renewed, "peerC": renewed, "peerD": renewed_d}
+        stages = {"peerA": 0, "peerB": 0, "peerC": 1, "peerD": 1}
+        records = [dataclasses.replace(record(p, s), expiration=at.get(p, renewed)) for p, s in stages.items()]
+        return {s: [r for r in records if r.stage == s] for s in (0, 1)}
+
+    keeper.observe(read(50.0, 50.0), whole_swarm=False)
+    assert probed == [], "every record was just read: nobody has stopped renewing"
+    keeper.probes.renewals = {p: (e, at - 1.5) for p, (e, at) in keeper.probes.renewals.items()}  # a period on
+    keeper.observe(read(51.0, 50.0), whole_swarm=False)
+    assert probed == [{"peerD" * 4}], "only the peer whose record stopped renewing is asked"
+    keeper.last_death = time.monotonic()  # the swarm shows churn: every named peer, every period
+    keeper.observe(read(52.0, 51.0), whole_swarm=False)
+    assert probed[-1] == {"peerA" * 4, "peerC" * 4, "peerD" * 4}

@@ -15,6 +15,7 @@ that is unsigned, misfiled or (in a private swarm) from a peer outside the allow
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import math
 import re
@@ -300,18 +301,20 @@ def fetch_stage_records(
     """The live records of every stage (or of stage `only`, or of the stages `only` lists), read from the DHT;
     blocking, so call it off the loop. TimeoutError if the DHT node has not answered within `timeout`."""
     stages = range(num_stages) if only is None else [only] if isinstance(only, int) else sorted(set(only))
-    futures = {stage: dht.get(stage_key(run_id, stage), latest=True, return_future=True) for stage in stages}
+    keys = [stage_key(run_id, stage) for stage in stages]
+    future = dht.run_coroutine(functools.partial(_latest_values, keys), return_future=True)
+    try:
+        values = future.result(timeout=timeout)
+    except concurrent.futures.TimeoutError:
+        future.cancel()
+        raise TimeoutError(
+            f"this process's DHT node has not answered a read of the stages' records in {timeout:.0f}s"
+        ) from None
     allowlist = getattr(dht, "allowlist", None)
-    deadline = time.monotonic() + timeout
     now = get_dht_time()
     records: dict[int, list[StageRecord]] = {}
-    for stage, future in futures.items():
-        try:
-            found = future.result(timeout=max(0.0, deadline - time.monotonic()))
-        except concurrent.futures.TimeoutError:
-            raise TimeoutError(
-                f"this process's DHT node has not answered a read of the stages' records in {timeout:.0f}s"
-            ) from None
+    for stage, key in zip(stages, keys):
+        found = values.get(key)
         records[stage] = []
         if found is None or not isinstance(found.value, dict):
             continue
@@ -325,6 +328,12 @@ def fetch_stage_records(
             if record.expiration > now:
                 records[stage].append(record)
     return records
+
+
+async def _latest_values(keys: list[str], _dht: DHT, node) -> dict:
+    """In the DHT's process: the newest value of each of `keys`, found in one walk of the DHT (a walk per key
+    asked every node as many times: the DHT processes' CPU grew with the stages a peer reads)."""
+    return await node.get_many(keys, sufficient_expiration_time=float("inf"))
 
 
 def _record_problem(record: StageRecord | None, subkey: object, stage: int, allowlist) -> str | None:
