@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import random
+import signal
 
 import chaos
 import pytest
 
+from harness.churn import Churn
 from harness.churn_waves import wave_size, wave_victims
+from swarm.records.stage_records import LEAVING, SERVING, StageRecord
 
 PEERS = [f"peer{stage}-{serial}" for stage in range(3) for serial in range(1, 4)]  # 9 peers, as a 3 x 3 swarm
 
@@ -61,3 +64,20 @@ def test_a_wrong_wave_is_a_usage_error(argv, message, capsys):
         chaos.parse_args(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def on(peer: str, stage: int, state: str = SERVING) -> StageRecord:
+    return StageRecord(peer * 4, stage, "gpt-tiny", 3, state, 5, 10.0, 0, 24, 0, 1)
+
+
+def test_a_peer_that_moved_counts_on_the_stage_its_records_put_it_on():
+    """Measured in a wave run: a restorer that had moved was still counted on its first stage, so the wave that
+    killed its new stage's other peers counted a loss that never was, and one that killed the restorer itself
+    would have counted none. Each wave reads the records, and follows such moves first."""
+    churn = Churn(None, None, signal.SIGKILL, random.Random(0), None)  # bookkeeping only: no swarm needed
+    churn.stage_of = {"peer0-1": 0, "peer0-2": 0, "peer1-3": 1}
+    churn.peer_ids = {"peer0-1": "A" * 4, "peer0-2": "B" * 4, "peer1-3": "C" * 4}
+    records = {0: [on("A", 0), on("B", 0, LEAVING)], 1: [on("B", 1)], 2: []}  # B left 0 to restore 1; C not read
+    churn.follow_moves(records)
+    assert churn.stage_of == {"peer0-1": 0, "peer0-2": 1, "peer1-3": 1}
+    assert churn.layout() == [1, 2, 0]

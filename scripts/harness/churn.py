@@ -84,7 +84,11 @@ class Churn:
         for name in [n for n in self.stage_of if self.process[n].poll() is not None]:
             del self.stage_of[name]
             self.died += 1
-        records = fetch_stage_records(self.dht, "swarm", NUM_STAGES)
+        self.follow_moves(fetch_stage_records(self.dht, "swarm", NUM_STAGES))
+
+    def follow_moves(self, records: dict[int, list[StageRecord]]) -> None:
+        """Puts each peer on the stage its records say it is on now: a peer that moved (to restore a lost stage,
+        or to rebalance) is its new stage's peer, whose death may leave that stage empty."""
         now_on = {r.peer_id: stage for stage, group in records.items() for r in group if r.state != LEAVING}
         for name in self.stage_of:
             if (peer_id := self.peer_id(name)) in now_on:
@@ -132,6 +136,8 @@ class Churn:
         for, so a wave lands within a moment. With `spare_last_peer`, a stage's last serving peer (counting the
         mates this call kills) and a peer still joining are skipped."""
         records = fetch_stage_records(self.dht, "swarm", NUM_STAGES)
+        # a restorer serves the stage it restored: counted there, a wave that kills it loses that stage
+        self.follow_moves(records)
         serving = {stage: self.serving(stage, records[stage]) for stage in range(NUM_STAGES)}
         doomed: list[str] = []
         lost: list[int] = []
