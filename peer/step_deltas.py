@@ -125,8 +125,11 @@ def apply_deltas(module: nn.Module, optimizer: torch.optim.Optimizer, deltas: li
     """Applies `deltas` in order to a copy of the stage, as its replicas did; returns the samples stepped on."""
     stepped = 0
     for delta in deltas:
+        outcome = None
         if delta.grad_sum is not None:
             set_gradients(module, delta.grad_sum)
-        if step_on_sum(module, optimizer, delta.samples) == STEPPED:
+            if delta.samples > 0:  # one check of the flat sum, not one per parameter: the same verdict
+                outcome = STEPPED if bool(torch.isfinite(delta.grad_sum).all()) else NONFINITE
+        if step_on_sum(module, optimizer, delta.samples, outcome) == STEPPED:
             stepped += delta.samples
     return stepped
