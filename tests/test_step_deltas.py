@@ -10,7 +10,7 @@ from swarm.models.optimizer import OptimizerSettings, build_optimizer
 from swarm.peer.runtime import StageRuntime
 from swarm.peer.stage_state import StageStateError, parameter_fingerprint, state_tensors
 from swarm.peer.standby_copy import Standby
-from swarm.peer.step_deltas import MAX_DELTAS_PER_CALL, DeltaRing, StepDelta, deltas_per_call
+from swarm.peer.step_deltas import MAX_DELTAS_PER_CALL, DeltaRing, StepDelta, apply_deltas, deltas_per_call
 
 SPEC = get_model_spec("gpt-tiny")
 TARGET = 4
@@ -64,6 +64,20 @@ def test_skipped_steps_travel_as_deltas_without_a_gradient_and_move_only_the_ste
     before = copy.fingerprint
     assert copy.advance([StepDelta(7, 0, None), StepDelta(8, 0, None)]) == (9, before)
     assert copy.samples_stepped == 0 and not copy.has_optimizer_state
+
+
+def test_a_delta_whose_sum_is_not_finite_is_skipped_as_the_replicas_skip_such_a_step():
+    """A holder checks a delta's flat sum once; the verdict is the replicas' per-parameter one."""
+    module = build_stage(SPEC, 1, 3, seed=1)
+    optimizer = build_optimizer(module, OptimizerSettings())
+    count = sum(p.numel() for p in module.parameters())
+    broken = torch.ones(count)
+    broken[count // 2] = float("nan")
+    before = parameter_fingerprint(module)
+    assert apply_deltas(module, optimizer, [StepDelta(0, 8, broken)]) == 0
+    assert parameter_fingerprint(module) == before and all(p.grad is None for p in module.parameters())
+    assert apply_deltas(module, optimizer, [StepDelta(1, 8, torch.ones(count))]) == 8
+    assert parameter_fingerprint(module) != before
 
 
 def test_deltas_that_do_not_start_at_the_copy_step_are_refused_untouched():
