@@ -43,11 +43,13 @@ NONFINITE = "nonfinite"  # a broken contribution: every replica skips alike
 STEPPED = "stepped"
 
 
-def step_outcome(module: nn.Module, samples: int) -> str:
-    """What a step on the module's summed gradients over `samples` samples does (see `step_on_sum`)."""
+def step_outcome(module: nn.Module, samples: int, flat: torch.Tensor | None = None) -> str:
+    """What a step on the module's summed gradients over `samples` samples does (see `step_on_sum`); with `flat`,
+    the module's gradients as one vector, checked in one pass rather than per parameter."""
     if samples <= 0:
         return EMPTY
-    return STEPPED if gradients_finite(module) else NONFINITE
+    finite = gradients_finite(module) if flat is None else bool(torch.isfinite(flat).all())
+    return STEPPED if finite else NONFINITE
 
 
 def step_on_sum(module: nn.Module, optimizer: torch.optim.Optimizer, samples: int, outcome: str | None = None) -> str:
@@ -125,11 +127,9 @@ def apply_deltas(module: nn.Module, optimizer: torch.optim.Optimizer, deltas: li
     """Applies `deltas` in order to a copy of the stage, as its replicas did; returns the samples stepped on."""
     stepped = 0
     for delta in deltas:
-        outcome = None
         if delta.grad_sum is not None:
             set_gradients(module, delta.grad_sum)
-            if delta.samples > 0:  # one check of the flat sum, not one per parameter: the same verdict
-                outcome = STEPPED if bool(torch.isfinite(delta.grad_sum).all()) else NONFINITE
+        outcome = step_outcome(module, delta.samples, delta.grad_sum)
         if step_on_sum(module, optimizer, delta.samples, outcome) == STEPPED:
             stepped += delta.samples
     return stepped
