@@ -207,17 +207,29 @@ def test_decentralized_averager_round_with_8bit() -> None:
                     start=True,
                 )
             )
-        started = time.monotonic()
-        controls = [averager.step(wait=False, timeout=60) for averager in averagers]
-        groups = [control.result(timeout=90) for control in controls]
-        print(f"averaging round: {time.monotonic() - started:.1f} s")
-        assert all(group is not None and len(group) == 2 for group in groups), groups
-        for averager in averagers:
-            with averager.get_tensors() as averaged:
-                for got, want in zip(averaged, expected):
-                    error = relative_error(got, want)
-                    # nonzero: the parts really went through 8 bits; bounded: they were decoded by our codec
-                    assert 0 < error <= REL_ERROR["8bit"], error
+        # hivemind's all-reduce is best effort: a part whose stream fails (a race of its own, seen once in CI
+        # under load) is replaced by the local part, with a warning in the averager's process. Such a round
+        # is far off (a whole part unaveraged), not off by 8 bits: it is run again from the inputs, at most
+        # twice; a codec fault would be off in every round
+        for attempt in range(3):
+            for averager, tensors in zip(averagers, inputs):
+                with averager.get_tensors() as local:
+                    for slot, value in zip(local, tensors):
+                        slot.copy_(value)
+            started = time.monotonic()
+            controls = [averager.step(wait=False, timeout=60) for averager in averagers]
+            groups = [control.result(timeout=90) for control in controls]
+            print(f"averaging round {attempt}: {time.monotonic() - started:.1f} s")
+            assert all(group is not None and len(group) == 2 for group in groups), groups
+            errors = []
+            for averager in averagers:
+                with averager.get_tensors() as averaged:
+                    errors += [relative_error(got, want) for got, want in zip(averaged, expected)]
+            if max(errors) <= 10 * REL_ERROR["8bit"]:
+                break
+            print(f"round {attempt} fell short of whole parts (errors {errors}); once more")
+        # nonzero: the parts really went through 8 bits; bounded: they were decoded by our codec
+        assert all(0 < error <= REL_ERROR["8bit"] for error in errors), errors
     finally:
         for averager in averagers:
             averager.shutdown()
