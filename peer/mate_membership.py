@@ -53,6 +53,9 @@ class MateMembership:
         # and in which state it last was: who may speak as a mate. Remembered a while, so that a record
         # lapsing under load does not shut a live mate out of the round under way.
         self.stage_peers: dict[str, tuple[float, str]] = {}
+        # (step, parameter fingerprint) pairs each peer that left this stage last announced here (its LEAVING
+        # record): a mover's last steps, which this peer's own steps must match or the ledger abandons
+        self.leaving_versions: dict[str, tuple[tuple[int, str], ...]] = {}
         self.refresh_records: Callable[[], Awaitable[None]] | None = None  # re-reads the stage's records
         # peers of other stages whose signed records say they hold a standby copy of this stage
         # (`swarm.peer.standby`): they may download its state, and nothing else; kept up to date by the peer
@@ -109,6 +112,7 @@ class MateMembership:
         self.mates.pop(peer_id, None)
         self.newcomers.discard(peer_id)
         self.stage_peers.pop(peer_id, None)
+        self.leaving_versions.pop(peer_id, None)
 
     def _read_accusations(self) -> None:
         loop = self.machine.loop
@@ -143,8 +147,13 @@ class MateMembership:
         for r in records:
             if r.peer_id != machine.peer_id and r.model == machine.model and r.num_stages == machine.num_stages:
                 self.stage_peers[r.peer_id] = (now, r.state)
+                if r.state == LEAVING:
+                    self.leaving_versions[r.peer_id] = r.versions
+                else:
+                    self.leaving_versions.pop(r.peer_id, None)  # back on the stage: its steps are compared live
         for peer_id in [p for p, (seen, _) in self.stage_peers.items() if now - seen > MEMBER_MEMORY]:
             del self.stage_peers[peer_id]
+        self.leaving_versions = {p: v for p, v in self.leaving_versions.items() if p in self.stage_peers}
         mates = {
             r.peer_id: r
             for r in records
@@ -164,6 +173,16 @@ class MateMembership:
         self.mates = mates
         self.newcomers -= set(mates)  # they hear progress as mates from now on
         return new
+
+    def forked_leavers(self, step: int, fingerprint: str) -> dict[str, int]:
+        """Peers that left this stage having announced `step` with parameters other than `fingerprint` (this
+        peer's at `step`), each with that step. A mover that stepped on a round its mates had not finished, and
+        left, took its step with it: a mate that then steps alone on another sum forks the stage's history."""
+        return {
+            peer_id: step
+            for peer_id, versions in self.leaving_versions.items()
+            if any(at == step and theirs and theirs != fingerprint for at, theirs in versions)
+        }
 
     def _keep_missed(self, mates: dict[str, StageRecord], read: set[str]) -> None:
         """Keeps in `mates` each mate this read missed whose last record has not expired. A DHT read can come

@@ -194,22 +194,31 @@ class StageMates:
             "it; this peer goes on from its own state (the ledger marks any such step as abandoned)"
         )
 
-    def _abandon_lines_ahead(self, step: int) -> None:
-        """Before this peer's line of `step`: where members stepped on it alone (`outran`), or mates now gone had
-        stepped past it, the ledger marks their steps as a history abandoned (a restore of the stage at `step` from
-        this peer's own state), so that their samples count as rolled back, by id, not as silently lost. Written
-        first, so that this peer's own line comes after the restore and stays in the history that goes on."""
+    def _abandon_lines_ahead(self, step: int, fingerprint: str) -> None:
+        """Before this peer's line of `step`, which leaves it with parameters `fingerprint`: where members stepped
+        on it alone (`outran`), mates now gone had stepped past it, or a mate that left the stage had stepped on
+        it to other parameters, the ledger marks their steps as a history abandoned (a restore of the stage at
+        `step` from this peer's own state), so that their samples count as rolled back, by id, not as silently
+        lost, and their step not as divergent. Written first, so that this peer's own line comes after the
+        restore and stays in the history that goes on."""
         machine, membership = self.machine, self.membership
-        # a mate that left on request hands its state over, or gave it up in the ledger itself: not gone here
+        # a mate that left on request hands its un-averaged gradients over, and its steps are this peer's as
+        # long as its parameters were: not gone here unless they differ (`forked_leavers`)
         left = {p for p, (_, state) in membership.stage_peers.items() if state == LEAVING}
         gone = machine.left_ahead(step, set(membership.mates) | left)
-        if not machine.outran.get(step) and not gone:
+        forked = membership.forked_leavers(step + 1, fingerprint)
+        if not machine.outran.get(step) and not gone and not forked:
             return
         self.ledger.write(restore_record(self.peer_id, self.stage, step, max([step + 1, *gone.values()])))
         if gone:
             logger.warning(
                 f"Stage {self.stage} step {step}: {sorted(gone)} had stepped past it without this peer and are gone; "
                 "this peer goes on from its own state (the ledger marks their steps as abandoned)"
+            )
+        if forked:
+            logger.warning(
+                f"Stage {self.stage} step {step}: {sorted(forked)} stepped on it to other parameters and left the "
+                "stage; this peer goes on from its own state (the ledger marks their step as abandoned)"
             )
 
     def start_serving(self) -> None:
@@ -234,7 +243,7 @@ class StageMates:
         self.progress.reached(step)  # what the mates told of steps ahead of this peer's counts from here
         if result is not None:
             self.progress.remember_summed(frozenset((trainer, mb) for trainer, mb, _ in result.ids))
-            self._abandon_lines_ahead(step - 1)
+            self._abandon_lines_ahead(step - 1, fingerprint)
             record = step_record(
                 self.peer_id, self.stage, step - 1, result.ids, result.lost, fingerprint, result.seconds
             )

@@ -412,3 +412,54 @@ def test_a_member_a_probe_finds_past_the_round_is_left_out_once_no_state_of_its_
     ended_round, gone, outran, taken = asyncio.run(asyncio.wait_for(go(), 60))
     assert ended_round == 5 and not gone, "the round ends: the member lives, a step ahead"
     assert taken == [6] and outran and len(outran) == 1, "no state of its: the round goes on without it"
+
+
+# --- a mate that stepped on a round, and left, before this peer finished it ---------------------------------------
+
+
+def test_a_mover_that_stepped_on_other_parameters_has_its_step_abandoned(tmp_path) -> None:
+    """A wave run's replay: a holder stepped on step 86 while its newcomer mate was still in the round, then moved to
+    restore an empty stage, handing over only its step-87 samples. The newcomer's round failed and it stepped on 86
+    alone, on another sum. Before 04b43e5's rule was extended to movers, the ledger counted step 86 as divergent."""
+    from swarm.peer.mates import StageMates
+    from swarm.peer.runtime import RoundResult
+    from swarm.records.sample_ledger import SampleLedger, account, fed_record, read_ledger, step_record
+    from swarm.records.stage_records import LEAVING
+
+    mover_fp, own_fp, older_fp = "a" * 16, "b" * 16, "c" * 16
+    module = torch.nn.Linear(2, 2)
+    module.stage, module.num_stages = 1, 2
+
+    def runtime() -> SimpleNamespace:
+        return SimpleNamespace(module=module, step=86, max_batch_samples=64, target_batch_size=16)
+
+    def leaving(versions: tuple[tuple[int, str], ...]) -> StageRecord:
+        return StageRecord(
+            LEAVER, 1, "gpt-tiny", 2, LEAVING, 87, 10.0, 0, 16, 0, PROTOCOL_VERSION, moving_to=0, versions=versions
+        )
+
+    trainer = "trainer-0"
+    mine, its_own = (trainer, 1, 8), (trainer, 2, 8)  # the newcomer held one; the mover the other, both summed
+    fed = [fed_record(trainer, mb, 8) for mb in (1, 2)]
+
+    async def step_after(versions: tuple[tuple[int, str], ...], path) -> list[dict]:
+        mates = StageMates(runtime(), ME, "gpt-tiny", ledger=SampleLedger(path))
+        mates.machine.loop = asyncio.get_running_loop()
+        mates.membership.take_records([leaving(versions)])
+        mates._after_step(87, own_fp, RoundResult(None, 8, ids=[mine]))
+        return read_ledger(path)
+
+    forked = asyncio.run(step_after(((86, older_fp), (87, mover_fp)), tmp_path / "forked.jsonl"))
+    assert [line["kind"] for line in forked] == ["restore", "step"]
+    assert forked[0]["step"] == 86 and forked[1]["step"] == 86
+    mover_line = step_record(LEAVER, 1, 86, [mine, its_own], [], mover_fp)
+    mover_line["time"] = forked[0]["time"] - 1  # it stepped first
+    unmarked = account(fed, [mover_line, forked[1]])["stages"][1]
+    assert unmarked["divergent_steps"] == [86]  # what the ledger said without the restore line
+    stage = account(fed, [mover_line, *forked])["stages"][1]
+    assert stage["divergent_steps"] == [] and stage["steps_rolled_back"] == 1
+    assert stage["rolled_back_ids"] == [[trainer, 2]] and stage["samples_silently_lost"] == 0
+
+    # the same parameters: the mover's step is this peer's, and nothing is abandoned
+    same = asyncio.run(step_after(((86, older_fp), (87, own_fp)), tmp_path / "same.jsonl"))
+    assert [line["kind"] for line in same] == ["step"]
