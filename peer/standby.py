@@ -5,7 +5,7 @@ state, step) of stages s+1 .. s+K (mod the number of stages), in host memory (or
 `--standby-memory-mb`, in `--checkpoint-dir`), never on the accelerator. Its record lists each copy
 as (stage, step, parameter fingerprint). The holder catches the copy up with the stage's step deltas
 (`swarm.peer.step_deltas`: every announce period while the swarm shows churn, else once the copy is
-half the kept steps behind), or, where those cannot reach it, downloads the whole state once the stage
+a quarter of the kept steps behind), or, where those cannot reach it, downloads the whole state once the stage
 is `--standby-every` steps past it and the whole refreshes have taken no more than `--standby-share`
 of the time. Both go over the stage-mates' state protocol: a stage's peers give their state to a peer
 whose signed record names it as a standby holder of that stage, without taking it for a mate. As a
@@ -303,8 +303,8 @@ class StandbyKeeper:
 
     def _refresh_copies(self, records: dict[int, list[StageRecord]], now: float) -> None:
         """Starts the refresh each held copy is due: its stage's step deltas, every announce period while the swarm
-        shows churn and once half the kept steps behind in the calm (`--standby-calm-deltas`); the whole state every
-        `--standby-every` steps, within `--standby-share`, where no deltas reach the copy."""
+        shows churn and once a quarter of the kept steps behind in the calm (`--standby-calm-deltas`); the whole
+        state every `--standby-every` steps, within `--standby-share`, where no deltas reach the copy."""
         if self.peer.state != SERVING:
             return
         for stage in self.targets():
@@ -316,10 +316,11 @@ class StandbyKeeper:
             if self._deltas_reach(copy, newest):
                 # a third of the state per step keeps a copy a few steps behind in the calm too (a wave comes
                 # without warning: copies refreshed whole every 15 steps lost 8-9 steps to a first wave); in the
-                # calm about half the kept steps behind the newest step two records confirm, before it falls out
-                # of their reach (a whole refresh costs three steps' deltas; each catch-up costs both sides a call)
+                # calm a quarter of the kept steps behind the newest step two records confirm (at 3, a first wave
+                # rolled back 4 steps, 6% of a short run's samples; each catch-up costs both sides a call, the
+                # deltas applied are the same)
                 reach = max((version[0] for version in announced_versions(serving).values()), default=newest)
-                lagging = reach - copy.step >= max(1, self.deltas // 2 - 1)
+                lagging = reach - copy.step >= max(1, self.deltas // 4)
                 if self.following(now) or (lagging and self.calm_deltas):
                     self._spawn(self.catch_up(stage, serving))
                 continue
