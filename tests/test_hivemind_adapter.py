@@ -177,15 +177,12 @@ def test_adapter_pickles_and_refuses_unknown_codecs() -> None:
         HivemindCodecAdapter("zstd")
 
 
-@pytest.mark.timeout(120)
-def test_decentralized_averager_round_with_8bit() -> None:
-    """Two real averagers (each a process with a libp2p daemon) average once through our 8-bit codec."""
+def averaged_once_with_8bit(inputs: list[list[torch.Tensor]]) -> list[list[torch.Tensor]] | None:
+    """Two real averagers (each a process with a libp2p daemon, started afresh) average `inputs` once through our
+    8-bit codec; their tensors after the round, or None if the round did not complete in time."""
     from hivemind import DHT, DecentralizedAverager
 
     local = ["/ip4/127.0.0.1/tcp/0"]
-    torch.manual_seed(5)
-    inputs = [[torch.randn(6000), torch.randn(16, 33)] for _ in range(2)]
-    expected = [(a + b) / 2 for a, b in zip(*inputs)]
     prefix = f"adapter_test_{uuid.uuid4().hex[:8]}"
     dhts: list[DHT] = []
     averagers: list[DecentralizedAverager] = []
@@ -201,37 +198,53 @@ def test_decentralized_averager_round_with_8bit() -> None:
                     target_group_size=2,
                     min_group_size=2,
                     min_matchmaking_time=2.0,
-                    request_timeout=1.0,
+                    request_timeout=3.0,  # a loaded CI host answers matchmaking slowly
+                    sender_timeout=10.0,
+                    reducer_timeout=20.0,
                     part_size_bytes=2**12,  # several parts a peer
                     compression=HivemindCodecAdapter("8bit"),
                     start=True,
                 )
             )
-        # hivemind's all-reduce is best effort: a part whose stream fails (a race of its own, seen once in CI
-        # under load) is replaced by the local part, with a warning in the averager's process. Such a round
-        # is far off (a whole part unaveraged), not off by 8 bits: it is run again from the inputs, at most
-        # twice; a codec fault would be off in every round
-        for attempt in range(3):
-            for averager, tensors in zip(averagers, inputs):
-                with averager.get_tensors() as local:
-                    for slot, value in zip(local, tensors):
-                        slot.copy_(value)
-            started = time.monotonic()
-            controls = [averager.step(wait=False, timeout=60) for averager in averagers]
-            groups = [control.result(timeout=90) for control in controls]
-            print(f"averaging round {attempt}: {time.monotonic() - started:.1f} s")
-            assert all(group is not None and len(group) == 2 for group in groups), groups
-            errors = []
-            for averager in averagers:
-                with averager.get_tensors() as averaged:
-                    errors += [relative_error(got, want) for got, want in zip(averaged, expected)]
-            if max(errors) <= 10 * REL_ERROR["8bit"]:
-                break
-            print(f"round {attempt} fell short of whole parts (errors {errors}); once more")
-        # nonzero: the parts really went through 8 bits; bounded: they were decoded by our codec
-        assert all(0 < error <= REL_ERROR["8bit"] for error in errors), errors
+        started = time.monotonic()
+        controls = [averager.step(wait=False, timeout=40) for averager in averagers]
+        try:
+            groups = [control.result(timeout=60) for control in controls]
+        except Exception as e:  # hivemind's own failure to form or finish the group, not our codec's
+            print(f"averaging round failed after {time.monotonic() - started:.1f} s: {e!r}")
+            return None
+        print(f"averaging round: {time.monotonic() - started:.1f} s")
+        if not all(group is not None and len(group) == 2 for group in groups):
+            return None
+        results = []
+        for averager in averagers:
+            with averager.get_tensors() as averaged:
+                results.append([t.clone() for t in averaged])
+        return results
     finally:
         for averager in averagers:
             averager.shutdown()
         for dht in reversed(dhts):
             dht.shutdown()
+
+
+@pytest.mark.timeout(360)
+def test_decentralized_averager_round_with_8bit() -> None:
+    """Two real averagers average once through our 8-bit codec: each gets the mean, within 8 bits' error."""
+    torch.manual_seed(5)
+    inputs = [[torch.randn(6000), torch.randn(16, 33)] for _ in range(2)]
+    expected = [(a + b) / 2 for a, b in zip(*inputs)]
+    # hivemind's all-reduce is best effort: a part whose stream fails (a race of its own, seen in CI under load)
+    # is replaced by the local part, with a warning in the averager's process, and a group may fail to form in
+    # time. Such a round is far off (a whole part unaveraged) or missing, not off by 8 bits: it is run again on
+    # fresh averagers, three rounds at most. A codec fault would be off in every round
+    errors: list[float] = []
+    for attempt in range(3):
+        results = averaged_once_with_8bit(inputs)
+        errors = [relative_error(got, want) for tensors in results or [] for got, want in zip(tensors, expected)]
+        if results is not None and max(errors) <= 10 * REL_ERROR["8bit"]:
+            break
+        print(f"round {attempt} fell short (errors {errors}); once more")
+    assert errors, "no averaging round completed in three attempts"
+    # nonzero: the parts really went through 8 bits; bounded: they were decoded by our codec
+    assert all(0 < error <= REL_ERROR["8bit"] for error in errors), errors
