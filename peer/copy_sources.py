@@ -16,7 +16,13 @@ import torch
 
 from swarm.models import build_stage
 from swarm.net.wire import WireLimits
-from swarm.peer.state_transfer import Version, announced_versions, confirmed_holders, peer_versions
+from swarm.peer.state_transfer import (
+    Version,
+    announced_versions,
+    confirmed_holders,
+    newest_confirmed,
+    peer_versions,
+)
 from swarm.peer.work_receipts import WorkReceipts, work_receipts
 from swarm.records.stage_records import StageRecord
 
@@ -63,12 +69,19 @@ class CopySources:
         sources = receipts.state_sources if receipts is not None else None
         return await peer_versions(self.peer.mates.p2p, peers, self.peer.config.model, stage, INFO_TIMEOUT, sources)
 
-    async def announced(self, stage: int, serving: list[StageRecord]) -> dict[str, Version]:
+    async def announced(self, stage: int, serving: list[StageRecord], fresh: bool = False) -> dict[str, Version]:
         """What `serving` peers' records announce, where no trust root asks for receipts (then each is asked):
-        a catch-up costs the stage's peers one call, not one each."""
+        in the calm a catch-up costs the stage's peers one call, not one each. `fresh` (while peers die): each is
+        asked as well, and the view with the newer confirmed version is taken. Records are announced and read
+        once a period each, so the version they confirm trails the stage by up to two periods' steps, and a
+        wave that takes the stage then rolls those steps back."""
         if self._receipts(stage) is not None:
             return await self.answered(stage, [r.peer_id for r in serving])
-        return announced_versions(serving)
+        recorded = announced_versions(serving)
+        if not fresh:
+            return recorded
+        asked = await self.answered(stage, [r.peer_id for r in serving])
+        return asked if newest_confirmed(asked) > newest_confirmed(recorded) else recorded
 
     def pick(self, stage: int, versions: dict[str, Version], minimum_step: int = 0) -> tuple[str, Version] | None:
         """A peer at the newest version two of `stage`'s peers confirm (from `minimum_step`), and that version;

@@ -459,7 +459,7 @@ class StandbyKeeper:
 
     async def catch_up(self, stage: int, serving: list[StageRecord]) -> None:
         """Catches `stage`'s live copy up with the newest version two of its `serving` peers confirm (their records,
-        see `CopySources.announced`), step delta by delta.
+        and while peers die their answers too: see `CopySources.announced`), step delta by delta.
 
         The copy's parameters must then show that version's fingerprint. If they do not (a source that lies,
         or peers whose arithmetic differs from this host's), the copy is dropped and taken whole at once; after
@@ -469,7 +469,7 @@ class StandbyKeeper:
         copy = self.standbys[stage]
         started: float | None = None  # from the transfer on: asking which version to take is no refresh to pace
         try:
-            versions = await self.sources.announced(stage, serving)
+            versions = await self.sources.announced(stage, serving, fresh=self.following(time.monotonic()))
             if (picked := self.sources.pick(stage, versions, copy.step + 1)) is None:
                 return  # no two peers at one version now (a fast stage): asked again next period
             source, top = picked

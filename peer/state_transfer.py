@@ -167,6 +167,11 @@ def confirmed_versions(versions: dict[str, Version]) -> set[Version]:
     return {version for version, n in counts.items() if n >= min(2, len(versions))}
 
 
+def newest_confirmed(versions: dict[str, Version]) -> int:
+    """The step of the newest version `confirmed_versions` finds in `versions`; -1 if none."""
+    return max((version[0] for version in confirmed_versions(versions)), default=-1)
+
+
 def confirmed_holders(versions: dict[str, Version], minimum_step: int = 0) -> list[str]:
     """Mates holding a confirmed version at `minimum_step` or later: first the version most of them hold, the most
     advanced among equals, so that a crafted version ahead is taken only from as many insiders as honest peers."""

@@ -50,7 +50,7 @@ def cpu_seconds_by_program(groups: set[int]) -> dict[str, float]:
 def one_run(args: argparse.Namespace, workdir: Path, standby_stages: int) -> dict:
     """A fresh swarm trained for `args.steps` steps with `standby_stages`; its samples/s and standby bytes."""
     model = ["--model", args.model, "--num-stages", str(args.stages), "--seed", "7"]
-    peer_flags = [*model, "--announce-period", "1", "--target-batch-size", str(args.batch)]
+    peer_flags = [*model, "--announce-period", str(args.announce_period), "--target-batch-size", str(args.batch)]
     peer_flags += ["--standby-stages", str(standby_stages), "--standby-every", str(args.standby_every)]
     peer_flags += ["--standby-deltas", str(args.standby_deltas)]
     with LocalSwarm(workdir) as swarm:
@@ -122,11 +122,20 @@ def main() -> None:
         default=PeerConfig().standby_deltas,
         help="as the peers' flag (0: copies refreshed whole only, never following their stage by step deltas)",
     )
+    parser.add_argument(
+        "--announce-period",
+        type=float,
+        default=1.0,
+        help="the peers' flag; 1 s (half the peers' default) keeps records fresh in short runs, and doubles the "
+        "DHT reads per step that copies add (the keeper reads the stages it holds every period)",
+    )
     parser.add_argument("--rounds", type=int, default=1, help="pairs of runs (off and on)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one trainer may take")
     args = parser.parse_args()
     if args.rounds < 1 or args.steps < 1 or args.standby_stages < 1:
         parser.error("--rounds, --steps and --standby-stages must be at least 1")
+    if args.announce_period <= 0:
+        parser.error("--announce-period must be positive")
     workdir = Path(tempfile.mkdtemp(prefix="bench-standby-"))
     runs: dict[str, list[dict]] = {"off": [], "on": []}
     for index in range(args.rounds):
@@ -144,6 +153,7 @@ def main() -> None:
         "standby_stages": args.standby_stages,
         "standby_every": args.standby_every,
         "standby_deltas": args.standby_deltas,
+        "announce_period": args.announce_period,
         "samples_per_s_off": round(off, 2),
         "samples_per_s_on": round(on, 2),
         "slowdown": round(1 - on / off, 3) if off else None,

@@ -16,6 +16,7 @@ from hivemind.utils import get_dht_time
 
 from swarm.config import PeerConfig
 from swarm.peer import standby_newcomer
+from swarm.peer.copy_sources import CopySources
 from swarm.peer.standby import (
     FILL_PERIODS,
     FOLLOWING_SHARE,
@@ -26,7 +27,7 @@ from swarm.peer.standby import (
 )
 from swarm.peer.standby_copy import Standby
 from swarm.peer.standby_newcomer import NewcomerRestore
-from swarm.peer.state_transfer import announced_versions, confirmed_versions
+from swarm.peer.state_transfer import announced_versions, confirmed_versions, newest_confirmed
 from swarm.policy.empty_stages import choose_filler, on_the_way
 from swarm.policy.lost_stages import (
     RESTORE_STEP_SLACK,
@@ -236,6 +237,35 @@ def test_a_catch_up_takes_the_newest_version_two_records_announce_never_one_alon
     assert announced_versions([a]) == {a.peer_id: (5, z)}, "the stage's one serving peer, as its answer would be"
     liar = announcing("peerL", (3, x), (4, y), (5, "e" * 16), (9, "f" * 16))
     assert announced_versions([a, liar]) == {a.peer_id: (4, y), liar.peer_id: (4, y)}
+
+
+def test_while_peers_die_a_catch_up_asks_the_stage_too_and_takes_the_newer_confirmed_version():
+    """Records are announced and read once a period each, so the version two of them confirm trails the stage:
+    in wave runs a restored copy lost up to 3 steps, each rolled back. While peers die the stage's peers are asked
+    as well (in the calm that cost bench_standby samples/s, see above), and the newer confirmed view is taken."""
+    x, y, z = "a" * 16, "b" * 16, "c" * 16
+    a = dataclasses.replace(record("peerA", 1), versions=((3, x), (4, y)))
+    b = dataclasses.replace(record("peerB", 1), versions=((3, x), (4, y)))
+    asked: list[list[str]] = []
+    answers: dict[str, tuple[int, str]] = {}
+
+    async def answered(stage: int, peers: list[str]) -> dict[str, tuple[int, str]]:
+        asked.append(peers)
+        return dict(answers)
+
+    host = SimpleNamespace(config=PeerConfig(model="gpt-tiny", num_stages=3), mates=SimpleNamespace(machine=None))
+    host.mates.machine = SimpleNamespace(peer_id="peerH" * 4)
+    sources = CopySources(host)
+    sources.answered = answered
+    recorded = {a.peer_id: (4, y), b.peer_id: (4, y)}
+    assert asyncio.run(sources.announced(1, [a, b])) == recorded and asked == [], "the calm: the records alone"
+    answers.update({a.peer_id: (6, z), b.peer_id: (6, z)})
+    assert asyncio.run(sources.announced(1, [a, b], fresh=True)) == answers and asked == [[a.peer_id, b.peer_id]]
+    answers.update({b.peer_id: (5, "d" * 16)})  # caught between two steps: the answers confirm nothing
+    assert asyncio.run(sources.announced(1, [a, b], fresh=True)) == recorded
+    answers.clear()  # none answered in time
+    assert asyncio.run(sources.announced(1, [a, b], fresh=True)) == recorded
+    assert newest_confirmed({}) == -1 and newest_confirmed(recorded) == 4
 
 
 def test_a_keeper_that_saw_no_death_follows_its_copies_while_a_record_says_its_peer_saw_one():
