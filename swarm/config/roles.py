@@ -138,9 +138,9 @@ class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig, TrustConfig, PlanFil
     )
     standby_calm_deltas: bool = option(
         True,
-        "in the calm too, catch standby copies up by step deltas once half --standby-deltas steps behind, so that "
-        "a first wave loses a few steps, not up to --standby-every (a third of the state per step per copy, against "
-        "the whole state every --standby-every steps); --no-standby-calm-deltas follows only while peers die",
+        "in the calm too, catch standby copies up by step deltas once a quarter of --standby-deltas steps behind, so "
+        "that a first wave loses a few steps, not up to --standby-every (a third of the state per step per copy, "
+        "against the whole state every --standby-every steps); --no-standby-calm-deltas follows only while peers die",
     )
     standby_every: int = option(
         15,
