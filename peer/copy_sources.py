@@ -75,12 +75,13 @@ class CopySources:
         asked as well, and the view with the newer confirmed version is taken. Records are announced and read
         once a period each, so the version they confirm trails the stage by up to two periods' steps, and a
         wave that takes the stage then rolls those steps back."""
+        peers = [r.peer_id for r in serving]
         if self._receipts(stage) is not None:
-            return await self.answered(stage, [r.peer_id for r in serving])
+            return await self.answered(stage, peers)
         recorded = announced_versions(serving)
         if not fresh:
             return recorded
-        asked = await self.answered(stage, [r.peer_id for r in serving])
+        asked = await self.answered(stage, peers)
         return asked if newest_confirmed(asked) > newest_confirmed(recorded) else recorded
 
     def pick(self, stage: int, versions: dict[str, Version], minimum_step: int = 0) -> tuple[str, Version] | None:
