@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 
 from swarm.compression import Codec
-from swarm.net.transport import COMMIT_PROTOCOL, GRAD_PROTOCOL
+from swarm.net.transport import GRAD_PROTOCOL
 from swarm.net.wire import decode_tensors, encode_tensor, pack_frames
 from swarm.peer.contribution_bounds import left_out
 from swarm.peer.mate_membership import MateMembership
@@ -44,6 +44,7 @@ from swarm.peer.mate_messages import (
 )
 from swarm.peer.mate_progress import ProgressExchange
 from swarm.peer.protocol_handler import protocol_handler
+from swarm.peer.round_commits import RoundCommits, ViewsDiffer
 from swarm.peer.round_waiting import RoundWaiting
 from swarm.peer.runtime import RoundResult, SampleKey
 from swarm.peer.slice_exchange import SliceExchange, SlicesFailed
@@ -68,7 +69,6 @@ from swarm.proto import (
     GradContribution,
     MateReply,
     Receipt,
-    RoundCommit,
     Voucher,
 )
 
@@ -108,12 +108,13 @@ class AveragingRound:
             machine.limits,
             failure="Failed to take gradients from {sender}",
         )
-        self.handle_commit = protocol_handler(RoundCommit, self._new_reply, self._answer_commit)
         # called when a round fails here that dead mates may have completed: this peer's history of `step` on
         # may fork from theirs (`StageMates` writes it to the ledger)
         self.on_fork: Callable[[int, set[str]], None] | None = None
         self.waiting = RoundWaiting(machine, membership, averaging_timeout)
         self.slices = SliceExchange(machine, membership, codec, averaging_timeout, self.waiting)
+        self.commits = RoundCommits(machine, membership, self.waiting, averaging_timeout, self._offer_again)
+        self.handle_commit = self.commits.handle
 
     @property
     def clipped_contributions(self) -> int:
@@ -168,7 +169,11 @@ class AveragingRound:
             await machine.faults.hit("before_contribution")
         moved_on = not await self._gather(step, attempt, state, members, own)
         await machine.faults.hit("after_contribution")
-        agreed = None if moved_on else await self._commit(step, attempt, state, set(box))
+        try:
+            agreed = None if moved_on else await self.commits.agree(step, attempt, state, set(box))
+        except ViewsDiffer as e:
+            self._retry(step, state, attempt, box, f"{e}; the next attempt starts from views read again")
+            return None
         if agreed is None:  # a member gave this attempt up: what it has not sent will not come
             self._retry(step, state, attempt, box, f"a mate gave attempt {attempt} up: following it")
             return None
@@ -339,6 +344,11 @@ class AveragingRound:
         send = self._send_contribution
         return lambda peer: self.machine.spawn(send(peer, step, own, members, unreachable, attempt=attempt))
 
+    def _offer_again(self, step: int, attempt: int, members: set[str], gone: set[str]):
+        """`_again` for this peer's offer of `attempt` at `step` (the commits' phase waits with it)."""
+        own = self.machine.steps[step].mailbox[attempt][self.machine.peer_id]
+        return self._again(step, attempt, own, members, gone)
+
     async def _send_contribution(
         self,
         peer_id: str,
@@ -483,87 +493,6 @@ class AveragingRound:
             holders=screened.holders,
             dropped=screened.dropped,
         )
-
-    # --- second phase: the commits ------------------------------------------------------------------------
-
-    async def _commit(self, step: int, attempt: int, state: StepState, view: set[str]) -> set[str] | None:
-        """Second phase: tells the contributors which contributions this peer holds; returns those all hold (None:
-        a member it waits for moved on to the next attempt, and this peer must follow it)."""
-        machine = self.machine
-        loop = asyncio.get_running_loop()
-        handovers = handovers_in(state.mailbox[attempt])
-        others = view - {machine.peer_id} - handovers
-        commits = state.commits[attempt]
-        commits[machine.peer_id] = frozenset(view)
-        gone: set[str] = set()
-        message = RoundCommit(
-            protocol_version=PROTOCOL_VERSION,
-            model=machine.model,
-            stage=machine.stage,
-            step=step,
-            attempt=attempt,
-            contributors=sorted(view),
-        )
-        for peer_id in others:
-            machine.spawn(self._send_commit(peer_id, message, gone))
-        offer_again = self._again(step, attempt, state.mailbox[attempt][machine.peer_id], view, gone)
-        started, probed = loop.time(), {}
-        while True:
-            machine.changed.clear()
-            waiting = others - set(commits) - gone
-            machine.check_left_behind(step)
-            if state.attempt > attempt or waiting & set(state.mailbox.get(attempt + 1, {})):
-                return None
-            self.waiting.probe_late(step, waiting, probed, gone, offer_again)
-            wait = self.waiting.wait_for(waiting, started) if waiting else 0.0
-            if wait <= 0:
-                break
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(machine.changed.wait(), wait)
-        machine.check_left_behind(step)
-        agreed = set(view) - (others - set(commits))
-        # a hand-over counts only where every committer holds it, as any contribution: a newcomer that joined
-        # after a mate left never had it, and would sum without it what the others sum with it
-        for peer_id in others & set(commits):
-            agreed &= commits[peer_id]
-        if agreed != view:
-            logger.warning(
-                f"Stage {machine.stage} step {step}: the mates agree on {len(agreed)} of the {len(view)} "
-                f"contributions this peer holds; summing those"
-            )
-        return agreed
-
-    async def _send_commit(self, peer_id: str, message: RoundCommit, gone: set[str]) -> None:
-        reply = await self.machine.call_mate(peer_id, COMMIT_PROTOCOL, [message], self.averaging_timeout)
-        if isinstance(reply, Exception):
-            self.membership.mark_unreachable(peer_id)
-        elif reply.error.code == ErrorCode.OK:
-            return
-        elif reply.error.code == ErrorCode.OUT_OF_SYNC and reply.step > message.step:
-            self.machine.mate_stepped_past(message.step, peer_id, reply.step)
-        gone.add(peer_id)
-        self.machine.changed.set()
-
-    async def _answer_commit(self, sender: str, message: RoundCommit, _parts, reply: MateReply) -> list:
-        machine = self.machine
-        self.membership.heard_from(sender)
-        error = check_header(message, machine.model, machine.stage) or check_members(message.contributors)
-        if error is not None:
-            reply.error.CopyFrom(error)
-        elif machine.runtime.step <= message.step <= machine.runtime.step + 1:
-            state = machine.steps[message.step]
-            if not state.attempt <= message.attempt <= state.attempt + 1:  # each attempt kept costs memory
-                reply.error.CopyFrom(
-                    Error(code=ErrorCode.OUT_OF_SYNC, message=f"this peer is at round attempt {state.attempt}")
-                )
-            else:
-                state.commits[message.attempt][sender] = frozenset(message.contributors)
-                machine.changed.set()
-        else:
-            reply.error.CopyFrom(
-                Error(code=ErrorCode.OUT_OF_SYNC, message=f"this peer is at step {machine.runtime.step}")
-            )
-        return [reply]
 
     # --- a leaving peer --------------------------------------------------------------------------------------
 

@@ -137,6 +137,24 @@ class MateMembership:
 
         self._accusations_read = asyncio.ensure_future(read())
 
+    async def read_accusations_now(self, timeout: float) -> None:
+        """Reads the run's accusations now, waiting at most `timeout` seconds: mates whose views of a round
+        differ may have read one that this peer has not. A read under way may predate it: one more follows."""
+        if self.accusations is None:
+            return
+        deadline = self.machine.loop.time() + timeout
+        for _ in range(2):
+            under_way = self._accusations_read is not None and not self._accusations_read.done()
+            if not under_way:
+                self._accusations_read_at = float("-inf")
+                self._read_accusations()
+            if self._accusations_read is None:
+                return
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._accusations_read), deadline - self.machine.loop.time())
+            if not under_way:
+                return
+
     def take_records(self, records: list[StageRecord]) -> set[str]:
         """Takes in the stage's records from the DHT; returns the mates that have just appeared."""
         machine = self.machine

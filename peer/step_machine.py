@@ -103,6 +103,7 @@ class StepState:
 
     phase: str = ACCUMULATING
     attempt: int = 0  # rounds at this step that came up short so far
+    view_retries: int = 0  # attempts given up because committers left out a committer (`round_commits`)
     progress: dict[str, Held] = field(default_factory=dict)  # what each member holds toward the step
     mailbox: dict[int, dict[str, Contribution]] = field(default_factory=lambda: defaultdict(dict))  # by attempt
     commits: dict[int, dict[str, frozenset[str]]] = field(default_factory=lambda: defaultdict(dict))  # by attempt

@@ -18,6 +18,7 @@ from swarm.peer.averaging_round import AveragingRound
 from swarm.peer.faults import FaultPlan
 from swarm.peer.mate_messages import ids_to_wire
 from swarm.peer.protocol_handler import protocol_handler
+from swarm.peer.round_commits import MAX_VIEW_RETRIES, ViewsDiffer
 from swarm.peer.round_waiting import RoundWaiting
 from swarm.peer.state_transfer import MateState, take_holdings
 from swarm.peer.step_machine import (
@@ -315,9 +316,51 @@ def test_a_hand_over_a_committing_mate_lacks_is_left_out_here_too():
         state = machine.steps[5]
         state.mailbox[0].update({ME: contribution(8), MATE: contribution(8), LEAVER: contribution(4, handover=True)})
         state.commits[0][MATE] = frozenset({ME, MATE})  # the newcomer holds no hand-over
-        return await asyncio.wait_for(averaging._commit(5, 0, state, {ME, MATE, LEAVER}), 5)
+        return await asyncio.wait_for(averaging.commits.agree(5, 0, state, {ME, MATE, LEAVER}), 5)
 
     assert asyncio.run(go()) == {ME, MATE}
+
+
+LIAR = "QmPeerZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZ"
+
+
+def test_committers_that_leave_out_a_committer_give_the_attempt_up_rather_than_sum_without_a_live_mate():
+    """Traced with insiders on every stage: an accusation reached the two honest mates a second apart. One had
+    dropped the liar, whose commit left that one out; the other, summing what all its committers held, summed
+    alone, asked the trainers again for samples its live mate held, and counted them twice a step later. A
+    committer left out is a view conflict: the attempt is given up after a fresh read of the accusations, at
+    most `MAX_VIEW_RETRIES` times a step (a liar in every commit cannot stall the stage), then summed as before."""
+
+    async def go() -> tuple[list[str], set[str] | None, int]:
+        averaging, _ = averaging_round()
+        machine = averaging.machine
+        reads = []
+
+        async def read_accusations_now(timeout: float) -> None:
+            reads.append(timeout)
+
+        async def call_mate(peer_id, protocol, frames, timeout, limits=None):  # every commit is taken
+            return MateReply()
+
+        averaging.membership.read_accusations_now = read_accusations_now
+        machine.call_mate = call_mate
+        state = machine.steps[5]
+        outcomes = []
+        for attempt in range(MAX_VIEW_RETRIES + 1):
+            state.mailbox[attempt].update({ME: contribution(8), MATE: contribution(8), LIAR: contribution(8)})
+            state.commits[attempt].update({MATE: frozenset({ME, MATE}), LIAR: frozenset({ME, LIAR})})
+            try:
+                agreed = await asyncio.wait_for(averaging.commits.agree(5, attempt, state, {ME, MATE, LIAR}), 5)
+            except ViewsDiffer as e:
+                outcomes.append(str(e))
+            else:
+                return outcomes, agreed, len(reads)
+        return outcomes, None, len(reads)
+
+    outcomes, agreed, reads = asyncio.run(go())
+    assert len(outcomes) == MAX_VIEW_RETRIES and all(MATE in o and LIAR in o for o in outcomes)
+    assert reads == MAX_VIEW_RETRIES  # each conflict read the accusations before the next attempt
+    assert agreed == {ME}  # past the bound: what every committer holds, as before
 
 
 # --- one mate's word that it is ahead ---------------------------------------------------------------------------
