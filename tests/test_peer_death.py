@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 from conftest import (
@@ -67,15 +68,21 @@ def trainer_exit_code(local_swarm, trainer, timeout: float) -> int:
 
 @pytest.mark.timeout(300)
 def test_killed_peer_loses_no_microbatch(local_swarm, tmp_path):
-    steps, micro, kill_at = 12, 1, 2  # steps enough that a loaded machine still sees peer1a hold 2 samples
+    steps, micro, kill_at, in_flight = 12, 1, 2, 8  # steps enough that a loaded machine still sees peer1a hold 2
     # one sample per microbatch, many in flight, 100 ms each way: a kill lands between forwards and backwards
-    trainer, summary_file = start_two_mates_and_trainer(local_swarm, tmp_path, steps, 8, mates=("--metrics-port", "0"))
+    trainer, summary_file = start_two_mates_and_trainer(
+        local_swarm, tmp_path, steps, in_flight, mates=("--metrics-port", "0")
+    )
     urls = {name: metrics_url(local_swarm, name) for name in ("peer1a", "peer1b")}
     # one mate is killed while it holds backwards it answered and has not averaged: a few accumulated toward a
     # step (their replies went out first), and the rest of the step (backwards and a round) still to come.
-    # Whichever mate it is: the router may give one of them most of the calls (the earliest to finish wins)
-    victim = peer_holding_answered_backwards(urls, kill_at, trainer)
-    local_swarm.stop(victim, signal.SIGKILL)
+    # Whichever mate it is: the router may give one of them most of the calls (the earliest to finish wins).
+    # The trainer is paused meanwhile, so however late the kill lands, the round it must precede cannot begin
+    try:
+        victim = peer_holding_answered_backwards(local_swarm, urls, kill_at, in_flight)
+        local_swarm.stop(victim, signal.SIGKILL)
+    finally:
+        local_swarm.signal("trainer", signal.SIGCONT)
     survivor = "peer1b" if victim == "peer1a" else "peer1a"
 
     assert trainer_exit_code(local_swarm, trainer, 240) == 0, local_swarm.log_path("trainer").read_text()[-3000:]
@@ -92,24 +99,52 @@ def test_killed_peer_loses_no_microbatch(local_swarm, tmp_path):
     assert_matches_reference(reference_run(steps, micro).stages[1], checkpoint.parameters, "stage 1", noise)
 
 
-def peer_holding_answered_backwards(urls: dict[str, str], from_step: int, trainer) -> str:
+def peer_holding_answered_backwards(local_swarm, urls: dict[str, str], from_step: int, in_flight: int) -> str:
     """The first of the peers at `urls` (stage-mates) seen, at `from_step` or later, holding 2 samples it answered
-    while the step has half its samples still to come. Answered, not only summed: a backward killed between its
-    sum and its reply fails over to the mate, nothing to resend. Half to come: a kill read just before the round
-    and landing after it (a loaded machine delays this process that long) would find the gradients summed."""
+    while the step has half its samples still to come; returns with the trainer paused (SIGSTOP), the caller
+    resumes it. Answered, not only summed: a backward killed between its sum and its reply fails over to the
+    mate, nothing to resend. Half to come, read once the trainer is paused: only its `in_flight` one-sample
+    microbatches can still land, too few to fill the step, so no round takes the gradients before the kill,
+    however long this process is held up (a loaded machine)."""
+    assert in_flight < TARGET // 2
+    trainer = local_swarm.processes["trainer"]
     at_step: dict[str, tuple[float, float]] = {}  # per peer: its step, and its backward samples answered before it
     deadline = time.monotonic() + 150
     while True:
         assert time.monotonic() < deadline and trainer.poll() is None, "no stage-1 peer held 2 answered samples"
-        read = {name: peer_counts(url) for name, url in urls.items()}
-        for name, (step, answered, _) in read.items():
-            if at_step.get(name, (None,))[0] != step:
-                at_step[name] = (step, answered)
-        since = {name: read[name][1] - at_step[name][1] for name in urls}
-        for name, (step, _, held) in read.items():
-            if step >= from_step and held >= 2 and since[name] >= 2 and sum(since.values()) <= TARGET // 2:
-                return name
+        if holding_answered(urls, from_step, at_step) is not None:
+            pause(local_swarm, "trainer")
+            if (victim := holding_answered(urls, from_step, at_step)) is not None:
+                return victim
+            local_swarm.signal("trainer", signal.SIGCONT)
         time.sleep(0.05)
+
+
+def holding_answered(urls: dict[str, str], from_step: int, at_step: dict[str, tuple[float, float]]) -> str | None:
+    """From one read of each peer's metrics: the first at `from_step` or later that answered 2 backward samples of
+    its step and holds them, while the stage holds at most half its batch, if any. `at_step` (updated) keeps each
+    peer's step as last read, and the backward samples it had answered when it was first read at that step."""
+    read = {name: peer_counts(url) for name, url in urls.items()}
+    for name, (step, answered, _) in read.items():
+        if at_step.get(name, (None,))[0] != step:
+            at_step[name] = (step, answered)
+    steps = {step for step, _, _ in read.values()}
+    if len(steps) > 1 or sum(held for _, _, held in read.values()) > TARGET // 2:
+        return None  # a round under way, or one that a few more backwards start
+    for name, (step, answered, held) in read.items():
+        if step >= from_step and held >= 2 and answered - at_step[name][1] >= 2:
+            return name
+    return None
+
+
+def pause(local_swarm, name: str, timeout: float = 10.0) -> None:
+    """Stops process `name` (SIGSTOP) and waits until the kernel shows it stopped."""
+    local_swarm.signal(name, signal.SIGSTOP)
+    stat = Path(f"/proc/{local_swarm.processes[name].pid}/stat")
+    deadline = time.monotonic() + timeout
+    while stat.read_text().rsplit(")", 1)[1].split()[0] != "T":
+        assert time.monotonic() < deadline, f"{name} did not stop within {timeout:.0f}s"
+        time.sleep(0.01)
 
 
 def peer_counts(url: str) -> tuple[float, float, float]:
