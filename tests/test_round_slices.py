@@ -144,6 +144,10 @@ def test_a_mate_dying_mid_round_is_dropped_within_seconds_not_at_the_averaging_t
     nothing answers them (a hung peer, or one killed without its daemon): two unanswered ones drop it."""
     steps = 3
     patient = ["--averaging-timeout", "120", "--record-ttl", "60", "--short-wait", "20"]
+    # and the three stay on stage 1: a stage that looks empty (peer0 slow to renew its record and to answer a
+    # probe on a loaded machine) is filled by a peer of the stage with the most to spare, pinned or not, unless
+    # it keeps no standby copies; a mate that moved to stage 0 mid-round was never there to drop peer1a
+    patient += ["--standby-stages", "0"]
     start_swarm(
         local_swarm,
         tmp_path,
@@ -153,9 +157,10 @@ def test_a_mate_dying_mid_round_is_dropped_within_seconds_not_at_the_averaging_t
     flags = [*trainer_flags(steps, tmp_path / "summary.json", microbatch_size=1, in_flight=8)]
     trainer = local_swarm.start_trainer("trainer", [*flags, "--resend-buffer-mb", "64"])
     assert trainer_exit_code(local_swarm, trainer, 100) == 0, local_swarm.log_path("trainer").read_text()[-3000:]
-    logs = [local_swarm.log_path(name).read_text() for name in ("peer1b", "peer1c")]
+    logs = {name: local_swarm.log_path(name).read_text() for name in ("peer1b", "peer1c")}
     # found gone by a question it left unanswered, or unreachable by one its dead daemon refused
-    assert all(DROPPED.search(log) for log in logs), logs[0][-3000:]
+    silent = [name for name, log in logs.items() if not DROPPED.search(log)]
+    assert not silent, "\n".join(f"--- {name}\n{logs[name][-3000:]}" for name in silent)
     survivors = peer_infos(local_swarm, 1)
     assert len({(i.step, i.fingerprint) for i in survivors}) == 1, survivors
     stage_1_matches_reference(local_swarm, tmp_path, steps, "peer1b")
