@@ -220,6 +220,12 @@ def run_swarm(workdir: Path, keys: dict, steps: int, plan: dict[int, str], data_
         "samples": samples,
         "logs": logs,
         "seconds": summary.get("seconds", math.inf),
+        # each step's loss and the calls that went again: where two runs' final losses part, from which step, and
+        # whether a retry or a stale backward came with it
+        "trace": {
+            "losses": " ".join(f"{x:.4f}" for x in summary.get("losses", [])),  # one line of the report
+            **{key: summary.get(key) for key in ("retries", "stale_resent", "samples_resent")},
+        },
         "replicas_agree": agree,
     }
 
@@ -285,6 +291,7 @@ def judge(run: dict, honest: dict, attack: str, stage: int, args: argparse.Names
         "samples": run["samples"][stage],
         "final_loss": round(run["loss"], 4),
         "train_seconds": round(run["seconds"], 1),
+        "trace": run["trace"],
     }
     if newcomer:
         result["newcomer"] = evidence({newcomer: run["logs"][newcomer]}, f"Took stage {stage} state", where, [])
@@ -389,6 +396,7 @@ def main() -> int:
             "samples": min(honest["samples"].values()),  # every stage of an honest run steps on the same
             "final_loss": round(honest["loss"], 4),
             "train_seconds": round(honest["seconds"], 1),
+            "trace": honest["trace"],
         },
         "attacks": results,
         "everywhere": at_once,
