@@ -44,7 +44,7 @@ STAGE_TALLIES: list[tuple[str, str, Callable[[StageRuntime, StageMates], int]]] 
     ("swarm_peer_resyncs", "times this peer took a mate's state", lambda r, m: m.resyncs),
     (
         "swarm_peer_failed_rounds",
-        "averaging rounds no member could sum: retried without the dead",
+        "averaging round attempts given up and retried (a mate died, or the mates' views of the round differed)",
         lambda r, m: m.failed_rounds,
     ),
     ("swarm_peer_round_bytes_sent", "gradient bytes sent in averaging rounds", lambda r, m: m.round_bytes[0]),
