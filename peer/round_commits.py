@@ -53,7 +53,6 @@ class RoundCommits:
         self.averaging_timeout = averaging_timeout
         # (step, attempt, members, gone) -> sends this peer's offer of that attempt again to a peer
         self.offer_again = offer_again
-        self.view_retries = 0  # attempts given up since start because committers' views differed
         self.handle = protocol_handler(RoundCommit, self._new_reply, self._answer)
 
     async def agree(self, step: int, attempt: int, state: StepState, view: set[str]) -> set[str] | None:
@@ -101,7 +100,6 @@ class RoundCommits:
         left_out = (committed | {machine.peer_id}) - agreed
         if left_out and state.view_retries < MAX_VIEW_RETRIES:
             state.view_retries += 1
-            self.view_retries += 1
             await self.membership.read_accusations_now(ACCUSATIONS_WAIT)
             raise ViewsDiffer(f"committers left out {len(left_out)} mate(s) that committed: {sorted(left_out)}")
         if agreed != view:
