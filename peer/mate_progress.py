@@ -184,13 +184,14 @@ class ProgressExchange:
             before = self._parked.get(sender, {}).get(message.step, {})
         else:
             before = machine.steps[message.step].progress.get(sender, {}) if message.step in machine.steps else {}
-        incoming = ids_from_wire(message.held)
+        said = incoming = ids_from_wire(message.held)
         if machine.receipts is not None:  # a new microbatch counts with a vouched trainer's receipt only
             incoming = machine.receipts.screen_progress(
                 sender, message.step, incoming, before, message.receipts, message.vouchers
             )
         merged = {**before, **incoming}
-        dropped = ids_from_wire(message.dropped) if not parking else {}  # (one taking a state is at its step)
+        # what it dropped to take a state (none parked: one taking a state is at its step)
+        dropped = dropped_said = ids_from_wire(message.dropped) if not parking else {}
         if dropped and machine.receipts is not None:  # only what a receipt names the sender for
             dropped = machine.receipts.screen_progress(
                 sender, message.step, dropped, {}, message.receipts, message.vouchers, DROPPED_STEPS_BEHIND
@@ -207,7 +208,12 @@ class ProgressExchange:
         elif parking:
             self._park(sender, message.step, merged)
         else:
-            machine.steps[message.step].progress.setdefault(sender, {}).update(incoming)
+            held = machine.steps[message.step].progress.setdefault(sender, {})
+            held.update(incoming)
+            # what it dropped to take a state it holds no more (unless sent to it again since): its earlier word
+            # left in would count as a member holding them, and no round would expect them
+            for key in dropped_said.keys() - said.keys():
+                held.pop(key, None)
             self._expect_dropped(sender, message.step, dropped)
             self.note_holdings()
             if message.fingerprint:

@@ -20,7 +20,8 @@ leaves its stage as on a move and builds the lost stage from its copy, at the co
 how many steps of progress were lost. A stage whose last peers left on request (a stop, a preemption
 notice) is not taken over: whoever stops a swarm one peer at a time does not want its stages
 shuffled. Where no holder restores a lost stage within `FILL_PERIODS` more announce periods (at once where
-no holder may), a peer of the stage with the most to spare moves there (`swarm.policy.empty_stages`).
+no holder may), a peer of the stage with the most to spare moves there (`swarm.policy.empty_stages`); one
+the records chose only because their choice failed its probe gives that one a period more to show its move.
 A peer that joins an empty stage (a newcomer with `--stage auto` picks one first) takes the freshest
 copy from a holder over `STANDBY_PROTOCOL`, which answers only a peer whose signed record is on that
 stage."""
@@ -353,10 +354,15 @@ class StandbyKeeper:
                 extra = FILL_PERIODS
             else:
                 extra = 1 if choose_restorer(stage, read) is not None else 0
+            barred = self.accused()
+            if choose_filler(stage, records, barred) != peer.peer_id or on_the_way(stage, records):
+                continue
+            # chosen only because the one the records choose failed this peer's probe: one period more for that one
+            # to show its move (a stage-0 peer stalled on a loaded host once drew two stage-1 fillers)
+            extra += choose_filler(stage, read, barred) != peer.peer_id
             grace = (LOST_GRACE + extra) * peer.config.announce_period
             # a stage never seen served is one whose peers are still starting, not one that lost them
-            waiting = now - since < grace or stage in self.left_on_request or stage not in self.seen_serving
-            if waiting or on_the_way(stage, records) or choose_filler(stage, records, self.accused()) != peer.peer_id:
+            if now - since < grace or stage in self.left_on_request or stage not in self.seen_serving:
                 continue
             copy = self.standbys.get(stage)
             logger.warning(

@@ -180,6 +180,9 @@ class StateHandOver:
         ahead never heard of them."""
         if not dropped:
             return
+        # this peer's own word that it holds them toward `step` (a backward taken during its last round holds
+        # toward the next step) went with the load: left in, it would count as a member holding them
+        self.machine.forget_own(step, dropped)
         lost = self.progress.expect_lost(step, dropped)
         # the mates hear of them with this peer's progress (sent next): should it die before the round, theirs
         # expects them still; with a trust root, its offers say it dropped them (its receipts name it)

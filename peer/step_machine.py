@@ -229,6 +229,13 @@ class StepMachine:
         """The microbatches this peer holds toward `step`."""
         return dict(self.steps[step].progress.get(self.peer_id, {})) if step in self.steps else {}
 
+    def forget_own(self, step: int, dropped: Held) -> None:
+        """This peer no longer holds `dropped` toward `step` or later (a state load dropped them)."""
+        for at, state in self.steps.items():
+            if at >= step and (own := state.progress.get(self.peer_id)):
+                for key in dropped:
+                    own.pop(key, None)
+
     def phase(self) -> str:
         """The phase of the stage's current step."""
         return self.steps[self.runtime.step].phase

@@ -253,14 +253,20 @@ def test_progress_counts_for_the_current_and_the_next_two_steps_and_within_a_bou
     assert "a mate holds at most 40" in progress_refusal(5, 5, bound + 1, 16, 8)
 
 
+def stage_1_progress(serving: bool) -> tuple[StepMachine, ProgressExchange]:
+    """The step machine and progress exchange of a stage-1 peer (PEERS[0]) at step 0, with no network."""
+    module = build_stage(SPEC, 1, 3, seed=0)
+    runtime = StageRuntime(module, build_optimizer(module, OptimizerSettings()), target_batch_size=16)
+    machine = StepMachine(runtime, PEERS[0], "gpt-tiny", FaultPlan())
+    machine.serving = serving
+    return machine, ProgressExchange(machine, MateMembership(machine))
+
+
 def test_a_peer_keeps_its_mates_progress_ahead_of_it_until_it_gets_there():
     # a newcomer is at step 0 until its state loads: the progress its mates send meanwhile is toward their
     # step, far past its own. Refused, it would not know what a mate held there, and should that mate die,
     # nobody would find its samples lost. Kept for the latest two steps per mate, it counts once loaded.
-    module = build_stage(SPEC, 1, 3, seed=0)
-    runtime = StageRuntime(module, build_optimizer(module, OptimizerSettings()), target_batch_size=16)
-    machine = StepMachine(runtime, PEERS[0], "gpt-tiny", FaultPlan())
-    progress = ProgressExchange(machine, MateMembership(machine))
+    machine, progress = stage_1_progress(serving=False)
     mate, trainer = PEERS[1], PEERS[2]
 
     def send(step: int, *microbatches: int, samples: int = 2) -> MateReply:
@@ -289,11 +295,7 @@ def test_a_peer_keeps_its_mates_progress_ahead_of_it_until_it_gets_there():
 def test_a_mate_that_dropped_microbatches_to_take_a_state_makes_this_peers_round_expect_them():
     # it asks for them again itself; should it die before the round, this peer's round finds them lost and
     # their trainers send them again, where they would otherwise be lost silently (a trust-root chaos run)
-    module = build_stage(SPEC, 1, 3, seed=0)
-    runtime = StageRuntime(module, build_optimizer(module, OptimizerSettings()), target_batch_size=16)
-    machine = StepMachine(runtime, PEERS[0], "gpt-tiny", FaultPlan())
-    machine.serving = True
-    progress = ProgressExchange(machine, MateMembership(machine))
+    machine, progress = stage_1_progress(serving=True)
     mate, trainer = PEERS[1], PEERS[2]
     machine.steps[0].progress[PEERS[0]] = {(trainer, 2): 2}  # this peer holds one of them itself
     message = MateProgress(protocol_version=PROTOCOL_VERSION, model="gpt-tiny", stage=1, step=0)
@@ -308,6 +310,25 @@ def test_a_mate_that_dropped_microbatches_to_take_a_state_makes_this_peers_round
     assert not machine.lost(), "expected by the round, not waited for before it"
     message.dropped.extend(SampleId(trainer=trainer, microbatch=m, samples=20) for m in range(10, 30))
     assert "a mate holds at most" in asyncio.run(progress._answer(mate, message, [], MateReply()))[0].error.message
+
+
+def test_a_mate_that_dropped_microbatches_it_had_said_it_held_no_longer_counts_as_holding_them():
+    # its earlier progress named them: left in, they would count as held by a member, and should the mate die
+    # or commit without them, no round would expect them and they would be lost silently
+    machine, progress = stage_1_progress(serving=True)
+    mate, trainer = PEERS[1], PEERS[2]
+
+    def send(held: tuple[int, ...], dropped: tuple[int, ...]) -> None:
+        message = MateProgress(protocol_version=PROTOCOL_VERSION, model="gpt-tiny", stage=1, step=0)
+        message.held.extend(SampleId(trainer=trainer, microbatch=m, samples=2) for m in held)
+        message.dropped.extend(SampleId(trainer=trainer, microbatch=m, samples=2) for m in dropped)
+        assert asyncio.run(progress._answer(mate, message, [], MateReply()))[0].error.code == ErrorCode.OK
+
+    send((1, 2), ())
+    send((), (1, 2))
+    assert machine.steps[0].progress[mate] == {} and machine.steps[0].lost == {(trainer, 1): 2, (trainer, 2): 2}
+    send((2,), (1, 2))  # its trainer sent one of them to it again: it holds that one
+    assert machine.steps[0].progress[mate] == {(trainer, 2): 2}
 
 
 def test_a_mate_renewing_its_record_but_answering_nothing_stays_out_of_rounds():

@@ -406,3 +406,38 @@ def test_microbatches_a_state_load_dropped_are_expected_by_the_next_round_unless
     handover._ask_again(8, dropped)
     assert machine.steps[8].lost == {("t", 1): 8}
     assert machine.steps[8].phase == ACCUMULATING and not machine.lost(), "no call is refused before the round"
+
+
+class ForwardedProgress(HeldRound):
+    """A held round whose coordinator tells the step machine what the runtime holds, as the peer's does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.said: list[tuple[int, dict]] = []
+
+    def local_progress(self, step, held) -> None:
+        self.said.append((step, held))
+
+
+def test_a_microbatch_taken_during_a_round_and_dropped_by_a_load_is_asked_for_again():
+    """A backward taken while the peer's round runs holds toward the next step, and the peer says so. A state
+    load at that step drops it: the peer's own word must not count as a member holding it, or the round at the
+    new step expects it from nobody and it is lost silently (8 samples in a trust-root chaos run)."""
+    runtime = make_runtime(target=64)
+    coordinator = runtime.coordinator = ForwardedProgress()
+    runtime.start()
+    runtime.submit(True, backward_inputs(8, 0), key=("t", 1)).result(30)
+    start_round(runtime, coordinator, 1)  # its round at step 0 runs: what comes now holds toward step 1
+    runtime.submit(True, backward_inputs(8, 1), key=("t", 2)).result(30)
+    dropped = runtime.run_exclusive(lambda: runtime.load_state(1, lambda: None)).result(30)
+    runtime.shutdown()
+    assert dropped == {("t", 1): 8, ("t", 2): 8}
+    machine = StepMachine(runtime, "QmPeerA", "gpt-tiny", FaultPlan())
+    assert coordinator.said[-1] == (1, {("t", 2): 8}), "the peer said it holds it toward the next step"
+    for step, held in coordinator.said:
+        machine.steps[step].progress["QmPeerA"] = held
+    handover = StateHandOver.__new__(StateHandOver)
+    handover.machine, handover.progress = machine, ProgressExchange(machine, SimpleNamespace())
+    handover._ask_again(1, dropped)
+    assert machine.steps[1].lost == dropped and machine.steps[1].dropped["QmPeerA"] == dropped
+    assert machine.own(1) == {}, "what went with the load is no longer said to be held"

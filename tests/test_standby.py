@@ -341,6 +341,29 @@ def test_a_stage_lost_with_its_copies_is_filled_after_the_holders_had_their_chan
     assert moves == []
 
 
+def test_a_filler_chosen_only_by_its_own_probes_gives_the_one_the_records_choose_a_period_to_move():
+    """Reproduced by stalling a stage-0 peer for 6 s: two stage-1 peers moved to fill it. The one the records chose
+    had failed the other's probe (a slow answer on a loaded host), so each found itself the filler."""
+    moves: list[int] = []
+    config = PeerConfig(model="gpt-tiny", num_stages=3, announce_period=1.0)
+    peer = SimpleNamespace(config=config, stage=0, state=SERVING, mates=None, peer_id="peerB" * 4)
+    peer.request_move = moves.append
+    keeper = StandbyKeeper(peer)
+    stage0 = [record("peerA", 0), record("peerB", 0), record("peerF", 0)]  # peerA first by id, all equally fast
+    keeper.probes.silent = {"peerA" * 4: get_dht_time()}
+    keeper.observe({0: stage0, 1: [record("peerC", 1)], 2: [record("peerD", 2)]})
+    keeper.observe({0: stage0, 1: [record("peerC", 1)], 2: []})
+    keeper.empty_since[2] -= LOST_GRACE * 1.0
+    keeper.observe({0: stage0, 1: [record("peerC", 1)], 2: []})
+    assert moves == [], "peerA, alive after all, may be on its way"
+    moving = dataclasses.replace(stage0[0], state=LEAVING, moving_to=2)
+    keeper.empty_since[2] -= 1.0
+    keeper.observe({0: [moving, *stage0[1:]], 1: [record("peerC", 1)], 2: []})
+    assert moves == [], "it showed its move: nobody else goes"
+    keeper.observe({0: stage0, 1: [record("peerC", 1)], 2: []})
+    assert moves == [2], "it did not move within the period: this peer fills the stage"
+
+
 def test_a_filler_counts_the_steps_a_stage_had_reached_from_what_it_saw_before_its_records_expired():
     # the wave took stage 1 at step 45; by the time a peer moves there, its records have expired, and the freshest
     # copy is of step 34: the restore line must say 45, or the steps between would read as lost silently
