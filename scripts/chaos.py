@@ -35,7 +35,10 @@ retries, bans, resent samples, the longest stall between steps and the runs with
 from the ledger, per stage and by microbatch id, samples lost (those a restore from a standby rolled
 back or that died with their stage named apart), counted twice and orphaned, and steps whose
 replicas wrote different fingerprints; and at the end, every live peer's parameter
-fingerprint, replicas of a stage at one step that differ counted as divergent.
+fingerprint, replicas of a stage at one step that differ counted as divergent. Per phase, `host_cpu`
+says where the machine's CPU went (`harness.host_cpu`): its share of the cores, the share taken by
+processes in their first seconds (the replacements' starts) and their CPU per start, and the CPU per
+sample of the rest.
 
 Every process of a run shares this machine's cores. A peer launched as a program spends about 2 s of CPU
 importing torch and hivemind before it does anything, taken from the peers that train; a trace replay
@@ -62,6 +65,7 @@ from typing import Any
 
 from harness.chaos_report import end_state, ledger_report, spot_check_report, totals
 from harness.churn import MODEL_FLAGS, NUM_STAGES, PEER_FLAGS, Churn, RunFailed  # bench_trainers.py's too, from here
+from harness.host_cpu import HostCpu, phase_cpu
 from harness.spot_trace import live_peer_targets, mean_live_peers
 from swarm.config import PeerConfig, TrainerConfig
 from swarm.launch.local_swarm import LocalSwarm
@@ -231,14 +235,14 @@ def one_run(args: argparse.Namespace, index: int, workdir: Path, report: dict[st
     if ledger_dir:
         ledger_dir.mkdir(parents=True)
     report["workdir"] = str(workdir)
-    with LocalSwarm(workdir, preloaded=args.preload == "yes") as swarm:
+    with LocalSwarm(workdir, preloaded=args.preload == "yes") as swarm, HostCpu() as cpu:
         swarm.start_bootstrap()
         dht = TetheredDHT(initial_peers=swarm.initial_peers, start=True)  # ends with this process
         peer_trust, trainer_trust = trust_flags(args, workdir)
         try:
             spare = args.spare_last_peer == "yes"
             churn = Churn(swarm, dht, sig, rng, ledger_dir, [*PEER_FLAGS, *peer_trust], spare_last_peer=spare)
-            phases = RunPhases(args, swarm, churn, rng, workdir, ledger_dir, report, trainer_trust)
+            phases = RunPhases(args, swarm, churn, rng, workdir, ledger_dir, report, trainer_trust, cpu)
             layout = phases.start_peers()
             before = phases.trainers("before", args.baseline_steps)
             before_rate, _ = concurrent_rate(before)
@@ -292,8 +296,9 @@ class RunPhases:
         ledger_dir: Path | None,
         report: dict[str, Any],
         trainer_flags: list[str] | None = None,
+        cpu: HostCpu | None = None,
     ) -> None:
-        self.args, self.swarm, self.churn, self.rng = args, swarm, churn, rng
+        self.args, self.swarm, self.churn, self.rng, self.cpu = args, swarm, churn, rng, cpu
         self.workdir, self.ledger_dir, self.report = workdir, ledger_dir, report
         self.trainer_flags = tuple(trainer_flags or ())  # beyond the common ones: a trust root's
         self.trace: list[tuple[float, int]] = []  # with --trace: (seconds, live peers wanted) still to replay
@@ -326,8 +331,9 @@ class RunPhases:
     def trainers(self, phase: str, steps: int, meanwhile: Callable[[float], None] | None = None) -> list[TrainerRun]:
         """Runs the phase's trainers to the end: one reads the default corpus, as chaos runs always did; several
         get a shard each."""
-        args = self.args
-        return run_trainers(
+        args, cpu, starts = self.args, self.cpu, self.churn.starts
+        before, started = cpu.snapshot() if cpu else None, time.monotonic()
+        runs = run_trainers(
             self.swarm,
             phase,
             args.trainers,
@@ -339,6 +345,11 @@ class RunPhases:
             sharded=args.trainers > 1,
             extra=self.trainer_flags,
         )
+        if cpu is not None and before is not None:  # where the phase's CPU went (harness.host_cpu)
+            samples = sum(run.summary["samples"] for run in runs)
+            used = phase_cpu(before, cpu.snapshot(), time.monotonic() - started, samples, self.churn.starts - starts)
+            self.report.setdefault("host_cpu", {})[phase] = used
+        return runs
 
     def under_churn(self, before_rate: float, before_summary: dict[str, Any]) -> tuple[list[TrainerRun], float]:
         """Trains through the churn the steps the baseline would train in its duration; returns the trainers

@@ -39,6 +39,9 @@ def test_training_survives_a_minute_of_kills():
     for first, last in run["loss_first_last"]:
         assert last < first, run
     assert total["longest_stall_s"] < STALL_BOUND, run
+    # where the machine's CPU went in each phase: the replacements' starts show apart
+    used = run["host_cpu"]
+    assert set(used) == {"before", "churn", "after"} and used["churn"]["starting_cpu_s_per_start"] > 0, used
     # every live replica answered with a fingerprint, and replicas of a stage at one step hold the same parameters
     assert run["end"]["replicas_checked"] >= 3 and run["end"]["fingerprints_missing"] == 0, run["end"]
     assert total["divergent_replicas_end"] == 0, run["end"]
