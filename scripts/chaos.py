@@ -162,11 +162,12 @@ def run_trainers(
     meanwhile: Callable[[float], None] | None = None,
     sharded: bool = True,
     extra: tuple[str, ...] = (),
+    started: Callable[[list[TrainerRun]], None] | None = None,
 ) -> list[TrainerRun]:
     """Runs `count` trainers at once, `steps` steps each, calling `meanwhile(seconds since start)` as they go.
 
     Each trainer reads its own shard of the data, unless not `sharded` (all read the default corpus), and
-    takes the `extra` flags.
+    takes the `extra` flags; `started` hears of them once all have started.
     """
     runs = [
         start_trainer(
@@ -174,6 +175,8 @@ def run_trainers(
         )
         for i in range(count)
     ]
+    if started is not None:
+        started(runs)
     started = time.monotonic()
     while any([run.poll() for run in runs]):  # a list: every trainer is polled each time
         if time.monotonic() - started > timeout:
@@ -344,6 +347,7 @@ class RunPhases:
             meanwhile,
             sharded=args.trainers > 1,
             extra=self.trainer_flags,
+            started=(lambda runs: cpu.trainers.update(run.process.pid for run in runs)) if cpu else None,
         )
         if cpu is not None and before is not None:  # where the phase's CPU went (harness.host_cpu)
             samples = sum(run.summary["samples"] for run in runs)

@@ -143,6 +143,10 @@ def totals(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "divergent_replicas_end": sum(run["end"]["divergent_replicas"] for run in done),
         "replicas_checked_end": sum(run["end"]["replicas_checked"] for run in done),
     }
+    if cpu := [run["host_cpu"]["churn"] for run in done if "churn" in run.get("host_cpu", {})]:
+        total["host_cpu_churn"] = {  # each run's share (harness.host_cpu), the runs in order
+            name: [c[name] for c in cpu] for name in ("share_of_cores", "starting_share", "starting_cpu_s_per_start")
+        }
     if any("waves" in run for run in runs):  # wave mode
         total["waves"] = sum(run.get("waves", 0) for run in runs)
         total["peers_killed_per_wave"] = [n for run in runs for n in run.get("peers_killed_per_wave", [])]

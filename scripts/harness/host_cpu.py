@@ -3,8 +3,9 @@
 On one machine every replacement peer starts on the cores the training runs on (its DHT node, its libp2p
 daemons, its joining and its first standby copies), where on spot instances each brings its own. A
 `HostCpu` sampler reads `/proc` every half second and charges each descendant process's CPU time to the
-role it belongs to (the ancestor just below the launcher: the forkserver's or this process's child), as
-"starting" while that role is younger than `STARTING_S` seconds, else "running".
+role it belongs to (the ancestor just below the launcher: the forkserver's or this process's child): to
+"trainers" for the roles named as trainers, else as "starting" while the role is younger than
+`STARTING_S` seconds, else "running".
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ class HostCpu:
 
     def __init__(self) -> None:
         self.root = os.getpid()
-        self.totals = {"starting": 0.0, "running": 0.0}
+        self.totals = {"starting": 0.0, "running": 0.0, "trainers": 0.0}
+        self.trainers: set[int] = set()  # roles charged to "trainers" (they start with every phase)
         self._last: dict[int, float] = {}
         self._since = _uptime()
         self._stop = threading.Event()
@@ -76,8 +78,11 @@ class HostCpu:
                 seen[pid] = cpu
                 # a process born since sampling began counts from its birth; one older, from now on
                 delta = cpu - self._last.get(pid, 0.0 if stats[pid][2] >= self._since else cpu)
-                age = now - stats[role][2]
-                self.totals["starting" if age < STARTING_S else "running"] += max(0.0, delta)
+                if role in self.trainers:
+                    kind = "trainers"
+                else:
+                    kind = "starting" if now - stats[role][2] < STARTING_S else "running"
+                self.totals[kind] += max(0.0, delta)
             self._last = seen
 
     def _role_of(self, pid: int, stats: dict[int, tuple[int, float, float]]) -> int | None:
@@ -102,16 +107,19 @@ def _is_launcher(pid: int) -> bool:
 
 
 def phase_cpu(before: dict[str, float], after: dict[str, float], seconds: float, samples: int, starts: int) -> dict:
-    """A phase's CPU from two snapshots: all of it, its share of the machine's cores, the starting roles' share
-    and CPU per start, and the running roles' CPU per sample trained."""
-    starting = after["starting"] - before["starting"]
-    running = after["running"] - before["running"]
-    total = starting + running
+    """A phase's CPU from two snapshots: all of it and its share of the machine's cores; the starting peers'
+    share and CPU per start; the running peers' and the trainers' CPU per sample trained."""
+    used = {kind: after[kind] - before[kind] for kind in after}
+    total = sum(used.values())
+    per_sample = {
+        f"{kind}_cpu_ms_per_sample": round(1000 * used[kind] / samples, 2) if samples else None
+        for kind in ("running", "trainers")
+    }
     return {
         "seconds": round(seconds, 1),
         "cpu_s": round(total, 1),
         "share_of_cores": round(total / max(seconds * (os.cpu_count() or 1), 1e-9), 3),
-        "starting_share": round(starting / total, 3) if total else 0.0,
-        "starting_cpu_s_per_start": round(starting / starts, 2) if starts else None,
-        "running_cpu_ms_per_sample": round(1000 * running / samples, 2) if samples else None,
+        "starting_share": round(used["starting"] / total, 3) if total else 0.0,
+        "starting_cpu_s_per_start": round(used["starting"] / starts, 2) if starts else None,
+        **per_sample,
     }
