@@ -354,15 +354,16 @@ class StandbyKeeper:
                 extra = FILL_PERIODS
             else:
                 extra = 1 if choose_restorer(stage, read) is not None else 0
+            grace = (LOST_GRACE + extra) * peer.config.announce_period
+            # a stage never seen served is one whose peers are still starting, not one that lost them
+            if now - since < grace or stage in self.left_on_request or stage not in self.seen_serving:
+                continue
             barred = self.accused()
             if choose_filler(stage, records, barred) != peer.peer_id or on_the_way(stage, records):
                 continue
             # chosen only because the one the records choose failed this peer's probe: one period more for that one
             # to show its move (a stage-0 peer stalled on a loaded host once drew two stage-1 fillers)
-            extra += choose_filler(stage, read, barred) != peer.peer_id
-            grace = (LOST_GRACE + extra) * peer.config.announce_period
-            # a stage never seen served is one whose peers are still starting, not one that lost them
-            if now - since < grace or stage in self.left_on_request or stage not in self.seen_serving:
+            if choose_filler(stage, read, barred) != peer.peer_id and now - since < grace + peer.config.announce_period:
                 continue
             copy = self.standbys.get(stage)
             logger.warning(

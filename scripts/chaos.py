@@ -162,12 +162,12 @@ def run_trainers(
     meanwhile: Callable[[float], None] | None = None,
     sharded: bool = True,
     extra: tuple[str, ...] = (),
-    started: Callable[[list[TrainerRun]], None] | None = None,
+    on_start: Callable[[list[TrainerRun]], None] | None = None,
 ) -> list[TrainerRun]:
     """Runs `count` trainers at once, `steps` steps each, calling `meanwhile(seconds since start)` as they go.
 
     Each trainer reads its own shard of the data, unless not `sharded` (all read the default corpus), and
-    takes the `extra` flags; `started` hears of them once all have started.
+    takes the `extra` flags; `on_start` hears of them once all have started.
     """
     runs = [
         start_trainer(
@@ -175,8 +175,8 @@ def run_trainers(
         )
         for i in range(count)
     ]
-    if started is not None:
-        started(runs)
+    if on_start is not None:
+        on_start(runs)
     started = time.monotonic()
     while any([run.poll() for run in runs]):  # a list: every trainer is polled each time
         if time.monotonic() - started > timeout:
@@ -335,7 +335,7 @@ class RunPhases:
         """Runs the phase's trainers to the end: one reads the default corpus, as chaos runs always did; several
         get a shard each."""
         args, cpu, starts = self.args, self.cpu, self.churn.starts
-        before, started = cpu.snapshot() if cpu else None, time.monotonic()
+        before, started = cpu.snapshot() if cpu else {}, time.monotonic()
         runs = run_trainers(
             self.swarm,
             phase,
@@ -347,9 +347,9 @@ class RunPhases:
             meanwhile,
             sharded=args.trainers > 1,
             extra=self.trainer_flags,
-            started=(lambda runs: cpu.trainers.update(run.process.pid for run in runs)) if cpu else None,
+            on_start=(lambda runs: cpu.trainers.update(run.process.pid for run in runs)) if cpu else None,
         )
-        if cpu is not None and before is not None:  # where the phase's CPU went (harness.host_cpu)
+        if cpu is not None:  # where the phase's CPU went (harness.host_cpu)
             samples = sum(run.summary["samples"] for run in runs)
             used = phase_cpu(before, cpu.snapshot(), time.monotonic() - started, samples, self.churn.starts - starts)
             self.report.setdefault("host_cpu", {})[phase] = used

@@ -45,6 +45,7 @@ class HostCpu:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="host-cpu", daemon=True)
         self._lock = threading.Lock()
+        self._launchers: dict[int, bool] = {}  # pid -> whether it is a forkserver (read once per pid)
 
     def __enter__(self) -> HostCpu:
         self._thread.start()
@@ -55,7 +56,7 @@ class HostCpu:
         self._thread.join(5)
 
     def snapshot(self) -> dict[str, float]:
-        """CPU seconds so far, starting and running; subtract two snapshots for a window."""
+        """CPU seconds so far, per kind (starting, running, trainers); subtract two snapshots for a window."""
         with self._lock:
             return dict(self.totals)
 
@@ -94,12 +95,16 @@ class HostCpu:
             chain.append(parent)
         else:
             return None
-        if len(chain) >= 2 and stats.get(chain[-1], (0, 0.0, 0.0))[0] == self.root and _is_launcher(chain[-1]):
+        top = chain[-1]  # a child of this process
+        if top not in self._launchers:
+            self._launchers[top] = _is_launcher(top)
+        if len(chain) >= 2 and self._launchers[top]:
             return chain[-2]  # a role the forkserver forked
-        return chain[-1]
+        return top
 
 
 def _is_launcher(pid: int) -> bool:
+    """Whether `pid` is a multiprocessing forkserver (its roles are its children)."""
     try:
         return b"forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
