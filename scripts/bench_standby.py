@@ -5,6 +5,11 @@ each), trains `--steps` steps with `--standby-stages 0` and then with `--standby
 (alternating which goes first from round to round, so that a machine warming up or cooling down
 favours neither), and reads from the peers' logs the bytes their standby copies took, whole refreshes and
 step deltas ("(N bytes over M refreshes and D deltas)"). Peers are pinned: nothing moves.
+
+With `--after-a-death`, one peer of stage 0 is killed and a new one started in its place before the trainer
+starts, in both runs of a round: the peers then saw a death, so copies run as they do under churn (every held
+stage followed each announce period, `--standby-stages-under-churn` copies), which is what a swarm pays for
+ten minutes after each death; the off run pays the same death with no copies.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import statistics
 import sys
 import tempfile
@@ -47,6 +53,33 @@ def cpu_seconds_by_program(groups: set[int]) -> dict[str, float]:
     return totals
 
 
+def wait_serving(dht: TetheredDHT, args: argparse.Namespace, dead: set[str], timeout: float = 300.0) -> None:
+    """Waits until every stage shows `--peers-per-stage` serving records of peers not in `dead`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        records = fetch_stage_records(dht, "swarm", args.stages)
+        serving = [[r for r in records[s] if r.state == SERVING and r.peer_id not in dead] for s in records]
+        if all(len(group) == args.peers_per_stage for group in serving):
+            return
+        if time.monotonic() > deadline:
+            raise SystemExit(f"no {args.peers_per_stage} serving peers on every stage within {timeout:.0f} s")
+        time.sleep(0.5)
+
+
+def replace_a_peer(swarm: LocalSwarm, dht: TetheredDHT, args: argparse.Namespace, name: str, flags: list[str]) -> str:
+    """Kills peer `name` (of stage 0) and starts another in its place; returns the new one's name once it serves and
+    the dead one's record has expired (every peer has then seen the death)."""
+    found = re.search(r"peer id (\w+)", swarm.log_path(name).read_text(errors="replace"))
+    swarm.stop(name, signal.SIGKILL)
+    new = f"{name}-again"
+    swarm.start_peer(new, 0, flags)
+    wait_serving(dht, args, {found.group(1)} if found else set())
+    # the dead peer's record is gone: stage 0 shows exactly its serving peers, none of them the dead one
+    while found and any(r.peer_id == found.group(1) for r in fetch_stage_records(dht, "swarm", args.stages)[0]):
+        time.sleep(0.5)
+    return new
+
+
 def one_run(args: argparse.Namespace, workdir: Path, standby_stages: int) -> dict:
     """A fresh swarm trained for `args.steps` steps with `standby_stages`; its samples/s and standby bytes."""
     model = ["--model", args.model, "--num-stages", str(args.stages), "--seed", "7"]
@@ -62,14 +95,9 @@ def one_run(args: argparse.Namespace, workdir: Path, standby_stages: int) -> dic
                 swarm.start_peer(names[-1], stage, peer_flags)
         dht = TetheredDHT(initial_peers=swarm.initial_peers, start=True)
         try:
-            deadline = time.monotonic() + 300
-            while True:
-                records = fetch_stage_records(dht, "swarm", args.stages)
-                if all(sum(r.state == SERVING for r in records[s]) == args.peers_per_stage for s in records):
-                    break
-                if time.monotonic() > deadline:
-                    raise SystemExit("the swarm did not come up in 300 s")
-                time.sleep(0.5)
+            wait_serving(dht, args, set())
+            if args.after_a_death:
+                names[0] = replace_a_peer(swarm, dht, args, names[0], peer_flags)
         finally:
             dht.shutdown()
         summary_file = workdir / "summary.json"
@@ -130,6 +158,11 @@ def main() -> None:
         "DHT reads per step that copies add (the keeper reads the stages it holds every period)",
     )
     parser.add_argument("--rounds", type=int, default=1, help="pairs of runs (off and on)")
+    parser.add_argument(
+        "--after-a-death",
+        action="store_true",
+        help="kill and replace one peer of stage 0 before training, in both runs: copies as under churn",
+    )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one trainer may take")
     args = parser.parse_args()
     if args.rounds < 1 or args.steps < 1 or args.standby_stages < 1:
@@ -154,6 +187,8 @@ def main() -> None:
         "standby_every": args.standby_every,
         "standby_deltas": args.standby_deltas,
         "announce_period": args.announce_period,
+        "after_a_death": args.after_a_death,
+        "standby_stages_under_churn": PeerConfig().standby_stages_under_churn,
         "samples_per_s_off": round(off, 2),
         "samples_per_s_on": round(on, 2),
         "slowdown": round(1 - on / off, 3) if off else None,
