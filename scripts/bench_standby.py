@@ -70,12 +70,18 @@ def replace_a_peer(swarm: LocalSwarm, dht: TetheredDHT, args: argparse.Namespace
     """Kills peer `name` (of stage 0) and starts another in its place; returns the new one's name once it serves and
     the dead one's record has expired (every peer has then seen the death)."""
     found = re.search(r"peer id (\w+)", swarm.log_path(name).read_text(errors="replace"))
+    if found is None:
+        raise SystemExit(f"{name} logged no peer id; see {swarm.log_path(name)}")
+    dead = found.group(1)
     swarm.stop(name, signal.SIGKILL)
     new = f"{name}-again"
     swarm.start_peer(new, 0, flags)
-    wait_serving(dht, args, {found.group(1)} if found else set())
-    # the dead peer's record is gone: stage 0 shows exactly its serving peers, none of them the dead one
-    while found and any(r.peer_id == found.group(1) for r in fetch_stage_records(dht, "swarm", args.stages)[0]):
+    wait_serving(dht, args, {dead})
+    # the dead peer's record expires within its TTL (the peers' default, 10 s): then every peer has seen the death
+    deadline = time.monotonic() + 60
+    while any(r.peer_id == dead for r in fetch_stage_records(dht, "swarm", args.stages, only=0)[0]):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the record of the killed peer {dead} did not expire within 60 s")
         time.sleep(0.5)
     return new
 
