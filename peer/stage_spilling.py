@@ -65,10 +65,11 @@ def default_group_size(module: nn.Module, device: torch.device, memory: int | No
 def device_memory_free(device: torch.device) -> int:
     """Bytes this process may still allocate on a CUDA device: its free memory, and under a cap set with
     torch.cuda.set_per_process_memory_fraction what the cap leaves."""
-    free, total = torch.cuda.mem_get_info(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()  # "cuda" has none
+    free, total = torch.cuda.mem_get_info(index)
     fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # newer torch only
     if fraction is not None:
-        free = min(free, int(fraction(device) * total) - torch.cuda.memory_allocated(device))
+        free = min(free, int(fraction(index) * total) - torch.cuda.memory_allocated(index))
     return max(free, 0)
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import tomllib
+
 ROOT = Path(__file__).resolve().parent.parent
 # folder -> import name (pyproject's package-dir)
 PACKAGES = {"swarm": "swarm", "peer": "swarm.peer", "compression": "swarm.compression"}
@@ -129,3 +131,17 @@ def test_no_file_or_function_is_too_long_to_read():
                 if length > MAX_FUNCTION_LINES:
                     too_long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {length} lines")
     assert too_long == []
+
+
+def test_every_package_folder_ships_in_an_installed_copy():
+    """`pip install .` (not -e) installs only the packages pyproject lists: a folder left out imports in a
+    checkout and fails on an installed peer."""
+    settings = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(settings["packages"])
+    folders = {folder: name for name, folder in settings["package-dir"].items()}
+    found = {
+        ".".join([folders[top], *init.parent.relative_to(ROOT / top).parts])
+        for top in folders
+        for init in (ROOT / top).rglob("__init__.py")
+    }
+    assert found - listed == set(), "package folders missing from pyproject's [tool.setuptools] packages"

@@ -8,6 +8,7 @@ into one batch: one pass of loads serves them all, as on a busy peer.
 
 from __future__ import annotations
 
+import gc
 import time
 from typing import Any
 
@@ -45,9 +46,12 @@ def stage_training_speed(
     """
     torch_device = torch.device(device)
     cuda = torch_device.type == "cuda"
+    if cuda and torch_device.index is None:  # the memory-fraction calls need an index, not a bare "cuda"
+        torch_device = torch.device("cuda", torch.cuda.current_device())
     batch = microbatch * microbatches
     length = seq_len or spec.seq_len
     requests = [_request(spec, stage, num_stages, microbatch, length, seed * 1000 + i) for i in range(microbatches)]
+    gc.collect()  # a runtime from an earlier call sits in a reference cycle, its device memory with it
     previous_fraction = _cap(torch_device, memory_cap_bytes) if cuda and memory_cap_bytes else None
     try:
         if cuda:
