@@ -7,12 +7,15 @@ own gradients are set aside (`take`) and come back (`put`) if it fails, so a ret
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from swarm.peer.request_queue import SampleKey
+
+FLAT_CHUNK = 1 << 25  # elements joined on a device before one copy to the host: bounds the device memory taken
 
 
 @dataclass
@@ -41,20 +44,44 @@ def put(module: nn.Module, accumulated: Accumulated) -> None:
 
 def flat_gradient(module: nn.Module) -> torch.Tensor:
     """The module's gradient sums as one float32 vector on the host (zeros where a parameter has none)."""
-    return torch.cat(
-        [
-            (p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).float().cpu()
-            for p in module.parameters()
-        ]
-    )
+    grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1) for p in module.parameters()]
+    flat = torch.empty(sum(grad.numel() for grad in grads), dtype=torch.float32)
+    offset = 0
+    for run in _device_runs(grads, FLAT_CHUNK):
+        joined = run[0] if len(run) == 1 else torch.cat(run)
+        flat[offset : offset + joined.numel()].copy_(joined)  # casts to float32 on the way
+        offset += joined.numel()
+    return flat
+
+
+def _device_runs(grads: list[torch.Tensor], limit: int) -> Iterator[list[torch.Tensor]]:
+    """The gradients in order, those on an accelerator in runs of one device up to `limit` elements (joined
+    there, they cross to the host in one copy rather than a copy per parameter, each waiting on the device);
+    those on the host one by one (each is copied straight into place)."""
+    run: list[torch.Tensor] = []
+    size = 0
+    for grad in grads:
+        if run and (grad.device != run[0].device or size + grad.numel() > limit):
+            yield run
+            run, size = [], 0
+        if grad.device.type == "cpu":
+            yield [grad]
+            continue
+        run.append(grad)
+        size += grad.numel()
+    if run:
+        yield run
 
 
 def set_gradients(module: nn.Module, flat: torch.Tensor) -> None:
     """Makes the slices of one flat vector (see `flat_gradient`) the module's gradients, on their devices."""
+    params = list(module.parameters())
+    devices = {param.device for param in params}
+    source = flat.to(devices.pop()) if len(devices) == 1 else flat  # one copy to a device, not one per parameter
     offset = 0
-    for param in module.parameters():
+    for param in params:
         numel = param.numel()
-        param.grad = flat[offset : offset + numel].view_as(param).to(param.device, param.dtype)
+        param.grad = source[offset : offset + numel].view_as(param).to(param.device, param.dtype)
         offset += numel
 
 

@@ -112,6 +112,10 @@ class SliceExchange:
         head = dict(step=step, attempt=attempt, count=len(owners), contributors=digest)
         own = box[machine.peer_id]
         await machine.faults.hit("before_slices")
+        if owners == [machine.peer_id] and [p for p in senders if box[p].samples > 0] == [machine.peer_id]:
+            # alone: the sum is this peer's own gradient, with nothing to bound it against and no mate to decode
+            # the same bits; norms, a copy and a codec's round trip over the whole gradient would change nothing
+            return own.grad_sum
         sends = []
         # this member audits the other owners' sums where they are plain weighted sums of what it can project
         seeds = audit_seeds(len(owners), mine) if own.samples > 0 and self._audited() else []

@@ -9,8 +9,10 @@ On a CUDA device (at most about 5 minutes):
 - `spilling`: one stage with `--offload` under a memory cap (`torch.cuda.set_per_process_memory_fraction`)
   against the same stage in memory: samples/s and whether the parameters came out identical.
 
-Everywhere (CPUs included), `call_overhead`: what a stage call costs beyond the stage's compute through a
-live peer (`scripts/harness/call_overhead.py`), per MB moved, for this tree over shared memory and over
+Everywhere (CPUs included), `step_host_work`: the host's share of a stage's step, alone and with the slice
+math a round with mates adds (`scripts/harness/step_host_work.py`); and `call_overhead`: what a stage call
+costs beyond the stage's compute through a live peer (`scripts/harness/call_overhead.py`), per MB moved,
+for this tree over shared memory and over
 TCP, and for an older tree (`--baseline-ref`, today's path before this one) in the same run, rounds
 interleaved so that drift in the machine's load touches all alike.
 """
@@ -101,6 +103,9 @@ def main() -> None:
         help="overhead: samples per call of gpt-tiny (384: a 12.6 MB boundary tensor, a gpt-small microbatch of 8's)",
     )
     parser.add_argument("--skip-overhead", action="store_true", help="only the GPU runs")
+    parser.add_argument(
+        "--step-work-model", default="gpt-medium", help="step host work: model of the stage timed ('' skips it)"
+    )
     args = parser.parse_args()
 
     result: dict = {"bench": "gpu", "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}
@@ -112,6 +117,10 @@ def main() -> None:
         result["gpu"] = "not measured: no CUDA device here"
     if not args.skip_overhead:
         result["call_overhead"] = call_overhead(args)
+    if args.step_work_model:
+        from harness.step_host_work import step_host_work
+
+        result["step_host_work"] = step_host_work(args.step_work_model)
     print(json.dumps(result))
 
 

@@ -112,9 +112,11 @@ def swarm_speed(args: argparse.Namespace, reference_rate: float | None) -> dict:
     model = ["--model", args.model, "--num-stages", str(args.num_stages)]
     workdir = tempfile.mkdtemp(prefix="bench-gpu-")
     summary_file = os.path.join(workdir, "summary.json")
+    # a peer on a GPU machine has the host's cores to itself, not one thread as on the 2-core test machines
+    threads = str(max(1, (os.cpu_count() or 1) // (args.num_stages + 1)))
     sampler = GpuSampler() if args.device.startswith("cuda") else None
     try:
-        with LocalSwarm(workdir) as swarm:
+        with LocalSwarm(workdir, env={"OMP_NUM_THREADS": threads}) as swarm:
             swarm.start_bootstrap()
             peer = [
                 *model,
