@@ -112,6 +112,8 @@ def main() -> None:
     parser.add_argument("--window-min", type=float, default=30.0, help="minutes over which shares are measured")
     parser.add_argument("--horizon-h", type=float, default=96.0, help="simulated hours at most")
     args = parser.parse_args()
+    if args.seeds < 1:
+        parser.error("--seeds is how many scenarios to draw (seeds 0 to N-1): at least 1")
     results = [one_seed(args, seed) for seed in range(args.seeds)]
     worst_share = min(min(r["lowest_share_of_fair"].values()) for r in results)
     print(
