@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import random
 import time
@@ -561,6 +562,7 @@ class Peer:
                 config.checkpoint_dir, checkpoint_name(config.model, self.spec.stage_blocks), source, config.num_stages
             ).unlink(missing_ok=True)
         self._build(target, resume=False, standby=self.standbys.claim(target) if self.standbys else None)
+        gc.collect()  # the old stage's runtime sits in reference cycles: its device memory goes now, not at random
         self.moves += 1
         logger.info(f"Left stage {source} in {time.monotonic() - left_at:.1f}s; joining stage {target}")
 

@@ -41,6 +41,7 @@ from hivemind.utils import get_dht_time
 from swarm.models.optimizer import OptimizerSettings
 from swarm.peer.copy_sources import INFO_TIMEOUT, CopySources
 from swarm.peer.delta_transfer import request_deltas
+from swarm.peer.held_reads import HeldReads
 from swarm.peer.liveness_probes import LivenessProbes
 from swarm.peer.stage_state import StageStateError, check_state_tensors, parameter_fingerprint
 from swarm.peer.standby_copy import Standby
@@ -101,6 +102,7 @@ class StandbyKeeper:
         self.left_on_request: set[int] = set()  # lost stages whose last peers left on request: not restored
         self.last_step: dict[int, int] = {}  # the highest step seen announced per stage
         self.reads = 0  # announce periods so far, each with a read (see stages_to_read)
+        self.held_reads = HeldReads()  # the held stages' last records, standing in between their reads
         self.restore_pending: int | None = None
         self.restored: list[tuple[int, int, int]] = []  # (stage, step, steps lost) of each restore by this peer
         self.claimed: tuple[int, int, str] | None = None  # (stage, step, fingerprint) of a copy restored, untold yet
@@ -154,14 +156,15 @@ class StandbyKeeper:
     # --- every announce period ----------------------------------------------------------------------
 
     def stages_to_read(self) -> list[int] | None:
-        """The stages this period's read needs (the peer's own and those it holds copies of), or None for every
+        """The stages this period's read needs (the peer's own and those it holds copies of, while copies follow
+        their stages only every few periods: see `held_reads`), or None for every
         stage: every `WHOLE_SWARM_EVERY` periods (which peers hold copies of this peer's stage) and while a
         stage looks lost, here or in another peer's record (its restorer, or the peer that fills it, is chosen
         from every peer's record)."""
         self.reads += 1
         if self.reads % WHOLE_SWARM_EVERY == 1 or self.empty_since or self.hinted:
             return None
-        return [self.peer.stage, *self.targets()]
+        return [self.peer.stage, *self.held_reads.wanted(self.reads, self.targets(), self.following(time.monotonic()))]
 
     def observe(self, records: dict[int, list[StageRecord]], whole_swarm: bool = True) -> None:
         """Updates who may take this peer's stage's state, refreshes copies, and restores a lost stage.
@@ -170,6 +173,7 @@ class StandbyKeeper:
         is concluded about those. Records of peers that failed a probe since their last renewal are left out.
         """
         peer = self.peer
+        records = self.held_reads.merge(self.reads, records, self.targets())
         for stage, group in records.items():  # a dead peer's last words too: how far its stage got
             if group:
                 self.last_step[stage] = max([self.last_step.get(stage, 0), *(r.step for r in group)])
@@ -312,6 +316,8 @@ class StandbyKeeper:
             serving = [r for r in records.get(stage, []) if r.state == SERVING and r.peer_id not in self.accused()]
             copy = self.standbys.get(stage)
             newest = max((r.step for r in serving), default=-1)
+            if copy is not None and stage in self.held_reads.stood_in:
+                newest = max(newest, copy.step + 1)  # records that stood in trail their stage: the catch-up asks
             if not serving or stage in self.fetching:
                 continue
             if self._deltas_reach(copy, newest):
