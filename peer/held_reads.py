@@ -22,7 +22,6 @@ class HeldReads:
 
     def __init__(self) -> None:
         self.last: dict[int, tuple[int, list[StageRecord]]] = {}
-        self.stood_in: set[int] = set()  # the held stages whose last records stand in this period
 
     def wanted(self, period: int, held: list[int], following: bool) -> list[int]:
         """The held stages to read in `period`: every one in the calm, else those not read in the last
@@ -40,5 +39,8 @@ class HeldReads:
             if stage in records:
                 self.last[stage] = (period, records[stage])
         self.last = {stage: last for stage, last in self.last.items() if stage in held}
-        self.stood_in = {stage for stage in self.last if stage not in records}
-        return {**{s: self.last[s][1] for s in self.stood_in}, **records}
+        return {**{s: self.last[s][1] for s in self.last if self.stood_in(s, period)}, **records}
+
+    def stood_in(self, stage: int, period: int) -> bool:
+        """Whether `stage`'s records in `period` are its last read's, standing in (they trail the stage)."""
+        return stage in self.last and self.last[stage][0] < period

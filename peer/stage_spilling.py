@@ -62,10 +62,15 @@ def default_group_size(module: nn.Module, device: torch.device, memory: int | No
     return max(1, min(len(blocks), memory // GROUP_SHARE // max(largest, 1)))
 
 
+def cuda_index(device: torch.device) -> int:
+    """The CUDA device's index (the current device for a bare "cuda"): the memory-fraction calls take no other."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def device_memory_free(device: torch.device) -> int:
     """Bytes this process may still allocate on a CUDA device: its free memory, and under a cap set with
     torch.cuda.set_per_process_memory_fraction what the cap leaves."""
-    index = device.index if device.index is not None else torch.cuda.current_device()  # "cuda" has none
+    index = cuda_index(device)
     free, total = torch.cuda.mem_get_info(index)
     fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # newer torch only
     if fraction is not None:

@@ -316,7 +316,7 @@ class StandbyKeeper:
             serving = [r for r in records.get(stage, []) if r.state == SERVING and r.peer_id not in self.accused()]
             copy = self.standbys.get(stage)
             newest = max((r.step for r in serving), default=-1)
-            if copy is not None and stage in self.held_reads.stood_in:
+            if copy is not None and self.held_reads.stood_in(stage, self.reads):
                 newest = max(newest, copy.step + 1)  # records that stood in trail their stage: the catch-up asks
             if not serving or stage in self.fetching:
                 continue

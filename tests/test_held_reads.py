@@ -39,12 +39,12 @@ def test_while_following_a_held_stage_is_read_every_few_periods_and_its_last_rec
         assert reads.wanted(period, [1, 2], following=True) == []
         merged = reads.merge(period, {0: [record("me", 0, 8)]}, [1, 2])
         assert merged == {0: [record("me", 0, 8)], 1: first[1], 2: first[2]}
-        assert reads.stood_in == {1, 2}  # the keeper's catch-up asks their peers how far they got
+        assert reads.stood_in(1, period) and reads.stood_in(2, period)  # the catch-up asks their peers how far
     assert reads.wanted(1 + HELD_READ_EVERY, [1, 2], following=True) == [1, 2]
     # a read replaces what stood in; an empty read is a read too (the stage's peers are gone)
     merged = reads.merge(1 + HELD_READ_EVERY, {1: [record("c", 1, 9)], 2: []}, [1, 2])
     assert merged == {1: [record("c", 1, 9)], 2: []}
-    assert reads.stood_in == set()
+    assert not reads.stood_in(1, 1 + HELD_READ_EVERY) and not reads.stood_in(2, 1 + HELD_READ_EVERY)
 
 
 def test_a_stage_no_longer_held_is_forgotten_and_one_newly_held_is_read_at_once():

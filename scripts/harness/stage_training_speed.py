@@ -18,7 +18,7 @@ from swarm.models import build_stage
 from swarm.models.optimizer import OptimizerSettings, build_optimizer
 from swarm.models.registry import ModelSpec
 from swarm.peer.runtime import StageRuntime
-from swarm.peer.stage_spilling import tensor_bytes
+from swarm.peer.stage_spilling import cuda_index, tensor_bytes
 
 
 def stage_training_speed(
@@ -46,8 +46,8 @@ def stage_training_speed(
     """
     torch_device = torch.device(device)
     cuda = torch_device.type == "cuda"
-    if cuda and torch_device.index is None:  # the memory-fraction calls need an index, not a bare "cuda"
-        torch_device = torch.device("cuda", torch.cuda.current_device())
+    if cuda:  # the memory-fraction calls need an index, not a bare "cuda"
+        torch_device = torch.device("cuda", cuda_index(torch_device))
     batch = microbatch * microbatches
     length = seq_len or spec.seq_len
     requests = [_request(spec, stage, num_stages, microbatch, length, seed * 1000 + i) for i in range(microbatches)]
