@@ -33,7 +33,6 @@ import functools
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from hivemind.utils import get_dht_time
@@ -55,13 +54,11 @@ from swarm.peer.state_transfer import (
     request_state,
     state_handler,
 )
+from swarm.policy.copy_holders import capped_targets
 from swarm.policy.empty_stages import choose_filler, on_the_way
 from swarm.policy.lost_stages import choose_restorer, lost_stages, standby_holders, standby_targets
 from swarm.records.sample_ledger import restore_record
 from swarm.records.stage_records import JOINING, LEAVING, SERVING, StageRecord
-
-if TYPE_CHECKING:
-    pass
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +106,10 @@ class StandbyKeeper:
         self.bytes_received = 0
         self.refreshes = 0
         self.deltas = config.standby_deltas  # how many steps' deltas the stage's peers keep (0: refresh whole)
+        self.copies_cap = config.standby_copies  # the most copies of a stage the swarm keeps (0: no cap)
+        self.capped: dict[
+            tuple[int, int], set[int]
+        ] = {}  # (own stage, count of next stages) -> targets left by the cap
         self.calm_deltas = config.standby_calm_deltas  # whether copies follow by deltas with no churn too
         self.deltas_applied = 0
         self.no_deltas: dict[int, int] = {}  # per stage: the copy's step its peers had no deltas from
@@ -134,9 +135,18 @@ class StandbyKeeper:
     def targets(self) -> list[int]:
         """The stages this peer holds copies of: the next `--standby-stages`, and while the swarm shows churn the
         next `--standby-stages-under-churn`, so that a wave that takes a stage and the peers of the stage before
-        it leaves a copy on another stage."""
+        it leaves a copy on another stage; of those, the ones where it is among a stage's first `--standby-copies`
+        holders (`swarm.policy.copy_holders`)."""
         count = max(self.count, self.churn_count) if self.following(time.monotonic()) else self.count
-        return standby_targets(self.peer.stage, self.peer.config.num_stages, count)
+        targets = standby_targets(self.peer.stage, self.peer.config.num_stages, count)
+        if self.copies_cap <= 0:
+            return targets
+        # before the first read of every stage (since a move), only the copies held: a record naming others would
+        # rank this peer with the holders, and the cap's choice would drop another's
+        capped = self.capped.get((self.peer.stage, count))
+        # a copy of a stage that looks lost is kept whatever the cap: it may be the one the stage comes back from
+        kept = self.standbys.keys() if capped is None else self.empty_since.keys() & self.standbys.keys()
+        return [t for t in targets if (capped is not None and t in capped) or t in kept or t in self.fetching]
 
     def announced(self) -> tuple[tuple[int, int, str], ...]:
         """The record's `standbys`: each target stage with the copy held (step -1 before the first)."""
@@ -185,6 +195,8 @@ class StandbyKeeper:
         self._probe(records)
         if peer.mates is not None and whole_swarm:
             peer.mates.standby_holders = standby_holders(peer.stage, records)
+        if whole_swarm:
+            self._cap_copies(records)
         targets = self.targets()
         for stage in [s for s in self.standbys if s not in targets]:
             self._drop(stage)
@@ -295,6 +307,13 @@ class StandbyKeeper:
             )
         self.last_death = now
         self.deaths += 1
+
+    def _cap_copies(self, records: dict[int, list[StageRecord]]) -> None:
+        """Which targets the cap (`--standby-copies`) leaves this peer, from a read of every stage."""
+        peer, holding, cap = self.peer, {*self.standbys, *self.fetching}, self.copies_cap
+        for count in {self.count, max(self.count, self.churn_count)} if cap > 0 else ():
+            held = capped_targets(peer.peer_id, peer.stage, peer.config.num_stages, count, cap, records, holding)
+            self.capped[peer.stage, count] = set(held)
 
     def following(self, now: float) -> bool:
         """Whether copies follow their stages step by step: while this peer saw a peer die within `CHURN_MEMORY`

@@ -130,6 +130,12 @@ class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig, TrustConfig, PlanFil
         "instead (when more than --standby-stages): copies on peers of two stages survive a wave that takes a stage "
         "with every peer of the stage before it",
     )
+    standby_copies: int = option(
+        3,
+        "the most standby copies of each stage the swarm keeps: of the peers that would hold one, the first N in turn "
+        "over the stages before it (those holding one already first) do, so that a large swarm does not follow every "
+        "stage with every peer (0: no cap, every peer holds its --standby-stages)",
+    )
     standby_deltas: int = option(
         8,
         "keep the summed gradient of this stage's last N steps (N times the parameters' size, in host memory, "
@@ -237,13 +243,14 @@ class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig, TrustConfig, PlanFil
             self.standby_stages < 0
             or self.standby_deltas < 0
             or self.standby_stages_under_churn < 0
+            or self.standby_copies < 0
             or self.standby_every < 1
             or self.standby_memory_mb < 0
             or not 0 < self.standby_share <= 1
         ):
             raise ConfigError(
-                "--standby-stages, --standby-stages-under-churn and --standby-deltas must be 0 or more, "
-                "--standby-every at least 1, --standby-memory-mb 0 or more, --standby-share above 0 and at most 1"
+                "--standby-stages, --standby-stages-under-churn, --standby-copies and --standby-deltas must be 0 or "
+                "more, --standby-every at least 1, --standby-memory-mb 0 or more, --standby-share above 0 and at most 1"
             )
 
     def _check_runs(self) -> None:
