@@ -141,8 +141,7 @@ class StandbyKeeper:
         targets = standby_targets(self.peer.stage, self.peer.config.num_stages, count)
         if self.copies_cap <= 0:
             return targets
-        # before the first read of every stage (since a move), only the copies held: a record naming others would
-        # rank this peer with the holders, and the cap's choice would drop another's
+        # before the first read of every stage (since a move), only the copies held: the cap's choice comes from it
         capped = self.capped.get((self.peer.stage, count))
         # a copy of a stage that looks lost is kept whatever the cap: it may be the one the stage comes back from
         kept = self.standbys.keys() if capped is None else self.empty_since.keys() & self.standbys.keys()
@@ -310,9 +309,9 @@ class StandbyKeeper:
 
     def _cap_copies(self, records: dict[int, list[StageRecord]]) -> None:
         """Which targets the cap (`--standby-copies`) leaves this peer, from a read of every stage."""
-        peer, holding, cap = self.peer, {*self.standbys, *self.fetching}, self.copies_cap
+        peer, cap = self.peer, self.copies_cap
         for count in {self.count, max(self.count, self.churn_count)} if cap > 0 else ():
-            held = capped_targets(peer.peer_id, peer.stage, peer.config.num_stages, count, cap, records, holding)
+            held = capped_targets(peer.peer_id, peer.stage, peer.config.num_stages, count, cap, records)
             self.capped[peer.stage, count] = set(held)
 
     def following(self, now: float) -> bool:

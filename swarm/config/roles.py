@@ -133,7 +133,7 @@ class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig, TrustConfig, PlanFil
     standby_copies: int = option(
         3,
         "the most standby copies of each stage the swarm keeps: of the peers that would hold one, the first N in turn "
-        "over the stages before it (those holding one already first) do, so that a large swarm does not follow every "
+        "over the stages before it (ranked by a digest of their ids) do, so that a large swarm does not follow every "
         "stage with every peer (0: no cap, every peer holds its --standby-stages)",
     )
     standby_deltas: int = option(

@@ -11,17 +11,18 @@ that would hold it; they are ranked, the same on every peer that reads the same 
 
 - one candidate per source stage in turn, the nearest stage first, so that the copies sit on peers of
   different stages and one wave that takes a stage and the stage before it leaves one;
-- within a source stage, one that announces a copy already (or fetches one) before one that does not,
-  so that copies stay where they are and a newcomer does not fetch a copy only to have it dropped;
-  then by a digest of (peer id, stage): a fixed order no peer can choose for itself beyond its id.
+- within a source stage, by a digest of (peer id, stage).
 
-The first `cap` hold it. When a holder dies, the next candidate starts a copy at its next read.
+What a record claims to hold does not count: a claim proves nothing, and a few identities that
+claimed copies they never took would otherwise push every real holder of a stage out of the cap. The
+first `cap` hold it. When a holder dies, the next candidate starts a copy at its next read; a
+newcomer whose digest ranks within the cap takes a copy, and the holder it passes drops its own (a
+newcomer fetched its copies whole before the cap as well).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Collection
 
 from swarm.policy.lost_stages import standby_targets
 from swarm.records.stage_records import JOINING, SERVING, StageRecord
@@ -37,50 +38,38 @@ def copy_holders(
     count: int,
     cap: int,
     records: dict[int, list[StageRecord]],
-    me: tuple[str, int, Collection[int]] | None = None,
+    me: tuple[str, int] | None = None,
 ) -> list[str]:
     """The peers that hold copies of stage `target`, at most `cap` (0: every candidate), in rank order.
 
     `records` are the live records read, per stage; `count` is how many next stages each peer copies. `me`
-    is the reading peer as (id, stage, the stages it holds or fetches copies of): its own record may be a
-    period old, or missing before its first announcement.
+    is the reading peer as (id, stage): its own record is missing before its first announcement.
     """
-    per_source: dict[int, list[tuple[bool, bytes, str]]] = {}
+    per_source: dict[int, list[tuple[bytes, str]]] = {}
     for source in range(num_stages):
         if target not in standby_targets(source, num_stages, count):
             continue
-        ranked = {
-            r.peer_id: (r.standby_of(target) is None, _digest(r.peer_id, target), r.peer_id)
-            for r in records.get(source, [])
-            if r.state in (SERVING, JOINING)
-        }
+        ranked = {r.peer_id for r in records.get(source, []) if r.state in (SERVING, JOINING)}
         if me is not None and me[1] == source:
-            ranked[me[0]] = (target not in me[2], _digest(me[0], target), me[0])
-        per_source[source] = sorted(ranked.values())
+            ranked.add(me[0])
+        per_source[source] = sorted((_digest(peer_id, target), peer_id) for peer_id in ranked)
     # round robin over the source stages, nearest first: each one's first candidate, then each one's second, ...
     ordered = sorted(
-        ((rank, (target - source) % num_stages), entry[2])
+        ((rank, (target - source) % num_stages), peer_id)
         for source, ranked in per_source.items()
-        for rank, entry in enumerate(ranked)
+        for rank, (_, peer_id) in enumerate(ranked)
     )
     holders = [peer_id for _, peer_id in ordered]
     return holders if cap <= 0 else holders[:cap]
 
 
 def capped_targets(
-    peer_id: str,
-    stage: int,
-    num_stages: int,
-    count: int,
-    cap: int,
-    records: dict[int, list[StageRecord]],
-    holding: Collection[int] = (),
+    peer_id: str, stage: int, num_stages: int, count: int, cap: int, records: dict[int, list[StageRecord]]
 ) -> list[int]:
     """The stages of `standby_targets(stage, num_stages, count)` this peer holds copies of when each stage keeps at
-    most `cap` (see the module docstring); `holding`: the stages it holds or fetches copies of now."""
-    me = (peer_id, stage, holding)
+    most `cap` (see the module docstring)."""
     return [
         target
         for target in standby_targets(stage, num_stages, count)
-        if peer_id in copy_holders(target, num_stages, count, cap, records, me)
+        if peer_id in copy_holders(target, num_stages, count, cap, records, (peer_id, stage))
     ]
