@@ -107,9 +107,7 @@ class StandbyKeeper:
         self.refreshes = 0
         self.deltas = config.standby_deltas  # how many steps' deltas the stage's peers keep (0: refresh whole)
         self.copies_cap = config.standby_copies  # the most copies of a stage the swarm keeps (0: no cap)
-        self.capped: dict[
-            tuple[int, int], set[int]
-        ] = {}  # (own stage, count of next stages) -> targets left by the cap
+        self.capped: dict[tuple[int, int], set[int]] = {}  # (own stage, next stages held) -> the cap's choice
         self.calm_deltas = config.standby_calm_deltas  # whether copies follow by deltas with no churn too
         self.deltas_applied = 0
         self.no_deltas: dict[int, int] = {}  # per stage: the copy's step its peers had no deltas from
@@ -141,11 +139,12 @@ class StandbyKeeper:
         targets = standby_targets(self.peer.stage, self.peer.config.num_stages, count)
         if self.copies_cap <= 0:
             return targets
-        # before the first read of every stage (since a move), only the copies held: the cap's choice comes from it
         capped = self.capped.get((self.peer.stage, count))
-        # a copy of a stage that looks lost is kept whatever the cap: it may be the one the stage comes back from
-        kept = self.standbys.keys() if capped is None else self.empty_since.keys() & self.standbys.keys()
-        return [t for t in targets if (capped is not None and t in capped) or t in kept or t in self.fetching]
+        if capped is None:  # before the first read of every stage (since a move): only the copies held or fetched
+            allowed = self.standbys.keys() | self.fetching
+        else:  # a copy of a stage that looks lost is kept whatever the cap: the stage may come back from it
+            allowed = capped | (self.empty_since.keys() & self.standbys.keys()) | self.fetching
+        return [t for t in targets if t in allowed]
 
     def announced(self) -> tuple[tuple[int, int, str], ...]:
         """The record's `standbys`: each target stage with the copy held (step -1 before the first)."""
@@ -309,10 +308,11 @@ class StandbyKeeper:
 
     def _cap_copies(self, records: dict[int, list[StageRecord]]) -> None:
         """Which targets the cap (`--standby-copies`) leaves this peer, from a read of every stage."""
-        peer, cap = self.peer, self.copies_cap
-        for count in {self.count, max(self.count, self.churn_count)} if cap > 0 else ():
-            held = capped_targets(peer.peer_id, peer.stage, peer.config.num_stages, count, cap, records)
-            self.capped[peer.stage, count] = set(held)
+        peer, cap, stages = self.peer, self.copies_cap, self.peer.config.num_stages
+        counts = {self.count, max(self.count, self.churn_count)} if cap > 0 else set()
+        self.capped = {
+            (peer.stage, n): set(capped_targets(peer.peer_id, peer.stage, stages, n, cap, records)) for n in counts
+        }
 
     def following(self, now: float) -> bool:
         """Whether copies follow their stages step by step: while this peer saw a peer die within `CHURN_MEMORY`
