@@ -110,9 +110,10 @@ CAUGHT_IN_ROUND = {"owner-lies": 1}
 # attacks that slow training rather than steer it: failed only where it took at most this many times as long as the
 # honest run (a loaded machine slows the attacked run's extra calls as much) plus a few of a round's waits for a
 # member that never worked (paid once: a wait each step costs the steps times ABSENT_GRACE, over this slack from 4
-# steps on). Under a CI run's load: honest 4.0 s, attacked 19.5 s; on an idle machine: 2.6 s and 9-11 s
+# steps on). Under a CI run's load: honest 4.0-7.2 s, attacked 19.5-24.3 s; on an idle machine: 2.6-4.3 s and 9-13 s
 SLOWING = {"record-flood": 3.0}
 SLOWING_SLACK = 3 * ABSENT_GRACE
+WAITED = re.compile(r"step (\d+): no (?:gradients|slices) from \d+ mate\(s\) within")
 # where an attack does not apply: the last stage answers no forward alone (one backward per microbatch computes
 # its forward and loss); the first stage's backward answers no input gradient
 NOT_APPLICABLE = {"wrong-outputs": 2, "wrong-backwards": 0}
@@ -293,6 +294,9 @@ def judge(run: dict, honest: dict, attack: str, stage: int, args: argparse.Names
         "train_seconds": round(run["seconds"], 1),
         "trace": run["trace"],
     }
+    if attack in SLOWING:  # the steps at which an honest mate's round waited out a member that never answered
+        mates = [text for name, text in run["logs"].items() if name.startswith(f"peer{stage}") and name not in hostile]
+        result["waited_steps"] = sorted({int(m) for text in mates for m in WAITED.findall(text)})
     if newcomer:
         result["newcomer"] = evidence({newcomer: run["logs"][newcomer]}, f"Took stage {stage} state", where, [])
     return result

@@ -10,8 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from swarm.peer.round_waiting import ABSENT_GRACE
-
 SCRIPT = Path(__file__).parents[1] / "scripts" / "adversary.py"
 
 
@@ -55,8 +53,9 @@ def test_identities_that_announce_themselves_serving_and_answer_nothing_cost_one
     silent = re.search(r"the other (\d+) get work once they answer one", attack["evidence"] or "")
     assert attack["failed"] and silent and int(silent.group(1)) >= 4, attack
     assert attack["samples"] == report["honest"]["samples"] == 8 * 24
-    # one wait, however loaded the machine: a wait in each of the 8 rounds would cost 8 * ABSENT_GRACE, 40 s
-    assert attack["train_seconds"] <= report["honest"]["train_seconds"] + 3 * ABSENT_GRACE, (attack, report["honest"])
+    # one wait, however loaded the machine: the honest mates' rounds waited out the silent four at the first step
+    # alone (their timing is the script's judge: at most a few times the honest run's, which has no averaging)
+    assert len(attack["waited_steps"]) <= 1, attack
 
 
 @pytest.mark.timeout(420)

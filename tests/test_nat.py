@@ -21,21 +21,21 @@ STEPS = 3
 TRAIN = os.environ.get("SWARM_TEST_NAT_TRAINING", "1") != "0"
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(240)
 def test_a_peer_behind_nat_serves_a_trainer_through_a_relay(tmp_path):
     check = subprocess.Popen(
-        [sys.executable, str(NAT_CHECK), "--steps", str(STEPS), "--timeout", "100", "--workdir", str(tmp_path)]
+        [sys.executable, str(NAT_CHECK), "--steps", str(STEPS), "--timeout", "170", "--workdir", str(tmp_path)]
         + ([] if TRAIN else ["--no-train"]),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
     try:
-        stdout, stderr = check.communicate(timeout=120)
+        stdout, stderr = check.communicate(timeout=190)
     except subprocess.TimeoutExpired:
         check.send_signal(signal.SIGTERM)  # it stops its processes and removes its namespaces, then exits
         stdout, stderr = check.communicate(timeout=25)
-        pytest.fail(f"nat_check.py ran over 120 s:\n{stdout[-3000:]}{stderr[-3000:]}")
+        pytest.fail(f"nat_check.py ran over 190 s:\n{stdout[-3000:]}{stderr[-3000:]}")
     lines = stdout.strip().splitlines()
     assert lines, f"nat_check.py printed nothing (exit status {check.returncode}):\n{stderr[-3000:]}"
     report = json.loads(lines[-1])
