@@ -13,7 +13,9 @@ over seeds:
 - the speed-up over training the same runs one after another on the same peers;
 - each run's share of the compute, over its fair share (priority-weighted, within what its trainers use),
   per window, the lowest;
-- the seconds a stage that churn emptied waited for a peer.
+- the seconds a stage that churn emptied waited for a peer;
+- where the compute the bound counts went: idle (placed in no run with work left, or on its way to one)
+  and held back (serving a run beyond its slowest stage's pace, which the bound's split at will avoids).
 
 Prints one JSON object.
 """
@@ -33,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from simulation.runs_bound import lower_bound  # noqa: E402
 from simulation.runs_flow import RunsScenario, SimRun, churn_trace, simulate_runs  # noqa: E402
+from simulation.scenario import PEER_DEFAULTS  # noqa: E402
 from swarm.models.gpt import partition_layers  # noqa: E402
 from swarm.models.registry import get_model_spec  # noqa: E402
 from swarm.planning.cluster import ModelCosts  # noqa: E402
@@ -60,7 +63,17 @@ def scenario(args: argparse.Namespace, seed: int) -> RunsScenario:
     runs = tuple(model_run(*spec, args.trainer_share, total) for spec in specs[: args.runs])
     up = churn_trace(len(speeds), args.horizon_h * 3600, args.mean_up_h * 3600, args.mean_down_min * 60, rng)
     window, horizon = args.window_min * 60, args.horizon_h * 3600
-    return RunsScenario(speeds, runs, up, margin=args.margin, dt=args.dt, window=window, horizon=horizon, seed=seed)
+    return RunsScenario(
+        speeds,
+        runs,
+        up,
+        margin=args.margin,
+        balance_margin=args.balance_margin,
+        dt=args.dt,
+        window=window,
+        horizon=horizon,
+        seed=seed,
+    )
 
 
 def one_seed(args: argparse.Namespace, seed: int) -> dict:
@@ -91,6 +104,7 @@ def one_seed(args: argparse.Namespace, seed: int) -> dict:
         "moves_to_another_run": together.run_moves,
         "joins": together.joins,
         "idle_share": round(together.idle_compute, 3),
+        "held_back_share": round(together.held_back_compute, 3),
         "cpu_s": round(time.process_time() - started, 1),
     }
 
@@ -107,6 +121,12 @@ def main() -> None:
     parser.add_argument("--mean-up-h", type=float, default=3.0, help="mean hours a peer stays up (0: no churn)")
     parser.add_argument("--mean-down-min", type=float, default=20.0, help="mean minutes a reclaimed peer stays down")
     parser.add_argument("--margin", type=float, default=0.1, help="the runs rule's move margin")
+    parser.add_argument(
+        "--balance-margin",
+        type=float,
+        default=PEER_DEFAULTS.rebalance_margin,
+        help="the balance rule's move margin within a run (the peers' --rebalance-margin)",
+    )
     parser.add_argument("--seeds", type=int, default=3, help="scenarios drawn")
     parser.add_argument("--dt", type=float, default=2.0, help="simulated seconds per step")
     parser.add_argument("--window-min", type=float, default=30.0, help="minutes over which shares are measured")

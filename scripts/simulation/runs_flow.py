@@ -100,6 +100,9 @@ class RunsOutcome:
     run_moves: int = 0  # the moves to another run
     joins: int = 0
     idle_compute: float = 0.0  # share of the up peers' compute placed in no run with work left
+    # share of the up peers' compute serving a run with work left beyond what its slowest stage (or its trainers'
+    # feed) lets it train: a run's peers are whole, and churn upsets their split between its stages
+    held_back_compute: float = 0.0
     trace: list[dict[str, int]] = field(default_factory=list)  # per window: peers per run at its end
 
     @property
@@ -135,7 +138,7 @@ def simulate_runs(scenario: RunsScenario, runs: Sequence[SimRun] | None = None, 
     given = {r.name: 0.0 for r in runs}
     fair = {r.name: 0.0 for r in runs}
     busy_all_window = set(remaining)
-    window_start, placed_compute, up_compute = start, 0.0, 0.0
+    window_start, placed_compute, up_compute, held_back = start, 0.0, 0.0, 0.0
     t = start
     while t < scenario.horizon and any(v > 0 for v in remaining.values()):
         for peer in peers:
@@ -170,6 +173,7 @@ def simulate_runs(scenario: RunsScenario, runs: Sequence[SimRun] | None = None, 
             fair[state.run_id] += shares[state.run_id] * scenario.dt
             if remaining[state.run_id] > 0:
                 placed_compute += state.compute() * scenario.dt
+                held_back += (state.compute() - state.rate() * sum(state.stage_flops)) * scenario.dt
         up_compute += up_now * scenario.dt
         t += scenario.dt
         if t - window_start >= scenario.window:
@@ -179,6 +183,7 @@ def simulate_runs(scenario: RunsScenario, runs: Sequence[SimRun] | None = None, 
             busy_all_window = {n for n, v in remaining.items() if v > 0}
             window_start = t
     outcome.idle_compute = 1 - placed_compute / up_compute if up_compute else 0.0
+    outcome.held_back_compute = held_back / up_compute if up_compute else 0.0
     return outcome
 
 
