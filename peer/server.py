@@ -555,6 +555,7 @@ class Peer:
         config = self.config
         left_at = time.monotonic()
         source = self.stage
+        self.moving_to = target  # named in its leaving record: a filler too, so that a second one stays put
         await self._leave_stage()
         self.runtime.shutdown(timeout=config.shutdown_timeout)
         if config.checkpoint_dir:  # a restart resumes the stage this peer hosts, not one it left
