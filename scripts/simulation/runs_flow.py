@@ -169,11 +169,12 @@ def simulate_runs(scenario: RunsScenario, runs: Sequence[SimRun] | None = None, 
         up_now = sum(p.speed for p in peers if _is_up(scenario.up_times[p.index], t))
         shares = fair_shares(states, up_now)
         for state in states:
-            given[state.run_id] += state.compute() * scenario.dt
+            compute = state.compute()
+            given[state.run_id] += compute * scenario.dt
             fair[state.run_id] += shares[state.run_id] * scenario.dt
             if remaining[state.run_id] > 0:
-                placed_compute += state.compute() * scenario.dt
-                held_back += (state.compute() - state.rate() * sum(state.stage_flops)) * scenario.dt
+                placed_compute += compute * scenario.dt
+                held_back += (compute - state.rate() * sum(state.stage_flops)) * scenario.dt
         up_compute += up_now * scenario.dt
         t += scenario.dt
         if t - window_start >= scenario.window:
