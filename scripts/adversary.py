@@ -38,7 +38,9 @@ Attacks (the insider holds a valid key and signed record; see scripts/harness/ho
 - `record-flood`: four identities each sign a copy of an honest serving record on the attacked stage,
   renew it, and hold every call to them open unanswered (scripts/harness/record_flood.py). It slows
   rather than steers: it has failed only where training took at most 3 times as long as the honest run
-  plus 15 s (a round waits a few seconds for mates that never worked, once or a few times).
+  plus 15 s (a round waits a few seconds for mates that never worked, once or a few times), its two honest
+  mates ended on the same parameters, and its final loss is within 0.1 of the honest run's (which has one
+  peer on that stage: two mates' sums round differently, see SLOWING_LOSS_SPREAD).
 - `near-state-takeover`: the same crafted state one step ahead, where the insiders' recent receipts vouch
   for them, against three honest peers (peer1a, peer1e, peer1f on stage 1): the version more vouched peers
   hold wins, so it fails where more honest peers than insiders had work within the last 8 steps (over a
@@ -113,6 +115,11 @@ CAUGHT_IN_ROUND = {"owner-lies": 1}
 # steps on). Under a CI run's load: honest 4.0-7.2 s, attacked 19.5-24.3 s; on an idle machine: 2.6-4.3 s and 9-13 s
 SLOWING = {"record-flood": 3.0}
 SLOWING_SLACK = 3 * ABSENT_GRACE
+# and its loss within this of the honest run's: the attacked swarm has two mates on its stage where the honest one has
+# one, and their sums round in another order, which Adam magnifies where a gradient is near zero. Over 8 steps one
+# step's loss was measured spreading by up to 0.26 between runs (0.05 on the mean of the last 5); a flood identity
+# answers nothing, so it cannot move the loss further: the judge is the time, the samples and the replicas agreeing
+SLOWING_LOSS_SPREAD = 0.1
 WAITED = re.compile(r"step (\d+): no (?:gradients|slices) from \d+ mate\(s\) within")
 # where an attack does not apply: the last stage answers no forward alone (one backward per microbatch computes
 # its forward and loss); the first stage's backward answers no input gradient
@@ -277,7 +284,9 @@ def judge(run: dict, honest: dict, attack: str, stage: int, args: argparse.Names
         unchanged = unchanged and f"Took stage {stage} state at step {args.steps} " in run["logs"][newcomer]
     close = abs(run["loss"] - honest["loss"]) <= args.loss_spread
     if attack in SLOWING:  # what it is after is time: the training must take about as long as the honest one
+        close = abs(run["loss"] - honest["loss"]) <= max(args.loss_spread, SLOWING_LOSS_SPREAD)
         close = close and run["seconds"] <= SLOWING[attack] * honest["seconds"] + SLOWING_SLACK
+        unchanged = unchanged and run["replicas_agree"].get(stage, False)
     if attack in DETECTED_AFTER_USE:  # bounded in time instead: accused within its steps
         close = bool(proof) and int(re.search(r"at step (\d+)", proof).group(1)) <= DETECTED_AFTER_USE[attack]
     if attack in CAUGHT_IN_ROUND:  # the work it took until trainers left it out is lost: judged by the honest replicas

@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import LR, TARGET, assert_matches_reference, peer_flags, reference_run, trainer_flags
 
+from swarm.net.identity import load_identity
 from swarm.peer.checkpoint import checkpoint_name, load_checkpoint
 
 STEPS = 3
@@ -94,9 +95,15 @@ def test_an_auto_peer_refills_the_run_with_an_empty_stage_and_moves_when_another
     assert trainer.wait(120) == 0, local_swarm.log_path("trainer-blue").read_text()[-3000:]
     assert "Serving run blue, stage 1: its run has an empty stage" in local_swarm.log_path("auto").read_text()
 
-    # a second peer on blue's stage 1 frees the auto peer; red's stage 2 then empties
-    local_swarm.start_peer("blue1", 1, ["--run-id", "blue", "--num-stages", "2", *fast])
-    run_records(local_swarm.initial_peers, "blue", 2, lambda r: sum(p.state == "serving" for p in r[1]) == 2)
+    # a second peer on blue's stage 1 frees the auto peer (which may leave for red as soon as it reads the
+    # newcomer's record, so the two need not ever serve at once); red's stage 2 then empties
+    blue1 = load_identity(str(tmp_path / "blue1.key")).peer_id
+    local_swarm.start_peer(
+        "blue1", 1, ["--run-id", "blue", "--num-stages", "2", "--identity-path", str(tmp_path / "blue1.key"), *fast]
+    )
+    run_records(
+        local_swarm.initial_peers, "blue", 2, lambda r: any(p.peer_id == blue1 and p.state == "serving" for p in r[1])
+    )
     assert local_swarm.stop("red2") == 0
     run_records(local_swarm.initial_peers, "red", 3, serving(2), timeout=150.0)
     trainer = local_swarm.start_trainer("trainer-red", [*trainer_flags(2, tmp_path / "red.json"), "--run-id", "red"])
