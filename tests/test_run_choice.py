@@ -86,6 +86,17 @@ def test_a_peer_never_leaves_a_stage_it_alone_serves_and_does_not_move_back():
     assert choose_placement([finished, other], 1.0, Placement("mine", 0)).placement.run_id == "other"
 
 
+def test_a_peer_holding_its_stage_alone_waits_for_a_joiner_there_to_serve():
+    """A joiner holds none of the stage's state until it has fetched it: the peer that holds it stays until the
+    joiner serves, then moves where it is needed."""
+    other = run("other", (1.0, 0.5), remaining=1e9, peers=(1, 1))
+    joining = run("mine", (1.0, 1.0), remaining=1.0, peers=(2, 1), holders=(1, 1))
+    stay = choose_placement([joining, other], 1.0, Placement("mine", 0))
+    assert stay.placement == Placement("mine", 0) and stay.kind == REFILL
+    served = run("mine", (2.0, 1.0), remaining=1.0, peers=(2, 1), holders=(2, 1))
+    assert choose_placement([served, other], 1.0, Placement("mine", 0)).placement == Placement("other", 1)
+
+
 def small_scenario(seed: int, churn: bool) -> RunsScenario:
     rng = random.Random(seed)
     speeds = tuple(rng.choice((1.0, 2.0, 4.0)) for _ in range(12))
@@ -145,4 +156,5 @@ def test_a_run_read_from_records_bounds_claims_and_progress():
     }
     state = run_state(red, records)
     assert state.capacities == (4.0 + 5.0 + 5.0, 6.0) and state.peers == (3, 2)  # the liar as the lower median
+    assert state.holders == (3, 1)  # the joiner holds no state yet
     assert state.remaining == (100 - 40) * 10 and state.stage_flops == stage_flops(red)

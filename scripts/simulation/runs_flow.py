@@ -206,15 +206,20 @@ def _states(
     """The runs as records show them: every placed peer where it is (or goes), or only those serving."""
     states = []
     for run in runs:
-        caps, count = [0.0] * len(run.stage_flops), [0] * len(run.stage_flops)
+        caps, count, holders = [0.0] * len(run.stage_flops), [0] * len(run.stage_flops), [0] * len(run.stage_flops)
         for peer in peers:
             placement = peer.placement
             if placement is None or placement.run_id != run.name or (serving_only and peer.ready_at > t):
                 continue
             caps[placement.stage] += peer.speed / run.stage_flops[placement.stage]
             count[placement.stage] += 1
+            holders[placement.stage] += peer.ready_at <= t
         left = max(0.0, remaining[run.name])
-        states.append(RunState(run.name, run.priority, left, run.stage_flops, tuple(caps), tuple(count), run.demand))
+        states.append(
+            RunState(
+                run.name, run.priority, left, run.stage_flops, tuple(caps), tuple(count), run.demand, tuple(holders)
+            )
+        )
     return states
 
 

@@ -20,7 +20,8 @@ is what keeps every peer busy to the end. Two bounds come first, in this order:
 
 A peer weighs its own run, as it would be without it, against the best other: it moves only for a
 higher class (above), or within one class for a remaining time longer than its own run's by `margin`;
-and it never leaves a stage it alone serves while that run has work left. Moving back would need the
+and it never leaves a stage whose state it alone holds while that run has work left (a peer still joining
+there holds none). Moving back would need the
 reverse, which that margin rules out. The move itself goes through the rebalancing timing (two looks
 with jittered waits), which keeps peers that read one view from all moving at once.
 
@@ -47,8 +48,10 @@ class RunState:
     remaining: float  # samples left to train; 0 once it is done
     stage_flops: tuple[float, ...]  # flops one sample costs at each stage, forward and backward
     capacities: tuple[float, ...]  # samples/s each stage serves now: its peers' throughputs summed
-    peers: tuple[int, ...]  # serving peers per stage
+    peers: tuple[int, ...]  # serving and joining peers per stage
     demand: float = math.inf  # samples/s the run's trainers can send at most (inf: not known to bind)
+    # serving peers per stage, which hold its state (a joiner holds none until it has fetched it); None: `peers`
+    holders: tuple[int, ...] | None = None
 
     def rate(self, capacities: Sequence[float] | None = None) -> float:
         """Samples/s the run trains at: its slowest stage, within what its trainers send."""
@@ -61,6 +64,10 @@ class RunState:
     @property
     def num_stages(self) -> int:
         return len(self.stage_flops)
+
+    def holding(self, stage: int) -> int:
+        """Peers that hold `stage`'s state."""
+        return (self.peers if self.holders is None else self.holders)[stage]
 
 
 @dataclass(frozen=True)
@@ -97,7 +104,10 @@ def without(runs: Sequence[RunState], placement: Placement, speed: float) -> lis
             caps[s] = max(0.0, caps[s] - speed / run.stage_flops[s])
             peers = list(run.peers)
             peers[s] = max(0, peers[s] - 1)
-            run = replace(run, capacities=tuple(caps), peers=tuple(peers))
+            # the leaver is taken for a holder: one still joining errs toward staying until it serves
+            holders = list(run.peers if run.holders is None else run.holders)
+            holders[s] = max(0, holders[s] - 1)
+            run = replace(run, capacities=tuple(caps), peers=tuple(peers), holders=tuple(holders))
         out.append(run)
     return out
 
@@ -169,8 +179,9 @@ def choose_placement(
     by_id = {r.run_id: r for r in base}
     if current is not None and current.run_id in by_id:
         left = by_id[current.run_id]
-        # a stage this peer alone serves stays served while its run has work
-        if left.remaining > 0 and 0 <= current.stage < left.num_stages and left.peers[current.stage] == 0:
+        # a stage whose state this peer alone holds stays served while its run has work: a joiner there holds
+        # none yet, and would start the stage over were this peer to leave before it has fetched it
+        if left.remaining > 0 and 0 <= current.stage < left.num_stages and left.holding(current.stage) == 0:
             return Choice(current, REFILL, math.inf, math.inf)
     starving = _starving(base)
     best: Choice | None = None

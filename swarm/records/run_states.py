@@ -2,7 +2,8 @@
 
 A run's capacity per stage is the throughput its serving peers announce, each claim bounded as the
 balance rule bounds it (`swarm.policy.claim_bounds`); a joining peer counts as a peer of its stage (it
-will serve soon, and the next chooser must not pile onto the same gap) but adds no throughput yet. Its
+will serve soon, and the next chooser must not pile onto the same gap) but adds no throughput yet, and
+holds none of the stage's state. Its
 progress is the lower median of the steps its serving peers announce (one record cannot make it look
 done), and its remaining work the steps its file says it trains in all, less that step, times its
 batch. A peer's speed in flops/s is its throughput times the flops a sample costs at its stage.
@@ -33,17 +34,20 @@ def stage_flops(run: RunFile) -> tuple[float, ...]:
 def run_state(run: RunFile, records: dict[int, list[StageRecord]]) -> RunState:
     """The run's state from its stages' records."""
     flops = stage_flops(run)
-    capacities, peers, steps = [], [], []
+    capacities, peers, holders, steps = [], [], [], []
     for stage in range(len(flops)):
         live = [r for r in records.get(stage, []) if r.state in (SERVING, JOINING)]
         serving = [r for r in live if r.state == SERVING]
         # a claim far above its stage's counts as a typical peer's, as in the balance rule
         capacities.append(sum(bounded_claims({r.peer_id: r.throughput for r in serving})[0].values()))
         peers.append(len(live))
+        holders.append(len(serving))
         steps += [r.step for r in serving]
     # the lower median: one record announcing a far step cannot make the run look done
     remaining = max(0, run.total_steps - int(lower_median(steps))) * run.config.target_batch_size
-    return RunState(run.run_id, run.priority, float(remaining), flops, tuple(capacities), tuple(peers))
+    return RunState(
+        run.run_id, run.priority, float(remaining), flops, tuple(capacities), tuple(peers), holders=tuple(holders)
+    )
 
 
 def placement_of(peer_id: str, records_by_run: dict[str, dict[int, list[StageRecord]]]) -> Placement | None:
