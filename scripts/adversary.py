@@ -282,9 +282,9 @@ def judge(run: dict, honest: dict, attack: str, stage: int, args: argparse.Names
     unchanged = run["code"] == 0 and run["samples"][stage] == honest["samples"][stage]
     if newcomer:  # it took the state the swarm trained to, not the crafted one
         unchanged = unchanged and f"Took stage {stage} state at step {args.steps} " in run["logs"][newcomer]
-    close = abs(run["loss"] - honest["loss"]) <= args.loss_spread
+    spread = max(args.loss_spread, SLOWING_LOSS_SPREAD) if attack in SLOWING else args.loss_spread
+    close = abs(run["loss"] - honest["loss"]) <= spread
     if attack in SLOWING:  # what it is after is time: the training must take about as long as the honest one
-        close = abs(run["loss"] - honest["loss"]) <= max(args.loss_spread, SLOWING_LOSS_SPREAD)
         close = close and run["seconds"] <= SLOWING[attack] * honest["seconds"] + SLOWING_SLACK
         unchanged = unchanged and run["replicas_agree"].get(stage, False)
     if attack in DETECTED_AFTER_USE:  # bounded in time instead: accused within its steps

@@ -95,8 +95,8 @@ def test_an_auto_peer_refills_the_run_with_an_empty_stage_and_moves_when_another
     assert trainer.wait(120) == 0, local_swarm.log_path("trainer-blue").read_text()[-3000:]
     assert "Serving run blue, stage 1: its run has an empty stage" in local_swarm.log_path("auto").read_text()
 
-    # a second peer on blue's stage 1 frees the auto peer (which may leave for red as soon as it reads the
-    # newcomer's record, so the two need not ever serve at once); red's stage 2 then empties
+    # a second peer on blue's stage 1 frees the auto peer (which may leave for red as soon as the newcomer
+    # serves, so the two need not be seen serving at once); red's stage 2 then empties
     blue1 = load_identity(str(tmp_path / "blue1.key")).peer_id
     local_swarm.start_peer(
         "blue1", 1, ["--run-id", "blue", "--num-stages", "2", "--identity-path", str(tmp_path / "blue1.key"), *fast]

@@ -21,9 +21,9 @@ is what keeps every peer busy to the end. Two bounds come first, in this order:
 A peer weighs its own run, as it would be without it, against the best other: it moves only for a
 higher class (above), or within one class for a remaining time longer than its own run's by `margin`;
 and it never leaves a stage whose state it alone holds while that run has work left (a peer still joining
-there holds none). Moving back would need the
-reverse, which that margin rules out. The move itself goes through the rebalancing timing (two looks
-with jittered waits), which keeps peers that read one view from all moving at once.
+there holds none). Moving back would need the reverse, which that margin rules out. The move itself goes
+through the rebalancing timing (two looks with jittered waits), which keeps peers that read one view from
+all moving at once.
 
 Compute is compared in flops: a peer's speed is flops per second, and a sample at a stage costs that
 stage's flops (`RunState.stage_flops`), so one peer's worth differs from run to run as their models do.
@@ -105,7 +105,7 @@ def without(runs: Sequence[RunState], placement: Placement, speed: float) -> lis
             peers = list(run.peers)
             peers[s] = max(0, peers[s] - 1)
             # the leaver is taken for a holder: one still joining errs toward staying until it serves
-            holders = list(run.peers if run.holders is None else run.holders)
+            holders = [run.holding(stage) for stage in range(run.num_stages)]
             holders[s] = max(0, holders[s] - 1)
             run = replace(run, capacities=tuple(caps), peers=tuple(peers), holders=tuple(holders))
         out.append(run)
