@@ -15,7 +15,9 @@ over seeds:
   per window, the lowest;
 - the seconds a stage that churn emptied waited for a peer;
 - where the compute the bound counts went: idle (placed in no run with work left, or on its way to one)
-  and held back (serving a run beyond its slowest stage's pace, which the bound's split at will avoids).
+  and held back (serving a run beyond its slowest stage's pace, which the bound's split at will avoids), and
+  the part of that a better split of each run's serving peers among its stages would have trained (the rest
+  is the peers' wholeness).
 
 Prints one JSON object.
 """
@@ -79,7 +81,7 @@ def scenario(args: argparse.Namespace, seed: int) -> RunsScenario:
 def one_seed(args: argparse.Namespace, seed: int) -> dict:
     sc = scenario(args, seed)
     started = time.process_time()
-    together = simulate_runs(sc)
+    together = simulate_runs(sc, measure_split=True)
     bound = lower_bound(sc.speeds, sc.up_times, sc.runs, sc.horizon)
     # one after another, longest first, each on the peers up from where the last ended
     t = 0.0
@@ -105,6 +107,7 @@ def one_seed(args: argparse.Namespace, seed: int) -> dict:
         "joins": together.joins,
         "idle_share": round(together.idle_compute, 3),
         "held_back_share": round(together.held_back_compute, 3),
+        "held_back_by_split_share": round(together.split_compute, 3),
         "cpu_s": round(time.process_time() - started, 1),
     }
 

@@ -112,8 +112,11 @@ def small_scenario(seed: int, churn: bool) -> RunsScenario:
 @pytest.mark.parametrize("churn", [False, True])
 def test_the_simulated_runs_finish_above_their_lower_bound_and_faster_than_one_after_another(churn):
     sc = small_scenario(3, churn)
-    together = simulate_runs(sc)
+    together = simulate_runs(sc, measure_split=True)
     assert all(t < sc.horizon for t in together.finished.values()), together.finished
+    # what a better split would have trained is part of what was held back: the best split trains no faster
+    # than the run's compute spread evenly
+    assert 0.0 <= together.split_compute <= together.held_back_compute + 1e-9
     bound = lower_bound(sc.speeds, sc.up_times, sc.runs, sc.horizon)
     assert bound <= together.total <= 1.5 * bound
     alone, t = [], 0.0

@@ -23,15 +23,18 @@ to be refilled are recorded; `scripts/bench_runs.py` holds them against a lower 
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from simulation.scenario import PEER_DEFAULTS
-from swarm.policy.balance import MoveCost, PeerLoad, plan_moves
+from swarm.policy.balance import MoveCost, PeerLoad, ideal_assignment, plan_moves
 from swarm.policy.rebalance_timing import CONFIRM, LOOK, MOVE, RebalanceTiming
 from swarm.policy.run_choice import Placement, RunState, choose_placement, fair_shares
+
+SPLIT_SEARCH_NODES = 20_000  # the best-split search's bound per set of peers (each set is searched once)
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,9 @@ class RunsOutcome:
     # share of the up peers' compute serving a run with work left beyond what its slowest stage (or its trainers'
     # feed) lets it train: a run's peers are whole, and churn upsets their split between its stages
     held_back_compute: float = 0.0
+    # the part of it the best split of the same serving peers among the run's stages would have trained (the
+    # rest is the peers' wholeness): what a better balance rule, or a faster one after churn, could win back
+    split_compute: float = 0.0
     trace: list[dict[str, int]] = field(default_factory=list)  # per window: peers per run at its end
 
     @property
@@ -126,8 +132,11 @@ def churn_trace(
     return tuple(traces)
 
 
-def simulate_runs(scenario: RunsScenario, runs: Sequence[SimRun] | None = None, start: float = 0.0) -> RunsOutcome:
-    """Runs `runs` (default: all of the scenario's) from `start` until each is trained; see the docstring."""
+def simulate_runs(
+    scenario: RunsScenario, runs: Sequence[SimRun] | None = None, start: float = 0.0, measure_split: bool = False
+) -> RunsOutcome:
+    """Runs `runs` (default: all of the scenario's) from `start` until each is trained; see the docstring.
+    `measure_split`: also find the best split of each run's peers whenever they change (`split_compute`)."""
     runs = list(scenario.runs if runs is None else runs)
     rng = random.Random(scenario.seed)
     peers = [_Peer(i, speed) for i, speed in enumerate(scenario.speeds)]
@@ -138,7 +147,8 @@ def simulate_runs(scenario: RunsScenario, runs: Sequence[SimRun] | None = None, 
     given = {r.name: 0.0 for r in runs}
     fair = {r.name: 0.0 for r in runs}
     busy_all_window = set(remaining)
-    window_start, placed_compute, up_compute, held_back = start, 0.0, 0.0, 0.0
+    window_start, placed_compute, up_compute, held_back, split = start, 0.0, 0.0, 0.0, 0.0
+    best_split = functools.lru_cache(maxsize=4096)(_best_split_rate)
     t = start
     while t < scenario.horizon and any(v > 0 for v in remaining.values()):
         for peer in peers:
@@ -175,6 +185,10 @@ def simulate_runs(scenario: RunsScenario, runs: Sequence[SimRun] | None = None, 
             if remaining[state.run_id] > 0:
                 placed_compute += compute * scenario.dt
                 held_back += (compute - state.rate() * sum(state.stage_flops)) * scenario.dt
+            if remaining[state.run_id] > 0 and measure_split:
+                speeds = _serving_speeds(peers, state.run_id, t)
+                best = max(min(best_split(speeds, state.stage_flops), state.demand), state.rate())
+                split += (best - state.rate()) * sum(state.stage_flops) * scenario.dt
         up_compute += up_now * scenario.dt
         t += scenario.dt
         if t - window_start >= scenario.window:
@@ -185,7 +199,23 @@ def simulate_runs(scenario: RunsScenario, runs: Sequence[SimRun] | None = None, 
             window_start = t
     outcome.idle_compute = 1 - placed_compute / up_compute if up_compute else 0.0
     outcome.held_back_compute = held_back / up_compute if up_compute else 0.0
+    outcome.split_compute = split / up_compute if up_compute else 0.0
     return outcome
+
+
+def _serving_speeds(peers: Sequence[_Peer], run_id: str, t: float) -> tuple[float, ...]:
+    """The speeds of the peers serving `run_id` at `t`, sorted: a run's peers as the best split sees them."""
+    return tuple(
+        sorted(p.speed for p in peers if p.placement is not None and p.placement.run_id == run_id and p.ready_at <= t)
+    )
+
+
+def _best_split_rate(speeds: tuple[float, ...], stage_flops: tuple[float, ...]) -> float:
+    """Samples/s the best split of peers of `speeds` among stages of `stage_flops` trains at (the best the
+    search finds within its node limit: peers of a run are few, so it is exact in practice)."""
+    if not speeds:
+        return 0.0
+    return ideal_assignment(list(speeds), len(stage_flops), list(stage_flops), node_limit=SPLIT_SEARCH_NODES)[0]
 
 
 def _is_up(spells: Sequence[tuple[float, float]], t: float) -> bool:
