@@ -34,7 +34,7 @@ from swarm.policy.balance import MoveCost, PeerLoad, ideal_assignment, plan_move
 from swarm.policy.rebalance_timing import CONFIRM, LOOK, MOVE, RebalanceTiming
 from swarm.policy.run_choice import Placement, RunState, choose_placement, fair_shares
 
-SPLIT_SEARCH_NODES = 20_000  # the best-split search's bound per set of peers (each set is searched once)
+SPLIT_SEARCH_NODES = 20_000  # the best-split search's bound per set of peers (its results are cached)
 
 
 @dataclass(frozen=True)
@@ -183,12 +183,12 @@ def simulate_runs(
             given[state.run_id] += compute * scenario.dt
             fair[state.run_id] += shares[state.run_id] * scenario.dt
             if remaining[state.run_id] > 0:
+                rate, flops = state.rate(), sum(state.stage_flops)
                 placed_compute += compute * scenario.dt
-                held_back += (compute - state.rate() * sum(state.stage_flops)) * scenario.dt
-            if remaining[state.run_id] > 0 and measure_split:
-                speeds = _serving_speeds(peers, state.run_id, t)
-                best = max(min(best_split(speeds, state.stage_flops), state.demand), state.rate())
-                split += (best - state.rate()) * sum(state.stage_flops) * scenario.dt
+                held_back += (compute - rate * flops) * scenario.dt
+                if measure_split:
+                    best = best_split(_serving_speeds(peers, state.run_id, t), state.stage_flops)
+                    split += (max(min(best, state.demand), rate) - rate) * flops * scenario.dt
         up_compute += up_now * scenario.dt
         t += scenario.dt
         if t - window_start >= scenario.window:
