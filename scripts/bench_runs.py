@@ -19,6 +19,9 @@ over seeds:
   the part of that a better split of each run's serving peers among its stages would have trained (the rest
   is the peers' wholeness).
 
+`--free-split` replaces the balance rule within runs by each run's best split, made at once and free
+whenever a run's serving peers change: the ceiling a better balance within runs could reach.
+
 Prints one JSON object.
 """
 
@@ -75,6 +78,7 @@ def scenario(args: argparse.Namespace, seed: int) -> RunsScenario:
         window=window,
         horizon=horizon,
         seed=seed,
+        free_split=args.free_split,
     )
 
 
@@ -130,6 +134,12 @@ def main() -> None:
         default=PEER_DEFAULTS.rebalance_margin,
         help="the balance rule's move margin within a run (the peers' --rebalance-margin)",
     )
+    parser.add_argument(
+        "--free-split",
+        action="store_true",
+        help="no balance rule within runs: each run's serving peers split at best, at once and free, whenever they "
+        "change (the ceiling a better balance within runs could reach)",
+    )
     parser.add_argument("--seeds", type=int, default=3, help="scenarios drawn")
     parser.add_argument("--dt", type=float, default=2.0, help="simulated seconds per step")
     parser.add_argument("--window-min", type=float, default=30.0, help="minutes over which shares are measured")
@@ -148,6 +158,7 @@ def main() -> None:
                 "trainer_share": args.trainer_share,
                 "mean_up_h": args.mean_up_h,
                 "mean_down_min": args.mean_down_min,
+                "free_split": args.free_split,
                 "worst_total_over_bound": max(r["total_over_bound"] for r in results),
                 "worst_speedup_over_one_after_another": min(r["speedup_over_one_after_another"] for r in results),
                 "worst_lowest_share_of_fair": worst_share,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import sys
@@ -128,6 +129,17 @@ def test_the_simulated_runs_finish_above_their_lower_bound_and_faster_than_one_a
     assert together.shares and all(v > 0 for w in together.shares for v in w.values())
     if churn:
         assert together.joins > len(sc.speeds)  # peers came back, and were placed again
+
+
+def test_a_free_split_leaves_nothing_to_a_better_split_and_trains_no_slower():
+    """With every run's serving peers split at best whenever they change, no compute is held back that a better
+    split would train, and the runs finish no later than under the balance rule's moves, which cost downloads."""
+    sc = small_scenario(3, churn=True)
+    ruled = simulate_runs(sc, measure_split=True)
+    free = simulate_runs(dataclasses.replace(sc, free_split=True), measure_split=True)
+    assert free.split_compute == pytest.approx(0.0, abs=1e-9) and ruled.split_compute > 0
+    assert free.total <= ruled.total
+    assert free.moves == free.run_moves  # no move within a run goes through the balance rule
 
 
 def test_the_lower_bound_is_exact_for_one_peer_and_one_run():

@@ -12,6 +12,8 @@ a priority, and the samples/s its trainers can feed it. Time advances in steps o
   supervisor's, to another run where the runs rule says so, and its peer process's, to another stage of
   its run where the balance rule's plan (`swarm.policy.balance.plan_moves`, at the peers' default margin
   and move cost) has it move. It serves there after the download;
+  With `free_split` instead, no balance rule runs: each run's serving peers are placed by their best split
+  at once and free whenever they change, which bounds what a better balance within runs could give;
 - each run trains at its slowest stage's pace (its peers' speeds over that stage's flops), within its
   trainers' feed, until its samples are done.
 
@@ -67,6 +69,9 @@ class RunsScenario:
     window: float = 1800.0  # seconds over which each run's share is measured
     horizon: float = 7 * 86400.0
     seed: int = 0
+    # each run's serving peers placed on its stages by their best split, at once and free, whenever they change
+    # (no balance rule, no move cost): what the runs rule reaches with a perfect balance within runs
+    free_split: bool = False
 
 
 @dataclass(eq=False)  # one peer's timing is itself, not any timing in the same state
@@ -149,6 +154,7 @@ def simulate_runs(
     busy_all_window = set(remaining)
     window_start, placed_compute, up_compute, held_back, split = start, 0.0, 0.0, 0.0, 0.0
     best_split = functools.lru_cache(maxsize=4096)(_best_split_rate)
+    split_members: dict[str, frozenset[int]] = {}  # per run: its serving peers at its last free split
     t = start
     while t < scenario.horizon and any(v > 0 for v in remaining.values()):
         for peer in peers:
@@ -162,6 +168,8 @@ def simulate_runs(
             peer = peers[index]
             if looks in peer.looks():  # not restarted by a move of its other timing this step
                 _act(scenario, peer, looks, runs, remaining, peers, t, outcome)
+        if scenario.free_split:
+            _split_freely(runs, peers, t, split_members)
         states = _states(runs, remaining, peers, t, serving_only=True)
         for state in states:
             run = by_name[state.run_id]
@@ -201,6 +209,20 @@ def simulate_runs(
     outcome.held_back_compute = held_back / up_compute if up_compute else 0.0
     outcome.split_compute = split / up_compute if up_compute else 0.0
     return outcome
+
+
+def _split_freely(runs: Sequence[SimRun], peers: Sequence[_Peer], t: float, members: dict[str, frozenset[int]]) -> None:
+    """Places each run's serving peers by their best split whenever the set of them changed (`free_split`)."""
+    for run in runs:
+        mine = [p for p in peers if p.placement is not None and p.placement.run_id == run.name and p.ready_at <= t]
+        now = frozenset(p.index for p in mine)
+        if not mine or members.get(run.name) == now:
+            continue
+        members[run.name] = now
+        flops = list(run.stage_flops)
+        _, stages, _ = ideal_assignment([p.speed for p in mine], len(flops), flops, node_limit=SPLIT_SEARCH_NODES)
+        for peer, stage in zip(mine, stages):
+            peer.placement = Placement(run.name, stage)
 
 
 def _serving_speeds(peers: Sequence[_Peer], run_id: str, t: float) -> tuple[float, ...]:
@@ -302,8 +324,10 @@ def _act(scenario, peer, looks, runs, remaining, peers, t, outcome) -> None:
         view = _states(runs, remaining, peers, t, serving_only=False)
         choice = choose_placement(view, peer.speed, peer.placement, scenario.margin)
         target = choice.placement if choice is not None and choice.placement.run_id != peer.placement.run_id else None
-    else:
+    elif not scenario.free_split:
         target = _balance_move(scenario, peer, runs, peers, t)
+    else:
+        target = None
     if looks.action == LOOK:
         looks.target = target
         wait = looks.timing.looked(target is not None)
