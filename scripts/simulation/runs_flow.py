@@ -11,9 +11,9 @@ a priority, and the samples/s its trainers can feed it. Time advances in steps o
   `swarm.policy.rebalance_timing.RebalanceTiming` (a look every period, a second look to confirm): its
   supervisor's, to another run where the runs rule says so, and its peer process's, to another stage of
   its run where the balance rule's plan (`swarm.policy.balance.plan_moves`, at the peers' default margin
-  and move cost) has it move. It serves there after the download;
-  With `free_split` instead, no balance rule runs: each run's serving peers are placed by their best split
-  at once and free whenever they change, which bounds what a better balance within runs could give;
+  and move cost) has it move. It serves there after the download. With `free_split` instead, no balance
+  rule runs: each run's serving peers are placed by their best split at once and free whenever they
+  change, which bounds what a better balance within runs could give;
 - each run trains at its slowest stage's pace (its peers' speeds over that stage's flops), within its
   trainers' feed, until its samples are done.
 
@@ -214,7 +214,7 @@ def simulate_runs(
 def _split_freely(runs: Sequence[SimRun], peers: Sequence[_Peer], t: float, members: dict[str, frozenset[int]]) -> None:
     """Places each run's serving peers by their best split whenever the set of them changed (`free_split`)."""
     for run in runs:
-        mine = [p for p in peers if p.placement is not None and p.placement.run_id == run.name and p.ready_at <= t]
+        mine = _serving(peers, run.name, t)
         now = frozenset(p.index for p in mine)
         if not mine or members.get(run.name) == now:
             continue
@@ -225,11 +225,14 @@ def _split_freely(runs: Sequence[SimRun], peers: Sequence[_Peer], t: float, memb
             peer.placement = Placement(run.name, stage)
 
 
+def _serving(peers: Sequence[_Peer], run_id: str, t: float) -> list[_Peer]:
+    """The peers serving `run_id` at `t` (placed there and done with their download)."""
+    return [p for p in peers if p.placement is not None and p.placement.run_id == run_id and p.ready_at <= t]
+
+
 def _serving_speeds(peers: Sequence[_Peer], run_id: str, t: float) -> tuple[float, ...]:
     """The speeds of the peers serving `run_id` at `t`, sorted: a run's peers as the best split sees them."""
-    return tuple(
-        sorted(p.speed for p in peers if p.placement is not None and p.placement.run_id == run_id and p.ready_at <= t)
-    )
+    return tuple(sorted(p.speed for p in _serving(peers, run_id, t)))
 
 
 def _best_split_rate(speeds: tuple[float, ...], stage_flops: tuple[float, ...]) -> float:
@@ -324,10 +327,8 @@ def _act(scenario, peer, looks, runs, remaining, peers, t, outcome) -> None:
         view = _states(runs, remaining, peers, t, serving_only=False)
         choice = choose_placement(view, peer.speed, peer.placement, scenario.margin)
         target = choice.placement if choice is not None and choice.placement.run_id != peer.placement.run_id else None
-    elif not scenario.free_split:
-        target = _balance_move(scenario, peer, runs, peers, t)
     else:
-        target = None
+        target = None if scenario.free_split else _balance_move(scenario, peer, runs, peers, t)
     if looks.action == LOOK:
         looks.target = target
         wait = looks.timing.looked(target is not None)
