@@ -142,6 +142,21 @@ def test_a_free_split_leaves_nothing_to_a_better_split_and_trains_no_slower():
     assert free.moves == free.run_moves  # no move within a run goes through the balance rule
 
 
+def test_a_simulated_peer_never_moves_back_within_its_run_inside_the_rebalance_horizon():
+    """As a real peer's plan bars every peer from a stage it left lately, the simulated balance rule moves none back
+    there within the horizon (a peer process restarted for another run starts afresh)."""
+    sc = small_scenario(3, churn=True)
+    outcome = simulate_runs(sc)
+    assert outcome.stage_moves
+    left: dict[int, dict[int, float]] = {}  # peer -> stage of its run -> when it left
+    at: dict[int, object] = {}  # peer -> where its last move took it
+    for t, peer, source, target in outcome.stage_moves:
+        if at.get(peer) != source:  # it served elsewhere since: a fresh peer process
+            left[peer] = {}
+        assert t - left[peer].get(target.stage, -math.inf) >= sc.balance_horizon
+        left[peer][source.stage], at[peer] = t, target
+
+
 def test_the_lower_bound_is_exact_for_one_peer_and_one_run():
     runs = [SimRun("r", (2.0, 3.0), (0.0, 0.0), samples=100.0)]
     # one peer of 10 flops/s must give 100 x 5 flops: 50 s

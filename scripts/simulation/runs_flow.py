@@ -11,7 +11,9 @@ a priority, and the samples/s its trainers can feed it. Time advances in steps o
   `swarm.policy.rebalance_timing.RebalanceTiming` (a look every period, a second look to confirm): its
   supervisor's, to another run where the runs rule says so, and its peer process's, to another stage of
   its run where the balance rule's plan (`swarm.policy.balance.plan_moves`, at the peers' default margin
-  and move cost) has it move. It serves there after the download. With `free_split` instead, no balance
+  and move cost) has it move, never back to a stage of the run it left within the rebalance horizon
+  (`swarm.policy.rebalance_timing.ReturnCooldown`, which every peer's plan reads for every peer, as the
+  real peers' own and held records do). It serves there after the download. With `free_split` instead, no balance
   rule runs: each run's serving peers are placed by their best split at once and free whenever they
   change, which bounds what a better balance within runs could give;
 - each run trains at its slowest stage's pace (its peers' speeds over that stage's flops), within its
@@ -33,7 +35,7 @@ from dataclasses import dataclass, field
 
 from simulation.scenario import PEER_DEFAULTS
 from swarm.policy.balance import MoveCost, PeerLoad, ideal_assignment, plan_moves
-from swarm.policy.rebalance_timing import CONFIRM, LOOK, MOVE, RebalanceTiming
+from swarm.policy.rebalance_timing import CONFIRM, LOOK, MOVE, RebalanceTiming, ReturnCooldown
 from swarm.policy.run_choice import Placement, RunState, choose_placement, fair_shares
 
 SPLIT_SEARCH_NODES = 20_000  # the best-split search's bound per set of peers (its results are cached)
@@ -92,6 +94,7 @@ class _Peer:
     ready_at: float = math.inf  # when it serves its placement
     runs_looks: _Looks | None = None  # the supervisor's
     stage_looks: _Looks | None = None  # its peer process's
+    cooldown: ReturnCooldown | None = None  # the stages of its run it left lately (a fresh one per peer process)
 
     def looks(self) -> list[_Looks]:
         return [looks for looks in (self.runs_looks, self.stage_looks) if looks is not None]
@@ -115,6 +118,8 @@ class RunsOutcome:
     # rest is the peers' wholeness): what a better balance rule, or a faster one after churn, could win back
     split_compute: float = 0.0
     trace: list[dict[str, int]] = field(default_factory=list)  # per window: peers per run at its end
+    # the moves within runs, as (time, peer, from, to)
+    stage_moves: list[tuple[float, int, Placement, Placement]] = field(default_factory=list)
 
     @property
     def total(self) -> float:
@@ -163,6 +168,7 @@ def simulate_runs(
                 _join(scenario, peer, runs, remaining, peers, t, rng, outcome)
             elif peer.placement is not None and not up:
                 peer.placement, peer.runs_looks, peer.stage_looks, peer.ready_at = None, None, None, math.inf
+                peer.cooldown = None
         due = [(looks.next_at, peer.index, looks) for peer in peers for looks in peer.looks() if looks.next_at <= t]
         for _, index, looks in sorted(due, key=lambda d: d[:2]):
             peer = peers[index]
@@ -297,6 +303,7 @@ def _start_looks(scenario: RunsScenario, peer: _Peer, rng: random.Random, first_
     """A peer process (re)started: both timings begin again from when it serves."""
     peer.runs_looks = _fresh_looks(scenario, rng, first_look, peer.ready_at)
     peer.stage_looks = _fresh_looks(scenario, rng, first_look, peer.ready_at)
+    peer.cooldown = ReturnCooldown(scenario.balance_horizon)
 
 
 def _fresh_looks(scenario: RunsScenario, rng: random.Random, first_look: bool, at: float) -> _Looks:
@@ -315,6 +322,10 @@ def _act(scenario, peer, looks, runs, remaining, peers, t, outcome) -> None:
         assert target is not None
         to_run = target.run_id != peer.placement.run_id
         outcome.run_moves += to_run
+        if not to_run:
+            assert peer.cooldown is not None
+            peer.cooldown.left(peer.placement.stage, t)
+            outcome.stage_moves.append((t, peer.index, peer.placement, target))
         _arrive(scenario, peer, runs, target, t)
         outcome.moves += 1
         rng = looks.timing.rng
@@ -345,15 +356,18 @@ def _balance_move(
     assert peer.placement is not None
     run_id = peer.placement.run_id
     run = next(r for r in runs if r.name == run_id)
+    mates = [p for p in peers if p.placement is not None and p.placement.run_id == run_id]
     loads = [
         PeerLoad(str(p.index), p.placement.stage, p.speed / run.stage_flops[p.placement.stage], p.ready_at <= t)
-        for p in peers
-        if p.placement is not None and p.placement.run_id == run_id
+        for p in mates
     ]
+    barred = {str(p.index): p.cooldown.barred(t) for p in mates if p.cooldown is not None}
     cost = MoveCost.of_state(
         max(run.stage_bytes) / 2**20, scenario.move_mbit, scenario.move_overhead, scenario.balance_horizon
     )
-    plan = plan_moves(loads, len(run.stage_flops), scenario.balance_margin, run.stage_flops, move_cost=cost)
+    plan = plan_moves(
+        loads, len(run.stage_flops), scenario.balance_margin, run.stage_flops, move_cost=cost, barred=barred
+    )
     mine = next((m for m in plan if m.peer_id == str(peer.index)), None)
     if mine is None or mine.source != peer.placement.stage:
         return None
