@@ -2,7 +2,8 @@
 
 While a stage's averaging round runs, its peer goes on accumulating the backwards that arrive: into
 fresh buffers, toward the next step, while the round sums what was there when it began. The round's
-own gradients are set aside (`take`) and come back (`put`) if it fails, so a retry holds exactly them.
+own gradients are set aside (`take`) and come back (`put`) if it fails, with what came in during it
+(`merged`): the step was not taken, so its retry sums every backward that has arrived toward it.
 """
 
 from __future__ import annotations
@@ -40,6 +41,15 @@ def put(module: nn.Module, accumulated: Accumulated) -> None:
     """Puts gradients set aside back on the module's parameters (whose own gradients must be empty)."""
     for param, grad in zip(module.parameters(), accumulated.grads):
         param.grad = grad
+
+
+def merged(first: Accumulated, second: Accumulated) -> Accumulated:
+    """`first` with `second` added to it (gradient sums, microbatches and samples): one accumulation of both."""
+    grads = [a if b is None else b if a is None else a.add_(b) for a, b in zip(first.grads, second.grads, strict=True)]
+    held = dict(first.held)
+    for key, n in second.held.items():
+        held[key] = held.get(key, 0) + n
+    return Accumulated(grads, held, first.samples + second.samples)
 
 
 def flat_gradient(module: nn.Module) -> torch.Tensor:

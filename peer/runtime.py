@@ -23,7 +23,7 @@ from swarm.models import GPTStage
 from swarm.models.precision import autocast
 from swarm.peer.device_copies import DeviceCopies
 from swarm.peer.faults import FaultPlan
-from swarm.peer.gradient_buffers import Accumulated, flat_gradient, put, set_gradients, take
+from swarm.peer.gradient_buffers import Accumulated, flat_gradient, merged, put, set_gradients, take
 from swarm.peer.request_queue import (
     CallAbandonedError,
     QueueFullError,
@@ -150,7 +150,7 @@ class StageRuntime:
         self._step_requested: int | None = None  # guarded by the queue's lock
         # while a round runs, its gradients are set aside here and backwards accumulate toward the next step
         self._in_round: Accumulated | None = None
-        self._overflow: Accumulated | None = None  # accumulated during rounds that failed: the next step's
+        self._overflow: Accumulated | None = None  # accumulated in a round of a step since left: the next step's
         self._loads = 0  # state loads so far: a round begun before one is not applied after it
         self.requests = RequestQueue(module.stage, max_queue, self._held_elsewhere, self._merge_limit)
         self._thread = threading.Thread(target=self._run, name="stage-runtime", daemon=True)
@@ -487,10 +487,8 @@ class StageRuntime:
         rounding.add_done_callback(finish)
 
     def _round_done(self, step: int, loads: int, rounding: Future) -> None:
-        """The round of `step` ended (on the runtime thread): step on its result, or keep accumulating.
-
-        What came in during the round goes to the next step either way; a round that failed gets back the
-        gradients it began with, so the stage's retry sums exactly them."""
+        """The round of `step` ended (on the runtime thread): step on its result, what came in meanwhile going to
+        the next step; or, failed, keep all of it toward this step, for the retry to sum."""
         result = None
         try:
             result = rounding.result()
@@ -502,10 +500,16 @@ class StageRuntime:
         in_round, self._in_round = self._in_round, None
         overflow = take(self.module, self.held, self.samples_accumulated)
         if result is None or step != self.step:
-            self._restore(in_round)
-            self._overflow = overflow if overflow.samples else None
+            if step == self.step:  # not stepped: what came in meanwhile is this step's still, for its retry to sum
+                self._restore(merged(in_round, overflow))
+            else:
+                self._restore(in_round)
+                self._overflow = overflow if overflow.samples else None
             with self.requests.lock:
                 self._step_requested = None
+            if step == self.step and overflow.held and self.coordinator is not None:
+                self.coordinator.local_progress(step + 1, {})
+                self.coordinator.local_progress(step, dict(self.held))
             return
         if result.samples > 0 and result.grad_sum is not None:
             set_gradients(self.module, result.grad_sum)

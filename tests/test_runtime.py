@@ -344,7 +344,9 @@ def test_a_peer_serves_while_its_round_is_under_way_and_new_backwards_count_towa
     assert torch.equal(runtime.flat_gradient(), alone.flat_gradient())
 
 
-def test_a_round_that_fails_gets_back_its_own_gradients_and_what_came_meanwhile_waits_for_the_next_step():
+def test_a_round_that_fails_keeps_what_came_meanwhile_toward_its_step_for_the_retry():
+    """A backward that arrives while an attempt runs (sent again after its call to a frozen mate timed out, say)
+    is this step's: the attempt fails, and the retry sums it with the round's own, not the next step."""
     runtime = make_runtime(target=4)
     coordinator = runtime.coordinator = HeldRound()
     runtime.start()
@@ -356,10 +358,11 @@ def test_a_round_that_fails_gets_back_its_own_gradients_and_what_came_meanwhile_
     runtime.submit(False, [torch.randn(1, 16, SPEC.d_model)]).result(30)  # after the round's end
     start_round(runtime, coordinator, 2)
     step, grad_sum, held, rounding = coordinator.rounds[1]
-    assert step == 0 and held == {("t", 1): 4} and torch.equal(grad_sum, first)  # the retry sums exactly those
-    rounding.set_result(RoundResult(grad_sum, 4, [("t", 1, 4)]))
+    assert step == 0 and held == {("t", 1): 4, ("t", 2): 2}
+    assert not torch.equal(grad_sum, first) and grad_sum.shape == first.shape
+    rounding.set_result(RoundResult(grad_sum, 6, [("t", 1, 4), ("t", 2, 2)]))
     runtime.submit(False, [torch.randn(1, 16, SPEC.d_model)]).result(30)
-    assert runtime.step == 1 and runtime.held == {("t", 2): 2}
+    assert runtime.step == 1 and runtime.held == {}
     runtime.shutdown()
 
 
