@@ -148,8 +148,7 @@ class StageRuntime:
         self.busy_seconds = 0.0  # spent running batches of requests: a pipeline's utilization is this over time
         self.nonfinite_steps = 0  # steps whose summed gradient was not finite: skipped by every replica alike
         self._step_requested: int | None = None  # guarded by the queue's lock
-        # while a round runs, its gradients are set aside here and backwards accumulate toward the next step
-        self._in_round: Accumulated | None = None
+        self._in_round: Accumulated | None = None  # a running round's, set aside: backwards accumulate anew meanwhile
         self._overflow: Accumulated | None = None  # accumulated in a round of a step since left: the next step's
         self._loads = 0  # state loads so far: a round begun before one is not applied after it
         self.requests = RequestQueue(module.stage, max_queue, self._held_elsewhere, self._merge_limit)
