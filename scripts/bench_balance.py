@@ -45,6 +45,7 @@ from pathlib import Path
 from hivemind import DHT
 
 from harness.spot_trace import live_peer_targets
+from swarm.config import PeerConfig
 from swarm.launch.local_swarm import LocalSwarm
 from swarm.models import get_model_spec
 from swarm.net.dht_node import TetheredDHT
@@ -293,7 +294,12 @@ def main() -> None:
     parser.add_argument("--skew", type=float, default=0.6, help="share of peers that start on stage 0 (skewed)")
     parser.add_argument("--minutes", type=float, default=3.0, help="length of each static run")
     parser.add_argument("--rebalance-period", type=float, default=10.0, help="peers' mean seconds between checks")
-    parser.add_argument("--margin", type=float, default=0.5, help="the balance rule's hysteresis margin")
+    parser.add_argument(
+        "--margin",
+        type=float,
+        default=PeerConfig().rebalance_margin,
+        help="the balance rule's hysteresis margin (default: the peers')",
+    )
     # small enough for tens of steps per run: the trainer's samples/s count whole steps only
     parser.add_argument("--target-batch-size", type=int, default=64, help="samples per optimizer step")
     parser.add_argument("--microbatch-size", type=int, default=4, help="samples per microbatch")

@@ -157,6 +157,21 @@ def test_a_simulated_peer_never_moves_back_within_its_run_inside_the_rebalance_h
         left[peer][source.stage], at[peer] = t, target
 
 
+def test_a_move_to_another_run_must_pay_for_its_state_download():
+    """Within one class, a peer leaves its run only for a remaining time longer than its own run's by the margin
+    and the least gain that pays for downloading the other run's stage state."""
+    mine = run("mine", (2.0, 1.0), remaining=100.0, peers=(2, 1))  # without the peer: 1 sample/s, 100 s left
+    other = run("other", (1.0, 1.0), remaining=130.0)  # 130 s left: 30% longer
+    assert choose_placement([mine, other], 1.0, Placement("mine", 0)).placement == Placement("other", 0)
+    costly = dataclasses.replace(other, move_gain=0.25)  # needs more than 10% + 25% longer
+    assert choose_placement([mine, costly], 1.0, Placement("mine", 0)).placement == Placement("mine", 0)
+    longer = dataclasses.replace(costly, remaining=140.0)
+    assert choose_placement([mine, longer], 1.0, Placement("mine", 0)).placement == Placement("other", 0)
+    # an empty stage is refilled whatever the move costs
+    empty = run("other", (1.0, 0.0), remaining=10.0, peers=(1, 0), move_gain=math.inf)
+    assert choose_placement([mine, empty], 1.0, Placement("mine", 0)).kind == REFILL
+
+
 def test_the_lower_bound_is_exact_for_one_peer_and_one_run():
     runs = [SimRun("r", (2.0, 3.0), (0.0, 0.0), samples=100.0)]
     # one peer of 10 flops/s must give 100 x 5 flops: 50 s
@@ -188,3 +203,6 @@ def test_a_run_read_from_records_bounds_claims_and_progress():
     assert state.capacities == (4.0 + 5.0 + 5.0, 6.0) and state.peers == (3, 2)  # the liar as the lower median
     assert state.holders == (3, 1)  # the joiner holds no state yet
     assert state.remaining == (100 - 40) * 10 and state.stage_flops == stage_flops(red)
+    # a move into the run is priced by its stage state's download at the run's assumed bandwidth
+    slow = dataclasses.replace(red, config=dataclasses.replace(config, move_bandwidth_mbit=0.01))
+    assert 0 < state.move_gain < run_state(slow, records).move_gain

@@ -240,9 +240,10 @@ def test_a_stage_whose_records_lapsed_draws_no_peer():
     old = sim.run_scenario(replace(config, **OLD_RULE))
     assert guarded["record_lapses"]["stage"] > 10
     # the old rule fills each stage that looks empty ("from 0.0") and undoes it when its records are back:
-    # 141 moves, 82 of them back, 0.50 of the ideal; the guarded rule 10 moves (2 without the lapses), 0.97
+    # 141 moves, 82 of them back, 0.50 of the ideal; the guarded rule 17 moves (3 without the lapses), none
+    # back, 0.98 (at a margin of 0.5: 13 and 2)
     assert old["moves"] >= 50 and old["moves_back"] >= 20
-    assert guarded["moves"] <= 15 and guarded["moves_back"] == 0
+    assert guarded["moves"] <= 20 and guarded["moves_back"] == 0
     assert guarded["steady_state_fraction_of_ideal"] >= 0.9 > old["steady_state_fraction_of_ideal"]
 
 

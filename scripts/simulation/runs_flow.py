@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from simulation.scenario import PEER_DEFAULTS
 from swarm.policy.balance import MoveCost, PeerLoad, ideal_assignment, plan_moves
 from swarm.policy.rebalance_timing import CONFIRM, LOOK, MOVE, RebalanceTiming, ReturnCooldown
-from swarm.policy.run_choice import Placement, RunState, choose_placement, fair_shares
+from swarm.policy.run_choice import RUN_MOVE_FIXED_SECONDS, Placement, RunState, choose_placement, fair_shares
 
 SPLIT_SEARCH_NODES = 20_000  # the best-split search's bound per set of peers (its results are cached)
 
@@ -63,7 +63,7 @@ class RunsScenario:
     rebalance_period: float = 60.0
     announce_period: float = 10.0
     move_mbit: float = 1000.0  # what a joiner downloads its stage's state at
-    move_overhead: float = 20.0  # seconds to start serving besides the download
+    move_overhead: float = RUN_MOVE_FIXED_SECONDS  # seconds to start serving besides the download
     margin: float = 0.1  # the runs rule's
     balance_margin: float = PEER_DEFAULTS.rebalance_margin  # the balance rule's, within a run
     balance_horizon: float = PEER_DEFAULTS.rebalance_horizon  # seconds a move within a run must pay off in
@@ -176,7 +176,7 @@ def simulate_runs(
                 _act(scenario, peer, looks, runs, remaining, peers, t, outcome)
         if scenario.free_split:
             _split_freely(runs, peers, t, split_members)
-        states = _states(runs, remaining, peers, t, serving_only=True)
+        states = _states(scenario, runs, remaining, peers, t, serving_only=True)
         for state in states:
             run = by_name[state.run_id]
             for s, count in enumerate(state.peers):
@@ -262,7 +262,12 @@ def _peers_per_run(peers: Sequence[_Peer]) -> dict[str, int]:
 
 
 def _states(
-    runs: Sequence[SimRun], remaining: dict[str, float], peers: Sequence[_Peer], t: float, serving_only: bool
+    scenario: RunsScenario,
+    runs: Sequence[SimRun],
+    remaining: dict[str, float],
+    peers: Sequence[_Peer],
+    t: float,
+    serving_only: bool,
 ) -> list[RunState]:
     """The runs as records show them: every placed peer where it is (or goes), or only those serving."""
     states = []
@@ -276,12 +281,28 @@ def _states(
             count[placement.stage] += 1
             holders[placement.stage] += peer.ready_at <= t
         left = max(0.0, remaining[run.name])
+        gain = _move_cost(scenario, run).least_gain()
         states.append(
             RunState(
-                run.name, run.priority, left, run.stage_flops, tuple(caps), tuple(count), run.demand, tuple(holders)
+                run.name,
+                run.priority,
+                left,
+                run.stage_flops,
+                tuple(caps),
+                tuple(count),
+                run.demand,
+                tuple(holders),
+                move_gain=gain,
             )
         )
     return states
+
+
+def _move_cost(scenario: RunsScenario, run: SimRun) -> MoveCost:
+    """A move into `run` (or within it), priced as the peers price one: its largest stage's state downloaded."""
+    return MoveCost.of_state(
+        max(run.stage_bytes) / 2**20, scenario.move_mbit, scenario.move_overhead, scenario.balance_horizon
+    )
 
 
 def _arrive(scenario: RunsScenario, peer: _Peer, runs: Sequence[SimRun], placement: Placement, t: float) -> None:
@@ -291,7 +312,7 @@ def _arrive(scenario: RunsScenario, peer: _Peer, runs: Sequence[SimRun], placeme
 
 
 def _join(scenario, peer, runs, remaining, peers, t, rng, outcome) -> None:
-    choice = choose_placement(_states(runs, remaining, peers, t, serving_only=False), peer.speed)
+    choice = choose_placement(_states(scenario, runs, remaining, peers, t, serving_only=False), peer.speed)
     if choice is None:
         return
     _arrive(scenario, peer, runs, choice.placement, t)
@@ -335,7 +356,7 @@ def _act(scenario, peer, looks, runs, remaining, peers, t, outcome) -> None:
             peer.stage_looks = _fresh_looks(scenario, rng, False, peer.ready_at)
         return
     if looks is peer.runs_looks:
-        view = _states(runs, remaining, peers, t, serving_only=False)
+        view = _states(scenario, runs, remaining, peers, t, serving_only=False)
         choice = choose_placement(view, peer.speed, peer.placement, scenario.margin)
         target = choice.placement if choice is not None and choice.placement.run_id != peer.placement.run_id else None
     else:
@@ -362,11 +383,13 @@ def _balance_move(
         for p in mates
     ]
     barred = {str(p.index): p.cooldown.barred(t) for p in mates if p.cooldown is not None}
-    cost = MoveCost.of_state(
-        max(run.stage_bytes) / 2**20, scenario.move_mbit, scenario.move_overhead, scenario.balance_horizon
-    )
     plan = plan_moves(
-        loads, len(run.stage_flops), scenario.balance_margin, run.stage_flops, move_cost=cost, barred=barred
+        loads,
+        len(run.stage_flops),
+        scenario.balance_margin,
+        run.stage_flops,
+        move_cost=_move_cost(scenario, run),
+        barred=barred,
     )
     mine = next((m for m in plan if m.peer_id == str(peer.index)), None)
     if mine is None or mine.source != peer.placement.stage:

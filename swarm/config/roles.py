@@ -198,9 +198,9 @@ class PeerConfig(NetworkConfig, ModelConfig, MetricsConfig, TrustConfig, PlanFil
         60.0, "mean seconds between checks whether moving to the bottleneck helps (randomised; 0: pinned, never moves)"
     )
     rebalance_margin: float = option(
-        0.5,
+        0.2,
         "move only if the lower of the two stages gains more than this fraction of the peer's own throughput "
-        "(hysteresis against noisy speed measurements)",
+        "(hysteresis; measured noise is held apart, by each speed's measured spread)",
     )
     rebalance_horizon: float = option(
         600.0,

@@ -19,7 +19,9 @@ is what keeps every peer busy to the end. Two bounds come first, in this order:
   so that the longest run never starves the others.
 
 A peer weighs its own run, as it would be without it, against the best other: it moves only for a
-higher class (above), or within one class for a remaining time longer than its own run's by `margin`;
+higher class (above), or within one class for a remaining time longer than its own run's by `margin`
+plus what the move costs (`RunState.move_gain`: the least gain that pays for downloading a stage's state
+of the run it would join, as the balance rule prices a move within a run, `swarm.policy.balance.MoveCost`);
 and it never leaves a stage whose state it alone holds while that run has work left (a peer still joining
 there holds none). Moving back would need the reverse, which that margin rules out. The move itself goes
 through the rebalancing timing (two looks with jittered waits), which keeps peers that read one view from
@@ -36,6 +38,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 STARVING_SHARE = 0.5  # below this part of its fair share of the swarm's compute, a run is served first
+# seconds a peer takes to start serving another run, besides its state's download: its peer process for the
+# old run stopped, one for the new run started and the stage built
+RUN_MOVE_FIXED_SECONDS = 20.0
 REFILL, STARVING, GAIN = 2, 1, 0  # the classes of a placement, most pressing first
 
 
@@ -52,6 +57,8 @@ class RunState:
     demand: float = math.inf  # samples/s the run's trainers can send at most (inf: not known to bind)
     # serving peers per stage, which hold its state (a joiner holds none until it has fetched it); None: `peers`
     holders: tuple[int, ...] | None = None
+    # the least gain that pays for a move into this run, a fraction (`MoveCost.least_gain` of its stage state)
+    move_gain: float = 0.0
 
     def rate(self, capacities: Sequence[float] | None = None) -> float:
         """Samples/s the run trains at: its slowest stage, within what its trainers send."""
@@ -198,5 +205,6 @@ def choose_placement(
     stay = Choice(current, stay_kind, stay_value, stay_value)
     if best.placement == current:
         return stay
-    moves = best.kind > stay_kind or (best.kind == stay_kind and best.value > stay_value * (1 + margin))
+    least = margin + by_id[best.placement.run_id].move_gain
+    moves = best.kind > stay_kind or (best.kind == stay_kind and best.value > stay_value * (1 + least))
     return replace(best, stay_value=stay_value) if moves else stay

@@ -6,7 +6,8 @@ will serve soon, and the next chooser must not pile onto the same gap) but adds 
 holds none of the stage's state. Its
 progress is the lower median of the steps its serving peers announce (one record cannot make it look
 done), and its remaining work the steps its file says it trains in all, less that step, times its
-batch. A peer's speed in flops/s is its throughput times the flops a sample costs at its stage.
+batch. A peer's speed in flops/s is its throughput times the flops a sample costs at its stage. A move into
+the run is priced as the balance rule prices one within it (`move_gain`).
 """
 
 from __future__ import annotations
@@ -17,18 +18,33 @@ from collections.abc import Sequence
 from swarm.config.run_files import RunFile
 from swarm.models.gpt import partition_layers
 from swarm.planning.cluster import ModelCosts
+from swarm.policy.balance import MoveCost
 from swarm.policy.claim_bounds import bounded_claims, lower_median
-from swarm.policy.run_choice import Placement, RunState
+from swarm.policy.run_choice import RUN_MOVE_FIXED_SECONDS, Placement, RunState
 from swarm.records.stage_records import JOINING, SERVING, StageRecord
 
 
-def stage_flops(run: RunFile) -> tuple[float, ...]:
-    """Flops one sample costs at each stage of the run, forward and backward."""
+def _stage_costs(run: RunFile, cost: str) -> tuple[float, ...]:
+    """`ModelCosts.<cost>` (stage_flops or stage_state_bytes) of each stage of the run, as it is cut."""
     spec = run.config.model_spec()
     costs = ModelCosts.from_spec(spec)
     stages = run.config.num_stages
     layers = partition_layers(spec.n_layer, stages, spec.stage_blocks)
-    return tuple(costs.stage_flops(len(layers[s]), s == 0, s == stages - 1) for s in range(stages))
+    return tuple(getattr(costs, cost)(len(layers[s]), s == 0, s == stages - 1) for s in range(stages))
+
+
+def stage_flops(run: RunFile) -> tuple[float, ...]:
+    """Flops one sample costs at each stage of the run, forward and backward."""
+    return _stage_costs(run, "stage_flops")
+
+
+def move_gain(run: RunFile) -> float:
+    """The least gain that pays for a move into the run: its largest stage's state downloaded at the run's
+    `--move-bandwidth-mbit` after a peer process's start, against its `--rebalance-horizon`."""
+    state_mb = max(_stage_costs(run, "stage_state_bytes")) / 2**20
+    config = run.config
+    cost = MoveCost.of_state(state_mb, config.move_bandwidth_mbit, RUN_MOVE_FIXED_SECONDS, config.rebalance_horizon)
+    return cost.least_gain()
 
 
 def run_state(run: RunFile, records: dict[int, list[StageRecord]]) -> RunState:
@@ -46,7 +62,14 @@ def run_state(run: RunFile, records: dict[int, list[StageRecord]]) -> RunState:
     # the lower median: one record announcing a far step cannot make the run look done
     remaining = max(0, run.total_steps - int(lower_median(steps))) * run.config.target_batch_size
     return RunState(
-        run.run_id, run.priority, float(remaining), flops, tuple(capacities), tuple(peers), holders=tuple(holders)
+        run.run_id,
+        run.priority,
+        float(remaining),
+        flops,
+        tuple(capacities),
+        tuple(peers),
+        holders=tuple(holders),
+        move_gain=move_gain(run),
     )
 
 
