@@ -20,7 +20,15 @@ import torch
 
 from swarm.models import ModelSpec, build_stage
 from swarm.peer.checkpoint import checkpoint_path
-from swarm.policy.balance import Move, MoveCost, capacities, choose_stage, loads_from_records, plan_moves
+from swarm.policy.balance import (
+    MOVE_FIXED_SECONDS,
+    Move,
+    MoveCost,
+    capacities,
+    choose_stage,
+    loads_from_records,
+    plan_moves,
+)
 from swarm.policy.held_records import HeldRecords, hold_grace
 from swarm.policy.rebalance_timing import LOOK, MOVE, RebalanceTiming, ReturnCooldown
 from swarm.proto import PROTOCOL_VERSION
@@ -30,9 +38,6 @@ if TYPE_CHECKING:
     from swarm.config import PeerConfig
 
 logger = logging.getLogger(__name__)
-
-# seconds a move takes besides the state download: draining the queue, handing over, building, timing a batch
-MOVE_FIXED_SECONDS = 5.0
 
 
 FetchRecords = Callable[..., Awaitable[dict[int, list[StageRecord]]]]  # (only: int | Iterable[int] | None)

@@ -44,6 +44,7 @@ from simulation.scenario import PEER_DEFAULTS  # noqa: E402
 from swarm.models.gpt import partition_layers  # noqa: E402
 from swarm.models.registry import get_model_spec  # noqa: E402
 from swarm.planning.cluster import ModelCosts  # noqa: E402
+from swarm.policy.run_choice import RUN_MOVE_MARGIN  # noqa: E402
 
 DEVICES = {"h100": 250e12, "a100": 120e12, "l4": 45e12, "t4": 20e12}  # flops/s a stage's kernels reach
 
@@ -127,7 +128,9 @@ def main() -> None:
     parser.add_argument("--trainer-share", type=float, default=0.45, help="what a run's trainers can feed, as a share")
     parser.add_argument("--mean-up-h", type=float, default=3.0, help="mean hours a peer stays up (0: no churn)")
     parser.add_argument("--mean-down-min", type=float, default=20.0, help="mean minutes a reclaimed peer stays down")
-    parser.add_argument("--margin", type=float, default=0.1, help="the runs rule's move margin")
+    parser.add_argument(
+        "--margin", type=float, default=RUN_MOVE_MARGIN, help="the runs rule's move margin (default: the peers')"
+    )
     parser.add_argument(
         "--balance-margin",
         type=float,

@@ -17,6 +17,7 @@ from simulation.runs_flow import RunsScenario, SimRun, churn_trace, simulate_run
 from swarm.policy.run_choice import (  # noqa: E402
     GAIN,
     REFILL,
+    RUN_MOVE_MARGIN,
     STARVING,
     Placement,
     RunState,
@@ -160,12 +161,13 @@ def test_a_simulated_peer_never_moves_back_within_its_run_inside_the_rebalance_h
 def test_a_move_to_another_run_must_pay_for_its_state_download():
     """Within one class, a peer leaves its run only for a remaining time longer than its own run's by the margin
     and the least gain that pays for downloading the other run's stage state."""
+    assert RUN_MOVE_MARGIN == pytest.approx(0.3)
     mine = run("mine", (2.0, 1.0), remaining=100.0, peers=(2, 1))  # without the peer: 1 sample/s, 100 s left
-    other = run("other", (1.0, 1.0), remaining=130.0)  # 130 s left: 30% longer
+    other = run("other", (1.0, 1.0), remaining=140.0)  # 140 s left: 40% longer
     assert choose_placement([mine, other], 1.0, Placement("mine", 0)).placement == Placement("other", 0)
-    costly = dataclasses.replace(other, move_gain=0.25)  # needs more than 10% + 25% longer
+    costly = dataclasses.replace(other, move_gain=0.25)  # needs more than 30% + 25% longer
     assert choose_placement([mine, costly], 1.0, Placement("mine", 0)).placement == Placement("mine", 0)
-    longer = dataclasses.replace(costly, remaining=140.0)
+    longer = dataclasses.replace(costly, remaining=160.0)
     assert choose_placement([mine, longer], 1.0, Placement("mine", 0)).placement == Placement("other", 0)
     # an empty stage is refilled whatever the move costs
     empty = run("other", (1.0, 0.0), remaining=10.0, peers=(1, 0), move_gain=math.inf)

@@ -11,11 +11,12 @@ a priority, and the samples/s its trainers can feed it. Time advances in steps o
   `swarm.policy.rebalance_timing.RebalanceTiming` (a look every period, a second look to confirm): its
   supervisor's, to another run where the runs rule says so, and its peer process's, to another stage of
   its run where the balance rule's plan (`swarm.policy.balance.plan_moves`, at the peers' default margin
-  and move cost) has it move, never back to a stage of the run it left within the rebalance horizon
-  (`swarm.policy.rebalance_timing.ReturnCooldown`, which every peer's plan reads for every peer, as the
-  real peers' own and held records do). It serves there after the download. With `free_split` instead, no balance
-  rule runs: each run's serving peers are placed by their best split at once and free whenever they
-  change, which bounds what a better balance within runs could give;
+  and move cost, a move's start-up the peers' `MOVE_FIXED_SECONDS`) has it move, never back to a stage of
+  the run it left within the rebalance horizon (`swarm.policy.rebalance_timing.ReturnCooldown`, which every
+  peer's plan reads for every peer, as the real peers' own and held records do). It serves there after the
+  download. With `free_split` instead, no balance rule runs: each run's serving peers are placed by their
+  best split at once and free whenever they change, which bounds what a better balance within runs could
+  give;
 - each run trains at its slowest stage's pace (its peers' speeds over that stage's flops), within its
   trainers' feed, until its samples are done.
 
@@ -34,9 +35,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from simulation.scenario import PEER_DEFAULTS
-from swarm.policy.balance import MoveCost, PeerLoad, ideal_assignment, plan_moves
+from swarm.policy.balance import MOVE_FIXED_SECONDS, MoveCost, PeerLoad, ideal_assignment, plan_moves
 from swarm.policy.rebalance_timing import CONFIRM, LOOK, MOVE, RebalanceTiming, ReturnCooldown
-from swarm.policy.run_choice import RUN_MOVE_FIXED_SECONDS, Placement, RunState, choose_placement, fair_shares
+from swarm.policy.run_choice import (
+    RUN_MOVE_FIXED_SECONDS,
+    RUN_MOVE_MARGIN,
+    Placement,
+    RunState,
+    choose_placement,
+    fair_shares,
+)
 
 SPLIT_SEARCH_NODES = 20_000  # the best-split search's bound per set of peers (its results are cached)
 
@@ -63,8 +71,9 @@ class RunsScenario:
     rebalance_period: float = 60.0
     announce_period: float = 10.0
     move_mbit: float = 1000.0  # what a joiner downloads its stage's state at
-    move_overhead: float = RUN_MOVE_FIXED_SECONDS  # seconds to start serving besides the download
-    margin: float = 0.1  # the runs rule's
+    move_overhead: float = RUN_MOVE_FIXED_SECONDS  # seconds a joiner (or a peer started for another run) takes to
+    # start serving besides the download; a move within a run takes the peers' `MOVE_FIXED_SECONDS`
+    margin: float = RUN_MOVE_MARGIN  # the runs rule's
     balance_margin: float = PEER_DEFAULTS.rebalance_margin  # the balance rule's, within a run
     balance_horizon: float = PEER_DEFAULTS.rebalance_horizon  # seconds a move within a run must pay off in
     dt: float = 1.0
@@ -298,17 +307,21 @@ def _states(
     return states
 
 
-def _move_cost(scenario: RunsScenario, run: SimRun) -> MoveCost:
-    """A move into `run` (or within it), priced as the peers price one: its largest stage's state downloaded."""
-    return MoveCost.of_state(
-        max(run.stage_bytes) / 2**20, scenario.move_mbit, scenario.move_overhead, scenario.balance_horizon
-    )
+def _move_cost(scenario: RunsScenario, run: SimRun, fixed: float | None = None) -> MoveCost:
+    """A move into `run` (`fixed` seconds besides the download: within it, a move's), priced as the peers price one:
+    its largest stage's state downloaded."""
+    fixed = scenario.move_overhead if fixed is None else fixed
+    return MoveCost.of_state(max(run.stage_bytes) / 2**20, scenario.move_mbit, fixed, scenario.balance_horizon)
 
 
-def _arrive(scenario: RunsScenario, peer: _Peer, runs: Sequence[SimRun], placement: Placement, t: float) -> None:
+def _arrive(
+    scenario: RunsScenario, peer: _Peer, runs: Sequence[SimRun], placement: Placement, t: float, within: bool = False
+) -> None:
+    """`peer` starts for `placement`: it serves after the download and the start-up (`within` its run: a move's)."""
     run = next(r for r in runs if r.name == placement.run_id)
     download = run.stage_bytes[placement.stage] * 8 / (scenario.move_mbit * 1e6)
-    peer.placement, peer.ready_at = placement, t + scenario.move_overhead + download
+    fixed = MOVE_FIXED_SECONDS if within else scenario.move_overhead
+    peer.placement, peer.ready_at = placement, t + fixed + download
 
 
 def _join(scenario, peer, runs, remaining, peers, t, rng, outcome) -> None:
@@ -347,7 +360,7 @@ def _act(scenario, peer, looks, runs, remaining, peers, t, outcome) -> None:
             assert peer.cooldown is not None
             peer.cooldown.left(peer.placement.stage, t)
             outcome.stage_moves.append((t, peer.index, peer.placement, target))
-        _arrive(scenario, peer, runs, target, t)
+        _arrive(scenario, peer, runs, target, t, within=not to_run)
         outcome.moves += 1
         rng = looks.timing.rng
         if to_run:  # the supervisor starts a peer process for the other run
@@ -388,7 +401,7 @@ def _balance_move(
         len(run.stage_flops),
         scenario.balance_margin,
         run.stage_flops,
-        move_cost=_move_cost(scenario, run),
+        move_cost=_move_cost(scenario, run, MOVE_FIXED_SECONDS),
         barred=barred,
     )
     mine = next((m for m in plan if m.peer_id == str(peer.index)), None)

@@ -70,6 +70,9 @@ class Move:
     low_after: float
 
 
+# seconds a move within a run takes besides the state download: drain, hand over, build, time a batch
+MOVE_FIXED_SECONDS = 5.0
+
 # how many standard deviations of the noise in two stages' measured capacities a move must clear: one
 # sided, a donor that clears 2 is truly the richer of the two about 98 times in 100
 NOISE_DEVIATIONS = 2.0

@@ -20,12 +20,13 @@ is what keeps every peer busy to the end. Two bounds come first, in this order:
 
 A peer weighs its own run, as it would be without it, against the best other: it moves only for a
 higher class (above), or within one class for a remaining time longer than its own run's by `margin`
-plus what the move costs (`RunState.move_gain`: the least gain that pays for downloading a stage's state
-of the run it would join, as the balance rule prices a move within a run, `swarm.policy.balance.MoveCost`);
-and it never leaves a stage whose state it alone holds while that run has work left (a peer still joining
-there holds none). Moving back would need the reverse, which that margin rules out. The move itself goes
-through the rebalancing timing (two looks with jittered waits), which keeps peers that read one view from
-all moving at once.
+(`RUN_MOVE_MARGIN`: a run's remaining time rests on measured speeds and on its peers' steps, so a lead of
+a few per cent is noise) plus what the move costs (`RunState.move_gain`: the least gain that pays for
+downloading a stage's state of the run it would join, as the balance rule prices a move within a run,
+`swarm.policy.balance.MoveCost`); and it never leaves a stage whose state it alone holds while that run
+has work left (a peer still joining there holds none). Moving back would need the reverse, which that
+margin rules out. The move itself goes through the rebalancing timing (two looks with jittered waits),
+which keeps peers that read one view from all moving at once.
 
 Compute is compared in flops: a peer's speed is flops per second, and a sample at a stage costs that
 stage's flops (`RunState.stage_flops`), so one peer's worth differs from run to run as their models do.
@@ -38,6 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 STARVING_SHARE = 0.5  # below this part of its fair share of the swarm's compute, a run is served first
+RUN_MOVE_MARGIN = 0.3  # how much longer another run's weighted remaining time must be, besides the move's price
 # seconds a peer takes to start serving another run, besides its state's download: its peer process for the
 # old run stopped, one for the new run started and the stage built
 RUN_MOVE_FIXED_SECONDS = 20.0
@@ -176,7 +178,7 @@ def _value(run: RunState, stage: int, speed: float, starving: set[str]) -> tuple
 
 
 def choose_placement(
-    runs: Sequence[RunState], speed: float, current: Placement | None = None, margin: float = 0.1
+    runs: Sequence[RunState], speed: float, current: Placement | None = None, margin: float = RUN_MOVE_MARGIN
 ) -> Choice | None:
     """Where a peer of `speed` flops/s should serve, given the runs as their records show them (with the peer
     counted where it serves now, `current`); None if there is no run. See the module's docstring."""
