@@ -169,6 +169,10 @@ def test_a_move_to_another_run_must_pay_for_its_state_download():
     assert choose_placement([mine, costly], 1.0, Placement("mine", 0)).placement == Placement("mine", 0)
     longer = dataclasses.replace(costly, remaining=160.0)
     assert choose_placement([mine, longer], 1.0, Placement("mine", 0)).placement == Placement("other", 0)
+    # a peer that adds nothing where it is goes where it adds pace, even where no move could pay
+    idle = run("mine", (3.0, 1.0), remaining=100.0, peers=(3, 1))  # its stage 0 holds nothing back
+    unpayable = dataclasses.replace(other, move_gain=math.inf)
+    assert choose_placement([idle, unpayable], 1.0, Placement("mine", 0)).placement == Placement("other", 0)
     # an empty stage is refilled whatever the move costs
     empty = run("other", (1.0, 0.0), remaining=10.0, peers=(1, 0), move_gain=math.inf)
     assert choose_placement([mine, empty], 1.0, Placement("mine", 0)).kind == REFILL

@@ -208,5 +208,7 @@ def choose_placement(
     if best.placement == current:
         return stay
     least = margin + by_id[best.placement.run_id].move_gain
-    moves = best.kind > stay_kind or (best.kind == stay_kind and best.value > stay_value * (1 + least))
+    # a peer that adds nothing where it is goes where it adds pace, whatever the move costs (0 x inf is no bar)
+    bar = stay_value * (1 + least) if stay_value > 0 else 0.0
+    moves = best.kind > stay_kind or (best.kind == stay_kind and best.value > bar)
     return replace(best, stay_value=stay_value) if moves else stay
