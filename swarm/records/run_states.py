@@ -24,24 +24,25 @@ from swarm.policy.run_choice import RUN_MOVE_FIXED_SECONDS, Placement, RunState
 from swarm.records.stage_records import JOINING, SERVING, StageRecord
 
 
-def _stage_costs(run: RunFile, cost: str) -> tuple[float, ...]:
-    """`ModelCosts.<cost>` (stage_flops or stage_state_bytes) of each stage of the run, as it is cut."""
+def _cut(run: RunFile) -> tuple[ModelCosts, list[tuple[int, bool, bool]]]:
+    """The run's model costs, and each stage as (blocks, is first, is last) as the run is cut."""
     spec = run.config.model_spec()
-    costs = ModelCosts.from_spec(spec)
     stages = run.config.num_stages
     layers = partition_layers(spec.n_layer, stages, spec.stage_blocks)
-    return tuple(getattr(costs, cost)(len(layers[s]), s == 0, s == stages - 1) for s in range(stages))
+    return ModelCosts.from_spec(spec), [(len(layers[s]), s == 0, s == stages - 1) for s in range(stages)]
 
 
 def stage_flops(run: RunFile) -> tuple[float, ...]:
     """Flops one sample costs at each stage of the run, forward and backward."""
-    return _stage_costs(run, "stage_flops")
+    costs, stages = _cut(run)
+    return tuple(costs.stage_flops(*stage) for stage in stages)
 
 
 def move_gain(run: RunFile) -> float:
     """The least gain that pays for a move into the run: its largest stage's state downloaded at the run's
     `--move-bandwidth-mbit` after a peer process's start, against its `--rebalance-horizon`."""
-    state_mb = max(_stage_costs(run, "stage_state_bytes")) / 2**20
+    costs, stages = _cut(run)
+    state_mb = max(costs.stage_state_bytes(*stage) for stage in stages) / 2**20
     config = run.config
     cost = MoveCost.of_state(state_mb, config.move_bandwidth_mbit, RUN_MOVE_FIXED_SECONDS, config.rebalance_horizon)
     return cost.least_gain()
