@@ -13,17 +13,19 @@ view, never a peer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Iterable
 
 from hivemind.p2p import P2P, PeerID
+from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure
 from hivemind.utils import get_dht_time
 
 from swarm.net.transport import INFO_PROTOCOL, exchange
 from swarm.net.wire import WireLimits
 from swarm.proto import PROTOCOL_VERSION, PeerInfo, PeerInfoRequest
-from swarm.records.stage_records import LEAVING, StageRecord
+from swarm.records.stage_records import JOINING, LEAVING, SERVING, StageRecord
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +48,10 @@ class LivenessProbes:
         # (`stalled`) is its peer's first sign of death, TTLs and clocks aside
         self.renewals: dict[str, tuple[float, float]] = {}
         self.in_flight = False  # one round of probes at a time: a slow one must not pile up behind the next
+        # peers whose last failed probe was a refused dial: nothing listens where they were, which no slow answer on
+        # a loaded host looks like, so a stage whose every peer refused counts as lost without a grace
+        self.refused: set[str] = set()
+        self.news = asyncio.Event()  # a probe found a peer newly silent: its keeper reads again at once
         self.probes = 0
         self.failures = 0
 
@@ -80,13 +86,18 @@ class LivenessProbes:
             self.expiration_at_failure.pop(peer_id, None)
             if isinstance(answer, BaseException):
                 self.failures += 1
+                if peer_id not in self.silent:
+                    self.news.set()
                 self.silent[peer_id] = started
+                (self.refused.add if refused_dial(answer) else self.refused.discard)(peer_id)
             else:
                 self.silent.pop(peer_id, None)
+                self.refused.discard(peer_id)
                 self.answered[peer_id] = started
         self.silent = {p: at for p, at in self.silent.items() if started - at < SILENCE_MEMORY}
         self.answered = {p: at for p, at in self.answered.items() if started - at < SILENCE_MEMORY}
         self.expiration_at_failure = {p: e for p, e in self.expiration_at_failure.items() if p in self.silent}
+        self.refused &= self.silent.keys()
 
     async def _ask(self, p2p: P2P, peer_id: str) -> PeerInfo:
         # any reply counts, an error too (a busy gate, another protocol version): only silence is a failure
@@ -94,6 +105,17 @@ class LivenessProbes:
         call = exchange(p2p, PeerID.from_base58(peer_id), INFO_PROTOCOL, [request], PeerInfo, WireLimits())
         info, _ = await asyncio.wait_for(call, self.timeout)
         return info
+
+    def take_news(self) -> bool:
+        """Whether a probe found a peer newly silent since the last call."""
+        news = self.news.is_set()
+        self.news.clear()
+        return news
+
+    async def until_news(self, period: float) -> None:
+        """Waits `period` seconds, or less: until a probe finds a peer newly silent (its stage may be lost)."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.news.wait(), period)
 
     def verdict(self, peer_id: str, since: float) -> bool | None:
         """Whether `peer_id` answered (True) or failed (False) a probe sent at DHT time `since` or later; None if
@@ -115,8 +137,19 @@ class LivenessProbes:
         first = self.expiration_at_failure.setdefault(record.peer_id, record.expiration)
         return record.expiration <= first
 
+    def all_refused(self, records: Iterable[StageRecord]) -> bool:
+        """Whether every serving or joining peer among `records` refused its last probe's dial (see `refused`)."""
+        named = [r.peer_id for r in records if r.state in (SERVING, JOINING)]
+        return bool(named) and all(p in self.refused for p in named)
+
     def live(self, records: dict[int, list[StageRecord]]) -> dict[int, list[StageRecord]]:
         """`records` without those of peers that failed a probe since their last renewal."""
         if not self.silent:
             return records
         return {stage: [r for r in group if not self.dead(r)] for stage, group in records.items()}
+
+
+def refused_dial(error: BaseException) -> bool:
+    """Whether a call failed because its peer's address refused the dial (the libp2p daemon found nothing there),
+    not because an answer was slow or malformed."""
+    return isinstance(error, ControlFailure) and "failed to dial" in str(error)

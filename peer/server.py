@@ -352,7 +352,8 @@ class Peer:
                 await self._read_records()
             except Exception as e:
                 logger.warning(f"Could not reach the DHT ({e}); retrying in {self.config.announce_period}s")
-            await asyncio.sleep(self.config.announce_period)
+            period = self.config.announce_period
+            await (self.standbys.probes.until_news(period) if self.standbys is not None else asyncio.sleep(period))
 
     async def _join(self) -> None:
         """Announced as joining, takes the state of mates that are at this peer's step or ahead."""

@@ -170,7 +170,8 @@ class StandbyKeeper:
         stage looks lost, here or in another peer's record (its restorer, or the peer that fills it, is chosen
         from every peer's record)."""
         self.reads += 1
-        if self.reads % WHOLE_SWARM_EVERY == 1 or self.empty_since or self.hinted:
+        woken = self.probes.take_news()  # a peer fell silent: its stage may be lost, and a restorer is chosen at once
+        if self.reads % WHOLE_SWARM_EVERY == 1 or self.empty_since or self.hinted or woken:
             return None
         return [self.peer.stage, *self.held_reads.wanted(self.reads, self.targets(), self.following(time.monotonic()))]
 
@@ -264,7 +265,9 @@ class StandbyKeeper:
                 self.heard_of_death = now  # a peer that joined after the deaths learns of them from the others
             self.present[stage] = present
             if stage in lost and stage not in self.empty_since:
-                self.empty_since[stage] = now - (peer_period if stage in probed else 0.0)
+                # lost by probes: a period ago; by refused dials, the grace ago (see LivenessProbes.refused)
+                periods = LOST_GRACE if self.probes.all_refused(read[stage]) else 1
+                self.empty_since[stage] = now - (periods * peer_period if stage in probed else 0.0)
                 # its last peers said they were leaving on request (a stop, a preemption notice), not moving: not dead
                 if any(r.state == LEAVING and r.moving_to < 0 for r in group):
                     self.left_on_request.add(stage)
@@ -457,7 +460,7 @@ class StandbyKeeper:
                 copy.path = (
                     self.spill_dir / f"standby-{model}-stage{stage}-of-{self.peer.config.num_stages}.safetensors"
                 )
-                await asyncio.get_running_loop().run_in_executor(None, self._spill, tensors, copy.path)
+                await asyncio.get_running_loop().run_in_executor(None, write_tensor_list, copy.path, tensors)
             else:
                 if stage not in self._warned_budget:
                     self._warned_budget.add(stage)
@@ -550,10 +553,6 @@ class StandbyKeeper:
             "lies, or peers computing on other devices); dropped the copy to take it whole"
             + (": from now on its copy is refreshed whole only" if misses >= MAX_DELTA_MISSES else "")
         )
-
-    @staticmethod
-    def _spill(tensors: list[torch.Tensor], path: Path) -> None:
-        write_tensor_list(path, tensors)  # a safetensors state file, written atomically
 
     # --- restoring a stage ----------------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 from conftest import SMALL_CORPUS, wait_for_records
+from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure
 from hivemind.utils import get_dht_time
 
 from swarm.config import PeerConfig
@@ -143,6 +144,39 @@ def test_copies_follow_their_stages_once_a_peer_died_not_when_one_left():
     keeper.observe({0: stage0, 1: [record("peerC", 1), record("peerE", 1)]})
     keeper.observe({0: stage0}, whole_swarm=False)
     assert not keeper.following(time.monotonic())
+
+
+def test_a_stage_whose_last_peer_refused_a_probe_is_restored_at_once_and_a_silent_one_a_period_later():
+    """Traced in the p3 replay: a holder restored a stage 2-3 s after its last peer was killed (the next read, a
+    probe, the read after it, a period of grace), and every stage loss stalled the trainers as long. A dial that
+    is refused says nothing listens where the peer was; only a silent probe (a slow answer) needs the grace."""
+    copy = [(1, 4, "0123456789abcdef")]
+    stage0 = [record("peerA", 0), record("peerB", 0, standbys=copy)]
+    refusal = ControlFailure("Connect failed. msg=failed to dial: connect: connection refused")
+    for failure, moves_at_first_read in ((refusal, [1]), (asyncio.TimeoutError(), [])):
+        moves: list[int] = []
+        keeper = keeper_on_stage_0(moves)
+        keeper.observe({0: stage0, 1: [record("peerC", 1)], 2: [record("peerD", 2)]})
+        asyncio.run(probe_with(keeper.probes, {"peerC" * 4: failure}))
+        assert keeper.probes.take_news() and not keeper.probes.take_news(), "the keeper reads again at once"
+        keeper.observe({0: stage0, 1: [record("peerC", 1)], 2: [record("peerD", 2)]})
+        assert moves == moves_at_first_read, failure
+        keeper.empty_since[1] -= 1.0  # a period on
+        keeper.observe({0: stage0, 1: [record("peerC", 1)], 2: [record("peerD", 2)]})
+        assert moves == [1] and keeper.restore_pending == 1
+    # a second failure of a peer already silent is no news: no loop of reads
+    asyncio.run(probe_with(keeper.probes, {"peerC" * 4: refusal}))
+    assert not keeper.probes.take_news()
+
+
+async def probe_with(probes, answers: dict) -> None:
+    """Runs one round of `probes` against peers that fail with the given errors (no network)."""
+
+    async def ask(p2p, peer_id):
+        raise answers[peer_id]
+
+    probes._ask = ask
+    await probes.probe(None, list(answers))
 
 
 def test_a_peer_is_counted_dead_only_when_its_record_is_gone_and_it_fails_a_probe():
