@@ -340,19 +340,17 @@ class Peer:
         await self._read_records(whole_swarm=True)
 
     async def _announce_forever(self) -> None:
-        """Renews the record from the announcer's thread, and reads the stage-mates' records every period.
-
-        The reads stay on the loop, apart: one that takes tens of seconds under load must not hold back
-        the next renewal, or the record lapses while the peer is alive.
-        """
+        """Renews the record from the announcer's thread, and reads the stage-mates' records every period (sooner
+        when a probe found a peer newly silent). The reads stay on the loop, apart: one that takes tens of seconds
+        under load must not hold back the next renewal, or the record lapses while the peer is alive."""
         if not self.announcer.running:
             self.announcer.start()
+        period = self.config.announce_period
         while True:
             try:
                 await self._read_records()
             except Exception as e:
-                logger.warning(f"Could not reach the DHT ({e}); retrying in {self.config.announce_period}s")
-            period = self.config.announce_period
+                logger.warning(f"Could not reach the DHT ({e}); retrying in {period}s")
             await (self.standbys.probes.until_news(period) if self.standbys is not None else asyncio.sleep(period))
 
     async def _join(self) -> None:

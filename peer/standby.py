@@ -213,7 +213,9 @@ class StandbyKeeper:
             chosen = choose_restorer(stage, records)
             if chosen is not None and chosen[0] != peer.peer_id:
                 self.to_probe.add(chosen[0])  # a holder killed in the same wave restores nothing: find out
-            if chosen is not None and chosen[0] == peer.peer_id and now - since >= grace:
+            # not where another holder already left its stage for it: views a read apart can choose two
+            mine = chosen is not None and chosen[0] == peer.peer_id and not on_the_way(stage, records)
+            if mine and now - since >= grace:
                 copy = self.standbys[stage]
                 logger.warning(
                     f"Stage {stage} has had no peer for {now - since:.0f}s; restoring it from this peer's standby "

@@ -164,6 +164,15 @@ def test_a_stage_whose_last_peer_refused_a_probe_is_restored_at_once_and_a_silen
         keeper.empty_since[1] -= 1.0  # a period on
         keeper.observe({0: stage0, 1: [record("peerC", 1)], 2: [record("peerD", 2)]})
         assert moves == [1] and keeper.restore_pending == 1
+    # a holder whose read shows another on its way to the stage (its LEAVING record names it) stays put
+    moves = []
+    keeper = keeper_on_stage_0(moves)
+    keeper.observe({0: stage0, 1: [record("peerC", 1)], 2: [record("peerD", 2)]})
+    asyncio.run(probe_with(keeper.probes, {"peerC" * 4: refusal}))
+    assert keeper.probes.take_news()
+    on_its_way = dataclasses.replace(record("peerD", 2, LEAVING), moving_to=1)
+    keeper.observe({0: stage0, 1: [record("peerC", 1)], 2: [on_its_way, record("peerE", 2)]})
+    assert moves == [] and 1 in keeper.empty_since
     # a second failure of a peer already silent is no news: no loop of reads
     asyncio.run(probe_with(keeper.probes, {"peerC" * 4: refusal}))
     assert not keeper.probes.take_news()
