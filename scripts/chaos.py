@@ -38,7 +38,9 @@ replicas wrote different fingerprints; and at the end, every live peer's paramet
 fingerprint, replicas of a stage at one step that differ counted as divergent. Per phase, `host_cpu`
 says where the machine's CPU went (`harness.host_cpu`): its share of the cores, the share taken by
 processes in their first seconds (the replacements' starts) and their CPU per start, and the CPU per
-sample of the rest.
+sample of the rest. `seconds_lost_by_cause` says where the churn's time went: the seconds the trainers'
+steps took beyond the no-churn median, each slow step charged to the weightiest churn event near it (a
+stage lost, a kill, a start) or to none (`harness.chaos_report.time_lost_by_cause`).
 
 Every process of a run shares this machine's cores. A peer launched as a program spends about 2 s of CPU
 importing torch and hivemind before it does anything, taken from the peers that train; a trace replay
@@ -53,6 +55,7 @@ import json
 import random
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import sysconfig
@@ -63,7 +66,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from harness.chaos_report import end_state, ledger_report, spot_check_report, totals
+from harness.chaos_report import end_state, ledger_report, spot_check_report, time_lost_by_cause, totals
 from harness.churn import MODEL_FLAGS, NUM_STAGES, PEER_FLAGS, Churn, RunFailed  # bench_trainers.py's too, from here
 from harness.host_cpu import HostCpu, phase_cpu
 from harness.spot_trace import live_peer_targets, mean_live_peers
@@ -395,6 +398,14 @@ class RunPhases:
                 )
         # with a trace, only its window is churn: after it the trainers finish with the swarm left as it is
         window_end = churned[0].launched + duration if args.trace else None
+        wall = time.time() - time.monotonic()  # the trainers' clocks are monotonic, the churn's events wall clock
+        before_steps = before_summary["step_seconds"]
+        report["seconds_lost_by_cause"] = time_lost_by_cause(
+            [[wall + r.start + t for t in [0.0, *r.summary["step_seconds"]]] for r in churned],
+            report["churn_events"],
+            statistics.median(b - a for a, b in zip([0.0, *before_steps], before_steps)),
+            until=wall + window_end if window_end else None,
+        )
         return churned, self._report_churned(churned, window_end)
 
     def _churn_step(self, now: float) -> None:

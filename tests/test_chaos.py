@@ -42,6 +42,10 @@ def test_training_survives_a_minute_of_kills():
     # where the machine's CPU went in each phase: the replacements' starts show apart
     used = run["host_cpu"]
     assert set(used) == {"before", "churn", "after"} and used["churn"]["starting_cpu_s_per_start"] > 0, used
+    # where the churn's time went: the kills' share of it shows apart (every kill here is of a peer with a mate)
+    lost = run["seconds_lost_by_cause"]
+    assert set(lost) == {"stage lost", "kill", "start", "none"} and lost["stage lost"] == 0, lost
+    assert total["seconds_lost_by_cause"] == lost
     # every live replica answered with a fingerprint, and replicas of a stage at one step hold the same parameters
     assert run["end"]["replicas_checked"] >= 3 and run["end"]["fingerprints_missing"] == 0, run["end"]
     assert total["divergent_replicas_end"] == 0, run["end"]

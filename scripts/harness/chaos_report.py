@@ -18,6 +18,8 @@ from swarm.net.transport import get_peer_info
 from swarm.records.sample_ledger import account, read_ledger
 
 IDS_SHOWN = 20  # microbatch ids listed per stage and kind in the report; the counts cover them all
+CAUSES = ("stage lost", "kill", "start")  # churn events, weightiest first: a step slowed near several goes to the first
+CAUSE_WINDOW_S = 3.0  # an event this long before a step began, or while it ran, may have slowed it
 
 
 async def _peer_infos(initial_peers: list[str], peer_ids: dict[str, str]) -> dict[str, Any]:
@@ -122,6 +124,29 @@ def spot_check_report(workdir: Path) -> dict[str, Any]:
     return {**counts, "peers_accused": sorted(accused)}
 
 
+def time_lost_by_cause(
+    step_ends: list[list[float]],
+    events: list[tuple[float, str, int]],
+    typical_step: float,
+    until: float | None = None,
+    window: float = CAUSE_WINDOW_S,
+) -> dict[str, float]:
+    """Where the churn's time went: the seconds each trainer's steps took beyond `typical_step` (the no-churn
+    median), averaged over the trainers. A step's excess goes to the weightiest churn event (`CAUSES`) from
+    `window` seconds before it began to its end, else to "none" (steps slower with no event near: copies following
+    their stages, a busier host). `step_ends` holds, per trainer, its start then each step's end; all times and
+    `until` (steps ending later are left out) are wall clock, as the events'."""
+    lost = dict.fromkeys([*CAUSES, "none"], 0.0)
+    for ends in step_ends:
+        for begin, end in zip(ends, ends[1:]):
+            if until is not None and end > until:
+                break
+            if (excess := end - begin - typical_step) > 0:
+                near = {kind for at, kind, _ in events if begin - window <= at <= end}
+                lost[next((c for c in CAUSES if c in near), "none")] += excess / len(step_ends)
+    return {cause: round(seconds, 1) for cause, seconds in lost.items()}
+
+
 def totals(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The runs summed up: counts added, the worst stall, throughput fractions' mean and minimum."""
     done = [run for run in runs if "error" not in run]
@@ -147,6 +172,8 @@ def totals(runs: list[dict[str, Any]]) -> dict[str, Any]:
         total["host_cpu_churn"] = {  # each run's share (harness.host_cpu), the runs in order
             name: [c[name] for c in cpu] for name in ("share_of_cores", "starting_share", "starting_cpu_s_per_start")
         }
+    if lost := [run["seconds_lost_by_cause"] for run in done if "seconds_lost_by_cause" in run]:
+        total["seconds_lost_by_cause"] = {cause: round(sum(run[cause] for run in lost), 1) for cause in lost[0]}
     if any("waves" in run for run in runs):  # wave mode
         total["waves"] = sum(run.get("waves", 0) for run in runs)
         total["peers_killed_per_wave"] = [n for run in runs for n in run.get("peers_killed_per_wave", [])]
