@@ -23,7 +23,7 @@ from swarm.peer.stage_state import StageStateError, check_state_tensors
 from swarm.peer.standby_copy import Standby
 from swarm.peer.standby_host import StandbyHost
 from swarm.peer.state_transfer import encode_state, load_into_runtime, parameters_fingerprint
-from swarm.policy.empty_stages import on_the_way
+from swarm.policy.empty_stages import coming_copy, on_the_way
 from swarm.policy.lost_stages import reached_step, standby_copies
 from swarm.proto import PROTOCOL_VERSION, Error, ErrorCode, StateReply, StateRequest
 from swarm.records.sample_ledger import restore_record
@@ -86,6 +86,11 @@ class NewcomerRestore:
                 if await peer.mates.sync_from_mates(minimum_step=peer.runtime.step + 1) is not None:
                     return True
             copies = self._copies_past(records, peer.runtime.step)
+            # a holder on its way to restore the stage brings a fresher copy: its state once it serves, not an older
+            # one (a p3 replay: a newcomer served from step 192 beside a restorer's 194, and a backward it answered
+            # was lost unsaid when it took the restorer's state and died)
+            if (coming := coming_copy(stage, records)) is not None:
+                copies = {p: c for p, c in copies.items() if c[0] >= coming}
             if await self._take_a_copy(copies, records):
                 return True
             # stages step together: if any has stepped past this peer, so had this one; before concluding that

@@ -19,6 +19,18 @@ def on_the_way(stage: int, records: dict[int, list[StageRecord]]) -> bool:
     return any(r.state == LEAVING and r.moving_to == stage for group in records.values() for r in group)
 
 
+def coming_copy(stage: int, records: dict[int, list[StageRecord]]) -> int | None:
+    """The step of the freshest copy of `stage` that a holder on its way to restore it brings (its leaving record
+    names the stage and still lists the copy), or None."""
+    steps = [
+        copy[0]
+        for group in records.values()
+        for r in group
+        if r.state == LEAVING and r.moving_to == stage and (copy := r.standby_of(stage)) is not None
+    ]
+    return max(steps, default=None)
+
+
 def choose_filler(stage: int, records: dict[int, list[StageRecord]], barred: Iterable[str] = ()) -> str | None:
     """The peer id of the serving peer that moves to the empty `stage`, or None if no stage can spare one.
 
