@@ -142,6 +142,18 @@ class LivenessProbes:
         named = [r.peer_id for r in records if r.state in (SERVING, JOINING)]
         return bool(named) and all(p in self.refused for p in named)
 
+    def on_the_way(self, stage: int, records: dict[int, list[StageRecord]]) -> set[str]:
+        """The peers whose leaving records name `stage` as their target (a restorer or a filler on its way there)
+        and that failed no probe sent after their record was last renewed: one killed on its way brings nothing."""
+        return {
+            r.peer_id
+            for group in records.values()
+            for r in group
+            if r.state == LEAVING
+            and r.moving_to == stage
+            and not r.expiration - self.record_ttl <= self.silent.get(r.peer_id, float("-inf"))
+        }
+
     def live(self, records: dict[int, list[StageRecord]]) -> dict[int, list[StageRecord]]:
         """`records` without those of peers that failed a probe since their last renewal."""
         if not self.silent:

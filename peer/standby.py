@@ -55,7 +55,7 @@ from swarm.peer.state_transfer import (
     state_handler,
 )
 from swarm.policy.copy_holders import capped_targets
-from swarm.policy.empty_stages import choose_filler, on_the_way
+from swarm.policy.empty_stages import choose_filler
 from swarm.policy.lost_stages import choose_restorer, lost_stages, standby_holders, standby_targets
 from swarm.records.sample_ledger import restore_record
 from swarm.records.stage_records import JOINING, LEAVING, SERVING, StageRecord
@@ -148,11 +148,8 @@ class StandbyKeeper:
 
     def announced(self) -> tuple[tuple[int, int, str], ...]:
         """The record's `standbys`: each target stage with the copy held (step -1 before the first)."""
-        entries = []
-        for stage in self.targets():
-            copy = self.standbys.get(stage)
-            entries.append((stage, copy.step, copy.fingerprint) if copy else (stage, -1, ""))
-        return tuple(entries)
+        copies = {stage: self.standbys.get(stage) for stage in self.targets()}
+        return tuple((stage, c.step, c.fingerprint) if c else (stage, -1, "") for stage, c in copies.items())
 
     def announced_empty(self) -> tuple[int, ...]:
         """The record's `empty`: the stages this peer sees with no live peer (not those left on request)."""
@@ -213,8 +210,11 @@ class StandbyKeeper:
             chosen = choose_restorer(stage, records)
             if chosen is not None and chosen[0] != peer.peer_id:
                 self.to_probe.add(chosen[0])  # a holder killed in the same wave restores nothing: find out
-            # not where another holder already left its stage for it: views a read apart can choose two
-            mine = chosen is not None and chosen[0] == peer.peer_id and not on_the_way(stage, records)
+            # not where another holder already left its stage for it (views a read apart can choose two), unless
+            # that one failed a probe since: a restorer killed on its way restores nothing
+            coming = self.probes.on_the_way(stage, records)
+            self.to_probe |= coming
+            mine = chosen is not None and chosen[0] == peer.peer_id and not coming
             if mine and now - since >= grace:
                 copy = self.standbys[stage]
                 logger.warning(
@@ -388,7 +388,7 @@ class StandbyKeeper:
             if now - since < grace or stage in self.left_on_request or stage not in self.seen_serving:
                 continue
             barred = self.accused()
-            if choose_filler(stage, records, barred) != peer.peer_id or on_the_way(stage, records):
+            if choose_filler(stage, records, barred) != peer.peer_id or self.probes.on_the_way(stage, records):
                 continue
             # chosen only because the one the records choose failed this peer's probe: one period more for that one
             # to show its move (a stage-0 peer stalled on a loaded host once drew two stage-1 fillers)

@@ -170,9 +170,14 @@ def test_a_stage_whose_last_peer_refused_a_probe_is_restored_at_once_and_a_silen
     keeper.observe({0: stage0, 1: [record("peerC", 1)], 2: [record("peerD", 2)]})
     asyncio.run(probe_with(keeper.probes, {"peerC" * 4: refusal}))
     assert keeper.probes.take_news()
-    on_its_way = dataclasses.replace(record("peerD", 2, LEAVING), moving_to=1)
+    on_its_way = dataclasses.replace(record("peerD", 2, LEAVING), moving_to=1, expiration=get_dht_time() + 10.0)
     keeper.observe({0: stage0, 1: [record("peerC", 1)], 2: [on_its_way, record("peerE", 2)]})
-    assert moves == [] and 1 in keeper.empty_since
+    assert moves == [] and 1 in keeper.empty_since and "peerD" * 4 in keeper.to_probe, "asked whether it lives"
+    # ...unless that one failed a probe sent after its leaving record was renewed: killed on its way (a p3 replay:
+    # the stage waited 6 s for a filler, the dead restorer's record holding the holders back until it lapsed)
+    keeper.probes.silent["peerD" * 4] = on_its_way.expiration - keeper.peer.config.record_ttl + 0.5
+    keeper.observe({0: stage0, 1: [record("peerC", 1)], 2: [on_its_way, record("peerE", 2)]})
+    assert moves == [1]
     # a second failure of a peer already silent is no news: no loop of reads
     asyncio.run(probe_with(keeper.probes, {"peerC" * 4: refusal}))
     assert not keeper.probes.take_news()
