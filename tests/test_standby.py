@@ -404,7 +404,8 @@ def test_a_filler_chosen_only_by_its_own_probes_gives_the_one_the_records_choose
     keeper.empty_since[2] -= LOST_GRACE * 1.0
     keeper.observe({0: stage0, 1: [record("peerC", 1)], 2: []})
     assert moves == [], "peerA, alive after all, may be on its way"
-    moving = dataclasses.replace(stage0[0], state=LEAVING, moving_to=2)
+    # stored after the probe that failed: a record renewed since counts, whatever that probe said
+    moving = dataclasses.replace(stage0[0], state=LEAVING, moving_to=2, expiration=get_dht_time() + config.record_ttl)
     keeper.empty_since[2] -= 1.0
     keeper.observe({0: [moving, *stage0[1:]], 1: [record("peerC", 1)], 2: []})
     assert moves == [], "it showed its move: nobody else goes"
