@@ -24,6 +24,7 @@ from hivemind.utils import get_dht_time
 
 from swarm.net.transport import INFO_PROTOCOL, exchange
 from swarm.net.wire import WireLimits
+from swarm.policy.empty_stages import coming
 from swarm.proto import PROTOCOL_VERSION, PeerInfo, PeerInfoRequest
 from swarm.records.stage_records import JOINING, LEAVING, SERVING, StageRecord
 
@@ -145,13 +146,11 @@ class LivenessProbes:
     def on_the_way(self, stage: int, records: dict[int, list[StageRecord]]) -> set[str]:
         """The peers whose leaving records name `stage` as their target (a restorer or a filler on its way there)
         and that failed no probe sent after their record was last renewed: one killed on its way brings nothing."""
+        failed = self.silent.get
         return {
             r.peer_id
-            for group in records.values()
-            for r in group
-            if r.state == LEAVING
-            and r.moving_to == stage
-            and not r.expiration - self.record_ttl <= self.silent.get(r.peer_id, float("-inf"))
+            for r in coming(stage, records)
+            if failed(r.peer_id, float("-inf")) < r.expiration - self.record_ttl
         }
 
     def live(self, records: dict[int, list[StageRecord]]) -> dict[int, list[StageRecord]]:

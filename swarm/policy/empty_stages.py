@@ -14,20 +14,20 @@ from collections.abc import Iterable
 from swarm.records.stage_records import LEAVING, SERVING, StageRecord
 
 
+def coming(stage: int, records: dict[int, list[StageRecord]]) -> list[StageRecord]:
+    """The leaving records that name `stage` as their peer's target (a restorer or a mover on its way there)."""
+    return [r for group in records.values() for r in group if r.state == LEAVING and r.moving_to == stage]
+
+
 def on_the_way(stage: int, records: dict[int, list[StageRecord]]) -> bool:
     """Whether a peer is leaving its stage for `stage` (a restorer or a mover announces its target)."""
-    return any(r.state == LEAVING and r.moving_to == stage for group in records.values() for r in group)
+    return bool(coming(stage, records))
 
 
 def coming_copy(stage: int, records: dict[int, list[StageRecord]]) -> int | None:
     """The step of the freshest copy of `stage` that a holder on its way to restore it brings (its leaving record
     names the stage and still lists the copy), or None."""
-    steps = [
-        copy[0]
-        for group in records.values()
-        for r in group
-        if r.state == LEAVING and r.moving_to == stage and (copy := r.standby_of(stage)) is not None
-    ]
+    steps = [copy[0] for r in coming(stage, records) if (copy := r.standby_of(stage)) is not None]
     return max(steps, default=None)
 
 
