@@ -19,10 +19,9 @@ import time
 from collections.abc import Iterable
 
 from hivemind.p2p import P2P, PeerID
-from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure
 from hivemind.utils import get_dht_time
 
-from swarm.net.transport import INFO_PROTOCOL, exchange
+from swarm.net.transport import INFO_PROTOCOL, dial_refused, exchange
 from swarm.net.wire import WireLimits
 from swarm.policy.empty_stages import coming
 from swarm.proto import PROTOCOL_VERSION, PeerInfo, PeerInfoRequest
@@ -90,7 +89,7 @@ class LivenessProbes:
                 if peer_id not in self.silent:
                     self.news.set()
                 self.silent[peer_id] = started
-                (self.refused.add if refused_dial(answer) else self.refused.discard)(peer_id)
+                (self.refused.add if dial_refused(answer) else self.refused.discard)(peer_id)
             else:
                 self.silent.pop(peer_id, None)
                 self.refused.discard(peer_id)
@@ -158,9 +157,3 @@ class LivenessProbes:
         if not self.silent:
             return records
         return {stage: [r for r in group if not self.dead(r)] for stage, group in records.items()}
-
-
-def refused_dial(error: BaseException) -> bool:
-    """Whether a call failed because its peer's address refused the dial (the libp2p daemon found nothing there),
-    not because an answer was slow or malformed."""
-    return isinstance(error, ControlFailure) and "failed to dial" in str(error)

@@ -7,8 +7,12 @@ import heapq
 import random
 from collections import Counter
 
+from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure
+
+from swarm.net.transport import StageCallError, dial_refused
 from swarm.policy.router import Router
 from swarm.policy.service_timing import ServiceTimer
+from swarm.proto import ErrorCode
 from swarm.records.stage_records import LEAVING, SERVING, StageRecord
 
 
@@ -99,6 +103,35 @@ def test_failing_peer_is_banned_with_backoff_until_the_ban_ends():
     assert router.report_failure("a") == 2.0  # consecutive failures double the ban
     router.report_success("a")
     assert router.report_failure("a") == 1.0
+
+
+def test_a_peer_whose_address_refused_the_dial_gets_no_call_until_a_newer_record_of_it_is_read():
+    clock = Clock()
+    router = Router(rng=random.Random(0), clock=clock, probation=True)
+    router.update({0: [record("dead", expiration=10.0), record("restorer", expiration=10.0)]}, now=0.0)
+    router.report_success("dead", samples=8, seconds=0.1)
+    router.report_failure("dead", refused=True)
+    clock.now = 100.0  # long past any ban: a ban alone made the dead peer look live again, and it took the calls
+    assert [r.peer_id for r in router.live_peers(0)] == ["restorer"]
+    assert {router.choose(0).peer_id for _ in range(50)} == {"restorer"}
+    router.update({0: [record("dead", expiration=10.0)]}, now=1.0)  # the same record read again: still gone
+    assert "dead" not in {r.peer_id for r in router.live_peers(0)}
+    router.update({0: [record("dead", expiration=12.0)]}, now=2.0)  # renewed: it lives (a relay came back, say)
+    assert "dead" in {r.peer_id for r in router.live_peers(0)}
+    router.report_failure("restorer")  # any other failure is a ban that lapses, as before
+    assert router.gone == {}
+    # a refused dial of a peer with no known record marks nothing: there is no record to wait past
+    router.report_failure("unknown", refused=True)
+    assert "unknown" not in router.gone
+
+
+def test_a_refused_dial_is_told_apart_from_a_slow_or_broken_answer():
+    refused = "ControlFailure: Connect failed. msg=failed to dial: failed to dial Qm: dial backoff"
+    assert dial_refused(StageCallError(ErrorCode.UNAVAILABLE, refused, "Qm"))
+    assert dial_refused(ControlFailure("Connect failed. msg=failed to dial: connect: connection refused"))
+    for detail in ("no reply within 15.0s", "bad reply: stream ended in the middle of a message"):
+        assert not dial_refused(StageCallError(ErrorCode.UNAVAILABLE, detail, "Qm"))
+    assert not dial_refused(StageCallError(ErrorCode.FORBIDDEN, refused, "Qm"))  # the peer's own answer
 
 
 def test_records_survive_a_missed_read_until_they_expire_and_leaving_peers_get_no_work():

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 from hivemind.p2p import P2P, PeerID
+from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure
 
 from swarm.compression import Codec
 from swarm.net.link_shaper import LinkShaper
@@ -49,6 +50,9 @@ REPLY_HEADER_BYTES = 64  # about what a reply carries besides tensor data
 # A peer applies a backward only within this share of the caller's timeout, which leaves the rest for
 # the reply to arrive: a gradient applied after its caller gave up (and retried elsewhere) would count twice.
 COMMIT_SHARE = 0.75
+# what the libp2p daemon says when nothing listens where a peer was (a dead peer's address, or its daemon's
+# dial backoff after that): unlike a slow or broken answer, a sign that the peer is gone
+DIAL_REFUSED = "failed to dial"
 
 
 class StageCallError(Exception):
@@ -61,6 +65,14 @@ class StageCallError(Exception):
     @property
     def retriable(self) -> bool:
         return self.code in RETRIABLE
+
+
+def dial_refused(error: BaseException) -> bool:
+    """Whether a call failed because its peer's address refused the dial, not because an answer was slow or
+    malformed: the daemon's own error, or a stage call's that carries it."""
+    if isinstance(error, StageCallError):
+        return error.code == ErrorCode.UNAVAILABLE and DIAL_REFUSED in error.detail
+    return isinstance(error, ControlFailure) and DIAL_REFUSED in str(error)
 
 
 async def exchange(p2p: P2P, peer_id: PeerID, protocol: str, frames: Sequence, reply_type: type, limits: WireLimits):

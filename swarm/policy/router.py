@@ -20,7 +20,10 @@ claims, and the fastest speed this router timed there) costs the peer as a typic
 a record claiming 1e9 samples/s draws no more calls before its first reply than an honest newcomer would.
 
 A peer that fails is banned for a time that doubles with every consecutive failure and resets on
-success. Each call's deadline follows the peer's observed latency, between a floor and a ceiling.
+success. One whose address refused the dial is gone, not slow: it gets no call until a record of it
+newer than the one it was called by says it is back (a dead peer's record outlives it by its TTL, and a
+ban that lapsed first made a stage whose last peer died look served again, holding back the peer that
+restored it). Each call's deadline follows the peer's observed latency, between a floor and a ceiling.
 
 With `probation`, a peer earns work by answering: while a stage has a live peer that answered this
 router, peers that never did get no calls of the training's own. They are tried with trial calls
@@ -79,6 +82,9 @@ class Router:
         self.records: dict[int, dict[str, StageRecord]] = {}
         self.bans: dict[str, _Ban] = {}
         self.bans_issued = 0
+        # peers whose address refused the dial, with the expiration of their newest record then: no calls until a
+        # newer record shows them renewing it
+        self.gone: dict[str, float] = {}
         # observed seconds per sample, per (peer, backward), and when each peer is expected to finish what it was sent
         self.service: dict[tuple[str, bool], float] = {}
         self.network: dict[str, float] = {}  # per peer: seconds a call spends on the network, both ways
@@ -107,7 +113,16 @@ class Router:
         for known in self.records.values():
             for peer_id in [p for p, r in known.items() if r.expiration <= now]:
                 del known[peer_id]
+        newest = self._newest_expirations()
+        self.gone = {p: at for p, at in self.gone.items() if newest.get(p, float("-inf")) == at}
         self._note_liars()
+
+    def _newest_expirations(self) -> dict[str, float]:
+        newest: dict[str, float] = {}
+        for known in self.records.values():
+            for peer_id, record in known.items():
+                newest[peer_id] = max(newest.get(peer_id, float("-inf")), record.expiration)
+        return newest
 
     def forget(self, peer_ids: Iterable[str]) -> None:
         """Drops the records of `peer_ids` (peers this trainer no longer calls), whatever their expiration."""
@@ -120,14 +135,16 @@ class Router:
         self.liars = set().union(*(reported_liars(list(known.values())) for known in self.records.values()))
 
     def live_peers(self, stage: int) -> list[StageRecord]:
-        """Serving peers of `stage` that are not banned now."""
+        """Serving peers of `stage` that are neither banned now nor gone (see `report_failure`)."""
         now = self.clock()
-        bans = self.bans
-        liars = self.liars
+        bans, gone, liars = self.bans, self.gone, self.liars
         return [
             r
             for r in self.records.get(stage, {}).values()
-            if r.state == SERVING and r.peer_id not in liars and (r.peer_id not in bans or bans[r.peer_id].until <= now)
+            if r.state == SERVING
+            and r.peer_id not in liars
+            and r.peer_id not in gone
+            and (r.peer_id not in bans or bans[r.peer_id].until <= now)
         ]
 
     def expected_seconds(self, record: StageRecord, backward: bool, samples: int) -> float:
@@ -257,6 +274,7 @@ class Router:
         """Lifts any ban, ends any probation and folds the call's service `seconds` (`ServiceTimer`) into the
         peer's expected service time, and its `network` seconds into the peer's time on the network."""
         self.bans.pop(peer_id, None)
+        self.gone.pop(peer_id, None)
         self.answered.add(peer_id)
         if network > 0:
             self.network[peer_id] = _moving_average(self.network.get(peer_id), network)
@@ -268,8 +286,11 @@ class Router:
                     if peer_id in known:
                         self.measured[stage] = max(self.measured.get(stage, 0.0), 1 / self.service[key])
 
-    def report_failure(self, peer_id: str) -> float:
-        """Bans `peer_id` with exponential backoff; returns the ban's length in seconds."""
+    def report_failure(self, peer_id: str, refused: bool = False) -> float:
+        """Bans `peer_id` with exponential backoff; returns the ban's length in seconds. `refused`: its address
+        refused the dial, so it is gone until a newer record of it than those known now is read."""
+        if refused and (newest := self._newest_expirations().get(peer_id)) is not None:
+            self.gone[peer_id] = newest
         failures = self.bans[peer_id].failures + 1 if peer_id in self.bans else 1
         length = min(self.ban_base * 2 ** (failures - 1), self.ban_max)
         self.bans[peer_id] = _Ban(self.clock() + length, failures)

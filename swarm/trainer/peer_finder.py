@@ -28,6 +28,9 @@ from swarm.trainer.outcome import TrainingError
 logger = logging.getLogger(__name__)
 
 REFRESH_PERIOD = 2.0
+# while a stage has no live peer, reads one at most this often, one read shared by every call that waits: a
+# restored stage serves again a second or two after its last peer died, and each wait ended a poll late
+WAIT_POLL = 0.2
 MAX_NAMED = 1024  # disagreements and claims named in a warning; past this, at debug level only
 
 
@@ -48,6 +51,8 @@ class PeerFinder:
         self.accusations = accusation_book(config.trust_root, config.run_id, "Trainer")
         # told of every serving record that says its step is short of lost samples (stage, record), after each read
         self.on_short: Callable[[int, StageRecord], None] | None = None
+        self._waiting_read: asyncio.Task | None = None  # the read the calls waiting for a stage share
+        self._waiting_read_at = float("-inf")  # when it began (monotonic)
 
     def own_settings(self) -> dict[str, object]:
         """The announced settings this trainer has of its own: a record that differs from one is ignored."""
@@ -155,14 +160,28 @@ class PeerFinder:
             if not warned:
                 logger.warning(f"Stage {stage} has no live peer yet; waiting for one to join")
                 warned = True
-            await asyncio.sleep(0.5)
-            try:
-                await self.refresh()
-            except Exception as e:  # a stuck DHT node: the deadline above still ends the wait, saying why
-                logger.warning(f"Could not read peers from the DHT: {e}")
+            if not await self._read_while_waiting():  # a stuck DHT node: the deadline above ends the wait, saying why
                 await asyncio.sleep(REFRESH_PERIOD)
         if warned:
             logger.info(f"Stage {stage} has a live peer again; resuming")
+
+    async def _read_while_waiting(self) -> bool:
+        """Reads the records for the calls that wait for a stage: one read at a time, shared by all of them, begun
+        at most every `WAIT_POLL` seconds; False if it failed (said once, by the call that began it)."""
+        if self._waiting_read is None or self._waiting_read.done():
+            await asyncio.sleep(max(0.0, self._waiting_read_at + WAIT_POLL - time.monotonic()))
+        if self._waiting_read is None or self._waiting_read.done():
+            self._waiting_read_at = time.monotonic()
+            self._waiting_read = asyncio.ensure_future(self._read_logged())
+        return await asyncio.shield(self._waiting_read)
+
+    async def _read_logged(self) -> bool:
+        try:
+            await self.refresh()
+        except Exception as e:
+            logger.warning(f"Could not read peers from the DHT: {e}")
+            return False
+        return True
 
     async def wait_for_swarm(self) -> tuple[int, int]:
         """Waits for every stage to have a peer and for the swarm's target batch size (what more than half of the
