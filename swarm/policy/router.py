@@ -21,9 +21,9 @@ a record claiming 1e9 samples/s draws no more calls before its first reply than 
 
 A peer that fails is banned for a time that doubles with every consecutive failure and resets on
 success. One whose address refused the dial is gone, not slow: it gets no call until a record of it
-newer than the one it was called by says it is back (a dead peer's record outlives it by its TTL, and a
-ban that lapsed first made a stage whose last peer died look served again, holding back the peer that
-restored it). Each call's deadline follows the peer's observed latency, between a floor and a ceiling.
+newer than the one it was called by says it is back (a dead peer's record outlives it by its TTL, and
+each time its ban lapsed, a stage whose last peer died looked served again and the calls went to it).
+Each call's deadline follows the peer's observed latency, between a floor and a ceiling.
 
 With `probation`, a peer earns work by answering: while a stage has a live peer that answered this
 router, peers that never did get no calls of the training's own. They are tried with trial calls
