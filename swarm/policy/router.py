@@ -113,16 +113,13 @@ class Router:
         for known in self.records.values():
             for peer_id in [p for p, r in known.items() if r.expiration <= now]:
                 del known[peer_id]
-        newest = self._newest_expirations()
-        self.gone = {p: at for p, at in self.gone.items() if newest.get(p, float("-inf")) == at}
+        # a gone peer is back once a newer record of it is read, and forgotten once none is left
+        self.gone = {p: at for p, at in self.gone.items() if self._newest_expiration(p) == at}
         self._note_liars()
 
-    def _newest_expirations(self) -> dict[str, float]:
-        newest: dict[str, float] = {}
-        for known in self.records.values():
-            for peer_id, record in known.items():
-                newest[peer_id] = max(newest.get(peer_id, float("-inf")), record.expiration)
-        return newest
+    def _newest_expiration(self, peer_id: str) -> float | None:
+        """The latest expiration among the records known of `peer_id` (None: none is known)."""
+        return max((known[peer_id].expiration for known in self.records.values() if peer_id in known), default=None)
 
     def forget(self, peer_ids: Iterable[str]) -> None:
         """Drops the records of `peer_ids` (peers this trainer no longer calls), whatever their expiration."""
@@ -289,7 +286,7 @@ class Router:
     def report_failure(self, peer_id: str, refused: bool = False) -> float:
         """Bans `peer_id` with exponential backoff; returns the ban's length in seconds. `refused`: its address
         refused the dial, so it is gone until a newer record of it than those known now is read."""
-        if refused and (newest := self._newest_expirations().get(peer_id)) is not None:
+        if refused and (newest := self._newest_expiration(peer_id)) is not None:
             self.gone[peer_id] = newest
         failures = self.bans[peer_id].failures + 1 if peer_id in self.bans else 1
         length = min(self.ban_base * 2 ** (failures - 1), self.ban_max)

@@ -133,10 +133,7 @@ class PeerFinder:
         """Refreshes every REFRESH_PERIOD seconds until cancelled; a failed read is logged, not raised."""
         while True:
             await asyncio.sleep(REFRESH_PERIOD)
-            try:
-                await self.refresh()
-            except Exception as e:
-                logger.warning(f"Could not read peers from the DHT: {e}")
+            await self._read_logged()
 
     async def wait_for_stage(self, stage: int, before_first_step: bool) -> None:
         """Waits until `stage` has a live peer, saying so; TrainingError after stage_wait_timeout.
@@ -176,6 +173,7 @@ class PeerFinder:
         return await asyncio.shield(self._waiting_read)
 
     async def _read_logged(self) -> bool:
+        """One `refresh`; a failed read is logged, not raised (False)."""
         try:
             await self.refresh()
         except Exception as e:
