@@ -102,7 +102,7 @@ class StandbyKeeper:
         self.held_reads = HeldReads()  # the held stages' last records, standing in between their reads
         self.restore_pending: int | None = None
         self.restored: list[tuple[int, int, int]] = []  # (stage, step, steps lost) of each restore by this peer
-        self.claimed: tuple[int, int, str] | None = None  # (stage, step, fingerprint) of a copy restored, untold yet
+        self.claimed: tuple[int, int, str, float] | None = None  # (stage, step, fingerprint, when) of a restore untold
         self.bytes_received = 0
         self.refreshes = 0
         self.deltas = config.standby_deltas  # how many steps' deltas the stage's peers keep (0: refresh whole)
@@ -566,7 +566,7 @@ class StandbyKeeper:
     def restore_into(self, copy: Standby, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Loads a claimed copy into the lost stage's fresh module; `settle_restore` then tells the restore."""
         copy.apply(module, optimizer)
-        self.claimed = (copy.stage, copy.step, parameter_fingerprint(module))
+        self.claimed = (copy.stage, copy.step, parameter_fingerprint(module), time.monotonic())
         if copy.path is not None:
             copy.path.unlink(missing_ok=True)
 
@@ -576,10 +576,9 @@ class StandbyKeeper:
         restore, but gives its copy); else tells the restore of its own copy, in the ledger and the log."""
         if self.claimed is None:
             return
-        (stage, step, fingerprint), self.claimed = self.claimed, None
+        (stage, step, fingerprint, restored_at), self.claimed = self.claimed, None
         newcomer = NewcomerRestore(self.peer, self.accused, self.sources.limits, dict(self.last_step), self.probes.live)
-        await asyncio.sleep(self.peer.config.announce_period)  # a holder restoring the stage too has announced it
-        if await newcomer.take_fresher(step):
+        if await newcomer.take_fresher(step, restored_at):
             return
         lost = max(0, self.last_step.get(stage, step) - step)
         self.restored.append((stage, step, lost))

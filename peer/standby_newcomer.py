@@ -23,7 +23,7 @@ from swarm.peer.stage_state import StageStateError, check_state_tensors
 from swarm.peer.standby_copy import Standby
 from swarm.peer.standby_host import StandbyHost
 from swarm.peer.state_transfer import encode_state, load_into_runtime, parameters_fingerprint
-from swarm.policy.empty_stages import coming_copy, on_the_way
+from swarm.policy.empty_stages import coming, coming_copy, on_the_way
 from swarm.policy.lost_stages import reached_step, standby_copies
 from swarm.proto import PROTOCOL_VERSION, Error, ErrorCode, StateReply, StateRequest
 from swarm.records.sample_ledger import restore_record
@@ -36,6 +36,7 @@ JOIN_RESTORE_TIMEOUT = 90.0  # how long a peer on an empty stage tries for a sta
 JOIN_RETRY_S = 2.0
 SHORT_READ_RETRIES = 3  # reads a peer on an empty stage makes when the swarm has trained but shows no copy of it
 RIVAL_PERIODS = 5  # announce periods a restorer waits for a rival restorer it gives way to to serve its state
+RIVAL_WINDOW = 0.5  # announce periods from a restore to its first look for a rival: its leaving record is out by then
 
 
 class NewcomerRestore:
@@ -117,35 +118,53 @@ class NewcomerRestore:
                 return await self._start_over(records)
             await asyncio.sleep(JOIN_RETRY_S)
 
-    async def take_fresher(self, step: int) -> bool:
+    async def take_fresher(self, step: int, restored_at: float | None = None) -> bool:
         """For a holder that restored this peer's stage from its own copy of `step`: takes the state of a live mate
         already past it, or a fresher copy another holder gives; True if either (that restore then does not count).
 
         Holders choose the restorer from records a period old, so two can restore one stage at once (a wave run:
         copies of steps 122 and 123, then two of step 124), and two restored histories fork the stage. A holder
-        whose rival on the stage (joining or serving) restored a later step, or the same step with the smaller
-        peer id, takes the rival's state once it serves, for up to `RIVAL_PERIODS` announce periods."""
+        whose rival restored a later step, or the same step with the smaller peer id, takes the rival's state once
+        it serves, for up to `RIVAL_PERIODS` announce periods. A rival read the records before this peer's leaving
+        record was out, and stores its own (naming this stage and listing its copy) right after its read: the
+        first look, `RIVAL_WINDOW` announce periods after the restore (`restored_at`, monotonic), which came after
+        this peer's leaving record, sees it on its way if not yet on the stage. Without a rival it serves at once
+        (it waited a whole announce period for one: a second of every restore in a p3 replay)."""
         peer = self.peer
+        period = peer.config.announce_period
+        if restored_at is not None:
+            await asyncio.sleep(max(0.0, restored_at + RIVAL_WINDOW * period - time.monotonic()))
         for look in range(RIVAL_PERIODS + 1):
             records = await peer._fetch_records()
             # a dead peer's record outlives it: one its keeper's probes found dead is no rival, and gives no copy
             live = self.live(records)
             peer.mates.update_records(live[peer.stage])
-            rivals = any(self._wins_over(r, step) for r in live[peer.stage])
-            if rivals and await peer.mates.sync_from_mates(minimum_step=step) is not None:
+            on_stage = any(self._wins_over(r, r.step, step) for r in live[peer.stage] if r.state in (JOINING, SERVING))
+            if on_stage and await peer.mates.sync_from_mates(minimum_step=step) is not None:
                 return True
             if look == 0 and await self._take_a_copy(self._copies_past(live, step), records):
                 return True
-            if not rivals:
+            if not on_stage and not self._winner_coming(live, step):
                 return False
-            await asyncio.sleep(peer.config.announce_period)
+            await asyncio.sleep(period)
         return False
 
-    def _wins_over(self, record: StageRecord, step: int) -> bool:
-        """Whether `record` shows a peer of this stage whose state this restore of `step` should give way to."""
+    def _winner_coming(self, records: dict[int, list[StageRecord]], step: int) -> bool:
+        """Whether a holder on its way to this peer's stage brings a copy this restore of `step` gives way to."""
+        stage = self.peer.stage
+        return any(
+            self._wins_over(r, copy[0], step)
+            for r in coming(stage, records)
+            if (copy := r.standby_of(stage)) is not None
+        )
+
+    def _wins_over(self, record: StageRecord, its_step: int, step: int) -> bool:
+        """Whether the peer of `record`, at `its_step` on this stage, has the state this restore of `step` should
+        give way to: a later step, or the same one and the smaller peer id."""
         me = self.peer.peer_id
-        live = record.state in (JOINING, SERVING) and record.peer_id != me and record.peer_id not in self.accused()
-        return live and (record.step > step or (record.step == step and record.peer_id < me))
+        if record.peer_id == me or record.peer_id in self.accused():
+            return False
+        return its_step > step or (its_step == step and record.peer_id < me)
 
     def _copies_past(self, records: dict[int, list[StageRecord]], step: int) -> dict[str, tuple[int, str]]:
         """The copies of this peer's stage that holders announce past `step`, none from an accused holder."""

@@ -441,7 +441,7 @@ def holder_that_restored(records: dict, taken: list, monkeypatch) -> StandbyKeep
         taken.append(copies)
         return bool(copies)
 
-    keeper.claimed = (1, 4, "0123456789abcdef")
+    keeper.claimed = (1, 4, "0123456789abcdef", time.monotonic())
     monkeypatch.setattr(NewcomerRestore, "_take_a_copy", take_a_copy)
     return keeper
 
@@ -467,32 +467,47 @@ def test_a_holder_that_restored_from_a_stale_copy_takes_a_fresher_one_a_holder_t
     assert [(line["kind"], line["step"], line["reached"]) for line in keeper.peer.ledger.lines] == [("restore", 4, 6)]
 
 
+@pytest.mark.parametrize("where", ["on-the-stage", "on-its-way"])
 @pytest.mark.parametrize(
     ("rival", "gives_way"),
     [(("peerC", 5), True), (("peerA", 4), True), (("peerC", 4), False), (("peerA", 3), False)],
     ids=["later-step", "same-step-smaller-id", "same-step-larger-id", "older-step"],
 )
-def test_of_two_holders_restoring_one_stage_at_once_one_gives_way_to_the_other(monkeypatch, rival, gives_way):
+def test_of_two_holders_restoring_one_stage_at_once_one_gives_way_to_the_other(monkeypatch, rival, gives_way, where):
     """Traced in a wave run: holders chose the restorer from records a period old, and two restored stage 1 at
     once (from copies of steps 122 and 123), forking it. The restorer of the older copy, or of the same step with
-    the larger peer id, takes the other's state once that one serves, and tells no restore of its own."""
+    the larger peer id, takes the other's state once that one serves, and tells no restore of its own. A rival
+    still on its way (its leaving record names the stage and lists its copy) is waited for the same way; where
+    none wins over this restore, the restorer serves at its first look."""
     monkeypatch.setattr(standby_newcomer, "RIVAL_PERIODS", 2)
     name, step = rival
     other = dataclasses.replace(record(name, 1, state=JOINING), step=step)
-    records = {0: [record("peerA", 0)], 1: [other], 2: [record("peerC", 2)]}
+    leaving = record(name, 2, state=LEAVING, standbys=[(1, step, "0123456789abcdef")])
+    first = {0: [record("peerA", 0)], 1: [other], 2: [record("peerC", 2)]}
+    if where == "on-its-way":
+        first = {0: [record("peerA", 0)], 1: [], 2: [dataclasses.replace(leaving, moving_to=1)]}
+    reads = [first, {0: [record("peerA", 0)], 1: [other], 2: []}]
     taken: list = []
-    keeper = holder_that_restored(records, taken, monkeypatch)
+    keeper = holder_that_restored(first, taken, monkeypatch)
     keeper.peer.config = PeerConfig(model="gpt-tiny", num_stages=3, announce_period=0.01)
+    looks: list[int] = []
     synced: list[int] = []
+
+    async def fetch_records(only=None):
+        looks.append(len(looks))
+        return reads[min(len(looks), len(reads)) - 1]
 
     async def sync_from_mates(minimum_step=0, source=None):  # the rival serves from the second ask on
         synced.append(minimum_step)
         return other.peer_id if len(synced) >= 2 else None
 
+    keeper.peer._fetch_records = fetch_records
     keeper.peer.mates.sync_from_mates = sync_from_mates
     asyncio.run(keeper.settle_restore())
     assert (keeper.restored == []) == gives_way and bool(keeper.peer.ledger.lines) != gives_way
     assert synced == ([4, 4] if gives_way else [])
+    # one seen on its way is waited for a look longer; where none wins over this restore, it serves at its first look
+    assert len(looks) == ((3 if where == "on-its-way" else 2) if gives_way else 1)
 
 
 def test_a_newcomer_takes_a_read_without_its_own_record_for_a_short_one_not_for_a_new_swarm(monkeypatch):
