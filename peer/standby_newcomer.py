@@ -129,11 +129,14 @@ class NewcomerRestore:
         record was out, and stores its own (naming this stage and listing its copy) right after its read: the
         first look, `RIVAL_WINDOW` announce periods after the restore (`restored_at`, monotonic), which came after
         this peer's leaving record, sees it on its way if not yet on the stage. Without a rival it serves at once
-        (it waited a whole announce period for one: a second of every restore in a p3 replay)."""
+        (it waited a whole announce period for one: a second of every restore in a p3 replay), unless its copy is
+        behind the step the stage had reached: a holder that caught its copy up just before the stage died tells so
+        at its next renewal, so the restorer looks for a fresher copy once more a period after its restore."""
         peer = self.peer
         period = peer.config.announce_period
-        if restored_at is not None:
-            await asyncio.sleep(max(0.0, restored_at + RIVAL_WINDOW * period - time.monotonic()))
+        restored_at = time.monotonic() if restored_at is None else restored_at
+        await asyncio.sleep(max(0.0, restored_at + RIVAL_WINDOW * period - time.monotonic()))
+        behind = False
         for look in range(RIVAL_PERIODS + 1):
             records = await peer._fetch_records()
             # a dead peer's record outlives it: one its keeper's probes found dead is no rival, and gives no copy
@@ -142,11 +145,14 @@ class NewcomerRestore:
             on_stage = any(self._wins_over(r, r.step, step) for r in live[peer.stage] if r.state in (JOINING, SERVING))
             if on_stage and await peer.mates.sync_from_mates(minimum_step=step) is not None:
                 return True
-            if look == 0 and await self._take_a_copy(self._copies_past(live, step), records):
+            if look == 0:
+                behind = self._reached(peer.stage, records, step) > step
+            if look <= int(behind) and await self._take_a_copy(self._copies_past(live, step), records):
                 return True
-            if not on_stage and not self._winner_coming(live, step):
+            again = behind and look == 0  # its copy is behind: one more look for a fresher one
+            if not on_stage and not self._winner_coming(live, step) and not again:
                 return False
-            await asyncio.sleep(period)
+            await asyncio.sleep(max(0.0, restored_at + period - time.monotonic()) if again else period)
         return False
 
     def _winner_coming(self, records: dict[int, list[StageRecord]], step: int) -> bool:

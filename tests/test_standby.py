@@ -461,9 +461,31 @@ def test_a_holder_that_restored_from_a_stale_copy_takes_a_fresher_one_a_holder_t
     records[2] = [record("peerC", 2, standbys=[(1, 3, "89abcdef01234567")])]  # older than its own copy
     taken.clear()
     keeper = holder_that_restored(records, taken, monkeypatch)
+    keeper.last_step[1] = 4
+    asyncio.run(keeper.settle_restore())
+    assert taken == [{}] and keeper.restored == [(1, 4, 0)], "its copy is as far as the stage got: no second look"
+    # behind the step the stage reached (6): a holder that caught up just before the death says so at its next
+    # renewal, so the restorer looks once more a period later, and takes that copy
+    taken.clear()
+    keeper = holder_that_restored(records, taken, monkeypatch)
+    keeper.peer.config = PeerConfig(model="gpt-tiny", num_stages=3, announce_period=0.01)
+    keeper.last_step[1] = 6
+    caught_up = {**records, 2: [record("peerC", 2, standbys=[(1, 6, "89abcdef01234567")])]}
+    reads = iter([records, caught_up])
+
+    async def fetch_records(only=None):
+        return next(reads)
+
+    keeper.peer._fetch_records = fetch_records
+    asyncio.run(keeper.settle_restore())
+    assert taken == [{}, {"peerC" * 4: (6, "89abcdef01234567")}] and keeper.restored == []
+    # no fresher copy by then: it tells its own restore, and the steps it lost
+    taken.clear()
+    keeper = holder_that_restored(records, taken, monkeypatch)
+    keeper.peer.config = PeerConfig(model="gpt-tiny", num_stages=3, announce_period=0.01)
     keeper.last_step[1] = 6
     asyncio.run(keeper.settle_restore())
-    assert taken == [{}] and keeper.restored == [(1, 4, 2)]
+    assert taken == [{}, {}] and keeper.restored == [(1, 4, 2)]
     assert [(line["kind"], line["step"], line["reached"]) for line in keeper.peer.ledger.lines] == [("restore", 4, 6)]
 
 
