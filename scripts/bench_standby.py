@@ -69,7 +69,11 @@ def wait_serving(dht: TetheredDHT, args: argparse.Namespace, dead: set[str], tim
 def replace_a_peer(swarm: LocalSwarm, dht: TetheredDHT, args: argparse.Namespace, name: str, flags: list[str]) -> str:
     """Kills peer `name` (of stage 0) and starts another in its place; returns the new one's name once it serves and
     the dead one's record has expired (every peer has then seen the death)."""
-    found = re.search(r"peer id (\w+)", swarm.log_path(name).read_text(errors="replace"))
+    deadline = time.monotonic() + 30.0  # its record can say serving before its log line is out
+    while (found := re.search(r"peer id (\w+)", swarm.log_path(name).read_text(errors="replace"))) is None:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     if found is None:
         raise SystemExit(f"{name} logged no peer id; see {swarm.log_path(name)}")
     dead = found.group(1)
