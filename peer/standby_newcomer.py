@@ -118,7 +118,7 @@ class NewcomerRestore:
                 return await self._start_over(records)
             await asyncio.sleep(JOIN_RETRY_S)
 
-    async def take_fresher(self, step: int, restored_at: float | None = None) -> bool:
+    async def take_fresher(self, step: int, restored_at: float) -> bool:
         """For a holder that restored this peer's stage from its own copy of `step`: takes the state of a live mate
         already past it, or a fresher copy another holder gives; True if either (that restore then does not count).
 
@@ -134,9 +134,8 @@ class NewcomerRestore:
         at its next renewal, so the restorer looks for a fresher copy once more a period after its restore."""
         peer = self.peer
         period = peer.config.announce_period
-        restored_at = time.monotonic() if restored_at is None else restored_at
         await asyncio.sleep(max(0.0, restored_at + RIVAL_WINDOW * period - time.monotonic()))
-        behind = False
+        copy_looks = 1  # two where its copy is behind the stage's reached step
         for look in range(RIVAL_PERIODS + 1):
             records = await peer._fetch_records()
             # a dead peer's record outlives it: one its keeper's probes found dead is no rival, and gives no copy
@@ -145,11 +144,11 @@ class NewcomerRestore:
             on_stage = any(self._wins_over(r, r.step, step) for r in live[peer.stage] if r.state in (JOINING, SERVING))
             if on_stage and await peer.mates.sync_from_mates(minimum_step=step) is not None:
                 return True
-            if look == 0:
-                behind = self._reached(peer.stage, records, step) > step
-            if look <= int(behind) and await self._take_a_copy(self._copies_past(live, step), records):
+            if look == 0 and self._reached(peer.stage, records, step) > step:
+                copy_looks = 2
+            if look < copy_looks and await self._take_a_copy(self._copies_past(live, step), records):
                 return True
-            again = behind and look == 0  # its copy is behind: one more look for a fresher one
+            again = look + 1 < copy_looks
             if not on_stage and not self._winner_coming(live, step) and not again:
                 return False
             await asyncio.sleep(max(0.0, restored_at + period - time.monotonic()) if again else period)
