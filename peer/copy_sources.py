@@ -13,6 +13,7 @@ import random
 from typing import TYPE_CHECKING
 
 import torch
+from hivemind.utils import get_dht_time
 
 from swarm.models import build_stage
 from swarm.net.wire import WireLimits
@@ -24,9 +25,11 @@ from swarm.peer.state_transfer import (
     peer_versions,
 )
 from swarm.peer.work_receipts import WorkReceipts, work_receipts
+from swarm.proto import PeerInfo
 from swarm.records.stage_records import StageRecord
 
 if TYPE_CHECKING:
+    from swarm.peer.liveness_probes import LivenessProbes
     from swarm.peer.standby_host import StandbyHost
 
 INFO_TIMEOUT = 5.0
@@ -62,26 +65,34 @@ class CopySources:
             self.receipts[stage] = work_receipts(self.peer.config, self.peer.mates.machine.peer_id, stage)
         return self.receipts[stage]
 
-    async def answered(self, stage: int, peers: list[str]) -> dict[str, Version]:
+    async def answered(
+        self, stage: int, peers: list[str], known: dict[str, PeerInfo] | None = None
+    ) -> dict[str, Version]:
         """Each of `peers`' (step, fingerprint) as it answers now, for `stage` (the silent ones left out; with a
-        trust root, those that show no recent receipt naming them too)."""
+        trust root, those that show no recent receipt naming them too); `known`: answers in hand, not asked again."""
         receipts = self._receipts(stage)
         sources = receipts.state_sources if receipts is not None else None
-        return await peer_versions(self.peer.mates.p2p, peers, self.peer.config.model, stage, INFO_TIMEOUT, sources)
+        p2p, model = self.peer.mates.p2p, self.peer.config.model
+        return await peer_versions(p2p, peers, model, stage, INFO_TIMEOUT, sources, known)
 
-    async def announced(self, stage: int, serving: list[StageRecord], fresh: bool = False) -> dict[str, Version]:
+    async def announced(
+        self, stage: int, serving: list[StageRecord], fresh: bool = False, probes: LivenessProbes | None = None
+    ) -> dict[str, Version]:
         """What `serving` peers' records announce, where no trust root asks for receipts (then each is asked):
         in the calm a catch-up costs the stage's peers one call, not one each. `fresh` (while peers die): each is
         asked as well, and the view with the newer confirmed version is taken. Records are announced and read
         once a period each, so the version they confirm trails the stage by up to two periods' steps, and a
-        wave that takes the stage then rolls those steps back."""
-        peers = [r.peer_id for r in serving]
-        if self._receipts(stage) is not None:
-            return await self.answered(stage, peers)
+        wave that takes the stage then rolls those steps back. The answers the holder's liveness `probes` got this
+        period say the same: those peers are not asked twice."""
+        peers, receipts = [r.peer_id for r in serving], self._receipts(stage) is not None
         recorded = announced_versions(serving)
-        if not fresh:
+        if not (fresh or receipts):
             return recorded
-        asked = await self.answered(stage, peers)
+        since = get_dht_time() - self.peer.config.announce_period
+        known = await probes.answers(peers, since) if probes is not None else None
+        asked = await self.answered(stage, peers, known)
+        if receipts:
+            return asked
         return asked if newest_confirmed(asked) > newest_confirmed(recorded) else recorded
 
     def pick(self, stage: int, versions: dict[str, Version], minimum_step: int = 0) -> tuple[str, Version] | None:

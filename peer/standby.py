@@ -505,7 +505,7 @@ class StandbyKeeper:
         copy = self.standbys[stage]
         started: float | None = None  # from the transfer on: asking which version to take is no refresh to pace
         try:
-            versions = await self.sources.announced(stage, serving, fresh=self.following(time.monotonic()))
+            versions = await self.sources.announced(stage, serving, self.following(time.monotonic()), self.probes)
             if (picked := self.sources.pick(stage, versions, copy.step + 1)) is None:
                 return  # no two peers at one version now (a fast stage): asked again next period
             source, top = picked

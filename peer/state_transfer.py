@@ -130,17 +130,22 @@ async def peer_versions(
     stage: int,
     timeout: float,
     sources: Callable[[dict[str, PeerInfo]], dict[str, PeerInfo]] | None = None,
+    known: dict[str, PeerInfo] | None = None,
 ) -> dict[str, Version]:
     """Each of `peers`' (step, fingerprint) for `stage`, as it answers now (the silent ones left out, and with
     `sources`, those it leaves out of the answers: in a swarm with a trust root, the peers that show no recent
-    receipt from a vouched trainer)."""
+    receipt from a vouched trainer). `known`: answers in hand already (a liveness probe's, this period), taken
+    instead of asking those peers again."""
+    known = {p: info for p, info in (known or {}).items() if p in peers}
+    asked = [p for p in peers if p not in known]
     infos = await asyncio.gather(
-        *(get_peer_info(p2p, PeerID.from_base58(p), timeout=timeout) for p in peers), return_exceptions=True
+        *(get_peer_info(p2p, PeerID.from_base58(p), timeout=timeout) for p in asked), return_exceptions=True
     )
     answered = {
         peer_id: info
-        for peer_id, info in zip(peers, infos)
+        for peer_id, info in [*zip(asked, infos), *known.items()]
         if isinstance(info, PeerInfo)
+        and info.error.code == ErrorCode.OK
         and info.model == model
         and info.stage == stage
         and info.state == SERVING

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
+from hivemind.utils import get_dht_time
+
 from swarm.peer.liveness_probes import LivenessProbes
+from swarm.peer.state_transfer import peer_versions
+from swarm.proto import PeerInfo
 from swarm.records.stage_records import LEAVING, SERVING, StageRecord
 
 TTL = 6.0
@@ -52,3 +57,38 @@ def test_a_record_that_stops_renewing_is_stalled_after_a_period_and_one_that_ren
     assert probes.stalled([record("a", 0, 102.0), record("b", 0, 500.0)], 1.0, now=12.2) == {"a" * 4, "b" * 4}
     # b's renewal was only slow to spread: live again from the read that shows it
     assert probes.stalled([record("a", 0, 103.0), record("b", 0, 501.0)], 1.0, now=12.9) == set()
+
+
+def test_a_probe_rounds_answers_stand_in_for_a_holders_version_asks_of_the_same_peers():
+    """While copies follow their stages, a holder probes the held stages' peers and asks them their versions each
+    period, both with one PeerInfo request: the probe's answer is taken for the ask (the one in flight waited
+    for), and only a peer with no answer this period is asked again."""
+    probes = LivenessProbes(record_ttl=TTL, timeout=1.0)
+    answered = asyncio.Event()
+    a, b, c = "a" * 4, "b" * 4, "c" * 4
+
+    async def ask(p2p: object, peer_id: str) -> PeerInfo:
+        await answered.wait()
+        if peer_id == b:
+            raise ConnectionError("silent")
+        other_stage = 2 if peer_id == c else 1
+        return PeerInfo(model="gpt-tiny", stage=other_stage, state=SERVING, step=7, fingerprint="f" * 16)
+
+    probes._ask = ask
+
+    async def main() -> None:
+        since = get_dht_time()
+        probing = asyncio.create_task(probes.probe(None, [a, b, c]))
+        await asyncio.sleep(0)  # the round is in flight: its answers are waited for
+        waiting = asyncio.create_task(probes.answers([a, b, c], since))
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        answered.set()
+        await probing
+        known = await waiting
+        assert set(known) == {a, c}, "a silent peer has no answer"
+        assert await probes.answers([a], get_dht_time() + 1.0) == {}, "an answer older than asked for is not taken"
+        # every peer answered already: nobody is asked (no network at all), and only what fits counts
+        assert await peer_versions(None, [a, c], "gpt-tiny", 1, 1.0, known=known) == {a: (7, "f" * 16)}
+
+    asyncio.run(main())

@@ -297,7 +297,7 @@ def test_while_peers_die_a_catch_up_asks_the_stage_too_and_takes_the_newer_confi
     asked: list[list[str]] = []
     answers: dict[str, tuple[int, str]] = {}
 
-    async def answered(stage: int, peers: list[str]) -> dict[str, tuple[int, str]]:
+    async def answered(stage: int, peers: list[str], known: dict | None = None) -> dict[str, tuple[int, str]]:
         asked.append(peers)
         return dict(answers)
 
