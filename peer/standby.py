@@ -236,10 +236,12 @@ class StandbyKeeper:
         stages = {peer.stage, *self.targets(), *self.hinted}
         named = {r.peer_id for s in stages for r in records.get(s, []) if r.state in (SERVING, JOINING)}
         stalled = self.probes.stalled((r for s in stages for r in records.get(s, [])), peer.config.announce_period)
-        if not (self.following(time.monotonic()) or self.empty_since or self.hinted):
-            # the calm: a peer that renews its record lives (probing each peer every period cost the bench about
-            # 5% of its samples/s); one whose record stopped renewing is asked, which costs a first wave one period
-            named &= stalled
+        if not (self.empty_since or self.hinted):
+            # a peer that renews its record lives (probing each every period cost the bench 5% of its samples/s): one
+            # whose record stopped renewing is asked (a first wave pays a period); while following, the held stages'
+            # too (read only every few periods), not the own stage's (read every period, and no restore waits on it)
+            held = self.targets() if self.following(time.monotonic()) else []
+            named = (named & stalled) | {r.peer_id for s in held for r in records.get(s, []) if r.peer_id in named}
         named |= self.to_probe
         named.discard(peer.peer_id)
         if named and not self.probes.in_flight:
