@@ -227,9 +227,9 @@ class StandbyKeeper:
         self._fill_empty(records, now, read)
 
     def _probe(self, records: dict[int, list[StageRecord]]) -> None:
-        """Starts this period's probes: the peers records put on this peer's stage, on the stages it holds copies
-        of and on those another record names empty (in the calm only those whose records stopped renewing), and
-        the restorers chosen last period; the answers count from the next period's records on."""
+        """Starts this period's probes of the peers records put on this peer's stage, the stages it holds copies of
+        and those another record names empty (see below), and of last period's restorers; their answers count from
+        the next period's records on, and stand in for a catch-up's version asks (`CopySources.announced`)."""
         peer = self.peer
         if getattr(peer.mates, "p2p", None) is None:
             return
@@ -237,11 +237,10 @@ class StandbyKeeper:
         named = {r.peer_id for s in stages for r in records.get(s, []) if r.state in (SERVING, JOINING)}
         stalled = self.probes.stalled((r for s in stages for r in records.get(s, [])), peer.config.announce_period)
         if not (self.empty_since or self.hinted):
-            # a peer that renews its record lives (probing each every period cost the bench 5% of its samples/s): one
-            # whose record stopped renewing is asked (a first wave pays a period); while following, the held stages'
-            # too (read only every few periods), not the own stage's (read every period, and no restore waits on it)
-            held = self.targets() if self.following(time.monotonic()) else []
-            named = (named & stalled) | {r.peer_id for s in held for r in records.get(s, []) if r.peer_id in named}
+            # a peer that renews its record lives (probing each every period cost the bench 5%), one that stopped is
+            # asked (a first wave pays a period); while following, every held stage's peer (read every few periods)
+            following = self.following(time.monotonic())
+            named &= stalled | ({r.peer_id for s in self.targets() for r in records.get(s, [])} if following else set())
         named |= self.to_probe
         named.discard(peer.peer_id)
         if named and not self.probes.in_flight:
