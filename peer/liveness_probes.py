@@ -50,9 +50,9 @@ class LivenessProbes:
         self.in_flight = False  # one round of probes at a time: a slow one must not pile up behind the next
         self.round_ended = asyncio.Event()  # set while no round is in flight
         self.round_ended.set()
-        # peer id -> (DHT time its last answered probe was sent, the answer): what the peer hosts, at which step and
-        # fingerprint, which a standby holder following a stage would otherwise ask the same peer for again
-        self.infos: dict[str, tuple[float, PeerInfo]] = {}
+        # peer id -> its last answer (sent at `answered`): what the peer hosts, at which step and fingerprint, which
+        # a standby holder following a stage would otherwise ask the same peer for again
+        self.infos: dict[str, PeerInfo] = {}
         # peers whose last failed probe was a refused dial: nothing listens where they were, which no slow answer on
         # a loaded host looks like, so a stage whose every peer refused counts as lost without a grace
         self.refused: set[str] = set()
@@ -101,7 +101,7 @@ class LivenessProbes:
                 self.silent.pop(peer_id, None)
                 self.refused.discard(peer_id)
                 self.answered[peer_id] = started
-                self.infos[peer_id] = (started, answer)
+                self.infos[peer_id] = answer
         self.silent = {p: at for p, at in self.silent.items() if started - at < SILENCE_MEMORY}
         self.answered = {p: at for p, at in self.answered.items() if started - at < SILENCE_MEMORY}
         self.expiration_at_failure = {p: e for p, e in self.expiration_at_failure.items() if p in self.silent}
@@ -112,7 +112,7 @@ class LivenessProbes:
         """What each of `peers` answered to a probe sent at DHT time `since` or later (a round in flight is waited
         for, a timeout at most); the peers with no such answer are left out."""
         await self.round_ended.wait()
-        return {p: self.infos[p][1] for p in peers if p in self.infos and self.infos[p][0] >= since}
+        return {p: self.infos[p] for p in peers if p in self.infos and self.answered[p] >= since}
 
     async def _ask(self, p2p: P2P, peer_id: str) -> PeerInfo:
         # any reply counts, an error too (a busy gate, another protocol version): only silence is a failure
