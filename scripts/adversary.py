@@ -116,9 +116,10 @@ CAUGHT_IN_ROUND = {"owner-lies": 1}
 SLOWING = {"record-flood": 3.0}
 SLOWING_SLACK = 3 * ABSENT_GRACE
 # and its loss within this of the honest run's: the attacked swarm has two mates on its stage where the honest one has
-# one, and their sums round in another order, which Adam magnifies where a gradient is near zero. Over 8 steps one
-# step's loss was measured spreading by up to 0.26 between runs (0.05 on the mean of the last 5); a flood identity
-# answers nothing, so it cannot move the loss further: the judge is the time, the samples and the replicas agreeing
+# one, and their sums round in another order, which Adam magnifies where a gradient is near zero. With codecs chosen
+# per run, one step's loss spread by up to 0.26 over 8 steps (0.05 on the mean of the last 5); with exact calls, by
+# 1e-4 (8 steps: 4.2320 honest, 4.2321 flooded). A flood identity answers nothing, so it cannot move the loss
+# further: the judge is the time, the samples and the replicas agreeing
 SLOWING_LOSS_SPREAD = 0.1
 WAITED = re.compile(r"step (\d+): no (?:gradients|slices) from \d+ mate\(s\) within")
 # where an attack does not apply: the last stage answers no forward alone (one backward per microbatch computes
