@@ -23,10 +23,11 @@ from pathlib import Path
 import multihash
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
-from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey
+
+from swarm.net.signature_memo import SignatureMemoValidator
 
 OWNER = re.compile(rb"\[owner:(.+?)\]")  # how RSASignatureValidator marks a protected subkey
 
@@ -72,11 +73,11 @@ class Identity:
     key: IdentityKey
     path: str
     generated: bool  # made for this run only: no other process can hold it
-    validator: RSASignatureValidator = field(init=False)
+    validator: SignatureMemoValidator = field(init=False)
     peer_id: str = field(init=False)
 
     def __post_init__(self) -> None:
-        self.validator = RSASignatureValidator(self.key)
+        self.validator = SignatureMemoValidator(self.key)
         self.peer_id = peer_id_of_public_key(self.key._private_key.public_key())
 
     @property
