@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -11,7 +12,10 @@ import time
 from typing import Any
 
 from hivemind import DHT
-from hivemind.p2p import P2P
+from hivemind.dht.node import DHTNode
+from hivemind.dht.protocol import ValidationError
+from hivemind.p2p import P2P, PeerID
+from hivemind.utils.multiaddr import Multiaddr
 
 from swarm.config import NetworkConfig
 from swarm.net.allowlist import Allowlist, AllowlistError, AllowlistValidator, load_allowlist
@@ -22,6 +26,8 @@ from swarm.net.swarm_key import SwarmKey, SwarmKeyError, load_swarm_key
 from swarm.process.lifeline import child_pids, watch_parent
 
 logger = logging.getLogger(__name__)
+
+BOOTSTRAP_PINGS = 5  # rounds of pings to the initial peers, a second apart, before none answering is final
 
 
 class TetheredDHT(DHT):
@@ -172,7 +178,7 @@ def start_dht(config: NetworkConfig, reachable: bool | None = None) -> DHT:
         )
     options, flags = relay_options(config, reachable)
     try:
-        return TetheredDHT(
+        dht = TetheredDHT(
             initial_peers=config.initial_peers or None,
             identity=identity,
             allowlist=allowlist,
@@ -182,21 +188,65 @@ def start_dht(config: NetworkConfig, reachable: bool | None = None) -> DHT:
             startup_timeout=config.startup_timeout,
             start=True,
             daemon_flags=flags,
+            # the first ping of the initial peers is one of several (`_answered_ping`), not the last word
+            ensure_bootstrap_success=False,
             **options,
         )
     except Exception as e:
         if "bootstrap failed" in str(e) or "failed to connect to bootstrap peers" in str(e):
             raise JoinError(_unanswered(config, swarm_key)) from None
         if "local time must be within" in str(e):  # hivemind's check of the bootstrap node's clock
-            raise JoinError(
-                f"this machine's clock differs from the swarm's by more than 3 s ({e}): DHT records carry "
-                "wall-clock expiry times, so clocks must agree; synchronize it (e.g. enable NTP: "
-                "`timedatectl set-ntp true`) and start again"
-            ) from None
+            raise JoinError(_clock_skew(e)) from None
         raise JoinError(
             f"could not start this process's DHT node on {' '.join(config.host_maddrs)} "
             f"({type(e).__name__}: {e}); check --host-maddrs and --identity-path"
         ) from None
+    if config.initial_peers:
+        _join(dht, config, swarm_key)
+    return dht
+
+
+def _join(dht: DHT, config: NetworkConfig, swarm_key: SwarmKey | None) -> None:
+    """Has the started node find one of the initial peers answering (`_answered_ping`); shuts it down and raises
+    JoinError, saying what to check, when none does."""
+    try:
+        answered = dht.run_coroutine(functools.partial(_answered_ping, config.initial_peers, BOOTSTRAP_PINGS))
+    except ValidationError as e:  # hivemind's checks of the answering node's clock, and that it can dial back
+        dht.shutdown()
+        if "local time must be within" in str(e):
+            raise JoinError(_clock_skew(e)) from None
+        raise JoinError(f"joining the swarm's DHT failed ({e}); check --host-maddrs and --announce-maddrs") from None
+    if not answered:
+        dht.shutdown()
+        raise JoinError(_unanswered(config, swarm_key))
+
+
+async def _answered_ping(initial_peers: list[str], rounds: int, _dht: DHT, node: DHTNode) -> bool:
+    """In the DHT's process: whether one of `initial_peers` answers a ping within `rounds` rounds, a second apart
+    (each ping has the peer dial this node back, within hivemind's RPC timeout, and checks its clock); the node that
+    answers enters the routing table, and the node then looks up its neighbours. One unanswered ping is no proof: a
+    bootstrap node on a loaded machine missed it, and three newcomers in a row gave up on a swarm that was up."""
+    peers = list({PeerID.from_base58(Multiaddr(address)["p2p"]) for address in initial_peers})
+    for attempt in range(1, rounds + 1):
+        answers = await asyncio.gather(*(node.protocol.call_ping(peer, validate=True, strict=True) for peer in peers))
+        if any(answer is not None for answer in answers):
+            await asyncio.wait([asyncio.ensure_future(node.find_nearest_nodes([node.node_id]))], timeout=10.0)
+            return True
+        if attempt < rounds:
+            logger.warning(
+                f"None of --initial-peers answered a DHT ping within {node.protocol.wait_timeout:.0f}s (a loaded "
+                f"node?); asking again ({attempt}/{rounds - 1})"
+            )
+            await asyncio.sleep(1.0)
+    return False
+
+
+def _clock_skew(error: Exception) -> str:
+    return (
+        f"this machine's clock differs from the swarm's by more than 3 s ({error}): DHT records carry "
+        "wall-clock expiry times, so clocks must agree; synchronize it (e.g. enable NTP: "
+        "`timedatectl set-ntp true`) and start again"
+    )
 
 
 def _unanswered(config: NetworkConfig, swarm_key: SwarmKey | None) -> str:
