@@ -40,7 +40,8 @@ class Standby:
     path: Path | None = None
     module: torch.nn.Module | None = None
     optimizer: torch.optim.Optimizer | None = None
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    # reentrant: `snapshot` reads the tensors (`load`, which takes it too) and the version they are at under one hold
+    lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
     @property
     def in_memory(self) -> bool:
@@ -74,6 +75,12 @@ class Standby:
                 f"the standby copy of stage {self.stage} cannot be used ({e}); is the disk under --checkpoint-dir "
                 "full or failing?"
             ) from None
+
+    def snapshot(self) -> tuple[list[torch.Tensor], int, str, int, bool]:
+        """The state's tensors with the step, fingerprint, samples stepped and optimizer flag they are at, read
+        together: a catch-up landing between the tensors and the step would give a step they are not at."""
+        with self.lock:
+            return self.load(), self.step, self.fingerprint, self.samples_stepped, self.has_optimizer_state
 
     def apply(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Copies the state into a freshly built stage and its optimizer."""

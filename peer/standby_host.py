@@ -29,5 +29,8 @@ class StandbyHost(Protocol):
     def request_move(self, stage: int) -> None:
         """Asks the peer to move to `stage` (here: to restore it) at its next chance."""
 
+    async def _announce(self, record: StageRecord | None = None) -> None:
+        """Stores this peer's record now (default: the current one, its copies as they are at the store)."""
+
     async def _fetch_records(self, only: int | None = None) -> dict[int, list[StageRecord]]:
         """The stages' records from the DHT (every stage's, or `only` that one's)."""

@@ -2,7 +2,9 @@
 
 A peer that joins an empty stage (a newcomer with `--stage auto` picks one first) takes the freshest copy
 from a holder over `STANDBY_PROTOCOL`, which answers only a peer whose signed record is on that stage, and
-whose copy must match what the holder's record announces. Where a live peer serves the stage again (a
+whose copy must match what the holder's record announces: a copy follows its stage between the holder's renewals, so
+the holder stores its record before it gives the copy, and the newcomer takes a later version than the one it read
+where the holder's record says so at a read after the reply. Where a live peer serves the stage again (a
 holder or a filler restored it meanwhile), the newcomer takes that peer's state instead; where no copy is
 left, it serves the stage from its own state and the sample ledger says what was thrown away.
 """
@@ -247,11 +249,22 @@ class NewcomerRestore:
         tensors = await asyncio.get_running_loop().run_in_executor(None, decode_tensors, parts, limits)
         check_state_tensors(runtime.module, tensors, reply.has_optimizer_state)
         fingerprint = await parameters_fingerprint(runtime.module, tensors)
-        if (reply.step, fingerprint) != version:
-            raise StageStateError(f"sent step {reply.step}, fingerprint {fingerprint}; its record says {version}")
+        sent = (reply.step, fingerprint)
+        if sent != version:
+            # a holder announces the version it gives before it gives it (`answer_standby`): a copy that moved on
+            # since this peer's read is taken where the holder's signed record says so now, and only a later one
+            now = await self._announced_now(holder) if reply.step > version[0] else None
+            if now != sent:
+                said = f"says {now}" if now is not None else f"said {version}"
+                raise StageStateError(f"sent step {reply.step}, fingerprint {fingerprint}; its record {said}")
         await load_into_runtime(runtime, reply.step, tensors, reply.has_optimizer_state, reply.samples_stepped)
         peer.mates.progress.reached(reply.step)
         return reply.step, fingerprint
+
+    async def _announced_now(self, holder: str) -> tuple[int, str] | None:
+        """The copy of this peer's stage that `holder`'s record announces at a read now (None: none announced)."""
+        records = self.live(await self.peer._fetch_records())
+        return standby_copies(self.peer.stage, records).get(holder)
 
 
 async def answer_standby(
@@ -273,13 +286,19 @@ async def answer_standby(
     if error is not None:
         reply.error.CopyFrom(error)
         return [reply]
-    tensors = await asyncio.get_running_loop().run_in_executor(None, copy.load)
-    parts = await encode_state(tensors)
-    given = StateReply(
-        protocol_version=PROTOCOL_VERSION,
-        step=copy.step,
-        has_optimizer_state=copy.has_optimizer_state,
-        samples_stepped=copy.samples_stepped,
+    tensors, step, fingerprint, samples, has_optimizer_state = await asyncio.get_running_loop().run_in_executor(
+        None, copy.snapshot
     )
-    logger.info(f"Giving the standby copy of stage {copy.stage} (step {copy.step}) to {requester}")
+    parts = await encode_state(tensors)
+    # the asker takes only a version this peer's signed record announces, and a copy that follows its stage moves
+    # on between renewals (a p3 replay: holders sent step 144 while their records said 140 and 142, both refused):
+    # the record goes out now, listing the version given, before the copy does
+    try:
+        await peer._announce()
+    except Exception as e:  # the asker then checks the copy against the record it read, which may be older
+        logger.warning(f"Could not announce this peer's record before giving a standby copy of stage {copy.stage}: {e}")
+    given = StateReply(
+        protocol_version=PROTOCOL_VERSION, step=step, has_optimizer_state=has_optimizer_state, samples_stepped=samples
+    )
+    logger.info(f"Giving the standby copy of stage {copy.stage} (step {step}, {fingerprint}) to {requester}")
     return pack_frames(given, parts)
