@@ -149,7 +149,7 @@ class StandbyKeeper:
     def announced(self) -> tuple[tuple[int, int, str], ...]:
         """The record's `standbys`: each target stage with the copy held (step -1 before the first)."""
         copies = {stage: self.standbys.get(stage) for stage in self.targets()}
-        return tuple((stage, c.step, c.fingerprint) if c else (stage, -1, "") for stage, c in copies.items())
+        return tuple((stage, *c.version) if c else (stage, -1, "") for stage, c in copies.items())
 
     def announced_empty(self) -> tuple[int, ...]:
         """The record's `empty`: the stages this peer sees with no live peer (not those left on request)."""

@@ -94,8 +94,14 @@ class Standby:
         with self.lock:
             self.samples_stepped += apply_deltas(self.module, self.optimizer, deltas)
             self.has_optimizer_state |= any(d.samples > 0 for d in deltas)
-            self.step = deltas[-1].step + 1
-            self.fingerprint = parameter_fingerprint(self.module)
+            self.step, self.fingerprint = deltas[-1].step + 1, parameter_fingerprint(self.module)
+            return self.step, self.fingerprint
+
+    @property
+    def version(self) -> tuple[int, str]:
+        """(step, fingerprint), read together: a catch-up sets both on another thread, and a record that paired the
+        new step with the old fingerprint (a p3 replay: step 170 with step 167's) announced a version that never was."""
+        with self.lock:
             return self.step, self.fingerprint
 
     def parameter_count(self) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -134,3 +136,27 @@ def test_a_reply_carries_every_kept_delta_of_a_small_stage_and_one_of_a_large_on
     assert [d.step for d in ring.since(0, count)] == list(range(8))
     assert deltas_per_call(count) == MAX_DELTAS_PER_CALL
     assert len(ring.since(0, 10**9)) == deltas_per_call(10**9) == 1  # 4 GB a sum: one per message
+
+
+def test_a_copy_is_read_at_a_version_it_was_at_while_deltas_advance_it_on_another_thread():
+    """A p3 replay: a holder's record paired step 170 with step 167's fingerprint (the renewal read the step after
+    a catch-up set it, the fingerprint before), and a newcomer refused the copy as not what the record said."""
+    module = build_stage(SPEC, 1, 3, seed=1)
+    optimizer = build_optimizer(module, OptimizerSettings())
+    copy = live_copy(module, optimizer, 0)
+    count = sum(p.numel() for p in module.parameters())
+    g = torch.Generator().manual_seed(0)
+    deltas = [StepDelta(step, 8, torch.randn(count, generator=g)) for step in range(40)]
+    versions = {copy.version}
+    seen: set[tuple[int, str]] = set()
+
+    def advance() -> None:
+        for delta in deltas:
+            versions.add(copy.advance([delta]))
+
+    stepping = threading.Thread(target=advance)
+    stepping.start()
+    while stepping.is_alive():
+        seen.add(copy.version)
+    stepping.join()
+    assert len(seen) > 1 and seen <= versions, "every version read is one the copy was at"
