@@ -80,7 +80,7 @@ class Standby:
         """The state's tensors with the step, fingerprint, samples stepped and optimizer flag they are at, read
         together: a catch-up landing between the tensors and the step would give a step they are not at."""
         with self.lock:
-            return self.load(), self.step, self.fingerprint, self.samples_stepped, self.has_optimizer_state
+            return self.load(), *self.version, self.samples_stepped, self.has_optimizer_state
 
     def apply(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Copies the state into a freshly built stage and its optimizer."""

@@ -65,7 +65,7 @@ class Holder:
     async def _announce(self, record=None) -> None:
         self.announced += 1
         if self.honest:
-            self.announce((self.copy.step, self.copy.fingerprint))
+            self.announce(self.copy.version)
 
     async def _fetch_records(self, only=None):
         return await self.board.read(only)
