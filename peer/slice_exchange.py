@@ -93,6 +93,8 @@ class SliceExchange:
         self.caught_owners = 0  # owners whose sums this peer's audit refuted
         # (step, attempt, digest) -> summed slices this peer holds, by index
         self.kept: OrderedDict[tuple[int, int, bytes], dict[int, torch.Tensor]] = OrderedDict()
+        # (step, attempt) -> members this peer's slice messages could not reach: gone for that attempt
+        self.unsent: OrderedDict[tuple[int, int], set[str]] = OrderedDict()
         self.handle = protocol_handler(
             RoundSlice, self._new_reply, self._answer, machine.limits, failure="Failed to take a slice from {sender}"
         )
@@ -385,6 +387,13 @@ class SliceExchange:
                 return False  # a member gave this attempt up: what it has not sent will not come
             if missing() & gone:
                 return False  # a member died: what it has not sent will not come
+            if unreached := missing() & self.unsent.get((step, attempt), set()):
+                # a killed mate refuses the connection at once; waiting for a probe to say so held the round seconds
+                logger.warning(
+                    f"Stage {machine.stage} step {step}: this peer's slices could not reach {sorted(unreached)}; "
+                    "giving this attempt of the round up without waiting for them"
+                )
+                return False
             self.waiting.probe_late(step, missing(), probed, gone)
             wait = self.waiting.wait_for(missing(), started)
             if patience is not None:
@@ -418,6 +427,9 @@ class SliceExchange:
         if isinstance(reply, Exception):
             logger.warning(f"Stage {machine.stage} step {message.step}: mate {peer_id} is unreachable ({reply})")
             self.membership.mark_unreachable(peer_id)
+            self.unsent.setdefault((message.step, message.attempt), set()).add(peer_id)
+            while len(self.unsent) > KEPT_ROUNDS:
+                self.unsent.popitem(last=False)
             machine.changed.set()
         elif reply.error.code != ErrorCode.OK:
             logger.warning(f"Stage {machine.stage}: mate {peer_id} refused a slice: {reply.error.message}")

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from hivemind.p2p import P2P, PeerID
 
-from swarm.net.transport import exchange
+from swarm.net.transport import dial_refused, exchange
 from swarm.net.wire import Frame, WireLimits
 from swarm.peer.faults import FaultPlan
 from swarm.peer.mate_messages import Held, named_ids
@@ -183,7 +183,9 @@ class StepMachine:
     async def call_mate(
         self, peer_id: str, protocol: str, frames: list[Frame], timeout: float, limits: WireLimits | None = None
     ) -> MateReply | Exception:
-        """One call to a mate, tried `SEND_ATTEMPTS` times: its reply, or the last error if none came."""
+        """One call to a mate, tried `SEND_ATTEMPTS` times: its reply, or the last error if none came. A refused
+        dial is not tried again: nothing listens at the mate's addresses (a killed peer's port is closed, and
+        libp2p answers another dial within its backoff with the same refusal), and each try held the round."""
         for send in range(SEND_ATTEMPTS):
             try:
                 target = PeerID.from_base58(peer_id)
@@ -191,7 +193,7 @@ class StepMachine:
                 reply, _ = await asyncio.wait_for(calling, timeout)
                 return reply
             except Exception as e:
-                if send + 1 == SEND_ATTEMPTS:
+                if send + 1 == SEND_ATTEMPTS or dial_refused(e):
                     return e
                 await asyncio.sleep(0.2 * (send + 1))
         raise AssertionError("unreachable")

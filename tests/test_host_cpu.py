@@ -37,3 +37,7 @@ def test_a_roles_cpu_counts_as_starting_in_its_first_seconds_then_running_and_a_
     report = phase_cpu(before, after, time.monotonic() - started, samples=10, starts=1)
     assert report["starting_cpu_s_per_start"] == pytest.approx(used["starting"], abs=0.01), report
     assert report["trainers_cpu_ms_per_sample"] == pytest.approx(100 * used["trainers"], abs=0.01), report
+    # the running role's CPU by program: the burn is its child's (as a peer's DHT node is), not its own process's
+    by_program = report["running_cpu_ms_per_sample_by_program"]
+    assert sum(by_program.values()) == pytest.approx(report["running_cpu_ms_per_sample"], abs=0.05), report
+    assert by_program["children"] > 0.9 * report["running_cpu_ms_per_sample"] and by_program["p2pd"] == 0, report

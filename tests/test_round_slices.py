@@ -164,3 +164,26 @@ def test_a_mate_dying_mid_round_is_dropped_within_seconds_not_at_the_averaging_t
     survivors = peer_infos(local_swarm, 1)
     assert len({(i.step, i.fingerprint) for i in survivors}) == 1, survivors
     stage_1_matches_reference(local_swarm, tmp_path, steps, "peer1b")
+
+
+@pytest.mark.timeout(300)
+def test_a_mate_whose_slices_cannot_reach_it_is_given_up_at_once_not_after_a_probe(local_swarm, tmp_path):
+    """peer1a dies once the first round's contributors are agreed, before its slices go out; its record outlives
+    it by a minute. Its mates' parts to it are refused at the dial, and they give the attempt up on that refusal
+    rather than wait for a probe to find it gone (the probe first asks after seconds); the retry goes on without
+    it and stage 1 ends as one process would."""
+    steps = 3
+    patient = ["--averaging-timeout", "120", "--record-ttl", "60", "--short-wait", "20", "--standby-stages", "0"]
+    start_swarm(
+        local_swarm,
+        tmp_path,
+        {0: ["peer0"], 1: ["peer1a", "peer1b"], 2: ["peer2"]},
+        {"peer1a": ["--faults", "before_slices@1=die", *patient], "peer1b": patient},
+    )
+    flags = [*trainer_flags(steps, tmp_path / "summary.json", microbatch_size=1, in_flight=8)]
+    trainer = local_swarm.start_trainer("trainer", [*flags, "--resend-buffer-mb", "64"])
+    assert trainer_exit_code(local_swarm, trainer, 100) == 0, local_swarm.log_path("trainer").read_text()[-3000:]
+    log = local_swarm.log_path("peer1b").read_text()
+    assert "step 0: this peer's slices could not reach" in log, log[-3000:]
+    assert "the round failed" in log or "a mate died holding" in log, log[-3000:]
+    stage_1_matches_reference(local_swarm, tmp_path, steps, "peer1b")

@@ -6,12 +6,14 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
+from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure
 
 from swarm.net.transport import StageCallError
 from swarm.peer import mates as mates_module
-from swarm.peer import round_waiting
+from swarm.peer import round_waiting, step_machine
 from swarm.peer.mates import StageMates
 from swarm.peer.round_waiting import SILENT_PROBES, RoundWaiting
+from swarm.peer.step_machine import SEND_ATTEMPTS, StepMachine
 from swarm.proto import ErrorCode, PeerInfo
 
 MATE = "QmPeerMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMM"
@@ -131,3 +133,30 @@ def test_a_probed_member_alive_at_the_rounds_step_is_sent_this_peers_offer_again
     nudged.clear()
     probe_with(monkeypatch, [PeerInfo(stage=1, step=6), PeerInfo(stage=2, step=5), SILENT], nudged=nudged)
     assert not nudged  # past the round, on another stage, or silent: no reminder
+
+
+@pytest.mark.parametrize(
+    ("failure", "tries"),
+    [
+        (ControlFailure("Connect failed. msg=failed to dial: failed to dial Qm: all dials failed: dial backoff"), 1),
+        (ConnectionResetError("Connection reset by peer"), SEND_ATTEMPTS),
+        (asyncio.TimeoutError(), SEND_ATTEMPTS),
+    ],
+    ids=["dial_refused", "reset", "timeout"],
+)
+def test_a_call_to_a_mate_is_tried_again_unless_its_dial_was_refused(monkeypatch, failure, tries):
+    """A refused dial means nothing listens at the mate's addresses (libp2p answers the next dial within its
+    backoff alike): the round learns it at once. A broken or slow call may go through the next time."""
+    calls = []
+
+    async def exchange(p2p, peer_id, protocol, frames, reply_type, limits):
+        calls.append(peer_id)
+        raise failure
+
+    async def no_sleep(seconds):
+        pass
+
+    monkeypatch.setattr(step_machine, "exchange", exchange)
+    monkeypatch.setattr(step_machine.asyncio, "sleep", no_sleep)
+    reply = asyncio.run(StepMachine.call_mate(SimpleNamespace(p2p=None), MATE, "/swarm/mates/slice", [], 5.0))
+    assert reply is failure and len(calls) == tries

@@ -5,7 +5,9 @@ daemons, its joining and its first standby copies), where on spot instances each
 `HostCpu` sampler reads `/proc` every half second and charges each descendant process's CPU time to the
 role it belongs to (the ancestor just below the launcher: the forkserver's or this process's child): to
 "trainers" for the roles named as trainers, else as "starting" while the role is younger than
-`STARTING_S` seconds, else "running".
+`STARTING_S` seconds, else "running". The running roles' CPU is also split by program: the role's own
+process, its Python children (the DHT node) and its libp2p daemons, to say which part a phase's extra CPU
+per sample is in.
 """
 
 from __future__ import annotations
@@ -19,14 +21,18 @@ PERIOD_S = 0.5
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def _stat(pid: int) -> tuple[int, float, float] | None:
-    """(parent pid, CPU seconds, start time in seconds since boot) of `pid`; None if it is gone."""
+PROGRAMS = ("role", "children", "p2pd")  # a running role's own process, its Python children, its libp2p daemons
+
+
+def _stat(pid: int) -> tuple[int, float, float, str] | None:
+    """(parent pid, CPU seconds, start time in seconds since boot, program name) of `pid`; None if it is gone."""
     try:
         text = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
     fields = text[text.rindex(")") + 2 :].split()  # after "pid (comm) "
-    return int(fields[1]), (int(fields[11]) + int(fields[12])) / TICKS, int(fields[19]) / TICKS
+    name = text[text.index("(") + 1 : text.rindex(")")]
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) / TICKS, int(fields[19]) / TICKS, name
 
 
 def _uptime() -> float:
@@ -38,7 +44,7 @@ class HostCpu:
 
     def __init__(self) -> None:
         self.root = os.getpid()
-        self.totals = {"starting": 0.0, "running": 0.0, "trainers": 0.0}
+        self.totals = {"starting": 0.0, "running": 0.0, "trainers": 0.0, **{f"running_{p}": 0.0 for p in PROGRAMS}}
         self.trainers: set[int] = set()  # roles charged to "trainers" (they start with every phase)
         self._last: dict[int, float] = {}
         self._since = _uptime()
@@ -72,7 +78,7 @@ class HostCpu:
         now = _uptime()
         seen: dict[int, float] = {}
         with self._lock:
-            for pid, (_, cpu, _) in stats.items():
+            for pid, (_, cpu, _, name) in stats.items():
                 role = self._role_of(pid, stats)
                 if role is None:
                     continue
@@ -84,9 +90,12 @@ class HostCpu:
                 else:
                     kind = "starting" if now - stats[role][2] < STARTING_S else "running"
                 self.totals[kind] += max(0.0, delta)
+                if kind == "running":
+                    program = "role" if pid == role else "p2pd" if "p2pd" in name else "children"
+                    self.totals[f"running_{program}"] += max(0.0, delta)
             self._last = seen
 
-    def _role_of(self, pid: int, stats: dict[int, tuple[int, float, float]]) -> int | None:
+    def _role_of(self, pid: int, stats: dict[int, tuple[int, float, float, str]]) -> int | None:
         """The ancestor of `pid` just below a launcher (this process or a forkserver of it); None outside."""
         chain = [pid]
         while (parent := stats.get(chain[-1], (0,))[0]) not in (0, 1) and len(chain) < 32:
@@ -114,8 +123,8 @@ def _is_launcher(pid: int) -> bool:
 def phase_cpu(before: dict[str, float], after: dict[str, float], seconds: float, samples: int, starts: int) -> dict:
     """A phase's CPU from two snapshots: all of it and its share of the machine's cores; the starting peers'
     share and CPU per start; the running peers' and the trainers' CPU per sample trained."""
-    used = {kind: after[kind] - before[kind] for kind in after}
-    total = sum(used.values())
+    used = {kind: after[kind] - before.get(kind, 0.0) for kind in after}
+    total = sum(used[kind] for kind in ("starting", "running", "trainers"))
     per_sample = {
         f"{kind}_cpu_ms_per_sample": round(1000 * used[kind] / samples, 2) if samples else None
         for kind in ("running", "trainers")
@@ -127,4 +136,7 @@ def phase_cpu(before: dict[str, float], after: dict[str, float], seconds: float,
         "starting_share": round(used["starting"] / total, 3) if total else 0.0,
         "starting_cpu_s_per_start": round(used["starting"] / starts, 2) if starts else None,
         **per_sample,
+        "running_cpu_ms_per_sample_by_program": {
+            program: round(1000 * used[f"running_{program}"] / samples, 2) if samples else None for program in PROGRAMS
+        },
     }
