@@ -171,14 +171,20 @@ def test_a_mate_whose_slices_cannot_reach_it_is_given_up_at_once_not_after_a_pro
     """peer1a dies once the first round's contributors are agreed, before its slices go out; its record outlives
     it by a minute. Its mates' parts to it are refused at the dial, and they give the attempt up on that refusal
     rather than wait for a probe to find it gone (the probe first asks after seconds); the retry goes on without
-    it and stage 1 ends as one process would."""
+    it and stage 1 ends as one process would. peer1a dies 3 s after the agreement, once its commit has surely
+    reached peer1b (dead before, it is found gone in the commits); peer1b holds its parts back 6 s, so that they
+    leave once peer1a is surely gone (sent a moment before its death, they would be taken and only a probe could
+    tell)."""
     steps = 3
     patient = ["--averaging-timeout", "120", "--record-ttl", "60", "--short-wait", "20", "--standby-stages", "0"]
     start_swarm(
         local_swarm,
         tmp_path,
         {0: ["peer0"], 1: ["peer1a", "peer1b"], 2: ["peer2"]},
-        {"peer1a": ["--faults", "before_slices@1=die", *patient], "peer1b": patient},
+        {
+            "peer1a": ["--faults", "before_slices@1=delay:3,before_slices@1=die", *patient],
+            "peer1b": ["--faults", "before_slices@1=delay:6", *patient],
+        },
     )
     flags = [*trainer_flags(steps, tmp_path / "summary.json", microbatch_size=1, in_flight=8)]
     trainer = local_swarm.start_trainer("trainer", [*flags, "--resend-buffer-mb", "64"])
