@@ -166,7 +166,7 @@ def test_a_backward_is_answered_only_once_the_stage_mates_count_it(local_swarm, 
     for _ in range(30):  # pause the trainer between steps: A holds no sample of the step to come
         local_swarm.signal("trainer", signal.SIGSTOP)
         time.sleep(1.5)  # calls already out land
-        if accumulated(local_swarm, ["peer1a"]) == [0]:
+        if accumulated(local_swarm, ["peer1a"])[0] == [0]:
             break
         local_swarm.signal("trainer", signal.SIGCONT)
         time.sleep(random.uniform(0.2, 1.0))
@@ -197,14 +197,30 @@ def peer_id_of(local_swarm, name: str) -> str:
     return re.search(r"peer id (\w+)", local_swarm.log_path(name).read_text()).group(1)
 
 
-def accumulated(local_swarm, names: list[str]) -> list[int]:
-    """Samples each named peer holds toward its stage's next step, asked over the wire."""
+def accumulated(local_swarm, names: list[str]) -> tuple[list[int], bool]:
+    """Samples each named peer holds toward its stage's next step, asked over the wire, and whether every one of
+    them is idle: nothing queued, no round under way (what it holds can change only by a call still landing)."""
 
-    async def ask(p2p) -> list[int]:
+    async def ask(p2p) -> tuple[list[int], bool]:
         infos = [await get_peer_info(p2p, PeerID.from_base58(peer_id_of(local_swarm, n))) for n in names]
-        return [info.samples_accumulated for info in infos]
+        idle = all(info.queue_length == 0 and info.step_state == "accumulating" for info in infos)
+        return [info.samples_accumulated for info in infos], idle
 
     return run_p2p_client(local_swarm.initial_peers, ask)
+
+
+def settled_holdings(local_swarm, names: list[str], reads: int = 12) -> list[int] | None:
+    """What each named peer holds once two reads half a second apart agree with every peer idle (the calls a paused
+    trainer had out have landed: on a loaded machine they take seconds, and one landing after a read filled the
+    batch, so the peer to die stepped on what it was counted holding); None if they never settle."""
+    last = None
+    for _ in range(reads):
+        held, idle = accumulated(local_swarm, names)
+        if idle and held == last:
+            return held
+        last = held if idle else None
+        time.sleep(0.5)
+    return None
 
 
 @pytest.mark.timeout(300)
@@ -220,9 +236,9 @@ def test_newcomer_learns_samples_lost_with_a_mate_that_died_before_it_joined(loc
     # (a loaded machine may give one peer nearly all of them), so the one that holds some is the one to die
     for _ in range(20):
         local_swarm.signal("trainer", signal.SIGSTOP)
-        time.sleep(2)  # calls already out land
-        held = accumulated(local_swarm, ["peer1a", "peer1b"])
-        if max(held) > 0:
+        held = settled_holdings(local_swarm, ["peer0", "peer1a", "peer1b", "peer2"])
+        if held is not None and max(held[1:3]) > 0:
+            held = held[1:3]
             break
         local_swarm.signal("trainer", signal.SIGCONT)
         time.sleep(1)
