@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import signal
 import statistics
 import subprocess
@@ -23,6 +24,9 @@ from pathlib import Path
 from harness.averaging_mate import PROTOCOL_PREFIX, bench_gradient, digest
 
 SCRIPTS = Path(__file__).resolve().parents[1]
+# what hivemind logs when a round ends inexact without failing: a part whose reducer failed keeps the mate's
+# own values ("received 50.0% results"), and a step retried after a part was applied in place averages again
+HIVEMIND_FALLBACKS = re.compile(r"Averaging: received [0-9.]+% results|caught .*, retrying")
 START_DELAY = 1.0  # seconds between telling the mates a round's start time and that time
 
 
@@ -161,7 +165,17 @@ def run_group(spec: GroupSpec) -> dict:
         return {"error": str(e), "rounds_done": len(rounds), "seconds": round(time.monotonic() - started, 1)}
     finally:
         end_all(mates)
-    return summarize(spec, rounds[spec.warmup :], peaks, setup_s, expected_digest(spec))
+    result = summarize(spec, rounds[spec.warmup :], peaks, setup_s, expected_digest(spec))
+    fallbacks = count_fallbacks([log(mate.rank) for mate in mates])
+    if fallbacks:
+        result["hivemind_fallbacks"] = fallbacks
+    return result
+
+
+def count_fallbacks(logs: list[Path | None]) -> int:
+    """How many times hivemind said a mate's round fell back to its own values or was averaged again."""
+    said = [log.read_text(errors="replace") for log in logs if log is not None and log.exists()]
+    return sum(len(HIVEMIND_FALLBACKS.findall(text)) for text in said)
 
 
 def summarize(spec: GroupSpec, rounds: list[list[dict]], peaks: list[dict], setup_s: float, expected: str) -> dict:
