@@ -166,7 +166,7 @@ def run_group(spec: GroupSpec) -> dict:
     finally:
         end_all(mates)
     result = summarize(spec, rounds[spec.warmup :], peaks, setup_s, expected_digest(spec))
-    fallbacks = count_fallbacks([log(mate.rank) for mate in mates])
+    fallbacks = count_fallbacks([log(mate.rank) for mate in mates]) if spec.engine == "hivemind" else 0
     if fallbacks:
         result["hivemind_fallbacks"] = fallbacks
     return result
