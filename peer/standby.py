@@ -20,8 +20,8 @@ leaves its stage as on a move and builds the lost stage from its copy, at the co
 how many steps of progress were lost. A stage whose last peers left on request (a stop, a preemption
 notice) is not taken over: whoever stops a swarm one peer at a time does not want its stages
 shuffled. Where no holder restores a lost stage within `FILL_PERIODS` more announce periods (at once where
-no holder may), a peer of the stage with the most to spare moves there (`swarm.policy.empty_stages`); one
-the records chose only because their choice failed its probe gives that one a period more to show its move.
+none may), a peer of the stage with the most to spare moves there (`swarm.policy.empty_stages`) once the
+stage's peers refused a dial or their records lapsed, and a period later where the records' choice failed its probe.
 A peer that joins an empty stage (a newcomer with `--stage auto` picks one first) takes the freshest
 copy from a holder over `STANDBY_PROTOCOL`, which answers only a peer whose signed record is on that
 stage."""
@@ -71,8 +71,8 @@ HEARD_MEMORY = 60.0  # seconds after a read last showed a record whose peer saw 
 FOLLOWING_SHARE = 0.5
 MAX_DELTA_MISSES = 2  # sources whose deltas led nowhere confirmed before a stage's copy is only refreshed whole
 WHOLE_SWARM_EVERY = 5  # announce periods between a keeper's reads of every stage; in between, the ones it holds
-# announce periods a peer whose record vanished from a read is asked whether it lives before it is forgotten: a read
-# can miss a live peer's record (a DHT node that missed its last store), and only a failed probe says it died
+# announce periods a peer whose record vanished from a read is asked whether it lives before it is forgotten (a read
+# can miss a live peer's record: a DHT node that missed its last store); only a failed probe says it died
 SUSPECT_PERIODS = 10
 
 
@@ -162,10 +162,9 @@ class StandbyKeeper:
 
     def stages_to_read(self) -> list[int] | None:
         """The stages this period's read needs (the peer's own and those it holds copies of, while copies follow
-        their stages only every few periods: see `held_reads`), or None for every
-        stage: every `WHOLE_SWARM_EVERY` periods (which peers hold copies of this peer's stage) and while a
-        stage looks lost, here or in another peer's record (its restorer, or the peer that fills it, is chosen
-        from every peer's record)."""
+        their stages only every few periods: see `held_reads`), or None for every stage: every `WHOLE_SWARM_EVERY`
+        periods (which peers hold copies of this peer's stage) and while a stage looks lost, here or in another
+        peer's record (its restorer, or the peer that fills it, is chosen from every peer's record)."""
         self.reads += 1
         woken = self.probes.take_news()  # a peer fell silent: its stage may be lost, and a restorer is chosen at once
         if self.reads % WHOLE_SWARM_EVERY == 1 or self.empty_since or self.hinted or woken:
@@ -372,21 +371,23 @@ class StandbyKeeper:
     def _fill_empty(
         self, records: dict[int, list[StageRecord]], now: float, read: dict[int, list[StageRecord]]
     ) -> None:
-        """Moves this peer to a stage left empty that no holder restores, if the records choose it (`records`:
-        `read` less the peers that failed a probe)."""
+        """Moves this peer to a lost stage no holder restores, if `records` (`read` less failed probes) choose it."""
         peer = self.peer
         for stage, since in sorted(self.empty_since.items()):
-            # the holders have their periods to restore it first, unless none can (each its own stage's last peer):
-            # a filler that waited for them anyway served a first wave's lost stage 15 s after the wave. Where only
-            # this peer's probes say none can (a holder's mate slow to answer on a loaded host), one period more,
-            # for a holder that found itself chosen to show its move: a filler and a holder once both moved
+            # the holders have their periods first, unless none can (each its own stage's last peer: waiting anyway
+            # served a first wave's lost stage 15 s late). Where only this peer's probes say none can (a holder's
+            # mate slow to answer), one period more for a holder that found itself chosen: both once moved
             if choose_restorer(stage, records) is not None:
                 extra = FILL_PERIODS
             else:
                 extra = 1 if choose_restorer(stage, read) is not None else 0
             grace = (LOST_GRACE + extra) * peer.config.announce_period
-            # a stage never seen served is one whose peers are still starting, not one that lost them
+            # a stage never seen served is one whose peers are still starting; a filler moves once the stage's peers
+            # refused a dial or their records lapsed, never on a probe that timed out (a stage's one slow peer on a
+            # loaded start once drew the peer of a two-peer stage that way, and that stage was left one bad peer)
             if now - since < grace or stage in self.left_on_request or stage not in self.seen_serving:
+                continue
+            if stage not in lost_stages(read, peer.config.num_stages) and not self.probes.all_refused(read[stage]):
                 continue
             barred = self.accused()
             if choose_filler(stage, records, barred) != peer.peer_id or self.probes.on_the_way(stage, records):
@@ -591,8 +592,6 @@ class StandbyKeeper:
     def move_failed(self) -> None:
         """The move to restore a stage did not happen: the next look decides again."""
         self.restore_pending = None
-
-    # --- a newcomer on an empty stage -------------------------------------------------------------------
 
     async def fetch_for_newcomer(self, timeout: float = JOIN_RESTORE_TIMEOUT) -> bool:
         """Brings this peer's stage back from a standby copy (see `NewcomerRestore.fetch`); True if it did."""

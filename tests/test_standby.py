@@ -413,6 +413,36 @@ def test_a_filler_chosen_only_by_its_own_probes_gives_the_one_the_records_choose
     assert moves == [2], "it did not move within the period: this peer fills the stage"
 
 
+def test_a_filler_moves_on_a_refused_dial_or_a_lapsed_record_never_on_a_probe_that_timed_out():
+    """A CI run on loaded cores: a stage's one peer, slow to start, renewed its record late and timed out a probe, and
+    a peer of a two-peer stage moved to fill it, leaving its own stage one peer that replied NaN. A timeout says the
+    peer is slow; only a refused dial (nothing listens where it was) or its lapsed record says it is gone."""
+    refusal = ControlFailure("Connect failed. msg=failed to dial: connect: connection refused")
+    config = PeerConfig(model="gpt-tiny", num_stages=3, announce_period=1.0)
+    stage0 = [record("peerA", 0), record("peerB", 0), record("peerF", 0)]  # the stage with the most to spare
+    for failure, lapsed, fills in (
+        (asyncio.TimeoutError(), False, False),
+        (refusal, False, True),
+        (asyncio.TimeoutError(), True, True),
+    ):
+        moves: list[int] = []
+        peer = SimpleNamespace(config=config, stage=0, state=SERVING, mates=None, peer_id="peerA" * 4)
+        peer.request_move = moves.append
+        keeper = StandbyKeeper(peer)  # no holder of stage 2's copy anywhere: a filler is the only way back
+        swarm = {0: stage0, 1: [record("peerC", 1)], 2: [record("peerD", 2)]}
+        keeper.observe(swarm)
+        asyncio.run(probe_with(keeper.probes, {"peerD" * 4: failure}))
+        keeper.observe(swarm if not lapsed else {**swarm, 2: []})
+        assert 2 in keeper.empty_since, "lost to this peer's view either way"
+        if not moves:  # a refused dial moves it at once; otherwise long past every grace
+            keeper.empty_since[2] -= (LOST_GRACE + FILL_PERIODS + 1) * 1.0
+            keeper.observe(swarm if not lapsed else {**swarm, 2: []})
+        assert moves == ([2] if fills else []), (failure, lapsed)
+        if not fills:  # its record lapses: gone after all, and filled at once
+            keeper.observe({**swarm, 2: []})
+            assert moves == [2]
+
+
 def test_a_filler_counts_the_steps_a_stage_had_reached_from_what_it_saw_before_its_records_expired():
     # the wave took stage 1 at step 45; by the time a peer moves there, its records have expired, and the freshest
     # copy is of step 34: the restore line must say 45, or the steps between would read as lost silently
