@@ -93,6 +93,9 @@ class SliceExchange:
         self.caught_owners = 0  # owners whose sums this peer's audit refuted
         # (step, attempt, digest) -> summed slices this peer holds, by index
         self.kept: OrderedDict[tuple[int, int, bytes], dict[int, torch.Tensor]] = OrderedDict()
+        # (step, attempt, digest) -> the round's slice owners: a mate asking for a dead owner's sum is answered with
+        # the one received here before this peer's own gather ended (it asks at once when the owner refuses a dial)
+        self.owners: OrderedDict[tuple[int, int, bytes], list[str]] = OrderedDict()
         # (step, attempt) -> members this peer's slice messages could not reach: gone for that attempt
         self.unsent: OrderedDict[tuple[int, int], set[str]] = OrderedDict()
         self.handle = protocol_handler(
@@ -109,6 +112,9 @@ class SliceExchange:
         if not any(box[p].samples > 0 for p in senders):
             return None
         digest = contributors_digest(step, attempt, senders)
+        self.owners[(step, attempt, digest)] = owners
+        while len(self.owners) > KEPT_ROUNDS:
+            self.owners.popitem(last=False)
         bounds = slice_bounds(machine.num_parameters, len(owners))
         mine = owners.index(machine.peer_id)
         head = dict(step=step, attempt=attempt, count=len(owners), contributors=digest)
@@ -505,9 +511,21 @@ class SliceExchange:
         return None
 
     def _fetched(self, message: RoundSlice, reply: MateReply) -> list:
-        """A kept sum of the slice asked for, or NOT found (UNAVAILABLE)."""
-        kept = self.kept.get((message.step, message.attempt, bytes(message.contributors)), {})
-        if message.index not in kept:
+        """A sum of the slice asked for, kept or as its owner sent it here, or NOT found (UNAVAILABLE)."""
+        key = (message.step, message.attempt, bytes(message.contributors))
+        tensor = self.kept.get(key, {}).get(message.index)
+        if tensor is None:
+            tensor = self._received_sum(key, message.count, message.index)
+        if tensor is None:
             reply.error.CopyFrom(Error(code=ErrorCode.UNAVAILABLE, message=f"no sum of slice {message.index} here"))
             return [reply]
-        return pack_frames(reply, encode_tensor(kept[message.index], self.codec))
+        return pack_frames(reply, encode_tensor(tensor, self.codec))
+
+    def _received_sum(self, key: tuple[int, int, bytes], count: int, index: int) -> torch.Tensor | None:
+        """Slice `index`'s sum as its owner sent it to this peer, for a round whose gather has not ended here."""
+        step, attempt, digest = key
+        owners, state = self.owners.get(key), self.machine.steps.get(step)
+        if owners is None or len(owners) != count or state is None or attempt not in state.inbox:
+            return None
+        received = state.inbox[attempt].reduced.get(owners[index])  # only the owner's own word for its slice
+        return received.tensor if received is not None and received.fits(digest, count, index) else None

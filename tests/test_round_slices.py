@@ -4,6 +4,8 @@ between the agreement and the last slice."""
 from __future__ import annotations
 
 import re
+from collections import defaultdict
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,9 +13,12 @@ from conftest import assert_matches_reference, reference_run, trainer_flags, wai
 from test_peer_death import trainer_exit_code
 from test_step_protocol import peer_infos, start_swarm, step_lines
 
+from swarm.compression import get_codec
+from swarm.net.wire import WireLimits, decode_tensors
 from swarm.peer.checkpoint import load_checkpoint
 from swarm.peer.contribution_bounds import CLIP_FACTOR
 from swarm.peer.round_slices import (
+    SliceMessage,
     contributors_digest,
     owner_scales,
     reduce_slice,
@@ -21,6 +26,9 @@ from swarm.peer.round_slices import (
     slice_length,
     slice_owners,
 )
+from swarm.peer.slice_exchange import SliceExchange
+from swarm.peer.step_machine import StepState
+from swarm.proto import PROTOCOL_VERSION, ErrorCode, MateReply, RoundSlice, SliceKind
 
 # a mate dropped in the round, not at its timeout
 DROPPED = re.compile(r"mate \S+ is (gone|unreachable) \(")
@@ -63,6 +71,34 @@ def test_an_understated_norm_is_bounded_by_what_its_slice_shows():
     # the third states 1.0 but its slice alone holds 100: its slice is scaled down to the group's bound
     scales = owner_scales([1.0, 1.2, 1.0], [0.5, 0.6, 100.0], samples)
     assert scales[:2] == [1.0, 1.0] and scales[2] == pytest.approx(CLIP_FACTOR * 1.2 / 100.0)  # the lower median: 1.2
+
+
+def test_a_mate_asked_for_a_dead_owners_sum_answers_with_the_one_it_received_before_its_gather_ended():
+    """A CI run: an owner died right after sending its sum to one mate; the other mate, refused the dial when it sent
+    the owner its own sum, asked the first for that sum at once, before the first had gathered every slice and kept
+    them, was told it had none, and failed the round that the first then stepped on without it."""
+    owners = ["peerA", "peerB", "peerC"]  # peerA died; this peer is peerB; peerC asks for slice 0
+    digest = contributors_digest(5, 0, owners)
+    machine = SimpleNamespace(limits=WireLimits(), steps=defaultdict(StepState), runtime=SimpleNamespace(step=5))
+    exchange = SliceExchange(machine, None, get_codec("none"), averaging_timeout=1.0, waiting=None)
+    exchange.owners[(5, 0, digest)] = owners
+    inbox = machine.steps[5].inbox[0]
+    inbox.reduced["peerA"] = SliceMessage(digest, 3, 0, torch.arange(4.0))  # the owner's own sum of slice 0
+    inbox.reduced["peerC"] = SliceMessage(digest, 3, 1, torch.zeros(4))  # not slice 1's owner: never handed on
+
+    def fetch(index: int, count: int = 3, step: int = 5) -> tuple[int, list]:
+        kind = SliceKind.FETCH
+        ask = RoundSlice(protocol_version=PROTOCOL_VERSION, step=step, kind=kind, index=index, count=count)
+        ask.contributors = digest
+        answer = exchange._fetched(ask, MateReply(protocol_version=PROTOCOL_VERSION, step=5))
+        header = getattr(answer[0], "message", answer[0])  # frames with a tensor, or the bare reply
+        return header.error.code, [part for frame in answer for part in getattr(frame, "parts", [])]
+
+    code, parts = fetch(0)
+    assert code == ErrorCode.OK and torch.equal(decode_tensors(parts, WireLimits())[0], torch.arange(4.0))
+    for index, count, step in ((1, 3, 5), (0, 2, 5), (0, 3, 6)):  # a sender not the owner, another round, step
+        assert fetch(index, count, step)[0] == ErrorCode.UNAVAILABLE
+    assert 6 not in machine.steps, "an ask for a step this peer never saw leaves no state behind"
 
 
 def stage_1_matches_reference(local_swarm, tmp_path, steps: int, name: str) -> None:
