@@ -313,10 +313,11 @@ class StandbyKeeper:
 
     def _cap_copies(self, records: dict[int, list[StageRecord]]) -> None:
         """Which targets the cap (`--standby-copies`) leaves this peer, from a read of every stage."""
-        peer, cap, stages = self.peer, self.copies_cap, self.peer.config.num_stages
+        peer, cap, held, n_stages = self.peer, self.copies_cap, set(self.standbys), self.peer.config.num_stages
         counts = {self.count, max(self.count, self.churn_count)} if cap > 0 else set()
         self.capped = {
-            (peer.stage, n): set(capped_targets(peer.peer_id, peer.stage, stages, n, cap, records)) for n in counts
+            (peer.stage, n): set(capped_targets(peer.peer_id, peer.stage, n_stages, n, cap, records, held))
+            for n in counts
         }
 
     def following(self, now: float) -> bool:

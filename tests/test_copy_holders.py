@@ -89,10 +89,42 @@ def test_leaving_peers_are_no_candidates_joining_ones_are():
     assert copy_holders(1, 3, 1, 3, records) == ["b"]
 
 
+def test_a_holder_passed_by_newcomers_keeps_its_copy_until_they_announce_theirs():
+    """Two newcomers on a stage can pass every holder of the next stage's copy at once; if the holders dropped
+    theirs then and the stage died before the newcomers took copies, it had none left (a spot trace's stage
+    restarted from step 0 so, 140 steps lost)."""
+    records = swarm(per_stage=2)
+    before = copy_holders(2, 3, 2, 3, records)
+    assert len(before) == 3
+    newcomers = [record(f"newcomer-{i}", s) for i in range(30) for s in (0, 1)]
+    passed = None
+    for k in range(2, len(newcomers), 2):
+        grown = {**records, 0: records[0] + newcomers[0:k:2], 1: records[1] + newcomers[1:k:2]}
+        after = copy_holders(2, 3, 2, 3, grown)
+        if not set(after) & set(before):
+            passed = grown
+            break
+    assert passed is not None, "some newcomers pass every holder"
+    for holder in before:
+        stage = int(holder.split("-")[1])
+        assert 2 not in capped_targets(holder, stage, 3, 2, 3, passed), "holding nothing, it takes no copy"
+        assert 2 in capped_targets(holder, stage, 3, 2, 3, passed, held=[2]), "its copy stays while theirs are -1"
+    holding = copy_holders(2, 3, 2, 3, passed)
+    announced = {
+        s: [record(r.peer_id, s, [(2, 7 if r.peer_id in holding else -1, "")]) for r in group]
+        for s, group in passed.items()
+    }
+    for holder in before:
+        stage = int(holder.split("-")[1])
+        assert 2 not in capped_targets(holder, stage, 3, 2, 3, announced, held=[2]), "replaced: dropped"
+
+
 def test_a_keeper_past_the_cap_drops_its_copy_and_one_within_it_keeps_its_own():
     """The wiring in `swarm.peer.standby`: the cap is taken from a read of every stage, and what it leaves
-    out is dropped; a copy of a stage that looks lost is kept whatever the cap."""
-    records = swarm(per_stage=5)
+    out is dropped once the holders within it announce copies; a copy of a stage that looks lost is kept
+    whatever the cap."""
+    records = swarm(per_stage=5, holding={})
+    records = swarm(per_stage=5, holding={h: [1] for h in copy_holders(1, 3, 1, 3, records)})
     holders = copy_holders(1, 3, 1, 3, records)
     outside = next(r.peer_id for r in records[0] if r.peer_id not in holders)
     for peer_id, keeps in ((holders[0], True), (outside, False)):

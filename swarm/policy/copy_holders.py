@@ -16,13 +16,16 @@ that would hold it; they are ranked, the same on every peer that reads the same 
 What a record claims to hold does not count: a claim proves nothing, and a few identities that
 claimed copies they never took would otherwise push every real holder of a stage out of the cap. The
 first `cap` hold it. When a holder dies, the next candidate starts a copy at its next read; a
-newcomer whose digest ranks within the cap takes a copy, and the holder it passes drops its own (a
-newcomer fetched its copies whole before the cap as well).
+newcomer whose digest ranks within the cap takes a copy, and the holder it passes drops its own once
+every holder within the cap announces one (a newcomer fetched its copies whole before the cap as well).
+Dropping at once left a stage with no live copy: in a spot trace, two newcomers passed both fresh
+holders of a stage, whose last peer then died before the newcomers had taken theirs.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 
 from swarm.policy.lost_stages import standby_targets
 from swarm.records.stage_records import JOINING, SERVING, StageRecord
@@ -63,13 +66,29 @@ def copy_holders(
     return holders if cap <= 0 else holders[:cap]
 
 
+def replaced(target: int, holders: list[str], records: dict[int, list[StageRecord]]) -> bool:
+    """Whether every one of `holders` announces a copy of stage `target` (at some step, not the -1 of one still to be
+    taken): a copy held past the cap is kept until then."""
+    announcing = {r.peer_id for group in records.values() for r in group if (r.standby_of(target) or (-1,))[0] >= 0}
+    return all(holder in announcing for holder in holders)
+
+
 def capped_targets(
-    peer_id: str, stage: int, num_stages: int, count: int, cap: int, records: dict[int, list[StageRecord]]
+    peer_id: str,
+    stage: int,
+    num_stages: int,
+    count: int,
+    cap: int,
+    records: dict[int, list[StageRecord]],
+    held: Iterable[int] = (),
 ) -> list[int]:
     """The stages of `standby_targets(stage, num_stages, count)` this peer holds copies of when each stage keeps at
-    most `cap` (see the module docstring)."""
-    return [
-        target
-        for target in standby_targets(stage, num_stages, count)
-        if peer_id in copy_holders(target, num_stages, count, cap, records, (peer_id, stage))
-    ]
+    most `cap` (see the module docstring). A copy it already holds (`held`) past the cap is kept until the holders
+    within the cap announce theirs: newcomers that passed it in rank hold nothing yet, and a wave that took the
+    stage then left it no copy."""
+    kept = []
+    for target in standby_targets(stage, num_stages, count):
+        holders = copy_holders(target, num_stages, count, cap, records, (peer_id, stage))
+        if peer_id in holders or (target in held and not replaced(target, holders, records)):
+            kept.append(target)
+    return kept
