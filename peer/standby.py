@@ -1,30 +1,27 @@
 """Standby copies of other stages' state, and the restore of a stage whose every peer died.
 
-With `--standby-stages K`, a peer of stage s also holds a copy of the state (parameters, optimizer
-state, step) of stages s+1 .. s+K (mod the number of stages), in host memory (or, past
-`--standby-memory-mb`, in `--checkpoint-dir`), never on the accelerator. Its record lists each copy
-as (stage, step, parameter fingerprint). The holder catches the copy up with the stage's step deltas
-(`swarm.peer.step_deltas`: every announce period while the swarm shows churn, else once the copy is
-a quarter of the kept steps behind), or, where those cannot reach it, downloads the whole state once the stage
-is `--standby-every` steps past it and the whole refreshes have taken no more than `--standby-share`
-of the time. Both go over the stage-mates' state protocol: a stage's peers give their state to a peer
-whose signed record names it as a standby holder of that stage, without taking it for a mate. As a
-joiner does, the holder takes only a (step, fingerprint) that two of the stage's peers confirm, where
-two or more serve.
+With `--standby-stages K`, a peer of stage s also holds a copy of the state (parameters, optimizer state, step) of
+stages s+1 .. s+K (mod the number of stages), in host memory (or, past `--standby-memory-mb`, in
+`--checkpoint-dir`), never on the accelerator. Its record lists each copy as (stage, step, parameter fingerprint).
+The holder catches the copy up with the stage's step deltas (`swarm.peer.step_deltas`: every announce period while
+the swarm shows churn, else once the copy is a quarter of the kept steps behind), or, where those cannot reach it,
+downloads the whole state once the stage is `--standby-every` steps past it and the whole refreshes have taken no
+more than `--standby-share` of the time. Both go over the stage-mates' state protocol: a stage's peers give their
+state to a peer whose signed record names it as a standby holder of that stage, without taking it for a mate. As a
+joiner does, the holder takes only a (step, fingerprint) that two of the stage's peers confirm, where two or more
+serve.
 
-A stage is lost when no record shows a peer serving or joining it for `LOST_GRACE` announce periods.
-If its last peers died (their records vanished, none saying it was leaving), every holder then
-computes, from the same records, which of them restores it (`choose_restorer`: a copy close to the freshest; a
-holder whose own stage keeps another serving peer; a movable one first; ties by peer id). That peer
-leaves its stage as on a move and builds the lost stage from its copy, at the copy's step, and says
-how many steps of progress were lost. A stage whose last peers left on request (a stop, a preemption
-notice) is not taken over: whoever stops a swarm one peer at a time does not want its stages
-shuffled. Where no holder restores a lost stage within `FILL_PERIODS` more announce periods (at once where
-none may), a peer of the stage with the most to spare moves there (`swarm.policy.empty_stages`) once the
+A stage is lost when no record shows a peer serving or joining it for `LOST_GRACE` announce periods. If its last
+peers died (their records vanished, none saying it was leaving), every holder then computes, from the same records,
+which of them restores it (`choose_restorer`: a copy close to the freshest; a holder whose own stage keeps another
+serving peer; a movable one first; ties by peer id). That peer leaves its stage as on a move and builds the lost
+stage from its copy, at the copy's step, and says how many steps of progress were lost. A stage whose last peers
+left on request (a stop, a preemption notice) is not taken over: whoever stops a swarm one peer at a time does not
+want its stages shuffled. Where no holder restores a lost stage within `FILL_PERIODS` more announce periods (at once
+where none may), a peer of the stage with the most to spare moves there (`swarm.policy.empty_stages`) once the
 stage's peers refused a dial or their records lapsed, and a period later where the records' choice failed its probe.
-A peer that joins an empty stage (a newcomer with `--stage auto` picks one first) takes the freshest
-copy from a holder over `STANDBY_PROTOCOL`, which answers only a peer whose signed record is on that
-stage."""
+A peer that joins an empty stage (a newcomer with `--stage auto` picks one first) takes the freshest copy from a
+holder over `STANDBY_PROTOCOL`, which answers only a peer whose signed record is on that stage."""
 
 from __future__ import annotations
 
@@ -353,14 +350,14 @@ class StandbyKeeper:
                 reach = max((version[0] for version in announced_versions(serving).values()), default=newest)
                 lagging = reach - copy.step >= max(1, self.deltas // 4)
                 if self.following(now) or (lagging and self.calm_deltas):
-                    self._spawn(self.catch_up(stage, serving))
+                    self._spawn(self.catch_up(stage, serving), fetching=stage)
                 continue
             # a copy at step 0 would be worth nothing: a stage restarted from scratch has the same parameters
             step = copy.step if copy is not None else 0
             # a copy its stage's peers had no deltas for is taken whole at once, not every-so-many steps
             due = newest >= step + self.every or (self.no_deltas.get(stage) == step and newest > step)
             if due and now >= self._refresh_due(stage, now):
-                self._spawn(self.refresh(stage, [r.peer_id for r in serving]))
+                self._spawn(self.refresh(stage, [r.peer_id for r in serving]), fetching=stage)
 
     def _refresh_due(self, stage: int, now: float) -> float:
         """When `stage`'s copy may be refreshed whole again (after its last refresh, whole or by deltas): its copies'
@@ -413,7 +410,9 @@ class StandbyKeeper:
         mates = self.peer.mates
         return set(mates.membership.accused) if mates is not None else set()
 
-    def _spawn(self, coroutine) -> None:
+    def _spawn(self, coroutine, fetching: int | None = None) -> None:
+        if fetching is not None:  # under way now: two reads ending together once started two catch-ups of one copy
+            self.fetching.add(fetching)
         task = asyncio.ensure_future(coroutine)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

@@ -88,10 +88,10 @@ class Standby:
 
     def advance(self, deltas: list[StepDelta]) -> tuple[int, str]:
         """Applies the stage's `deltas` (the first at this copy's step) to a live copy; returns (step, fingerprint)."""
-        if self.module is None or not deltas or deltas[0].step != self.step:
-            first = deltas[0].step if deltas else None
-            raise StageStateError(f"deltas from step {first} do not fit the copy of stage {self.stage} at {self.step}")
-        with self.lock:
+        with self.lock:  # checked under the lock: deltas applied twice would make a copy no peer ever held
+            if self.module is None or not deltas or deltas[0].step != self.step:
+                first = deltas[0].step if deltas else None
+                raise StageStateError(f"deltas from step {first} do not fit stage {self.stage}'s copy at {self.step}")
             self.samples_stepped += apply_deltas(self.module, self.optimizer, deltas)
             self.has_optimizer_state |= any(d.samples > 0 for d in deltas)
             self.step, self.fingerprint = deltas[-1].step + 1, parameter_fingerprint(self.module)

@@ -132,7 +132,7 @@ def test_a_keeper_past_the_cap_drops_its_copy_and_one_within_it_keeps_its_own():
         peer = SimpleNamespace(config=config, stage=0, state=SERVING, mates=None, peer_id=peer_id)
         keeper = StandbyKeeper(peer)
         keeper.standbys[1] = Standby(1, 4, 96, True, "0123456789abcdef", 0, tensors=[])
-        keeper._spawn = lambda coroutine: coroutine.close()  # no event loop here: refreshes never run
+        keeper._spawn = lambda coroutine, fetching=None: coroutine.close()  # no event loop here: refreshes never run
         assert keeper.targets() == [1], "before its first read of every stage it keeps what it holds"
         keeper.observe(records)
         assert keeper.targets() == ([1] if keeps else [])
@@ -140,7 +140,7 @@ def test_a_keeper_past_the_cap_drops_its_copy_and_one_within_it_keeps_its_own():
     lost = {**records, 1: []}
     keeper = StandbyKeeper(SimpleNamespace(config=config, stage=0, state=SERVING, mates=None, peer_id=outside))
     keeper.standbys[1] = Standby(1, 4, 96, True, "0123456789abcdef", 0, tensors=[])
-    keeper._spawn = lambda coroutine: coroutine.close()
+    keeper._spawn = lambda coroutine, fetching=None: coroutine.close()
     keeper.empty_since[1] = 0.0
     keeper.observe(lost)
     assert 1 in keeper.standbys, "the copy of a stage that looks lost stays"

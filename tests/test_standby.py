@@ -104,7 +104,7 @@ def keeper_on_stage_0(moves: list[int]) -> StandbyKeeper:
     keeper = StandbyKeeper(peer)
     keeper.standbys[1] = Standby(1, 4, 96, True, "0123456789abcdef", 0, tensors=[])
     keeper.spawned = []  # the refreshes it would start, by name (no event loop here: never run)
-    keeper._spawn = lambda coroutine: (keeper.spawned.append(coroutine.__name__), coroutine.close())
+    keeper._spawn = lambda coroutine, fetching=None: (keeper.spawned.append(coroutine.__name__), coroutine.close())
     return keeper
 
 
@@ -265,6 +265,33 @@ def test_in_the_calm_a_copy_follows_its_stage_by_deltas_a_quarter_of_their_reach
     calm.calm_deltas = False  # --no-standby-calm-deltas: in the calm, whole refreshes only
     calm._refresh_copies({1: quarter}, now)
     assert calm.spawned == []
+
+
+def test_two_reads_that_end_together_start_one_catch_up_of_a_copy_not_two():
+    """Traced in a p3 replay: the period's read and a holder check's ended together, each started a catch-up of
+    one copy before either ran, and the copy took the same step deltas twice (a fingerprint no peer held; dropped
+    and taken whole)."""
+    keeper = keeper_on_stage_0([])
+    del keeper._spawn  # the keeper's own: tasks on the loop
+    started: list[int] = []
+
+    async def catch_up(stage: int, serving: list) -> None:
+        started.append(stage)
+        await asyncio.sleep(0)
+        keeper.fetching.discard(stage)
+
+    keeper.catch_up = catch_up
+    now = keeper.last_death = time.monotonic()  # a peer died: copies catch up every period
+    stage1 = [record("peerC", 1), record("peerE", 1)]  # at step 5, one past the copy
+
+    async def two_reads() -> None:
+        keeper._refresh_copies({1: stage1}, now)
+        keeper._refresh_copies({1: stage1}, now)
+        await asyncio.gather(*keeper._tasks)
+
+    asyncio.run(two_reads())
+    assert started == [1]
+    assert keeper.fetching == set()
 
 
 def test_a_catch_up_takes_the_newest_version_two_records_announce_never_one_alone():
