@@ -429,8 +429,8 @@ class StandbyKeeper:
     # --- refreshing a copy ----------------------------------------------------------------------------
 
     async def refresh(self, stage: int, serving: list[str]) -> None:
-        """Downloads `stage`'s state from one of its serving peers, taking only a confirmed version."""
-        self.fetching.add(stage)
+        """Downloads `stage`'s state from one of its serving peers, taking only a confirmed version (marked fetching by
+        `_spawn`)."""
         started = time.perf_counter()
         try:
             versions = await self.sources.answered(stage, serving)
@@ -503,8 +503,9 @@ class StandbyKeeper:
         or peers whose arithmetic differs from this host's), the copy is dropped and taken whole at once; after
         such misses from `MAX_DELTA_MISSES` sources, the stage's copy is only refreshed whole (a source that missed
         is not asked again: one liar cannot turn the following off)."""
-        self.fetching.add(stage)
-        copy = self.standbys[stage]
+        if (copy := self.standbys.get(stage)) is None:  # dropped between `_spawn` (which marked it fetching) and now
+            self.fetching.discard(stage)
+            return
         started: float | None = None  # from the transfer on: asking which version to take is no refresh to pace
         try:
             versions = await self.sources.announced(stage, serving, self.following(time.monotonic()), self.probes)

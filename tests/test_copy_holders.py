@@ -123,8 +123,7 @@ def test_a_keeper_past_the_cap_drops_its_copy_and_one_within_it_keeps_its_own():
     """The wiring in `swarm.peer.standby`: the cap is taken from a read of every stage, and what it leaves
     out is dropped once the holders within it announce copies; a copy of a stage that looks lost is kept
     whatever the cap."""
-    records = swarm(per_stage=5, holding={})
-    records = swarm(per_stage=5, holding={h: [1] for h in copy_holders(1, 3, 1, 3, records)})
+    records = swarm(per_stage=5, holding={h: [1] for h in copy_holders(1, 3, 1, 3, swarm(per_stage=5))})
     holders = copy_holders(1, 3, 1, 3, records)
     outside = next(r.peer_id for r in records[0] if r.peer_id not in holders)
     for peer_id, keeps in ((holders[0], True), (outside, False)):

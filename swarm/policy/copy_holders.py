@@ -27,7 +27,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable
 
-from swarm.policy.lost_stages import standby_targets
+from swarm.policy.lost_stages import standby_copies, standby_targets
 from swarm.records.stage_records import JOINING, SERVING, StageRecord
 
 
@@ -69,8 +69,8 @@ def copy_holders(
 def replaced(target: int, holders: list[str], records: dict[int, list[StageRecord]]) -> bool:
     """Whether every one of `holders` announces a copy of stage `target` (at some step, not the -1 of one still to be
     taken): a copy held past the cap is kept until then."""
-    announcing = {r.peer_id for group in records.values() for r in group if (r.standby_of(target) or (-1,))[0] >= 0}
-    return all(holder in announcing for holder in holders)
+    copies = standby_copies(target, records)
+    return all(holder in copies and copies[holder][0] >= 0 for holder in holders)
 
 
 def capped_targets(
