@@ -184,7 +184,10 @@ class ProgressExchange:
             before = self._parked.get(sender, {}).get(message.step, {})
         else:
             before = machine.steps[message.step].progress.get(sender, {}) if message.step in machine.steps else {}
-        said = incoming = ids_from_wire(message.held)
+        said = ids_from_wire(message.held)
+        # a microbatch a recent round summed is held toward no later step: a mate's word that it is came from a
+        # round that failed after it (what came in meanwhile goes back to the step the round retries)
+        incoming = {key: n for key, n in said.items() if key not in self.summed_union}
         if machine.receipts is not None:  # a new microbatch counts with a vouched trainer's receipt only
             incoming = machine.receipts.screen_progress(
                 sender, message.step, incoming, before, message.receipts, message.vouchers
@@ -253,7 +256,7 @@ class ProgressExchange:
         for sender in list(self._parked):
             steps = self._parked[sender]
             for at in [at for at in steps if at <= step + 1]:
-                held = steps.pop(at)
+                held = {key: n for key, n in steps.pop(at).items() if key not in self.summed_union}
                 if at >= step and sender != self.machine.peer_id:
                     self.machine.steps[at].progress.setdefault(sender, {}).update(held)
             if not steps:
@@ -300,10 +303,20 @@ class ProgressExchange:
     # --- what the mates hold ------------------------------------------------------------------------------
 
     def remember_summed(self, keys: frozenset[SampleKey]) -> None:
-        """Adds one round's summed microbatches to the last RECENT_ROUNDS', and their union."""
+        """Adds one round's summed microbatches to the last RECENT_ROUNDS', and their union; forgets a mate's word
+        that it holds one of them toward the current step or a later one.
+
+        A mate whose round fails holds what came in during it toward the step the round retries, not the next: its
+        word for the next step is stale once the retry sums them. Left in, the next round expects them, finds them
+        held by no member, and steps without them as lost (a CI run: 2 of 24 samples, their trainer done)."""
         self._recently_summed.append(keys)
         self.summed_union = frozenset().union(*self._recently_summed)
         self.machine.summed_recently = self.summed_union
+        machine = self.machine
+        ahead = [state for step, state in machine.steps.items() if step >= machine.runtime.step]
+        for held in [held for state in ahead for peer, held in state.progress.items() if peer != machine.peer_id]:
+            for key in keys & held.keys():
+                del held[key]
 
     def held_elsewhere(self) -> frozenset[SampleKey]:
         """Microbatches another replica holds toward the current step, or a recent step summed (any thread).

@@ -314,7 +314,9 @@ class SliceExchange:
             return {owners[i] for i in range(count) if i not in pieces}
 
         done = await self._wait(step, attempt, state, collect, missing, patience=FETCH_AFTER)
-        if done is None:  # an owner is late: it may have died after giving its sum to a mate
+        if not done and not self._given_up(state, attempt, missing()) and not missing() & inbox.failed:
+            # an owner is late or gone: it may have died after giving its sum to a mate; the other owners, alive
+            # and late (one may still be failing to reach the dead), are waited for again once it is fetched
             for index in [i for i in range(count) if i not in pieces]:
                 if (fetched := await self._fetch(step, attempt, digest, index, count, owners)) is not None:
                     pieces[index] = fetched
@@ -389,8 +391,8 @@ class SliceExchange:
             machine.check_left_behind(step)
             if patience is not None and machine.loop.time() >= started + patience:
                 return None
-            if state.attempt > attempt or any(p in state.mailbox.get(attempt + 1, {}) for p in missing()):
-                return False  # a member gave this attempt up: what it has not sent will not come
+            if self._given_up(state, attempt, missing()):
+                return False
             if missing() & gone:
                 return False  # a member died: what it has not sent will not come
             if unreached := missing() & self.unsent.get((step, attempt), set()):
@@ -412,6 +414,11 @@ class SliceExchange:
                 return False
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(machine.changed.wait(), wait)
+
+    @staticmethod
+    def _given_up(state: StepState, attempt: int, missing: set[str]) -> bool:
+        """Whether this peer or a member in `missing` gave `attempt` up: what the member has not sent will not come."""
+        return state.attempt > attempt or any(p in state.mailbox.get(attempt + 1, {}) for p in missing)
 
     def _keep(self, key: tuple[int, int, bytes], pieces: dict[int, torch.Tensor]) -> None:
         self.kept.setdefault(key, {}).update(pieces)

@@ -3,6 +3,7 @@ between the agreement and the last slice."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections import defaultdict
 from types import SimpleNamespace
@@ -99,6 +100,48 @@ def test_a_mate_asked_for_a_dead_owners_sum_answers_with_the_one_it_received_bef
     for index, count, step in ((1, 3, 5), (0, 2, 5), (0, 3, 6)):  # a sender not the owner, another round, step
         assert fetch(index, count, step)[0] == ErrorCode.UNAVAILABLE
     assert 6 not in machine.steps, "an ask for a step this peer never saw leaves no state behind"
+
+
+def test_a_member_that_fetched_a_dead_owners_sum_still_waits_for_a_live_owner_that_is_late():
+    """A CI run: an owner died right after sending its sum to one mate; that mate, held sending its own sum to the
+    dead owner first, was late with it to the other. The other, its slices refused by the dead owner, gave the wait
+    up at once, asked the dead owner (the only other member) for the late one's sum, and failed the round that
+    the late one then stepped on without it."""
+    owners = ["peerA", "peerD", "peerC"]  # this peer is peerC; peerD died; peerA is alive and late
+    digest = contributors_digest(5, 0, owners)
+
+    async def gather() -> dict[int, torch.Tensor]:
+        loop = asyncio.get_running_loop()
+        machine = SimpleNamespace(
+            limits=WireLimits(),
+            steps=defaultdict(StepState),
+            runtime=SimpleNamespace(step=5),
+            stage=1,
+            loop=loop,
+            changed=asyncio.Event(),
+            check_left_behind=lambda step: None,
+            peer_id="peerC",
+        )
+        waiting = SimpleNamespace(probe_late=lambda *args: None, wait_for=lambda missing, started: 10.0)
+        exchange = SliceExchange(machine, None, get_codec("none"), averaging_timeout=1.0, waiting=waiting)
+        exchange.kept[(5, 0, digest)] = {2: torch.full((2,), 2.0)}
+        exchange.unsent[(5, 0)] = {"peerD"}  # this peer's sum could not reach peerD: it refused the dial
+
+        async def fetch(step, attempt, digest, index, count, owners):  # peerA holds what peerD sent it
+            return torch.full((2,), 1.0) if owners[index] == "peerD" else None
+
+        exchange._fetch = fetch
+        state = machine.steps[5]
+
+        def late_sum() -> None:
+            state.inbox[0].reduced["peerA"] = SliceMessage(digest, 3, 0, torch.zeros(2))
+            machine.changed.set()
+
+        loop.call_later(0.3, late_sum)
+        return await exchange._gather(5, 0, state, owners, slice_bounds(6, 3), digest)
+
+    pieces = asyncio.run(asyncio.wait_for(gather(), 30))
+    assert [pieces[i].tolist() for i in range(3)] == [[0.0, 0.0], [1.0, 1.0], [2.0, 2.0]]
 
 
 def stage_1_matches_reference(local_swarm, tmp_path, steps: int, name: str) -> None:
