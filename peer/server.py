@@ -371,9 +371,10 @@ class Peer:
         # the mates' records may be the last words of peers that died
         if source is None and fetch_copy and await self.standbys.fetch_for_newcomer():
             return
-        if source is None:
-            logger.warning(
-                f"No stage-mate gave its state; serving from step {self.runtime.step} and retrying as training goes"
+        if source is None:  # after a restore, the records are the last words of the peers the copy stands for
+            copy = "the standby copy's " if self.restored_from_standby else ""
+            (logger.info if copy else logger.warning)(
+                f"No stage-mate gave its state; serving from {copy}step {self.runtime.step}, retrying as training goes"
             )
             return
         logger.info(f"Joined stage {self.stage} at step {self.runtime.step} in {time.perf_counter() - start:.2f}s")
