@@ -308,7 +308,7 @@ class ProgressExchange:
 
         A mate whose round fails holds what came in during it toward the step the round retries, not the next: its
         word for the next step is stale once the retry sums them. Left in, the next round expects them, finds them
-        held by no member, and steps without them as lost (a CI run: 2 of 24 samples, their trainer done)."""
+        held by no member, and steps short, counting them lost though the retry summed them (a CI run: 2 of 24)."""
         self._recently_summed.append(keys)
         self.summed_union = frozenset().union(*self._recently_summed)
         self.machine.summed_recently = self.summed_union
