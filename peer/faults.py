@@ -48,6 +48,10 @@ class FaultPlan:
         self.hits[point] += 1
         return [f for f in self.faults if f.point == point and f.hit in (None, self.hits[point])]
 
+    def planned(self, point: str) -> bool:
+        """Whether a fault is planned at `point` (some points change the work's order to be reached at all)."""
+        return any(f.point == point for f in self.faults)
+
     def hit_sync(self, point: str) -> None:
         """Reached `point` on a worker thread: dies or sleeps as planned (other actions do not apply there)."""
         for fault in self._strikes(point):
