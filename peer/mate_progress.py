@@ -309,14 +309,15 @@ class ProgressExchange:
         A mate whose round fails holds what came in during it toward the step the round retries, not the next: its
         word for the next step is stale once the retry sums them. Left in, the next round expects them, finds them
         held by no member, and steps short, counting them lost though the retry summed them (a CI run: 2 of 24)."""
+        machine = self.machine
         self._recently_summed.append(keys)
         self.summed_union = frozenset().union(*self._recently_summed)
-        self.machine.summed_recently = self.summed_union
-        machine = self.machine
+        machine.summed_recently = self.summed_union
         ahead = [state for step, state in machine.steps.items() if step >= machine.runtime.step]
-        for held in [held for state in ahead for peer, held in state.progress.items() if peer != machine.peer_id]:
-            for key in keys & held.keys():
-                del held[key]
+        for state in ahead:
+            for held in [held for peer, held in state.progress.items() if peer != machine.peer_id]:
+                for key in keys & held.keys():
+                    del held[key]
 
     def held_elsewhere(self) -> frozenset[SampleKey]:
         """Microbatches another replica holds toward the current step, or a recent step summed (any thread).

@@ -315,7 +315,8 @@ class SliceExchange:
             return {owners[i] for i in range(count) if i not in pieces}
 
         done = await self._wait(step, attempt, state, collect, missing, patience=FETCH_AFTER)
-        if not done and not self._given_up(state, attempt, missing()) and not missing() & inbox.failed:
+        late = missing()
+        if not done and not self._given_up(state, attempt, late) and not late & inbox.failed:
             # an owner is late or gone: it may have died after giving its sum to a mate; the other owners, alive
             # and late (one may still be failing to reach the dead), are waited for again once it is fetched
             for index in [i for i in range(count) if i not in pieces]:
