@@ -22,6 +22,7 @@ from swarm.net.allowlist import Allowlist, AllowlistError, AllowlistValidator, l
 from swarm.net.dht_auth import SwarmKeyAuthorizer
 from swarm.net.identity import Identity, IdentityError, forget_generated, load_identity
 from swarm.net.keyed_p2p import KeyedP2P
+from swarm.net.packed_walks import pack_walk_queries
 from swarm.net.swarm_key import SwarmKey, SwarmKeyError, load_swarm_key
 from swarm.process.lifeline import child_pids, watch_parent
 
@@ -80,6 +81,7 @@ class TetheredDHT(DHT):
         watch_parent(self._parent_pid, self._shutdown_orphan, name="dht-parent-watch")
         if self.daemon_flags:
             add_daemon_flags(self.daemon_flags)
+        pack_walk_queries()  # a read of several stages: one call to each node asked, not one a stage
         super().run()
 
     def _shutdown_orphan(self) -> None:
