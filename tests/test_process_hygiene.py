@@ -178,6 +178,24 @@ def test_a_stopped_launcher_leaves_no_process(tmp_path, how, peer):
 
 
 @pytest.mark.timeout(150)
+@pytest.mark.parametrize("peer", ["launched", "forked"])
+def test_no_role_starts_a_shared_memory_manager(tmp_path, peer):
+    """torch's `file_system` sharing would start a torch_shm_manager beside every role (see
+    swarm.process.tensor_sharing): a program's start-up on the cores the swarm trains on, for nothing."""
+    launcher = Launcher(tmp_path, peer=peer)
+    try:
+        launcher.wait_ready()
+        started = tagged(launcher.tag)
+        assert [pid for pid, cmd in started.items() if "hivemind_cli/p2pd" in cmd], f"no swarm came up: {started}"
+        managers = {pid: cmd for pid, cmd in started.items() if "torch_shm_manager" in cmd}
+        assert not managers, f"shared-memory managers started: {managers}"
+        launcher.process.send_signal(signal.SIGTERM)
+        launcher.wait_gone()
+    finally:
+        launcher.cleanup()
+
+
+@pytest.mark.timeout(150)
 def test_a_peer_killed_alone_takes_its_dht_node_and_daemon(tmp_path):
     launcher = Launcher(tmp_path)
     try:

@@ -1,2 +1,2 @@
 """Process plumbing every role shares: the event loop, the launch clock, leaving with the launcher,
-the allocator's settings."""
+the allocator's settings, how tensors are shared between processes."""
