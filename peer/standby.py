@@ -36,6 +36,7 @@ from hivemind.utils import get_dht_time
 
 from swarm.models.optimizer import OptimizerSettings
 from swarm.peer.copy_sources import INFO_TIMEOUT, CopySources
+from swarm.peer.death_watch import DeathWatch
 from swarm.peer.delta_transfer import request_deltas
 from swarm.peer.held_reads import HeldReads
 from swarm.peer.liveness_probes import LivenessProbes
@@ -63,8 +64,7 @@ LOST_GRACE = 2  # announce periods a stage shows no serving or joining record be
 FILL_PERIODS = 3  # announce periods after that in which a holder may restore it before another peer fills it
 CHURN_MEMORY = 600.0  # seconds after a peer's death during which copies follow their stages step by step
 HEARD_MEMORY = 60.0  # seconds after a read last showed a record whose peer saw a death (`saw_death`)
-# while copies follow their stages (churn), the least share of the time whole refreshes may take: a slow refresh
-# (a loaded start) at the idle share of 5% held a copy 78 s unrefreshed, 73 steps behind, the one a restore then took
+# the least share of the time whole refreshes may take while following (at 5%, a copy a restore took was 73 steps old)
 FOLLOWING_SHARE = 0.5
 MAX_DELTA_MISSES = 2  # sources whose deltas led nowhere confirmed before a stage's copy is only refreshed whole
 WHOLE_SWARM_EVERY = 5  # announce periods between a keeper's reads of every stage; in between, the ones it holds
@@ -115,6 +115,7 @@ class StandbyKeeper:
         self.deaths = 0  # peers counted dead: records gone, not saying they left, and a probe since failed
         # peers of the stages held and of the peer's own, asked whether they live (see liveness_probes and _probe)
         self.probes = LivenessProbes(config.record_ttl, timeout=max(1.0, config.announce_period))
+        self.watch = DeathWatch(self.probes, lambda coroutine: self._spawn(coroutine))  # deaths seen at once
         self.to_probe: set[str] = set()  # beyond those: holders chosen to restore a lost stage, asked once
         self._tasks: set[asyncio.Task] = set()
         self._warned_budget: set[int] = set()
@@ -242,6 +243,7 @@ class StandbyKeeper:
         if named and not self.probes.in_flight:
             self.to_probe = set()  # asked now; while a round is in flight they wait for the next one
             self._spawn(self.probes.probe(peer.mates.p2p, named))
+        self.watch.follow(peer.mates.p2p, records, self.targets(), peer.peer_id)
 
     def _note_stages(
         self, records: dict[int, list[StageRecord]], now: float, read: dict[int, list[StageRecord]]
@@ -407,14 +409,12 @@ class StandbyKeeper:
 
     def accused(self) -> set[str]:
         """Peers a vouched trainer's spot check accused: never a source of a copy (`swarm.records.accusations`)."""
-        mates = self.peer.mates
-        return set(mates.membership.accused) if mates is not None else set()
+        return set(self.peer.mates.membership.accused) if self.peer.mates is not None else set()
 
     def _spawn(self, coroutine, fetching: int | None = None) -> None:
         if fetching is not None:  # under way now: two reads ending together once started two catch-ups of one copy
             self.fetching.add(fetching)
-        task = asyncio.ensure_future(coroutine)
-        self._tasks.add(task)
+        self._tasks.add(task := asyncio.ensure_future(coroutine))
         task.add_done_callback(self._tasks.discard)
 
     def stop(self) -> None:
@@ -422,8 +422,7 @@ class StandbyKeeper:
             task.cancel()
 
     def _drop(self, stage: int) -> None:
-        copy = self.standbys.pop(stage, None)
-        if copy is not None and copy.path is not None:
+        if (copy := self.standbys.pop(stage, None)) is not None and copy.path is not None:
             copy.path.unlink(missing_ok=True)
 
     # --- refreshing a copy ----------------------------------------------------------------------------

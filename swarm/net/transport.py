@@ -90,6 +90,25 @@ async def exchange(p2p: P2P, peer_id: PeerID, protocol: str, frames: Sequence, r
         writer.close()
 
 
+async def exchange_and_hold(
+    p2p: P2P, peer_id: PeerID, protocol: str, frames: Sequence, reply_type: type, limits: WireLimits
+) -> float:
+    """As `exchange`, then keeps the stream open until the callee ends it; returns the seconds it stayed open after
+    the reply. A callee ends it `HANG_UP_TIMEOUT` seconds after its reply, or at once when its process dies (the
+    kernel closes a dead process's connections): an end much sooner says the callee may be gone."""
+    reader, writer = await open_stream(p2p, peer_id, protocol)
+    try:
+        await write_frames(writer, frames)
+        await read_frames(reader, reply_type, limits)
+        replied = time.monotonic()
+        with contextlib.suppress(Exception):  # an end is an end: closed, reset or broken alike
+            while await reader.read(2**16):
+                pass
+        return time.monotonic() - replied
+    finally:
+        writer.close()
+
+
 async def open_stream(p2p: P2P, peer_id: PeerID, protocol: str):
     """Opens a binary stream to a peer, waiting out a routing table that is still empty."""
     for delay in CONNECT_RETRY_DELAYS:

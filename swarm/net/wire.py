@@ -483,7 +483,10 @@ def _streamed(message_type: type[Message]) -> bool:
     return "more" in message_type.DESCRIPTOR.fields_by_name
 
 
-async def wait_for_hang_up(reader: asyncio.StreamReader, timeout: float = 10.0) -> None:
+HANG_UP_TIMEOUT = 10.0  # seconds a callee waits for its caller to close after the reply, before it closes
+
+
+async def wait_for_hang_up(reader: asyncio.StreamReader, timeout: float = HANG_UP_TIMEOUT) -> None:
     """After replying, reads and drops anything more from the caller until it closes the stream.
 
     The caller closes once it has read the reply. Closing first loses the reply now and then:
