@@ -65,8 +65,9 @@ def _tagged_processes() -> dict[int, str]:
 def no_leftover_processes():
     """Kills whatever this session's tests left running (other sessions' are left alone); fails on p2pd."""
     yield
-    # torch's shared-memory manager (started by hivemind's futures in this process) is left alone: it
-    # exits once this process lets go of its shared memory, and killed first it aborts this process at exit
+    # torch's shared-memory manager (started by hivemind's futures where HIVEMIND_MEMORY_SHARING_STRATEGY asks for
+    # file_system) is left alone: it exits once this process lets go of its shared memory, and killed first it
+    # aborts this process at exit
     left = {pid: cmd for pid, cmd in _tagged_processes().items() if "torch_shm_manager" not in cmd}
     for pid in left:
         with contextlib.suppress(OSError):

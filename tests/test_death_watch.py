@@ -12,13 +12,13 @@ import signal
 import time
 
 import pytest
+from conftest import run_p2p_client
 
 from swarm.net.wire import HANG_UP_TIMEOUT
 from swarm.peer.death_watch import DeathWatch
 from swarm.peer.liveness_probes import LivenessProbes
 from swarm.proto import PROTOCOL_VERSION
 from swarm.records.stage_records import SERVING, StageRecord
-from tests.conftest import run_p2p_client
 
 MODEL = ["--model", "gpt-tiny", "--num-stages", "3"]
 

@@ -14,13 +14,19 @@ from pathlib import Path
 import pytest
 from conftest import SESSION_TAG, SMALL_CORPUS
 
+# the demo forks its peers and trainer from a forkserver: they show the forkserver's command line
+SWARM_PATTERN = "-m swarm |hivemind_cli/p2pd|multiprocessing.forkserver"
+
 
 def swarm_processes() -> set[int]:
     """This test session's swarm processes: other sessions on the machine start swarms of their own meanwhile."""
-    # the demo forks its peers and trainer from a forkserver: they show the forkserver's command line
-    pattern = "-m swarm |hivemind_cli/p2pd|multiprocessing.forkserver"
-    out = subprocess.run(["pgrep", "-f", "--", pattern], capture_output=True, text=True).stdout
-    return {int(pid) for pid in out.split() if started_by_this_session(int(pid))}
+    return {pid for pid in swarm_like_processes() if started_by_this_session(pid)}
+
+
+def swarm_like_processes() -> set[int]:
+    """Every process on the machine whose command line looks like a swarm's, whichever session started it."""
+    out = subprocess.run(["pgrep", "-f", "--", SWARM_PATTERN], capture_output=True, text=True).stdout
+    return {int(pid) for pid in out.split()}
 
 
 def started_by_this_session(pid: int) -> bool:
@@ -98,7 +104,12 @@ def test_demo_ctrl_c_stops_everything(tmp_path):
             assert demo.poll() is None and time.monotonic() < deadline, "the demo did not start training"
             time.sleep(0.5)
         started = swarm_processes() - before
-        assert len(started) >= 5  # bootstrap, 3 peers, trainer (and their daemons)
+        # bootstrap, 3 peers, trainer (and their daemons); a failure says what the lookup saw
+        looks_like = swarm_like_processes()
+        assert len(started) >= 5, (
+            f"found {sorted(started)} of this session's; {len(looks_like)} swarm-like processes on the machine, "
+            f"{sum(started_by_this_session(p) for p in looks_like)} tagged {SESSION_TAG}; the demo is {demo.pid}"
+        )
         demo.send_signal(signal.SIGINT)
         output, _ = demo.communicate(timeout=90)
     finally:
