@@ -63,7 +63,7 @@ class DeathWatch:
     async def _watch(self, p2p: P2P, peer_id: str) -> None:
         """Holds calls to `peer_id` open, one after another while it is wanted, until one ends early; then probes
         the peer."""
-        request = PeerInfoRequest(protocol_version=PROTOCOL_VERSION)
+        request, callee = PeerInfoRequest(protocol_version=PROTOCOL_VERSION), PeerID.from_base58(peer_id)
         try:
             held = HANG_UP_TIMEOUT
             while held >= EARLY_SHARE * HANG_UP_TIMEOUT:
@@ -72,7 +72,6 @@ class DeathWatch:
                 held = 0.0
                 self.calls += 1
                 with contextlib.suppress(Exception):  # a call that cannot be made ends early, as one the callee cuts
-                    callee = PeerID.from_base58(peer_id)
                     held = await exchange_and_hold(p2p, callee, INFO_PROTOCOL, [request], PeerInfo, WireLimits())
             self.early_ends += 1
             while self.probes.in_flight:  # one round of probes at a time (see LivenessProbes.probe)

@@ -230,20 +230,21 @@ class StandbyKeeper:
         peer = self.peer
         if getattr(peer.mates, "p2p", None) is None:
             return
-        stages = {peer.stage, *self.targets(), *self.hinted}
+        held = self.targets()
+        stages = {peer.stage, *held, *self.hinted}
         named = {r.peer_id for s in stages for r in records.get(s, []) if r.state in (SERVING, JOINING)}
         stalled = self.probes.stalled((r for s in stages for r in records.get(s, [])), peer.config.announce_period)
         if not (self.empty_since or self.hinted):
             # a peer that renews its record lives (probing each every period cost the bench 5%), one that stopped is
             # asked (a first wave pays a period); while following, every held stage's peer (read every few periods)
             following = self.following(time.monotonic())
-            named &= stalled | ({r.peer_id for s in self.targets() for r in records.get(s, [])} if following else set())
+            named &= stalled | ({r.peer_id for s in held for r in records.get(s, [])} if following else set())
         named |= self.to_probe
         named.discard(peer.peer_id)
         if named and not self.probes.in_flight:
             self.to_probe = set()  # asked now; while a round is in flight they wait for the next one
             self._spawn(self.probes.probe(peer.mates.p2p, named))
-        self.watch.follow(peer.mates.p2p, records, self.targets(), peer.peer_id)
+        self.watch.follow(peer.mates.p2p, records, held, peer.peer_id)
 
     def _note_stages(
         self, records: dict[int, list[StageRecord]], now: float, read: dict[int, list[StageRecord]]
