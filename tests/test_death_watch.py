@@ -14,6 +14,8 @@ import time
 import pytest
 from conftest import run_p2p_client
 
+from swarm.net.direct_plane import DirectPlane, parse_direct_address
+from swarm.net.identity import load_identity
 from swarm.net.wire import HANG_UP_TIMEOUT
 from swarm.peer.death_watch import DeathWatch
 from swarm.peer.liveness_probes import LivenessProbes
@@ -42,8 +44,27 @@ async def until(condition, timeout: float) -> None:
         await asyncio.sleep(0.05)
 
 
+def direct_address(local_swarm, name: str) -> tuple[str, int]:
+    found = re.search(r"Direct data plane on \S+, announced as (\S+)", local_swarm.log_path(name).read_text())
+    assert found, f"{name} announced no direct address"
+    return parse_direct_address(found.group(1))
+
+
+def run_direct_client(local_swarm, name: str, peer_id: str, coroutine_fn):
+    """Runs `coroutine_fn(plane)` with a direct plane over a fresh libp2p client that knows where `name` (whose
+    peer id is `peer_id`) listens directly."""
+
+    async def on_plane(p2p) -> None:
+        plane = DirectPlane(p2p, load_identity(None), shared_memory=False)
+        plane.addresses[peer_id] = direct_address(local_swarm, name)
+        await coroutine_fn(plane)
+
+    run_p2p_client(local_swarm.initial_peers, on_plane)
+
+
 @pytest.mark.timeout(150)
-def test_a_killed_peer_is_probed_at_once_and_a_live_one_called_again(local_swarm):
+@pytest.mark.parametrize("path", ["libp2p", "direct"])
+def test_a_killed_peer_is_probed_at_once_and_a_live_one_called_again(local_swarm, path):
     local_swarm.start_bootstrap()
     local_swarm.start_peer("peer0", 0, MODEL)
     peer_id = serving_peer_id(local_swarm, "peer0")
@@ -67,7 +88,13 @@ def test_a_killed_peer_is_probed_at_once_and_a_live_one_called_again(local_swarm
         seen = time.monotonic() - killed
         assert peer_id in probes.silent and watch.early_ends == 1 and probes.probes == 1
         assert seen < HANG_UP_TIMEOUT / 2, f"the death was seen {seen:.1f}s after the kill"
+        if path == "direct":
+            # the address it answered at refuses now: a stage of it alone counts as lost at once, no grace
+            assert p2p.calls["direct"] >= 2 and probes.all_refused([serving(peer_id, 0)])
         await asyncio.wait_for(tasks[0], timeout=5)  # the watch of a peer found dead ends
         assert not watch.watching
 
-    run_p2p_client(local_swarm.initial_peers, watch_and_kill)
+    if path == "direct":
+        run_direct_client(local_swarm, "peer0", peer_id, watch_and_kill)
+    else:
+        run_p2p_client(local_swarm.initial_peers, watch_and_kill)

@@ -20,7 +20,7 @@ from swarm.net.direct_plane import DirectPlane, DirectServer, announce_host, lis
 from swarm.net.direct_stream import open_direct_stream
 from swarm.net.frame_cipher import CIPHER
 from swarm.net.identity import load_identity
-from swarm.net.transport import exchange
+from swarm.net.transport import exchange, refused_dial
 from swarm.net.wire import HEADER_BYTES, WireLimits, read_frames, write_frames
 from swarm.peer.checkpoint import load_checkpoint
 from swarm.proto import PROTOCOL_VERSION, DirectChallenge, DirectHello, DirectProof, PeerInfo, PeerInfoRequest
@@ -184,6 +184,13 @@ def test_a_caller_or_a_server_that_does_not_seal_is_refused_in_the_handshake():
     asyncio.run(main())
 
 
+async def until(condition, timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
 @pytest.mark.timeout(60)
 def test_calls_go_direct_where_the_address_answers_and_over_libp2p_otherwise():
     async def main():
@@ -215,6 +222,22 @@ def test_calls_go_direct_where_the_address_answers_and_over_libp2p_otherwise():
         caller.addresses[server_identity.peer_id] = ("127.0.0.2", parse_direct_address(address)[1])
         assert await call() == caller_identity.peer_id and await call() == caller_identity.peer_id
         assert caller.calls["direct_failed"] == 1 and caller.calls["libp2p"] == 3
+        # that address refused, but the peer never answered there: no sign the peer is gone
+        assert not caller.refused_since_answered(server_identity.peer_id)
+        # where it answered, its port still takes a connection and holds it: alive. The server counts the connection
+        # left unsaid apart, with no warning; a peer never reached is no sign either
+        assert not await caller.confirm_refusal(server_identity.peer_id)
+        await until(lambda: server.server.refused["empty"] == 1)
+        assert server.server.refused["handshake"] == 0
+        assert not await caller.confirm_refusal(caller_identity.peer_id)
+        # where it answered, nothing listens any more (its process is gone): the next call's refusal says so,
+        # though libp2p, still up here, carries the call
+        caller.addresses[server_identity.peer_id] = parse_direct_address(address)
+        await server.server.close()
+        assert await call() == caller_identity.peer_id and caller.calls["direct_failed"] == 2
+        assert caller.refused_since_answered(server_identity.peer_id)
+        assert refused_dial(caller, server_identity.peer_id, RuntimeError("stream reset"))
+        assert not refused_dial(server, caller_identity.peer_id, RuntimeError("stream reset"))
         await caller.shutdown()
         await server.shutdown()
 

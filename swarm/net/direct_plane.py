@@ -146,6 +146,9 @@ class DirectServer:
         except (HandshakeError, ConnectionError, OSError) as e:
             if shared is not None:
                 shared.close()
+            if stream.received == 0:  # connected and left unsaid: a caller checking that the port is open
+                self.refused["empty"] += 1
+                return
             self._refuse("handshake", f"from {address}: {e}")
             return
         finally:
@@ -209,6 +212,10 @@ class DirectPlane:
         self.calls: Counter[str] = Counter()  # calls opened per path: direct, libp2p; and direct tries that failed
         self._sessions: dict[str, Session] = {}  # per peer id: the session to resume
         self._unreachable: dict[str, tuple[tuple[str, int], float]] = {}  # peer id -> (address, until)
+        # peer id -> (address, time.monotonic()) of the last direct call it answered, and of the last one its
+        # address refused: see `refused_since_answered`
+        self._answered: dict[str, tuple[tuple[str, int], float]] = {}
+        self._refused: dict[str, tuple[tuple[str, int], float]] = {}
 
     def __getattr__(self, name: str):
         return getattr(self.p2p, name)
@@ -260,6 +267,8 @@ class DirectPlane:
                 opened = await asyncio.wait_for(opening, CONNECT_TIMEOUT)
             except (OSError, HandshakeError, asyncio.TimeoutError, asyncio.IncompleteReadError) as e:
                 self.calls["direct_failed"] += 1
+                if isinstance(e, ConnectionRefusedError):
+                    self._refused[peer] = (address, time.monotonic())
                 self._unreachable[peer] = (address, time.monotonic() + UNREACHABLE_FOR)
                 logger.info(
                     f"Cannot call {peer} directly at {format_direct_address(*address)} "
@@ -267,9 +276,43 @@ class DirectPlane:
                 )
             else:
                 self.calls["direct"] += 1
+                self._answered[peer] = (address, time.monotonic())
                 return opened
         self.calls["libp2p"] += 1
         return await self.p2p.call_binary_stream_handler(peer_id, protocol)
+
+    def refused_since_answered(self, peer: str) -> bool:
+        """Whether the direct address at which `peer` answered a call refused a connection since: nothing listens
+        where the peer's process served (it is gone), which no slow answer on a loaded host looks like."""
+        answered, refused = self._answered.get(peer), self._refused.get(peer)
+        return answered is not None and refused is not None and refused[0] == answered[0] and refused[1] > answered[1]
+
+    async def confirm_refusal(self, peer: str, tries: int = 10, pause: float = 0.1) -> bool:
+        """After a call to `peer` failed otherwise: whether the direct address at which it answered before refuses
+        connections now. A killed process's port can still take a connection while the process is torn down, which
+        it then resets: that is tried again, `pause` seconds apart, `tries` times at most; a connection held open
+        (a live process, slow to answer the call) ends the check at once."""
+        answered = self._answered.get(peer)
+        for _ in range(tries if answered is not None else 0):
+            if self.refused_since_answered(peer):
+                break
+            try:
+                reader, writer = await asyncio.wait_for(asyncio.open_connection(*answered[0]), CONNECT_TIMEOUT)
+            except ConnectionRefusedError:
+                self._refused[peer] = (answered[0], time.monotonic())
+                break
+            except (OSError, asyncio.TimeoutError):
+                return False
+            try:
+                await asyncio.wait_for(reader.read(1), pause)
+            except asyncio.TimeoutError:
+                return False  # held open: something serves there
+            except OSError:
+                pass  # reset: torn down
+            finally:
+                writer.close()
+            await asyncio.sleep(pause)
+        return self.refused_since_answered(peer)
 
     def _known_unreachable(self, peer: str, address: tuple[str, int]) -> bool:
         known = self._unreachable.get(peer)

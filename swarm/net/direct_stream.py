@@ -42,6 +42,7 @@ class DirectStream(asyncio.BufferedProtocol):
         self._filled = 0
         self._into_target = False  # whether the transport was last handed the target
         self._eof = False
+        self.received = 0  # bytes received so far
         self._error: BaseException | None = None
         self._waiter: asyncio.Future | None = None  # a read waiting for data
         self._paused_reading = False
@@ -71,6 +72,7 @@ class DirectStream(asyncio.BufferedProtocol):
         return memoryview(self._target)[self._filled :] if self._into_target else memoryview(self._scratch)
 
     def buffer_updated(self, nbytes: int) -> None:
+        self.received += nbytes
         if self._unsealer is not None:
             if self._tampered is not None:
                 return

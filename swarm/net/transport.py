@@ -75,6 +75,14 @@ def dial_refused(error: BaseException) -> bool:
     return isinstance(error, ControlFailure) and DIAL_REFUSED in str(error)
 
 
+def refused_dial(p2p: object, peer_id: str, error: BaseException) -> bool:
+    """Whether a call to `peer_id` through `p2p` failed because nothing listens where the peer was: its libp2p dial
+    was refused (`dial_refused`), or its direct address, which answered before, refused a connection since (see
+    `DirectPlane.refused_since_answered`; a just-killed peer's daemon can still take a libp2p stream and reset it)."""
+    refused_since = getattr(p2p, "refused_since_answered", None)
+    return dial_refused(error) or (refused_since is not None and refused_since(peer_id))
+
+
 async def exchange(p2p: P2P, peer_id: PeerID, protocol: str, frames: Sequence, reply_type: type, limits: WireLimits):
     """Opens a stream to `protocol` on a peer, sends `frames` and reads one framed reply."""
     reader, writer = await open_stream(p2p, peer_id, protocol)
