@@ -26,7 +26,8 @@ counts the stages lost and served again, the steps of progress each restore lost
 `--spare-last-peer yes`, a stage's last serving peer is never killed (skipped kills are counted).
 
 Each of `--runs` runs is a fresh local swarm: `--trainers` trainers (each on its own shard of the
-standard library when there are several) train with no churn to measure the baseline, then through
+standard library when there are several) train `--warmup-steps` steps unmeasured (the swarm takes its
+standby copies), then with no churn to measure the baseline, then through
 the churn, then, with the starting layout restored, with no churn again (throughput drifts as a
 swarm warms up and its model trains, so one baseline alone would flatter or blame the churn). Every
 process writes a sample ledger (`--ledger`) in the run's folder. The report gives, per run and in
@@ -250,6 +251,9 @@ def one_run(args: argparse.Namespace, index: int, workdir: Path, report: dict[st
             churn = Churn(swarm, dht, sig, rng, ledger_dir, [*PEER_FLAGS, *peer_trust], spare_last_peer=spare)
             phases = RunPhases(args, swarm, churn, rng, workdir, ledger_dir, report, trainer_trust, cpu)
             layout = phases.start_peers()
+            # unmeasured: the swarm takes its standby copies (first taken once a stage is --standby-every steps in),
+            # so that the baseline trains the swarm the churn and the baseline after it train, copies and all
+            warmup = phases.trainers("warmup", args.warmup_steps) if args.warmup_steps else []
             before = phases.trainers("before", args.baseline_steps)
             before_rate, _ = concurrent_rate(before)
             report["baseline_before_samples_per_s"] = round(before_rate, 2)
@@ -262,7 +266,7 @@ def one_run(args: argparse.Namespace, index: int, workdir: Path, report: dict[st
                 baseline_after_samples_per_s=round(after_rate, 2),
                 baseline_samples_per_s=round(baseline, 2),
                 throughput_fraction=round(churn_rate / baseline, 3),
-                samples_fed_by_trainers=sum(r.summary["samples"] for r in [*before, *churned, *after]),
+                samples_fed_by_trainers=sum(r.summary["samples"] for r in [*warmup, *before, *churned, *after]),
             )
             report["end"] = end_state(churn, swarm.initial_peers, 60)
             report["peers_died_unasked"] = churn.died
@@ -476,6 +480,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--baseline-steps", type=int, default=20, help="steps per trainer with no churn, before and after"
     )
+    parser.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=25,
+        help="steps per trainer before the first baseline, not measured: the swarm takes its standby copies (each "
+        "first taken once its stage is --standby-every steps in), so that the baseline trains the swarm that the "
+        "churn trains, copies and all; 0: none",
+    )
     parser.add_argument("--duration", type=float, default=90.0, help="seconds of churn (kill and wave modes)")
     parser.add_argument("--kill-every", type=float, default=8.0, help="mean seconds between kills (kill mode)")
     parser.add_argument("--signal", choices=["kill", "term"], default="kill", help="how peers are taken down")
@@ -524,6 +536,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--spot-check-share", type=float, help="with --trust-root yes: the share of forwards checked (trainer default)"
     )
     args = parser.parse_args(argv)
+    if args.warmup_steps < 0 or args.baseline_steps < 1:
+        parser.error("--warmup-steps must be 0 or more and --baseline-steps 1 or more")
     if not 1 <= args.trainers <= len(SHARDS) or args.runs < 1:
         parser.error(f"--runs must be 1 or more and --trainers within 1..{len(SHARDS)} (one data shard each)")
     if args.wave is not None:

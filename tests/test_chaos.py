@@ -19,6 +19,7 @@ def test_training_survives_a_minute_of_kills():
     chaos = subprocess.Popen(
         # a stage's last peer is spared: what a whole stage's death costs is tested in test_standby.py
         [sys.executable, str(CHAOS), "--duration", "60", "--kill-every", "5", "--baseline-steps", "10"]
+        + ["--warmup-steps", "5"]
         + ["--spare-last-peer", "yes"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -41,7 +42,7 @@ def test_training_survives_a_minute_of_kills():
     assert total["longest_stall_s"] < STALL_BOUND, run
     # where the machine's CPU went in each phase: the replacements' starts show apart
     used = run["host_cpu"]
-    assert set(used) == {"before", "churn", "after"} and used["churn"]["starting_cpu_s_per_start"] > 0, used
+    assert set(used) == {"warmup", "before", "churn", "after"} and used["churn"]["starting_cpu_s_per_start"] > 0, used
     # where the churn's time went: the kills' share of it shows apart (every kill here is of a peer with a mate)
     lost = run["seconds_lost_by_cause"]
     assert set(lost) == {"stage lost", "kill", "start", "none"} and lost["stage lost"] == 0, lost
