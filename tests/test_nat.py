@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 
 NAT_CHECK = Path(__file__).resolve().parent.parent / "scripts" / "nat_check.py"
-STEPS = 3
+# enough steps for the loss's fall to outweigh one batch's noise: with calls the relay cut sent again, a loaded
+# run's 3 steps read 4.71, 4.81 and 4.73; 8 steps fall from 5.55 to 4.05
+STEPS = 8
 # SWARM_TEST_NAT_TRAINING=0 checks reachability, the relay and a call through it only
 TRAIN = os.environ.get("SWARM_TEST_NAT_TRAINING", "1") != "0"
 
