@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
 
-from swarm.net.transport import INFO_PROTOCOL, exchange, refused_dial
+from swarm.net.transport import INFO_PROTOCOL, exchange, nothing_listens
 from swarm.net.wire import WireLimits
 from swarm.policy.empty_stages import coming
 from swarm.proto import PROTOCOL_VERSION, PeerInfo, PeerInfoRequest
@@ -96,7 +96,7 @@ class LivenessProbes:
                 if peer_id not in self.silent:
                     self.news.set()
                 self.silent[peer_id] = started
-                (self.refused.add if refused_dial(p2p, peer_id, answer) else self.refused.discard)(peer_id)
+                (self.refused.add if nothing_listens(p2p, peer_id, answer) else self.refused.discard)(peer_id)
             else:
                 self.silent.pop(peer_id, None)
                 self.refused.discard(peer_id)
@@ -123,7 +123,7 @@ class LivenessProbes:
         except Exception as e:
             # a death seen before the peer's process is gone (its daemon resets the stream): settled where it served
             confirm = getattr(p2p, "confirm_refusal", None)
-            if confirm is not None and not refused_dial(p2p, peer_id, e):
+            if confirm is not None and not nothing_listens(p2p, peer_id, e):
                 await confirm(peer_id)
             raise
         return info

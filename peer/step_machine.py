@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from hivemind.p2p import P2P, PeerID
 
-from swarm.net.transport import exchange, refused_dial
+from swarm.net.transport import exchange, nothing_listens
 from swarm.net.wire import Frame, WireLimits
 from swarm.peer.faults import FaultPlan
 from swarm.peer.mate_messages import Held, named_ids
@@ -193,7 +193,7 @@ class StepMachine:
                 reply, _ = await asyncio.wait_for(calling, timeout)
                 return reply
             except Exception as e:
-                if send + 1 == SEND_ATTEMPTS or refused_dial(self.p2p, peer_id, e):
+                if send + 1 == SEND_ATTEMPTS or nothing_listens(self.p2p, peer_id, e):
                     return e
                 await asyncio.sleep(0.2 * (send + 1))
         raise AssertionError("unreachable")

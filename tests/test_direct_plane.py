@@ -20,7 +20,7 @@ from swarm.net.direct_plane import DirectPlane, DirectServer, announce_host, lis
 from swarm.net.direct_stream import open_direct_stream
 from swarm.net.frame_cipher import CIPHER
 from swarm.net.identity import load_identity
-from swarm.net.transport import exchange, refused_dial
+from swarm.net.transport import exchange, nothing_listens
 from swarm.net.wire import HEADER_BYTES, WireLimits, read_frames, write_frames
 from swarm.peer.checkpoint import load_checkpoint
 from swarm.proto import PROTOCOL_VERSION, DirectChallenge, DirectHello, DirectProof, PeerInfo, PeerInfoRequest
@@ -236,8 +236,8 @@ def test_calls_go_direct_where_the_address_answers_and_over_libp2p_otherwise():
         await server.server.close()
         assert await call() == caller_identity.peer_id and caller.calls["direct_failed"] == 2
         assert caller.refused_since_answered(server_identity.peer_id)
-        assert refused_dial(caller, server_identity.peer_id, RuntimeError("stream reset"))
-        assert not refused_dial(server, caller_identity.peer_id, RuntimeError("stream reset"))
+        assert nothing_listens(caller, server_identity.peer_id, RuntimeError("stream reset"))
+        assert not nothing_listens(server, caller_identity.peer_id, RuntimeError("stream reset"))
         await caller.shutdown()
         await server.shutdown()
 

@@ -293,7 +293,9 @@ class DirectPlane:
         it then resets: that is tried again, `pause` seconds apart, `tries` times at most; a connection held open
         (a live process, slow to answer the call) ends the check at once."""
         answered = self._answered.get(peer)
-        for _ in range(tries if answered is not None else 0):
+        if answered is None:
+            return False
+        for _ in range(tries):
             if self.refused_since_answered(peer):
                 break
             try:

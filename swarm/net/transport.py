@@ -75,7 +75,7 @@ def dial_refused(error: BaseException) -> bool:
     return isinstance(error, ControlFailure) and DIAL_REFUSED in str(error)
 
 
-def refused_dial(p2p: object, peer_id: str, error: BaseException) -> bool:
+def nothing_listens(p2p: object, peer_id: str, error: BaseException) -> bool:
     """Whether a call to `peer_id` through `p2p` failed because nothing listens where the peer was: its libp2p dial
     was refused (`dial_refused`), or its direct address, which answered before, refused a connection since (see
     `DirectPlane.refused_since_answered`; a just-killed peer's daemon can still take a libp2p stream and reset it)."""

@@ -30,7 +30,7 @@ from swarm.models.stage_io import StageOutputError, check_stage_outputs
 from swarm.net.direct_plane import DirectPlane
 from swarm.net.link_shaper import LinkShaper
 from swarm.net.request_limits import reply_limits
-from swarm.net.transport import CallStats, StageCallError, call_stage, refused_dial
+from swarm.net.transport import CallStats, StageCallError, call_stage, nothing_listens
 from swarm.policy.router import Router
 from swarm.policy.service_timing import ServiceTimer
 from swarm.proto import BACKWARD, FORWARD, ErrorCode, SampleId, StageReply, StageRequest
@@ -275,7 +275,7 @@ class StageCaller:
             serving = sum(r.state == SERVING for r in self.router.records.get(stage, {}).values())
             if len(refusers) >= min(2, max(1, serving)):
                 raise TrainingError(f"stage {stage} refused a request: {e}") from e
-        ban = self.router.report_failure(record.peer_id, refused=refused_dial(self.p2p, record.peer_id, e))
+        ban = self.router.report_failure(record.peer_id, refused=nothing_listens(self.p2p, record.peer_id, e))
         tries.tried.append(record.peer_id)
         self.summary.retries += 1
         tries.last_error = e
