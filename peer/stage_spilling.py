@@ -358,7 +358,7 @@ class SpilledStage:
         num_samples: int,
     ) -> None:
         """Steps one unit of parameters on the device and stores them and their optimizer state back."""
-        count = len(unit)
+        count, fused = len(unit), bool(optimizer.defaults.get("fused"))
         host_data, moments = host[:count], iter(loaded[2 * count :])
         host_moments = iter(host[2 * count :])
         for param, data, grad, names in zip(unit, loaded[:count], loaded[count : 2 * count], keys):
@@ -367,6 +367,8 @@ class SpilledStage:
             state = optimizer.state[param]
             for key in names:
                 state[key] = next(moments)
+            if fused and isinstance(state.get("step"), torch.Tensor):  # a fused step counts where the parameter is
+                state["step"] = state["step"].to(data.device)
         with torch.no_grad():
             for param in unit:
                 param.grad.div_(num_samples)

