@@ -21,6 +21,21 @@ from swarm.peer.step_deltas import DeltaRing, StepDelta, deltas_per_call
 from swarm.proto import PROTOCOL_VERSION, Error, ErrorCode, StateReply, StateRequest
 
 
+class DeltasRefused(StageStateError):
+    """A stage's peer answered a request for deltas with an error (its `code`)."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(f"{ErrorCode.Name(code)}: {message}")
+        self.code = code
+
+
+def takes_whole(error: StageStateError) -> bool:
+    """Whether a catch-up that failed with `error` leaves the copy to be taken whole: the source keeps no deltas from
+    the copy's step, or sent some that do not fit. Not where it refused this holder: a newcomer's record reaches the
+    stage's peers a period apart, and one that has not read it yet turned every such catch-up into a whole copy."""
+    return not (isinstance(error, DeltasRefused) and error.code == ErrorCode.FORBIDDEN)
+
+
 async def answer_deltas(
     ring: DeltaRing | None, request: StateRequest, step: int, parameters: int, reply: StateReply
 ) -> list:
@@ -57,7 +72,7 @@ async def request_deltas(
         exchange(p2p, PeerID.from_base58(peer_id), STATE_PROTOCOL, [request], StateReply, limits), timeout
     )
     if reply.error.code != ErrorCode.OK:
-        raise StageStateError(f"{ErrorCode.Name(reply.error.code)}: {reply.error.message}")
+        raise DeltasRefused(reply.error.code, reply.error.message)
     samples = list(reply.delta_samples)
     if reply.step != from_step or not 0 < len(samples) <= deltas_per_call(parameters):
         raise StageStateError(f"sent {len(samples)} deltas from step {reply.step}, asked from {from_step}")

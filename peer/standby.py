@@ -37,7 +37,7 @@ from hivemind.utils import get_dht_time
 from swarm.models.optimizer import OptimizerSettings
 from swarm.peer.copy_sources import INFO_TIMEOUT, CopySources
 from swarm.peer.death_watch import DeathWatch
-from swarm.peer.delta_transfer import request_deltas
+from swarm.peer.delta_transfer import request_deltas, takes_whole
 from swarm.peer.held_reads import HeldReads
 from swarm.peer.liveness_probes import LivenessProbes
 from swarm.peer.stage_state import StageStateError, check_state_tensors, parameter_fingerprint
@@ -461,9 +461,8 @@ class StandbyKeeper:
             if in_memory + nbytes <= self.budget:
                 copy.tensors = tensors
             elif self.spill_dir is not None:
-                copy.path = (
-                    self.spill_dir / f"standby-{model}-stage{stage}-of-{self.peer.config.num_stages}.safetensors"
-                )
+                name = f"standby-{model}-stage{stage}-of-{self.peer.config.num_stages}.safetensors"
+                copy.path = self.spill_dir / name
                 await asyncio.get_running_loop().run_in_executor(None, write_tensor_list, copy.path, tensors)
             else:
                 if stage not in self._warned_budget:
@@ -539,7 +538,8 @@ class StandbyKeeper:
         except asyncio.CancelledError:
             raise
         except StageStateError as e:
-            self.no_deltas[stage] = copy.step  # none kept yet (the stage's peers keep them once asked): taken whole
+            if takes_whole(e):  # none kept yet (the stage's peers keep them once asked): taken whole
+                self.no_deltas[stage] = copy.step
             logger.info(f"Could not catch up the standby copy of stage {stage} at step {copy.step}: {e}")
         except Exception as e:
             logger.info(f"Could not catch up the standby copy of stage {stage}: {type(e).__name__}: {e}")

@@ -9,10 +9,12 @@ import torch
 
 from swarm.models import build_stage, get_model_spec
 from swarm.models.optimizer import OptimizerSettings, build_optimizer
+from swarm.peer.delta_transfer import DeltasRefused, takes_whole
 from swarm.peer.runtime import StageRuntime
 from swarm.peer.stage_state import StageStateError, parameter_fingerprint, state_tensors
 from swarm.peer.standby_copy import Standby
 from swarm.peer.step_deltas import MAX_DELTAS_PER_CALL, DeltaRing, StepDelta, apply_deltas, deltas_per_call
+from swarm.proto import ErrorCode
 
 SPEC = get_model_spec("gpt-tiny")
 TARGET = 4
@@ -149,14 +151,28 @@ def test_a_copy_is_read_at_a_version_it_was_at_while_deltas_advance_it_on_anothe
     deltas = [StepDelta(step, 8, torch.randn(count, generator=g)) for step in range(40)]
     versions = {copy.version}
     seen: set[tuple[int, str]] = set()
+    read = threading.Event()
 
     def advance() -> None:
-        for delta in deltas:
+        for index, delta in enumerate(deltas):
             versions.add(copy.advance([delta]))
+            if index % 10 == 0:  # a fast optimizer could run all 40 before the reader's first look: let it look
+                read.wait(10)
+                read.clear()
 
     stepping = threading.Thread(target=advance)
     stepping.start()
     while stepping.is_alive():
         seen.add(copy.version)
+        read.set()
     stepping.join()
     assert len(seen) > 1 and seen <= versions, "every version read is one the copy was at"
+
+
+def test_a_catch_up_refused_by_a_source_that_does_not_know_the_holder_yet_keeps_following_by_deltas():
+    """Traced in a p3 replay: a newcomer's record reaches the stage's peers a period apart, and the one that had not
+    read it yet refused its catch-up (FORBIDDEN), which marked the copy as having no deltas: taken whole again, five
+    times the bytes. Only a source with no deltas from the copy's step, or deltas that do not fit, means that."""
+    assert not takes_whole(DeltasRefused(ErrorCode.FORBIDDEN, "no signed record puts it on stage 1"))
+    assert takes_whole(DeltasRefused(ErrorCode.UNAVAILABLE, "no deltas from step 3 here: take the whole state"))
+    assert takes_whole(StageStateError("sent 3 deltas from step 7, asked from 5"))
