@@ -125,6 +125,21 @@ def test_a_peer_whose_address_refused_the_dial_gets_no_call_until_a_newer_record
     assert "unknown" not in router.gone
 
 
+def test_a_peer_whose_broken_call_is_found_dead_later_is_gone_before_its_ban_ends():
+    """A peer killed mid-call resets its streams: no refused dial, a ban that lapses in a second, and in the p3
+    replays the next call went into the dead peer. The trainer checks its direct address in the background and,
+    once it refuses, marks it gone: no call until a newer record."""
+    clock = Clock()
+    router = Router(rng=random.Random(0), clock=clock)
+    router.update({0: [record("killed", expiration=10.0), record("mate", expiration=10.0)]}, now=0.0)
+    assert router.report_failure("killed") == 1.0
+    router.mark_gone("killed")
+    clock.now = 5.0  # the ban has lapsed
+    assert {router.choose(0).peer_id for _ in range(50)} == {"mate"}
+    router.update({0: [record("killed", expiration=12.0), record("mate", expiration=12.0)]}, now=3.0)
+    assert "killed" in {r.peer_id for r in router.live_peers(0)}, "a newer record: back"
+
+
 def test_a_refused_dial_is_told_apart_from_a_slow_or_broken_answer():
     refused = "ControlFailure: Connect failed. msg=failed to dial: failed to dial Qm: dial backoff"
     assert dial_refused(StageCallError(ErrorCode.UNAVAILABLE, refused, "Qm"))

@@ -286,13 +286,18 @@ class Router:
     def report_failure(self, peer_id: str, refused: bool = False) -> float:
         """Bans `peer_id` with exponential backoff; returns the ban's length in seconds. `refused`: its address
         refused the dial, so it is gone until a newer record of it than those known now is read."""
-        if refused and (newest := self._newest_expiration(peer_id)) is not None:
-            self.gone[peer_id] = newest
+        if refused:
+            self.mark_gone(peer_id)
         failures = self.bans[peer_id].failures + 1 if peer_id in self.bans else 1
         length = min(self.ban_base * 2 ** (failures - 1), self.ban_max)
         self.bans[peer_id] = _Ban(self.clock() + length, failures)
         self.bans_issued += 1
         return length
+
+    def mark_gone(self, peer_id: str) -> None:
+        """Nothing listens where `peer_id` served: it gets no call until a record of it newer than those known now."""
+        if (newest := self._newest_expiration(peer_id)) is not None:
+            self.gone[peer_id] = newest
 
 
 def _moving_average(previous: float | None, value: float) -> float:

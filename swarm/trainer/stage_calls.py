@@ -121,6 +121,7 @@ class StageCaller:
         self.spot_checks: SpotChecker | None = None  # with a voucher and --spot-check-share: set by the trainer
         # peers on probation (never answered this trainer) are tried with copies of answered forwards
         self.trials = TrialCalls(router, self.attempt, self._codec_for)
+        self._confirming: dict[str, asyncio.Task] = {}  # peers whose broken call is being checked (`_confirm_gone`)
 
     async def call(
         self,
@@ -275,11 +276,30 @@ class StageCaller:
             serving = sum(r.state == SERVING for r in self.router.records.get(stage, {}).values())
             if len(refusers) >= min(2, max(1, serving)):
                 raise TrainingError(f"stage {stage} refused a request: {e}") from e
-        ban = self.router.report_failure(record.peer_id, refused=nothing_listens(self.p2p, record.peer_id, e))
+        refused = nothing_listens(self.p2p, record.peer_id, e)
+        ban = self.router.report_failure(record.peer_id, refused=refused)
+        if e.retriable and not refused:
+            self._confirm_gone(record.peer_id)
         tries.tried.append(record.peer_id)
         self.summary.retries += 1
         tries.last_error = e
         logger.warning(f"Stage {stage} call failed ({e}); peer banned for {ban:.0f}s, retrying")
+
+    def _confirm_gone(self, peer_id: str) -> None:
+        """A call broke without a refused dial (a peer killed mid-call resets its streams): if the direct address
+        it answered at refuses connections now, it is gone, not slow. Checked in the background; without it, the
+        ban's end drew another call into each dead peer in the p3 replays, and a step waited on its failure."""
+        if self.p2p is None or peer_id in self._confirming:
+            return
+
+        async def confirm() -> None:
+            try:
+                if await self.p2p.confirm_refusal(peer_id):
+                    self.router.mark_gone(peer_id)
+            finally:
+                self._confirming.pop(peer_id, None)
+
+        self._confirming[peer_id] = asyncio.ensure_future(confirm())
 
     def _step_back(self, stage: int, backward: bool, microbatch_id: int, e: StageCallError, tries: _Attempts) -> bool:
         """A peer behind the step the backward's forward ran at (restored from a copy that lagged) counts a receipt
