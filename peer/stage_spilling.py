@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from swarm.models.optimizer import apply_accumulated_step
+from swarm.models.optimizer import apply_accumulated_step, steps_on_device
 
 # Of the device memory a stage may use, the share one group's weights take by default: two groups in
 # flight and one group's gradients leave a quarter for activations and the resident parts.
@@ -358,7 +358,7 @@ class SpilledStage:
         num_samples: int,
     ) -> None:
         """Steps one unit of parameters on the device and stores them and their optimizer state back."""
-        count, fused = len(unit), bool(optimizer.defaults.get("fused"))
+        count, fused = len(unit), steps_on_device(optimizer)
         host_data, moments = host[:count], iter(loaded[2 * count :])
         host_moments = iter(host[2 * count :])
         for param, data, grad, names in zip(unit, loaded[:count], loaded[count : 2 * count], keys):

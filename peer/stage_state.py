@@ -20,6 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from torch import nn
 
+from swarm.models.optimizer import steps_on_device
+
 PARAM = "param"
 MOMENTS = ("exp_avg", "exp_avg_sq")
 WIRE_KEYS = (*MOMENTS, "step")  # the optimizer's per-parameter state that travels, in the wire's order
@@ -102,7 +104,7 @@ def load_state_tensors(
     optimizer.state.clear()
     if not has_optimizer_state:
         return
-    fused = bool(optimizer.defaults.get("fused"))  # a fused optimizer counts its steps where the parameter lives
+    fused = steps_on_device(optimizer)
     for index, param in enumerate(params):
         optimizer.state[param] = {
             "step": tensors[3 * count + index].reshape(()).to(param.device if fused else "cpu").clone().float(),

@@ -70,9 +70,14 @@ def build_optimizer(module: nn.Module, settings: OptimizerSettings) -> torch.opt
         [group for group in groups if group["params"]],
         lr=settings.lr,
         betas=(settings.beta1, settings.beta2),
-        foreach=False if not fused else None,
-        fused=fused or None,
+        foreach=None if fused else False,
+        fused=fused,
     )
+
+
+def steps_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer keeps each parameter's step count on the parameter's device (a fused one does)."""
+    return bool(optimizer.defaults.get("fused"))
 
 
 def apply_accumulated_step(module: nn.Module, optimizer: torch.optim.Optimizer, num_samples: int) -> None:
