@@ -69,6 +69,23 @@ def test_a_microbatch_two_peers_report_lost_at_one_step_goes_again_once_while_it
     assert sent == [(7, 5, "A"), (7, 5, "C"), (7, 5, "C"), (7, 6, "A")]
 
 
+def test_a_short_reply_says_whether_this_trainer_sent_again_all_it_named():
+    """The call that met SHORT asks again at once only where its trainer sent again everything the reply named:
+    the peer then holds the call until its step. Where others' samples, or ours not held, are missing, it waits."""
+    router = Peers("A")
+    caller, sent = caller_with(router)
+    assert asyncio.run(caller.resend_lost(2, short(5), to="A")) is True
+    assert sent == [(7, 5, "A")]
+    theirs = short(6)
+    theirs.lost.append(SampleId(trainer="QmOtherTrainerOOOOOOOOOOOOOOOOOOOOOOOOOOOOOOO", microbatch=8, samples=4))
+    assert asyncio.run(caller.resend_lost(2, theirs, to="A")) is False, "another trainer's samples are missing"
+    assert sent[-1] == (7, 6, "A"), "ours went again all the same"
+    gone = StageReply(short_step=7)
+    gone.lost.append(SampleId(trainer=TRAINER, microbatch=99, samples=4))  # not in the resend buffer any more
+    assert asyncio.run(caller.resend_lost(2, gone, to="A")) is False
+    assert asyncio.run(caller.resend_lost(2, StageReply(short_step=8), to="A")) is False, "names nothing"
+
+
 def short_record(peer: str, step: int, short: tuple) -> StageRecord:
     return StageRecord(peer, 2, "gpt-tiny", 3, SERVING, step, 10.0, 0, 24, 0, 1, short_step=step, short=short)
 

@@ -47,6 +47,9 @@ logger = logging.getLogger(__name__)
 
 RESENT_MEMORY = 4096  # microbatches sent again whose taker is remembered (a few steps' worth)
 REQUEUE_PAUSE_MAX = 8.0  # seconds: a re-queued call waits 2, 4, 8, 8... s, short of a stall worth the name
+# seconds a call met by SHORT waits before asking again, unless this trainer has just sent again all the reply named:
+# then the peer holds the call until its step (a fixed pause there cost each step with a lost mate that much)
+SHORT_PAUSE = 0.3
 
 
 class CallObserver(Protocol):
@@ -261,12 +264,15 @@ class StageCaller:
             return
         if e.code == ErrorCode.SHORT and e.reply is not None:
             # not the peer's fault: the stage waits for lost samples; send ours and wait for its step
-            await self.resend_lost(stage, e.reply, record.peer_id)
+            settled = await self.resend_lost(stage, e.reply, record.peer_id)
+            # at once only the first time: a peer that keeps answering SHORT is asked again at a pace
+            settled = settled and tries.short_since is None
             tries.short_since = tries.short_since or time.monotonic()
             if time.monotonic() - tries.short_since > self.config.stage_wait_timeout:
                 raise TrainingError(f"stage {stage} stayed short of lost samples: {e}") from e
             tries.attempts -= 1
-            await asyncio.sleep(0.3)
+            if not settled:  # others' samples (or ours, under way elsewhere) still missing: ask again in a while
+                await asyncio.sleep(SHORT_PAUSE)
             return
         if not e.retriable:
             # one peer refusing is that peer's word (it may be broken or hostile): tried elsewhere.
@@ -377,22 +383,26 @@ class StageCaller:
         except Exception as e:  # the stage's SHORT replies ask again; a stage that stays short is found there
             logger.info(f"Could not send again what stage {stage} lost of this trainer's: {e}")
 
-    async def resend_lost(self, stage: int, reply: StageReply, to: str) -> None:
-        """Sends again this trainer's backwards that a SHORT reply names as lost with a dead peer of `stage`.
+    async def resend_lost(self, stage: int, reply: StageReply, to: str) -> bool:
+        """Sends again this trainer's backwards that a SHORT reply names as lost with a dead peer of `stage`;
+        returns whether that was all the reply named (the stage then has what it waits for, or soon will).
 
         They go to `to`, the peer that reported the loss, at the step it is short at. Those no longer in
         the resend buffer are counted; the stage steps without them after its --short-wait.
         """
         mine = [i for i in reply.lost if i.trainer == self.trainer_id]
         live = {r.peer_id for r in self.router.live_peers(stage)}
+        settled = bool(mine) and len(mine) == len(reply.lost)
         for lost in mine:
             key = (stage, int(lost.microbatch))
             if key in self._resending or self._taken_again(key, reply.short_step, to, live):
+                settled = False
                 continue
             tensors = self._resend_buffer.get(key)
             if tensors is None:
                 self.summary.lost_not_held += lost.samples
                 self._resending.add(key)  # asked once is enough: it is not coming back
+                settled = False
                 continue
             self._resending.add(key)
             try:
@@ -407,3 +417,4 @@ class StageCaller:
                 self.summary.samples_resent += lost.samples
             finally:
                 self._resending.discard(key)
+        return settled
