@@ -408,6 +408,11 @@ class AveragingRound:
 
     async def _answer_contribution(self, sender: str, header: GradContribution, parts: list, reply: MateReply) -> list:
         self.membership.heard_from(sender)
+        if header.handover:  # whatever its step: it leaves the stage, and no round of this peer waits for it again
+            self.membership.mark_left(sender)
+            self.depart(sender)
+            if header.samples == 0 and header.step != self.machine.runtime.step:
+                return Error(code=ErrorCode.OK)  # holding nothing, it says only that: no claim of a step
         reply.error.CopyFrom(await self._accept_contribution(sender, header, parts))
         return [reply]
 
@@ -508,10 +513,11 @@ class AveragingRound:
         step, grad_sum, held = await asyncio.wrap_future(
             runtime.run_exclusive(lambda: (runtime.step, runtime.flat_gradient(), dict(runtime.held)))
         )
-        if not held:
-            return None
         if not membership.mates:
-            return step, held, 0
+            return (step, held, 0) if held else None
+        # holding nothing, it still says it leaves: its record outlives the move (a restorer's by seconds), and
+        # its mates' rounds waited for it until a call to it was refused, past the restore, on a stage-loss step
+        grad_sum = grad_sum if held else None
         members = {machine.peer_id, *membership.mates}
         state = machine.steps[step]
         norm = float(grad_sum.norm()) if grad_sum is not None else 0.0
@@ -523,6 +529,8 @@ class AveragingRound:
         ]
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(asyncio.gather(*sends, return_exceptions=True), timeout)
+        if not held:
+            return None
         taken = len(membership.mates) - len(unreachable)
         logger.info(f"Handed {own.samples} samples of step {step} to {taken} of {len(membership.mates)} stage-mate(s)")
         return step, held, taken

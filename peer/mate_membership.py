@@ -74,6 +74,9 @@ class MateMembership:
         # from the step they took, and must hear this peer's progress before its backwards are answered
         self.newcomers: set[str] = set()
         self._newcomer_since: dict[str, float] = {}  # per newcomer: when (loop time) it took the state
+        # mates that handed over and left the stage, each with its serving record's expiration then: that record,
+        # read again before it lapses, makes no mate of it; a renewed one (it came back) does
+        self.left: dict[str, float] = {}
         self.state_source: str | None = None  # the mate whose state this peer is downloading now
         self._holders_refresh: asyncio.Task | None = None
         self._holders_refreshed_at = float("-inf")
@@ -172,6 +175,7 @@ class MateMembership:
         for peer_id in [p for p, (seen, _) in self.stage_peers.items() if now - seen > MEMBER_MEMORY]:
             del self.stage_peers[peer_id]
         self.leaving_versions = {p: v for p, v in self.leaving_versions.items() if p in self.stage_peers}
+        self.left = {p: expiration for p, expiration in self.left.items() if expiration > get_dht_time()}
         mates = {
             r.peer_id: r
             for r in records
@@ -179,6 +183,7 @@ class MateMembership:
             and r.state == SERVING
             and r.model == machine.model
             and r.num_stages == machine.num_stages
+            and r.expiration > self.left.get(r.peer_id, float("-inf"))
         }
         self._keep_missed(mates, {r.peer_id for r in records} | set(accused))
         for peer_id in list(self.unreachable):
@@ -228,6 +233,15 @@ class MateMembership:
         if since is None or now - since > NEWCOMER_GRACE:
             self.newcomers.discard(peer_id)
             self._newcomer_since.pop(peer_id, None)
+
+    def mark_left(self, peer_id: str) -> None:
+        """`peer_id` handed over: it left the stage (a move, a stop). Out of later rounds at once, and while the
+        record it served under lasts: a mover lives on, so no probe of it fails, and a call to it is refused
+        only after its new stage re-reads the records."""
+        self.newcomers.discard(peer_id)
+        record = self.mates.pop(peer_id, None)
+        if record is not None:
+            self.left[peer_id] = record.expiration
 
     def mark_unreachable(self, peer_id: str) -> None:
         """Leaves a mate that could not be reached out of later rounds until it shows a sign of life (once it

@@ -4,18 +4,22 @@ waiting on for its mates would hold up the later step's round, where the mates w
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import dataclasses
 import time
 from collections import defaultdict
 from types import SimpleNamespace
 
 import torch
 from hivemind.p2p import P2P
+from hivemind.utils import get_dht_time
 
 from swarm.compression import get_codec
 from swarm.net.transport import INFO_PROTOCOL
 from swarm.net.wire import encode_tensor
 from swarm.peer.averaging_round import AveragingRound
 from swarm.peer.faults import FaultPlan
+from swarm.peer.mate_membership import MateMembership
 from swarm.peer.mate_messages import ids_to_wire
 from swarm.peer.protocol_handler import protocol_handler
 from swarm.peer.round_commits import MAX_VIEW_RETRIES, ViewsDiffer
@@ -506,3 +510,73 @@ def test_a_mover_that_stepped_on_other_parameters_has_its_step_abandoned(tmp_pat
     # the same parameters: the mover's step is this peer's, and nothing is abandoned
     same = asyncio.run(step_after(((86, older_fp), (87, own_fp)), tmp_path / "same.jsonl"))
     assert [line["kind"] for line in same] == ["step"]
+
+
+# --- a mate that leaves holding nothing -------------------------------------------------------------------------
+
+
+def serving(peer: str, expiration: float) -> StageRecord:
+    return StageRecord(peer, 1, "gpt-tiny", 2, SERVING, 5, 10.0, 0, 16, 0, PROTOCOL_VERSION, expiration=expiration)
+
+
+def test_a_mate_that_leaves_holding_nothing_says_so_and_no_later_round_waits_for_it():
+    """A p3 replay: a restorer left its stage holding no samples, so it handed nothing over and said nothing; its
+    mate's next round counted it a member from its serving record, which outlives a move by seconds, and waited
+    until a call to it was refused by the stage it had moved to (0.5 to 1 s, on a step that had lost a stage)."""
+
+    async def go() -> tuple[list, MateMembership, StageRecord]:
+        # the leaving side: nothing held, one mate
+        leaver, runtime = averaging_round()
+        runtime.held = {}
+        runtime.flat_gradient = lambda: torch.zeros(6)
+        runtime.run_exclusive = lambda fn: _done(fn())
+        leaver.membership.mates = {MATE: serving(MATE, get_dht_time() + 10)}
+        sent: list = []
+
+        async def send(peer_id, step, own, members, unreachable, handover=False, attempt=0) -> None:
+            sent.append((peer_id, step, own.samples, own.grad_sum, handover))
+
+        leaver._send_contribution = send
+        handed = await leaver.hand_over()
+        # the mate's side: the hand-over arrives and the leaver is out of its rounds, its record notwithstanding
+        runtime = SimpleNamespace(
+            module=leaver.machine.runtime.module, step=5, max_batch_samples=64, target_batch_size=16
+        )
+        machine = StepMachine(runtime, MATE, "gpt-tiny", FaultPlan())  # the mate, with the leaver (ME) its mate
+        machine.serving = True
+        machine.start(p2p=None)
+        membership = MateMembership(machine)
+        record = serving(ME, get_dht_time() + 10)
+        membership.take_records([record])
+        assert ME in membership.mates
+        mate = AveragingRound(
+            machine, membership, None, averaging_timeout=30.0, short_wait=20.0, codec=get_codec("none")
+        )
+        header = GradContribution(
+            protocol_version=PROTOCOL_VERSION, model="gpt-tiny", stage=1, step=9, samples=0, handover=True
+        )
+        error = await mate._answer_contribution(ME, header, [], MateReply())
+        assert error.code == ErrorCode.OK
+        assert not machine.resyncing, "holding nothing, a leaver's step claims nothing"
+        assert ME not in membership.mates and ME in mate.departed
+        membership.take_records([record])  # the same record, read again before it lapses
+        return [sent, handed, set(membership.mates)], membership, record
+
+    (sent, handed, mates_after_reread), membership, record = asyncio.run(go())
+    assert sent == [(MATE, 5, 0, None, True)], "it tells its mate it leaves, with no gradient"
+    assert handed is None, "nothing held: nothing for the ledger"
+    assert mates_after_reread == set(), "its old record makes no mate of it"
+
+    async def back() -> set:
+        membership.machine.loop = asyncio.get_running_loop()
+        renewed = dataclasses.replace(record, expiration=record.expiration + 5)
+        membership.take_records([renewed])  # it came back and announced itself anew
+        return set(membership.mates)
+
+    assert asyncio.run(back()) == {ME}
+
+
+def _done(value: object) -> concurrent.futures.Future:
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    future.set_result(value)
+    return future
