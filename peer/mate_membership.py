@@ -243,6 +243,12 @@ class MateMembership:
         if record is not None:
             self.left[peer_id] = record.expiration
 
+    def refused_by(self, peer_id: str) -> None:
+        """`peer_id` refused this peer's mate message as from no mate of its stage: whatever state it took from
+        this peer, it took as a standby holder or before a move, and is no newcomer here."""
+        self.newcomers.discard(peer_id)
+        self._newcomer_since.pop(peer_id, None)
+
     def mark_unreachable(self, peer_id: str) -> None:
         """Leaves a mate that could not be reached out of later rounds until it shows a sign of life (once it
         has been found unreachable before, not before a hold that doubles each time)."""
@@ -278,10 +284,11 @@ class MateMembership:
         """Whether a peer asking for the stage's state takes part in the stage (not a standby copy only).
 
         A standby holder takes a copy and stays out of the stage: no round waits for it. So does a peer
-        that left this stage for another (its last record here says LEAVING): it is a holder there, which
-        this peer learns only at its next read of every stage.
+        that left this stage for another (it handed over, or its last record here says LEAVING): it is a
+        holder there, which this peer learns only at its next read of every stage.
         """
-        left = self.stage_peers.get(requester, (0.0, ""))[1] == LEAVING and requester not in self.mates
+        left = self.stage_peers.get(requester, (0.0, ""))[1] == LEAVING or requester in self.left
+        left = left and requester not in self.mates
         return not (left or (requester in self.standby_holders and not self.is_member(requester)))
 
     # --- who may speak as a mate ------------------------------------------------------------------------

@@ -559,6 +559,7 @@ def test_a_mate_that_leaves_holding_nothing_says_so_and_no_later_round_waits_for
         assert error.code == ErrorCode.OK
         assert not machine.resyncing, "holding nothing, a leaver's step claims nothing"
         assert ME not in membership.mates and ME in mate.departed
+        assert not membership.joins_stage(ME), "a state it asks for now is a standby copy: it is no newcomer"
         membership.take_records([record])  # the same record, read again before it lapses
         return [sent, handed, set(membership.mates)], membership, record
 
