@@ -105,6 +105,22 @@ def test_failing_peer_is_banned_with_backoff_until_the_ban_ends():
     assert router.report_failure("a") == 1.0
 
 
+def test_calls_in_flight_when_a_ban_began_do_not_lengthen_it_and_a_ban_stays_on_its_stage():
+    """A p3 replay: four calls into a peer leaving stage 0 failed at once and banned it for 1, 2, 4 and 8 s; it
+    had left to restore stage 1, and the trainer waited 6 s for stage 1, whose only peer it was, banned."""
+    clock = Clock()
+    router = Router(rng=random.Random(0), clock=clock)
+    mover = dataclasses.replace(record("mover"), stage=1)
+    router.update({0: [record("mover"), record("b")], 1: [mover]}, now=0.0)
+    assert [router.report_failure("mover", stage=0) for _ in range(4)] == [1.0, 1.0, 1.0, 1.0]
+    assert "mover" not in {r.peer_id for r in router.live_peers(0)}
+    assert [r.peer_id for r in router.live_peers(1)] == ["mover"], "banned where it failed, not where it went"
+    clock.now = 1.5  # the ban lapsed: a failure now is a new one, and doubles it
+    assert router.report_failure("mover", stage=0) == 2.0
+    assert router.report_failure("mover", stage=1) == 1.0, "another stage's failures start their own count"
+    assert router.report_failure("b") == 1.0 and "b" not in {r.peer_id for r in router.live_peers(0)}
+
+
 def test_a_peer_whose_address_refused_the_dial_gets_no_call_until_a_newer_record_of_it_is_read():
     clock = Clock()
     router = Router(rng=random.Random(0), clock=clock, probation=True)

@@ -47,6 +47,7 @@ from swarm.records.stage_records import SERVING, StageRecord, reported_liars
 class _Ban:
     until: float
     failures: int
+    stage: int | None = None  # where the peer failed: a peer that moves (a restorer, say) is not banned where it goes
 
 
 MAX_TRIALS = 2  # trial calls in flight per stage: identities that never answer hold up no more streams than that
@@ -141,7 +142,7 @@ class Router:
             if r.state == SERVING
             and r.peer_id not in liars
             and r.peer_id not in gone
-            and (r.peer_id not in bans or bans[r.peer_id].until <= now)
+            and not _banned(bans.get(r.peer_id), stage, now)
         ]
 
     def expected_seconds(self, record: StageRecord, backward: bool, samples: int) -> float:
@@ -283,14 +284,21 @@ class Router:
                     if peer_id in known:
                         self.measured[stage] = max(self.measured.get(stage, 0.0), 1 / self.service[key])
 
-    def report_failure(self, peer_id: str, refused: bool = False) -> float:
-        """Bans `peer_id` with exponential backoff; returns the ban's length in seconds. `refused`: its address
-        refused the dial, so it is gone until a newer record of it than those known now is read."""
+    def report_failure(self, peer_id: str, refused: bool = False, stage: int | None = None) -> float:
+        """Bans `peer_id` (on `stage`, where given) with exponential backoff; returns the seconds the ban has left.
+        `refused`: its address refused the dial, so it is gone until a newer record of it than those known now is
+        read. A failure while the peer is banned there is a call that was in flight when the ban began: the same
+        trouble, not a new one (four calls into a peer that was leaving its stage banned it for 8 s at once, and it
+        served a restored stage meanwhile)."""
         if refused:
             self.mark_gone(peer_id)
-        failures = self.bans[peer_id].failures + 1 if peer_id in self.bans else 1
+        now = self.clock()
+        ban = self.bans.get(peer_id)
+        if ban is not None and ban.stage == stage and ban.until > now:
+            return ban.until - now
+        failures = ban.failures + 1 if ban is not None and ban.stage == stage else 1
         length = min(self.ban_base * 2 ** (failures - 1), self.ban_max)
-        self.bans[peer_id] = _Ban(self.clock() + length, failures)
+        self.bans[peer_id] = _Ban(now + length, failures, stage)
         self.bans_issued += 1
         return length
 
@@ -298,6 +306,11 @@ class Router:
         """Nothing listens where `peer_id` served: it gets no call until a record of it newer than those known now."""
         if (newest := self._newest_expiration(peer_id)) is not None:
             self.gone[peer_id] = newest
+
+
+def _banned(ban: _Ban | None, stage: int, now: float) -> bool:
+    """Whether `ban` keeps its peer from calls to `stage` at `now`."""
+    return ban is not None and ban.until > now and ban.stage in (None, stage)
 
 
 def _moving_average(previous: float | None, value: float) -> float:

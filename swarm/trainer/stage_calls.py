@@ -283,7 +283,7 @@ class StageCaller:
             if len(refusers) >= min(2, max(1, serving)):
                 raise TrainingError(f"stage {stage} refused a request: {e}") from e
         refused = nothing_listens(self.p2p, record.peer_id, e)
-        ban = self.router.report_failure(record.peer_id, refused=refused)
+        ban = self.router.report_failure(record.peer_id, refused=refused, stage=stage)
         if e.retriable and not refused:
             self._confirm_gone(record.peer_id)
         tries.tried.append(record.peer_id)

@@ -78,7 +78,7 @@ class TrialCalls:
             await self.attempt(record, stage, False, tensors, microbatch_id, step, self.codec_for(peer_id), CallStats())
         except StageCallError as e:
             self.failed += 1
-            ban = self.router.report_failure(peer_id)
+            ban = self.router.report_failure(peer_id, stage=stage)
             logger.warning(
                 f"Stage {stage}: peer {peer_id} failed its trial forward ({e}); banned for {ban:.0f}s. "
                 "It gets work once it answers one"
