@@ -243,12 +243,6 @@ class MateMembership:
         if record is not None:
             self.left[peer_id] = record.expiration
 
-    def refused_by(self, peer_id: str) -> None:
-        """`peer_id` refused this peer's mate message as from no mate of its stage: whatever state it took from
-        this peer, it took as a standby holder or before a move, and is no newcomer here."""
-        self.newcomers.discard(peer_id)
-        self._newcomer_since.pop(peer_id, None)
-
     def mark_unreachable(self, peer_id: str) -> None:
         """Leaves a mate that could not be reached out of later rounds until it shows a sign of life (once it
         has been found unreachable before, not before a hold that doubles each time)."""

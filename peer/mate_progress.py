@@ -142,28 +142,17 @@ class ProgressExchange:
                 ),
                 PROGRESS_TIMEOUT,
             )
+            if machine.receipts is not None and reply.error.code == ErrorCode.OK:
+                machine.receipts.acknowledged(peer_id, step, held)
+            if peer_id in self._silent:
+                self._silent.discard(peer_id)
+                self.note_holdings()
         except Exception as e:  # the round itself tolerates a silent mate
-            self._not_heard(peer_id)
+            if peer_id not in self._silent:
+                self._silent.add(peer_id)
+                self.note_holdings()
             self.membership.newcomer_silent(peer_id)  # dropped if it never came up; a live one speaks for itself
             logger.debug(f"Could not send progress to {peer_id}: {type(e).__name__}: {e}")
-            return
-        if reply.error.code == ErrorCode.FORBIDDEN:
-            # it takes this peer for no mate of its stage: it moved (its record here says so a while later), or
-            # took a standby copy. Each refusal comes after it re-read its records: no backward waits on it
-            self._not_heard(peer_id)
-            self.membership.refused_by(peer_id)
-            return
-        if machine.receipts is not None and reply.error.code == ErrorCode.OK:
-            machine.receipts.acknowledged(peer_id, step, held)
-        if peer_id in self._silent:
-            self._silent.discard(peer_id)
-            self.note_holdings()
-
-    def _not_heard(self, peer_id: str) -> None:
-        """`peer_id` did not take this peer's progress: not waited for before a backward's reply until it speaks."""
-        if peer_id not in self._silent:
-            self._silent.add(peer_id)
-            self.note_holdings()
 
     def _new_reply(self) -> MateReply:
         return MateReply(protocol_version=PROTOCOL_VERSION, step=self.machine.runtime.step)

@@ -130,28 +130,3 @@ def test_a_newcomer_that_never_answers_is_dropped_after_its_grace():
     membership.newcomer_silent(newcomer)  # told of again after it was dropped: nothing to drop
     assert not membership.newcomers
 
-
-def test_a_peer_that_refuses_this_peers_progress_as_from_no_mate_is_neither_waited_for_nor_a_newcomer():
-    """A p3 replay: a peer moved to another stage right after taking this stage's state as a standby holder, was
-    counted as a newcomer here, and refused every progress message after re-reading its records (a second each):
-    every backward of this peer waited for that refusal, and one stepped before its reply got out, and was sent
-    again to the stage's restorer after this peer died (its samples counted twice)."""
-
-    async def go() -> tuple[set, set]:
-        async with two_peers() as (machine, membership, progress, mover_p2p):
-            mover_id = str(mover_p2p.peer_id)
-            mover, mover_membership, mover_progress = stage_1_peer(mover_id, serving=True)
-            mover.start(mover_p2p)  # it knows no record putting this peer on its stage: it refuses unread
-            guarded = mover_membership.members_only(mover_progress.handle, PROGRESS_PROTOCOL)
-            await mover_p2p.add_binary_stream_handler(PROGRESS_PROTOCOL, guarded)
-            membership.add_newcomer(mover_id)
-            progress.on_local_progress(0, {(TRAINER, 1): 2})
-            await until(lambda: progress._silent)
-            started = asyncio.get_running_loop().time()
-            progress.on_local_progress(0, {(TRAINER, 1): 2, (TRAINER, 2): 2})
-            await progress.delivered()
-            assert asyncio.get_running_loop().time() - started < 1.0, "a backward does not wait on a refusal"
-            return set(progress._silent), set(membership.newcomers)
-
-    silent, newcomers = asyncio.run(asyncio.wait_for(go(), 90))
-    assert len(silent) == 1 and newcomers == set()
