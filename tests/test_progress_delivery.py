@@ -129,4 +129,3 @@ def test_a_newcomer_that_never_answers_is_dropped_after_its_grace():
     assert newcomer not in membership.newcomers
     membership.newcomer_silent(newcomer)  # told of again after it was dropped: nothing to drop
     assert not membership.newcomers
-
