@@ -294,9 +294,10 @@ class Router:
             self.mark_gone(peer_id)
         now = self.clock()
         ban = self.bans.get(peer_id)
-        if ban is not None and ban.stage == stage and ban.until > now:
-            return ban.until - now
-        failures = ban.failures + 1 if ban is not None and ban.stage == stage else 1
+        earlier = ban if ban is not None and ban.stage == stage else None  # the count goes on where it was earned
+        if earlier is not None and earlier.until > now:
+            return earlier.until - now
+        failures = earlier.failures + 1 if earlier is not None else 1
         length = min(self.ban_base * 2 ** (failures - 1), self.ban_max)
         self.bans[peer_id] = _Ban(now + length, failures, stage)
         self.bans_issued += 1
