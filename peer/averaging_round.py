@@ -57,6 +57,7 @@ from swarm.peer.step_machine import (
     StepMachine,
     StepState,
     carry_handovers,
+    handed_twice,
     handovers_in,
     held_by_the_gone,
     named_in,
@@ -177,6 +178,8 @@ class AveragingRound:
         if agreed is None:  # a member gave this attempt up: what it has not sent will not come
             self._retry(step, state, attempt, box, f"a mate gave attempt {attempt} up: following it")
             return None
+        for peer in handed_twice(box, agreed):
+            box[peer] = self._without_twice(step, peer, box[peer])
         contributions = [box[p] for p in sorted(agreed)]
         self.rounds += 1
         # everything below follows from the agreed contributions alone: every member decides alike
@@ -229,6 +232,17 @@ class AveragingRound:
                 f"(two mates: none to scale it toward; {self.samples_left_out} samples left out so far)"
             )
         return refused
+
+    def _without_twice(self, step: int, peer: str, handover: Contribution) -> Contribution:
+        """A hand-over that names a microbatch a member also holds, as the round takes it: without its gradient."""
+        logger.warning(
+            f"Stage {self.machine.stage} step {step}: the hand-over of {peer} names microbatches a member holds too "
+            f"(its trainer sent them again, their holder counted dead); left out, {handover.samples} samples "
+            "that no member holds are asked for again"
+        )
+        self.machine.steps[step].progress.pop(peer, None)  # it holds nothing that counts: their retries must sum
+        self.progress.note_holdings()
+        return dataclasses.replace(handover, samples=0, grad_sum=None, held={})
 
     def _account(
         self,
@@ -309,11 +323,16 @@ class AveragingRound:
         box = state.mailbox[attempt]
         loop = asyncio.get_running_loop()
         unreachable: set[str] = set()
-        sent, probed = {machine.peer_id}, {}
+        sent, probed, again = {machine.peer_id}, {}, set()
         started = loop.time()
         offer_again = self._again(step, attempt, own, members, unreachable)  # `members` grows in place below
         while True:
-            for peer_id in members - sent - handovers_in(box):  # a peer that handed over has left
+            # a member that refused this offer and has since sent its own took a state meanwhile: it waits for this
+            # one (sent again once: the probes' nudges only send this peer's offer to members it still waits for)
+            refused = (unreachable & set(box)) - again - handovers_in(box)
+            again |= refused
+            unreachable -= refused
+            for peer_id in (members - sent - handovers_in(box)) | refused:
                 sent.add(peer_id)
                 machine.spawn(self._send_contribution(peer_id, step, own, members, unreachable, attempt=attempt))
             machine.changed.clear()
@@ -475,6 +494,11 @@ class AveragingRound:
         if machine.receipts is not None:  # only what vouched trainers gave counts
             contribution = self._screened(sender, header.step, contribution, header.receipts, header.vouchers)
         state.mailbox[attempt][sender] = contribution
+        if header.handover and contribution.held and header.step == machine.runtime.step:
+            # what it handed over is held: a trainer's retry of one of those microbatches (the round may have counted
+            # it lost with its holder, which stopped answering to leave) is answered here without summing it twice
+            state.progress[sender] = dict(contribution.held)
+            self.progress.note_holdings()
         machine.changed.set()
         if not header.handover:  # a leaving peer's gradients wait for the round the stage would hold anyway
             machine.advance(header.step)

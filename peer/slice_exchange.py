@@ -54,6 +54,13 @@ logger = logging.getLogger(__name__)
 
 KEPT_ROUNDS = 2  # rounds whose summed slices this peer keeps, for members that missed an owner's
 FETCH_AFTER = 1.0  # seconds a member waits for a late owner's sum before asking the other members for it
+RESEND_PAUSE = 0.25  # seconds between sends of a slice to a mate that refused it from behind the round
+
+
+def refused_from_behind(reply: MateReply, step: int) -> bool:
+    """Whether a mate refused a message of the round at `step` because it is behind that round (an earlier step,
+    or an earlier attempt at it): it is taking a state, and takes part once it has."""
+    return reply.error.code == ErrorCode.OUT_OF_SYNC and reply.step <= step
 
 
 class SlicesFailed(Exception):
@@ -96,7 +103,7 @@ class SliceExchange:
         # (step, attempt, digest) -> the round's slice owners: a mate asking for a dead owner's sum is answered with
         # the one received here before this peer's own gather ended (it asks at once when the owner refuses a dial)
         self.owners: OrderedDict[tuple[int, int, bytes], list[str]] = OrderedDict()
-        # (step, attempt) -> members this peer's slice messages could not reach: gone for that attempt
+        # (step, attempt) -> members this peer's slice messages could not reach, or that refused one: gone for it
         self.unsent: OrderedDict[tuple[int, int], set[str]] = OrderedDict()
         self.handle = protocol_handler(
             RoundSlice, self._new_reply, self._answer, machine.limits, failure="Failed to take a slice from {sender}"
@@ -400,8 +407,8 @@ class SliceExchange:
             if unreached := missing() & self.unsent.get((step, attempt), set()):
                 # a killed mate refuses the connection at once; waiting for a probe to say so held the round seconds
                 logger.warning(
-                    f"Stage {machine.stage} step {step}: this peer's slices could not reach {sorted(unreached)}; "
-                    "giving this attempt of the round up without waiting for them"
+                    f"Stage {machine.stage} step {step}: this peer's slices could not reach {sorted(unreached)}, or "
+                    "were refused; giving this attempt of the round up without waiting for them"
                 )
                 return False
             self.waiting.probe_late(step, missing(), probed, gone)
@@ -431,25 +438,42 @@ class SliceExchange:
     # --- sending ---------------------------------------------------------------------------------------------
 
     async def _send(self, peer_id: str, message: RoundSlice, tensor: torch.Tensor | None = None) -> None:
+        """Sends a slice message; one refused by a mate that is behind the round (it is still taking a state) goes
+        again every `RESEND_PAUSE` seconds while this peer's attempt stands: that mate waits on it once caught up."""
         machine = self.machine
         message.protocol_version, message.model, message.stage = PROTOCOL_VERSION, machine.model, machine.stage
         parts = []
         if tensor is not None:
             parts = await asyncio.get_running_loop().run_in_executor(None, encode_tensor, tensor, self.codec)
-        reply = await machine.call_mate(
-            peer_id, SLICE_PROTOCOL, pack_frames(message, parts), self.averaging_timeout, machine.limits
-        )
+        frames = pack_frames(message, parts)
+        deadline = machine.loop.time() + self.averaging_timeout
+        while True:
+            reply = await machine.call_mate(peer_id, SLICE_PROTOCOL, frames, self.averaging_timeout, machine.limits)
+            behind = not isinstance(reply, Exception) and refused_from_behind(reply, message.step)
+            if not (behind and self._stands(message) and machine.loop.time() + RESEND_PAUSE < deadline):
+                break
+            await asyncio.sleep(RESEND_PAUSE)
         if isinstance(reply, Exception):
             logger.warning(f"Stage {machine.stage} step {message.step}: mate {peer_id} is unreachable ({reply})")
             self.membership.mark_unreachable(peer_id)
-            self.unsent.setdefault((message.step, message.attempt), set()).add(peer_id)
-            while len(self.unsent) > KEPT_ROUNDS:
-                self.unsent.popitem(last=False)
-            machine.changed.set()
-        elif reply.error.code != ErrorCode.OK:
-            logger.warning(f"Stage {machine.stage}: mate {peer_id} refused a slice: {reply.error.message}")
-        else:
+        elif reply.error.code == ErrorCode.OK:
             self.bytes_sent += sum(len(part.buffer) for part in parts)
+            return
+        elif reply.error.code == ErrorCode.OUT_OF_SYNC and reply.step > message.step:
+            machine.mate_stepped_past(message.step, peer_id, reply.step)
+        else:
+            logger.warning(f"Stage {machine.stage}: mate {peer_id} refused a slice: {reply.error.message}")
+        # it will not have this attempt's slice (it died, moved to another stage, or refused it): the wait for it
+        # ends at once (a mate that moved lives on and answers probes from its new stage only after a while)
+        self.unsent.setdefault((message.step, message.attempt), set()).add(peer_id)
+        while len(self.unsent) > KEPT_ROUNDS:
+            self.unsent.popitem(last=False)
+        machine.changed.set()
+
+    def _stands(self, message: RoundSlice) -> bool:
+        """Whether this peer is still in the round attempt `message` belongs to."""
+        state = self.machine.steps.get(message.step)
+        return self.machine.runtime.step == message.step and state is not None and state.attempt == message.attempt
 
     # --- answering mates ---------------------------------------------------------------------------------------
 

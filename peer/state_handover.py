@@ -34,7 +34,7 @@ from swarm.peer.state_transfer import (
     state_handler,
     take_holdings,
 )
-from swarm.peer.step_machine import AVERAGING, StepMachine
+from swarm.peer.step_machine import AVERAGING, StepMachine, StepState
 from swarm.proto import PROTOCOL_VERSION, Error, ErrorCode, HeldSamples, SampleId, StateReply, StateRequest
 
 logger = logging.getLogger(__name__)
@@ -45,6 +45,15 @@ CONFIRM_ATTEMPTS = 4  # looks at the mates' (step, fingerprint) before a newcome
 def held_samples(progress: dict[str, Held], requester: str) -> list[HeldSamples]:
     """What each member holds toward a step, for a peer taking the state (its own holdings left out)."""
     return [HeldSamples(peer=p, ids=ids_to_wire(held)) for p, held in progress.items() if p != requester and held]
+
+
+def attempt_to_join(state: StepState, requester: str, member: bool) -> int:
+    """The round attempt at the state's step that a member taking it joins: the one under way, unless its offer is
+    in that one. That offer names what it drops to load the state, so it joins the next attempt, and a member
+    still waiting for its slices of this one sees its offer there and gives this one up rather than wait for
+    them until the averaging timeout."""
+    offered = member and state.phase == AVERAGING and requester in state.mailbox.get(state.attempt, {})
+    return state.attempt + 1 if offered else state.attempt
 
 
 class StateHandOver:
@@ -111,7 +120,7 @@ class StateHandOver:
             step=step,
             has_optimizer_state=has_optimizer_state,
             samples_stepped=samples_stepped,
-            attempt=state.attempt,
+            attempt=attempt_to_join(state, requester, member),
             held=held_samples(state.progress, requester) if member else [],
             held_next=held_samples(following, requester),
             recently_summed=[SampleId(trainer=t, microbatch=mb) for t, mb in self.progress.summed_union],

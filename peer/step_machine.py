@@ -67,6 +67,18 @@ def handovers_in(box: dict[str, Contribution]) -> set[str]:
     return {peer for peer, contribution in box.items() if contribution.handover}
 
 
+def handed_twice(box: dict[str, Contribution], agreed: set[str]) -> list[str]:
+    """The agreed hand-overs that name a microbatch another agreed contribution holds too: its trainer sent it again
+    when the round counted the leaver dead, and a member summed it before the hand-over came. Summed, the hand-over
+    would count it twice, and its one gradient cannot be split."""
+    twice = []
+    for peer in sorted(p for p in agreed if box[p].handover and box[p].held):
+        others = set().union(*(box[p].held.keys() for p in agreed if p != peer))
+        if others & box[peer].held.keys():
+            twice.append(peer)
+    return twice
+
+
 def carry_handovers(box: dict[str, Contribution], next_box: dict[str, Contribution]) -> None:
     """Puts the hand-overs of an attempt that failed into the next attempt: they are good for any attempt. Only
     the hand-overs: a leaving peer's earlier offer, which a member may still hold from an attempt before the

@@ -51,6 +51,9 @@ class Membership:
         raise AssertionError(f"{peer_id} answered nothing wrong: it must not be dropped")
 
 
+PROGRESS = SimpleNamespace(note_holdings=lambda: None)  # the mates' progress, of which the round tells it news
+
+
 def stage_1_at_step_5() -> StepMachine:
     """The step machine of a peer of stage 1 of 2 at step 5, over a stand-in runtime (not serving yet)."""
     module = torch.nn.Linear(2, 2)
@@ -65,7 +68,7 @@ def averaging_round() -> tuple[AveragingRound, SimpleNamespace]:
     machine.serving = True
     machine.start(p2p=None)
     averaging = AveragingRound(
-        machine, Membership(), None, averaging_timeout=30.0, short_wait=20.0, codec=get_codec("none")
+        machine, Membership(), PROGRESS, averaging_timeout=30.0, short_wait=20.0, codec=get_codec("none")
     )
 
     async def offer_taken(*args, **kwargs) -> None:  # the mate takes this peer's offer and sends none back
@@ -272,6 +275,23 @@ def test_a_hand_over_survives_the_failure_of_an_attempt_the_leaving_mate_had_off
     asyncio.run(go())
 
 
+async def hand_over_to(averaging: AveragingRound, held: dict) -> Error:
+    """MATE's hand-over of `held` at step 5, attempt 0, as `averaging` takes it."""
+    header = GradContribution(
+        protocol_version=PROTOCOL_VERSION,
+        model="gpt-tiny",
+        stage=1,
+        step=5,
+        samples=sum(held.values()),
+        members=sorted({ME, MATE}),
+        handover=True,
+        attempt=0,
+        held=ids_to_wire(held),
+        norm=1.0,
+    )
+    return await averaging._accept_contribution(MATE, header, encode_tensor(torch.ones(6), get_codec("none")))
+
+
 def test_a_hand_over_sent_at_an_earlier_attempt_joins_the_attempt_under_way():
     """A leaving mate hands over at the attempt it knew; where the round has been retried since, the gradients
     are still good (its samples would otherwise be lost with it)."""
@@ -280,19 +300,7 @@ def test_a_hand_over_sent_at_an_earlier_attempt_joins_the_attempt_under_way():
         averaging, _ = averaging_round()
         state = averaging.machine.steps[5]
         state.attempt = 2
-        header = GradContribution(
-            protocol_version=PROTOCOL_VERSION,
-            model="gpt-tiny",
-            stage=1,
-            step=5,
-            samples=8,
-            members=sorted({ME, MATE}),
-            handover=True,
-            attempt=0,
-            held=ids_to_wire({(MATE, 3): 8}),
-            norm=1.0,
-        )
-        error = await averaging._accept_contribution(MATE, header, encode_tensor(torch.ones(6), get_codec("none")))
+        error = await hand_over_to(averaging, {(MATE, 3): 8})
         return error, state
 
     error, state = asyncio.run(go())
