@@ -43,6 +43,7 @@ from swarm.peer.mate_messages import (
     named_ids,
 )
 from swarm.peer.mate_progress import ProgressExchange
+from swarm.peer.offer_answers import OfferAnswers
 from swarm.peer.protocol_handler import protocol_handler
 from swarm.peer.round_commits import RoundCommits, ViewsDiffer
 from swarm.peer.round_waiting import RoundWaiting
@@ -102,6 +103,7 @@ class AveragingRound:
         self.failed_rounds = 0  # rounds whose slices could not all be summed: retried without the dead
         # peers that asked for this peer's state: they will not contribute to the round under way
         self.departed: set[str] = set()
+        self.answers = OfferAnswers()  # members whose offers this peer answers with its own
         self.handle_contribution = protocol_handler(
             GradContribution,
             self._new_reply,
@@ -168,7 +170,10 @@ class AveragingRound:
         box[machine.peer_id] = own
         if held:  # a fault test means a peer that dies holding samples, not one with nothing to lose
             await machine.faults.hit("before_contribution")
-        moved_on = not await self._gather(step, attempt, state, members, own)
+        try:
+            moved_on = not await self._gather(step, attempt, state, members, own)
+        finally:
+            self.answers.gather_ended(step, attempt)
         await machine.faults.hit("after_contribution")
         try:
             agreed = None if moved_on else await self.commits.agree(step, attempt, state, set(box))
@@ -493,7 +498,12 @@ class AveragingRound:
         )
         if machine.receipts is not None:  # only what vouched trainers gave counts
             contribution = self._screened(sender, header.step, contribution, header.receipts, header.vouchers)
+        repeat = sender in state.mailbox[attempt]
         state.mailbox[attempt][sender] = contribution
+        own = state.mailbox[attempt].get(machine.peer_id)
+        if not header.handover and own is not None and self.answers.should_answer(sender, header.step, attempt, repeat):
+            members = set(own.members)
+            machine.spawn(self._send_contribution(sender, header.step, own, members, set(), attempt=attempt))
         if header.handover and contribution.held and header.step == machine.runtime.step:
             # what it handed over is held: a trainer's retry of one of those microbatches (the round may have counted
             # it lost with its holder, which stopped answering to leave) is answered here without summing it twice

@@ -10,15 +10,16 @@ from collections import defaultdict
 from types import SimpleNamespace
 
 import torch
-from test_round_left_behind import MATE, ME, Membership, stage_1_at_step_5
+from test_round_left_behind import MATE, ME, PROGRESS, Membership, stage_1_at_step_5
 
 from swarm.compression import get_codec
 from swarm.net.wire import WireLimits
 from swarm.peer.averaging_round import AveragingRound
+from swarm.peer.mate_messages import ids_to_wire
 from swarm.peer.slice_exchange import RESEND_PAUSE, SliceExchange
 from swarm.peer.state_handover import attempt_to_join
 from swarm.peer.step_machine import ACCUMULATING, AVERAGING, Contribution, StepState
-from swarm.proto import Error, ErrorCode, MateReply, RoundSlice, SliceKind
+from swarm.proto import PROTOCOL_VERSION, Error, ErrorCode, GradContribution, MateReply, RoundSlice, SliceKind
 
 NEWCOMER = "QmPeerNNNNNNNNNNNNNNNNNNNNNNNNNNNNNNNNNNNNNNNN"
 
@@ -150,3 +151,46 @@ def test_a_member_whose_offer_is_in_the_round_under_way_takes_a_state_into_the_n
     assert attempt_to_join(state, MATE, member=True) == 2  # no offer in it: it joins the one under way
     assert attempt_to_join(state, NEWCOMER, member=False) == 2  # a standby holder takes no part in rounds
     assert attempt_to_join(StepState(phase=ACCUMULATING, attempt=2), NEWCOMER, member=True) == 2
+
+
+def test_an_offer_that_comes_again_or_after_the_gather_is_answered_with_this_peers_offer_once():
+    """A wave run: a newcomer refused a mate's offer 21 ms before it loaded its state, then offered in turn; the
+    mate had gathered without it and never sent its offer again, so the newcomer waited for it, and the stage's
+    round, which counted the newcomer in, waited for its commit until the averaging timeout (17 s)."""
+
+    async def go() -> list[tuple[str, int]]:
+        machine = stage_1_at_step_5()
+        machine.serving = True
+        machine.start(p2p=None)
+        averaging = AveragingRound(machine, Mates(), PROGRESS, 30.0, 20.0, get_codec("none"))
+        sent: list[tuple[str, int]] = []
+
+        async def send(peer_id, step, own, members, unreachable, handover=False, attempt=0) -> None:
+            sent.append((peer_id, attempt))
+
+        averaging._send_contribution = send
+        state = machine.steps[5]
+        state.phase = AVERAGING
+        for attempt in (0, 1):
+            state.mailbox[attempt][ME] = Contribution(8, torch.zeros(6), frozenset({ME, MATE}), {("t", 1): 8})
+
+        def offer(peer_id: str, attempt: int) -> GradContribution:
+            held = ids_to_wire({("t", 2): 8})
+            members = sorted({ME, peer_id})
+            header = GradContribution(protocol_version=PROTOCOL_VERSION, model="gpt-tiny", stage=1, step=5)
+            header.samples, header.attempt = 8, attempt
+            header.members.extend(members)
+            header.held.extend(held)
+            return header
+
+        averaging.answers.gather_ended(5, 0)
+        for _ in range(2):  # after the gather: answered, once
+            assert (await averaging._accept_contribution(NEWCOMER, offer(NEWCOMER, 0), [])).code == ErrorCode.OK
+        state.attempt = 1  # the gather of attempt 1 under way: a first offer is no sign, one that comes again is
+        await averaging._accept_contribution(MATE, offer(MATE, 1), [])
+        await averaging._accept_contribution(MATE, offer(MATE, 1), [])
+        for _ in range(3):
+            await asyncio.sleep(0)
+        return sent
+
+    assert asyncio.run(asyncio.wait_for(go(), 10)) == [(NEWCOMER, 0), (MATE, 1)]
