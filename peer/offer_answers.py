@@ -21,7 +21,6 @@ class OfferAnswers:
     def __init__(self) -> None:
         self.gathered: set[tuple[int, int]] = set()  # attempts whose gather ended here
         self.answered: dict[tuple[int, int], set[str]] = {}  # per attempt: members sent this peer's offer back
-        self.sent_back = 0
 
     def gather_ended(self, step: int, attempt: int) -> None:
         self.gathered.add((step, attempt))
@@ -34,7 +33,6 @@ class OfferAnswers:
         if not (repeat or key in self.gathered) or sender in self.answered.get(key, ()):
             return False
         self.answered.setdefault(key, set()).add(sender)
-        self.sent_back += 1
         self._trim()
         return True
 
