@@ -502,8 +502,7 @@ class AveragingRound:
         state.mailbox[attempt][sender] = contribution
         own = state.mailbox[attempt].get(machine.peer_id)
         if not header.handover and own is not None and self.answers.should_answer(sender, header.step, attempt, repeat):
-            members = set(own.members)
-            machine.spawn(self._send_contribution(sender, header.step, own, members, set(), attempt=attempt))
+            self._again(header.step, attempt, own, set(own.members), set())(sender)
         if header.handover and contribution.held and header.step == machine.runtime.step:
             # what it handed over is held: a trainer's retry of one of those microbatches (the round may have counted
             # it lost with its holder, which stopped answering to leave) is answered here without summing it twice

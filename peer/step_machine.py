@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -71,12 +71,8 @@ def handed_twice(box: dict[str, Contribution], agreed: set[str]) -> list[str]:
     """The agreed hand-overs that name a microbatch another agreed contribution holds too: its trainer sent it again
     when the round counted the leaver dead, and a member summed it before the hand-over came. Summed, the hand-over
     would count it twice, and its one gradient cannot be split."""
-    twice = []
-    for peer in sorted(p for p in agreed if box[p].handover and box[p].held):
-        others = set().union(*(box[p].held.keys() for p in agreed if p != peer))
-        if others & box[peer].held.keys():
-            twice.append(peer)
-    return twice
+    counts = Counter(key for peer in agreed for key in box[peer].held)
+    return sorted(p for p in agreed if box[p].handover and any(counts[key] > 1 for key in box[p].held))
 
 
 def carry_handovers(box: dict[str, Contribution], next_box: dict[str, Contribution]) -> None:
