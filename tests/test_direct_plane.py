@@ -16,7 +16,7 @@ from hivemind.p2p import P2P, PeerID
 
 from swarm.net import direct_handshake
 from swarm.net.direct_handshake import HandshakeError, Session, prove_to_server
-from swarm.net.direct_plane import DirectPlane, DirectServer, announce_host, listen_host, parse_direct_address
+from swarm.net.direct_plane import DirectPlane, DirectServer, PeerGone, announce_host, listen_host, parse_direct_address
 from swarm.net.direct_stream import open_direct_stream
 from swarm.net.frame_cipher import CIPHER
 from swarm.net.identity import load_identity
@@ -230,12 +230,28 @@ def test_calls_go_direct_where_the_address_answers_and_over_libp2p_otherwise():
         await until(lambda: server.server.refused["empty"] == 1)
         assert server.server.refused["handshake"] == 0
         assert not await caller.confirm_refusal(caller_identity.peer_id)
-        # where it answered, nothing listens any more (its process is gone): the next call's refusal says so,
-        # though libp2p, still up here, carries the call
-        caller.addresses[server_identity.peer_id] = parse_direct_address(address)
+        # where it answered, its process is being torn down: it takes one more connection and drops it, then
+        # refuses. The call fails rather than go over libp2p (a killed peer's daemon can take the stream and hold
+        # it for seconds), and so does the next, which tries the address again at the cost of a round trip (a peer
+        # back there would answer)
+        host, port = parse_direct_address(address)
+        caller.addresses[server_identity.peer_id] = (host, port)
         await server.server.close()
-        assert await call() == caller_identity.peer_id and caller.calls["direct_failed"] == 2
+        dropped = asyncio.Event()
+
+        async def drop(reader, writer):
+            writer.close()
+            torn_down.close()
+            dropped.set()
+
+        torn_down = await asyncio.start_server(drop, host, port)
+        with pytest.raises(PeerGone):
+            await call()
+        assert dropped.is_set() and caller.calls["direct_failed"] == 2
         assert caller.refused_since_answered(server_identity.peer_id)
+        with pytest.raises(PeerGone):
+            await call()
+        assert caller.calls["direct_failed"] == 3 and caller.calls["libp2p"] == 3
         assert nothing_listens(caller, server_identity.peer_id, RuntimeError("stream reset"))
         assert not nothing_listens(server, caller_identity.peer_id, RuntimeError("stream reset"))
         await caller.shutdown()

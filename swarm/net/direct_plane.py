@@ -47,6 +47,10 @@ MAX_ADDRESS_CHARS = 64
 ADDRESS = re.compile(r"([0-9A-Za-z.\-]{1,48}|\[[0-9A-Fa-f:.]{2,45}\]):([0-9]{1,5})")
 
 
+class PeerGone(ConnectionRefusedError):
+    """A call's peer refuses connections at the direct address it answered at: its process is gone."""
+
+
 @dataclass(frozen=True)
 class DirectStreamInfo:
     """What a handler learns about a call on the direct plane, as hivemind's stream info tells it on libp2p."""
@@ -216,6 +220,7 @@ class DirectPlane:
         # address refused: see `refused_since_answered`
         self._answered: dict[str, tuple[tuple[str, int], float]] = {}
         self._refused: dict[str, tuple[tuple[str, int], float]] = {}
+        self._told_gone: dict[str, tuple[tuple[str, int], float]] = {}  # peer id -> the answer it was logged gone after
 
     def __getattr__(self, name: str):
         return getattr(self.p2p, name)
@@ -257,22 +262,39 @@ class DirectPlane:
                 self._unreachable.pop(record.peer_id, None)
 
     async def call_binary_stream_handler(self, peer_id: PeerID, protocol: str):
-        """Opens a call to `protocol` on a peer: (stream info, reader, writer), directly if it can."""
+        """Opens a call to `protocol` on a peer: (stream info, reader, writer), directly if it can.
+
+        Raises `PeerGone` where the direct address the peer answered at refuses the connection, or drops it and
+        then refuses the next (see `confirm_refusal`): its process is gone, and libp2p would reach only its daemon,
+        which can take the stream and hold it for seconds before failing (a mate's round waited 2 s on one, the
+        trainers with it; a restorer's join, 5 s).
+        """
         peer = peer_id.to_base58()
         address = self.addresses.get(peer) if self.dial else None
-        if address is not None and not self._known_unreachable(peer, address):
+        # a peer whose address refused since it answered is tried directly again: a refusal costs a round trip
+        gone_before = self.refused_since_answered(peer)
+        if address is not None and (gone_before or not self._known_unreachable(peer, address)):
             try:
                 opening = asyncio.ensure_future(self._open(peer_id, peer, address, protocol))
                 opening.add_done_callback(_retrieved)
                 opened = await asyncio.wait_for(opening, CONNECT_TIMEOUT)
             except (OSError, HandshakeError, asyncio.TimeoutError, asyncio.IncompleteReadError) as e:
                 self.calls["direct_failed"] += 1
+                where = format_direct_address(*address)
                 if isinstance(e, ConnectionRefusedError):
                     self._refused[peer] = (address, time.monotonic())
+                elif not isinstance(e, asyncio.TimeoutError) and self._answered.get(peer, (None,))[0] == address:
+                    # a process being torn down takes a connection and drops it: the next ones it refuses
+                    await self.confirm_refusal(peer)
+                if self.refused_since_answered(peer):
+                    if self._told_gone.get(peer) != self._answered[peer]:  # once, of the calls in flight together
+                        self._told_gone[peer] = self._answered[peer]
+                        logger.info(f"Peer {peer} refuses connections at {where}, where it answered: it is gone")
+                    raise PeerGone(f"nothing listens at {where}, where peer {peer} answered: it is gone") from e
                 self._unreachable[peer] = (address, time.monotonic() + UNREACHABLE_FOR)
                 logger.info(
-                    f"Cannot call {peer} directly at {format_direct_address(*address)} "
-                    f"({type(e).__name__}: {e}); using libp2p for {UNREACHABLE_FOR:.0f}s"
+                    f"Cannot call {peer} directly at {where} ({type(e).__name__}: {e}); "
+                    f"using libp2p for {UNREACHABLE_FOR:.0f}s"
                 )
             else:
                 self.calls["direct"] += 1
