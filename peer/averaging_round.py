@@ -308,6 +308,10 @@ class AveragingRound:
         state.lost.update(held_by_the_gone(state.progress, agreed | {machine.peer_id}, summed))
         for peer_id in [p for p in state.progress if p not in agreed and p != machine.peer_id]:
             del state.progress[peer_id]
+        # no agreed member summed what is lost, whatever it said before: its trainers are asked for it again
+        for peer_id, holdings in state.progress.items():
+            if holdings.keys() & state.lost.keys():
+                state.progress[peer_id] = {key: n for key, n in holdings.items() if key not in state.lost}
         self.progress.note_holdings()
         carry_handovers(box, state.mailbox[attempt + 1])  # what leaving mates handed over is still good as it is
         if state.short_deadline is None:
@@ -503,9 +507,12 @@ class AveragingRound:
         own = state.mailbox[attempt].get(machine.peer_id)
         if not header.handover and own is not None and self.answers.should_answer(sender, header.step, attempt, repeat):
             self._again(header.step, attempt, own, set(own.members), set())(sender)
-        if header.handover and contribution.held and header.step == machine.runtime.step:
-            # what it handed over is held: a trainer's retry of one of those microbatches (the round may have counted
-            # it lost with its holder, which stopped answering to leave) is answered here without summing it twice
+        if header.handover and header.step == machine.runtime.step:
+            # a hand-over is its sender's last word on what it holds toward the step. What it handed over is held: a
+            # trainer's retry of one of those microbatches (the round may have counted it lost with its holder, which
+            # stopped answering to leave) is answered here without summing it twice. What it said it held before
+            # and did not hand over (in a round it left) is held by no one: claimed still, a short round found it
+            # held again at once, round after round for 20 s, and its trainers were never asked for it
             state.progress[sender] = dict(contribution.held)
             self.progress.note_holdings()
         machine.changed.set()

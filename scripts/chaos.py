@@ -28,7 +28,8 @@ counts the stages lost and served again, the steps of progress each restore lost
 Each of `--runs` runs is a fresh local swarm: `--trainers` trainers (each on its own shard of the
 standard library when there are several) train `--warmup-steps` steps unmeasured (the swarm takes its
 standby copies), then with no churn to measure the baseline, then through
-the churn, then, with the starting layout restored, with no churn again (throughput drifts as a
+the churn, then, with the starting layout restored (and, where that started peers, `--warmup-steps`
+unmeasured again while they join), with no churn again (throughput drifts as a
 swarm warms up and its model trains, so one baseline alone would flatter or blame the churn). Every
 process writes a sample ledger (`--ledger`) in the run's folder. The report gives, per run and in
 total: steps, samples/s over time, throughput under churn against the mean of the two baselines,
@@ -258,7 +259,12 @@ def one_run(args: argparse.Namespace, index: int, workdir: Path, report: dict[st
             before_rate, _ = concurrent_rate(before)
             report["baseline_before_samples_per_s"] = round(before_rate, 2)
             churned, churn_rate = phases.under_churn(before_rate, before[0].summary)
+            started = churn.starts
             churn.restore(layout, 300)  # the same peers per stage as the first baseline had
+            # unmeasured, as the warmup: the peers the restore started take their state and copies first (measured
+            # while they did, the baseline after ran 15-20% below the one before, a sixth of its CPU theirs)
+            restarted = args.warmup_steps and churn.starts > started
+            settle = phases.trainers("settle", args.warmup_steps) if restarted else []
             after = phases.trainers("after", args.baseline_steps)
             after_rate, _ = concurrent_rate(after)
             baseline = (before_rate + after_rate) / 2
@@ -266,7 +272,9 @@ def one_run(args: argparse.Namespace, index: int, workdir: Path, report: dict[st
                 baseline_after_samples_per_s=round(after_rate, 2),
                 baseline_samples_per_s=round(baseline, 2),
                 throughput_fraction=round(churn_rate / baseline, 3),
-                samples_fed_by_trainers=sum(r.summary["samples"] for r in [*warmup, *before, *churned, *after]),
+                samples_fed_by_trainers=sum(
+                    r.summary["samples"] for r in [*warmup, *before, *churned, *settle, *after]
+                ),
             )
             report["end"] = end_state(churn, swarm.initial_peers, 60)
             report["peers_died_unasked"] = churn.died
@@ -486,7 +494,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=25,
         help="steps per trainer before the first baseline, not measured: the swarm takes its standby copies (each "
         "first taken once its stage is --standby-every steps in), so that the baseline trains the swarm that the "
-        "churn trains, copies and all; 0: none",
+        "churn trains, copies and all; as many again before the baseline after the churn where peers were started "
+        "to restore the first one's layout; 0: none",
     )
     parser.add_argument("--duration", type=float, default=90.0, help="seconds of churn (kill and wave modes)")
     parser.add_argument("--kill-every", type=float, default=8.0, help="mean seconds between kills (kill mode)")

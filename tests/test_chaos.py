@@ -42,7 +42,9 @@ def test_training_survives_a_minute_of_kills():
     assert total["longest_stall_s"] < STALL_BOUND, run
     # where the machine's CPU went in each phase: the replacements' starts show apart
     used = run["host_cpu"]
-    assert set(used) == {"warmup", "before", "churn", "after"} and used["churn"]["starting_cpu_s_per_start"] > 0, used
+    # (a settle phase, unmeasured, only where restoring the layout for the baseline after started peers)
+    assert set(used) - {"settle"} == {"warmup", "before", "churn", "after"}, used
+    assert used["churn"]["starting_cpu_s_per_start"] > 0, used
     # where the churn's time went: the kills' share of it shows apart (every kill here is of a peer with a mate)
     lost = run["seconds_lost_by_cause"]
     assert set(lost) == {"stage lost", "kill", "start", "none"} and lost["stage lost"] == 0, lost

@@ -60,3 +60,35 @@ def test_a_hand_over_before_the_retries_makes_them_answered_without_summing():
     assert error.code == ErrorCode.OK
     assert state.progress[MATE] == held(2, 3) and noted, "its microbatches count as held by a member"
     assert state.known().keys() >= held(2, 3).keys(), "a round short of them finds them held again"
+
+
+def test_an_empty_hand_over_takes_back_what_its_sender_said_it_held():
+    """A peer that moved mid-round hands over nothing (its gradients were in the round it left); what its progress
+    had named is held by no one now. A chaos replay: that claim ended the short round at once, round after round
+    for 20 s, and the trainers were never asked for the 4 microbatches."""
+
+    async def go():
+        averaging, _ = averaging_round()
+        state = averaging.machine.steps[5]
+        state.progress[MATE] = held(2, 3)
+        error = await hand_over_to(averaging, {})
+        return error, state
+
+    error, state = asyncio.run(go())
+    assert error.code == ErrorCode.OK and state.mailbox[0][MATE].handover
+    assert not state.progress[MATE] and not state.known(), "what it said it held is no one's now"
+
+
+def test_a_short_round_asks_again_for_what_a_member_claimed_but_the_round_did_not_sum():
+    async def go():
+        averaging, _ = averaging_round()
+        state = averaging.machine.steps[5]
+        state.progress[MATE] = held(2, 3)  # a stale claim: its hand-over, agreed, holds nothing
+        state.mailbox[0][MATE] = Contribution(0, None, frozenset({ME, MATE}), {}, held(2, 3), handover=True)
+        result = await asyncio.wait_for(averaging.round(5, torch.ones(6), held(1)), 10)
+        return result, state, averaging.machine
+
+    result, state, machine = asyncio.run(go())
+    assert result is None and state.phase == SHORT and state.lost == held(2, 3)
+    assert not state.known().keys() & held(2, 3).keys(), "a claim the agreed round contradicts is dropped"
+    assert machine.lost() == held(2, 3), "the trainers are asked for them (a SHORT reply names them)"
