@@ -8,7 +8,9 @@ other). Summing without it would make this peer ask the trainers again for sampl
 holds, and count them twice once that mate is back. So the attempt is given up instead, after a fresh
 read of the run's accusations, and the next one starts from views that agree; a committer that lies in
 every commit can cost at most `MAX_VIEW_RETRIES` such attempts a step, after which the round takes
-what every committer holds, as before.
+what every committer holds, as before. A committer left out whose offer holds nothing the agreed ones lack
+(a newcomer that took its state while the round was under way) is no conflict: the round goes on without it,
+and it takes the members' state after it.
 """
 
 from __future__ import annotations
@@ -23,13 +25,22 @@ from swarm.peer.mate_membership import MateMembership
 from swarm.peer.mate_messages import check_header, check_members
 from swarm.peer.protocol_handler import protocol_handler
 from swarm.peer.round_waiting import RoundWaiting
-from swarm.peer.step_machine import StepMachine, StepState, handovers_in
+from swarm.peer.step_machine import Contribution, RoundLeftBehind, StepMachine, StepState, handovers_in
 from swarm.proto import PROTOCOL_VERSION, Error, ErrorCode, MateReply, RoundCommit
 
 logger = logging.getLogger(__name__)
 
 MAX_VIEW_RETRIES = 2  # attempts a step gives up because committers left out a committer
 ACCUSATIONS_WAIT = 5.0  # seconds a peer whose mates' views differ waits for a fresh read of the accusations
+
+
+def offers_nothing(offer: Contribution, agreed: list[Contribution]) -> bool:
+    """Whether `offer` holds nothing the `agreed` contributions lack: no samples, no hand-over, nothing dropped or
+    given up, and no microbatch it knew to be held that they do not know of."""
+    if offer.samples or offer.held or offer.handover or offer.dropped or offer.give_up:
+        return False
+    known = set().union(*(c.known.keys() | c.held.keys() for c in agreed))
+    return offer.known.keys() <= known
 
 
 class ViewsDiffer(Exception):
@@ -98,6 +109,15 @@ class RoundCommits:
         for peer_id in committed:
             agreed &= commits[peer_id]
         left_out = (committed | {machine.peer_id}) - agreed
+        # one that offered nothing the round lacks (a newcomer whose state came while the round was under way)
+        # changes no sum and no decision: the round goes on without it rather than giving the attempt up (a
+        # retry, a fresh read of the accusations and the members' late notice of it cost a join 2 s)
+        box = state.mailbox[attempt]
+        empty = {p for p in left_out if offers_nothing(box[p], [box[a] for a in agreed])}
+        if machine.peer_id in empty:
+            machine.sit_out(step)
+            raise RoundLeftBehind("the mates summed it without this peer's offer of nothing; taking their state")
+        left_out -= empty
         if left_out and state.view_retries < MAX_VIEW_RETRIES:
             state.view_retries += 1
             await self.membership.read_accusations_now(ACCUSATIONS_WAIT)

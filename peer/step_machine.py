@@ -230,6 +230,12 @@ class StepMachine:
         if self.changed is not None:
             self.changed.set()
 
+    def sit_out(self, step: int) -> None:
+        """The mates summed the round of `step` without this peer, whose offer held nothing (its state came while
+        the round was under way): it takes their state after that round rather than step alone or wait."""
+        self.stepped_without = max(self.stepped_without, step)
+        self.schedule_resync(f"its mates averaged step {step} without it", minimum_step=step + 1)
+
     def wake(self) -> None:
         """Tells requests waiting on the step machine that it moved."""
         if self.on_phase is not None:

@@ -28,6 +28,7 @@ from swarm.peer.state_transfer import MateState, take_holdings
 from swarm.peer.step_machine import (
     CLAIM_PAUSE_S,
     Contribution,
+    RoundLeftBehind,
     StepMachine,
     StepState,
     handovers_in,
@@ -373,6 +374,78 @@ def test_committers_that_leave_out_a_committer_give_the_attempt_up_rather_than_s
     assert len(outcomes) == MAX_VIEW_RETRIES and all(MATE in o and LIAR in o for o in outcomes)
     assert reads == MAX_VIEW_RETRIES  # each conflict read the accusations before the next attempt
     assert agreed == {ME}  # past the bound: what every committer holds, as before
+
+
+NEWCOMER = "QmPeerNNNNNNNNNNNNNNNNNNNNNNNNNNNNNNNNNNNNNNNN"
+
+
+def nothing(known: dict | None = None) -> Contribution:
+    """The offer of a newcomer whose state came while the round was under way: no samples, no gradient."""
+    return Contribution(0, None, frozenset({ME, MATE, NEWCOMER}), {}, dict(known or {}))
+
+
+def commit_round(mailbox: dict, commits: dict, view: set[str], take_state=None):
+    """Runs this peer's commit phase of step 5's attempt 0 over `mailbox` and the mates' `commits`; returns what it
+    agreed on (or the exception it raised), the accusation reads it made and the resyncs it asked for."""
+
+    async def go():
+        averaging, _ = averaging_round()
+        machine = averaging.machine
+        reads, resyncs = [], []
+
+        async def read_accusations_now(timeout: float) -> None:
+            reads.append(timeout)
+
+        async def call_mate(peer_id, protocol, frames, timeout, limits=None):
+            return MateReply()
+
+        async def taken(minimum_step, source):
+            resyncs.append(minimum_step)
+            return None
+
+        averaging.membership.read_accusations_now = read_accusations_now
+        machine.call_mate = call_mate
+        machine.take_state = take_state or taken
+        state = machine.steps[5]
+        state.mailbox[0].update(mailbox)
+        state.commits[0].update(commits)
+        try:
+            outcome = await asyncio.wait_for(averaging.commits.agree(5, 0, state, view), 5)
+        except Exception as e:
+            outcome = e
+        for _ in range(5):
+            await asyncio.sleep(0)
+        return outcome, reads, resyncs, machine.stepped_without
+
+    return asyncio.run(go())
+
+
+def test_a_newcomer_offering_nothing_that_a_committer_left_out_costs_the_round_no_attempt():
+    """Traced: a newcomer took its state while its mates' round was under way and offered nothing in it; one mate's
+    commit named it, the other's did not, and the views-differ retry (a fresh read of the accusations, the members'
+    late notice) held the stage's step for 2 s. Its offer changes no sum: the round goes on without it."""
+    mailbox = {ME: contribution(8), MATE: contribution(8), NEWCOMER: nothing({(MATE, 8): 8})}
+    commits = {MATE: frozenset({ME, MATE}), NEWCOMER: frozenset({ME, MATE, NEWCOMER})}
+    agreed, reads, resyncs, _ = commit_round(mailbox, commits, {ME, MATE, NEWCOMER})
+    assert agreed == {ME, MATE} and reads == [] and resyncs == []
+
+
+def test_a_left_out_offer_of_nothing_that_knows_of_a_microbatch_the_round_does_not_is_still_a_conflict():
+    """What it knew a member held, and no agreed offer names, would be lost unasked without it."""
+    mailbox = {ME: contribution(8), MATE: contribution(8), NEWCOMER: nothing({("t", 3): 8})}
+    commits = {MATE: frozenset({ME, MATE}), NEWCOMER: frozenset({ME, MATE, NEWCOMER})}
+    outcome, reads, _, _ = commit_round(mailbox, commits, {ME, MATE, NEWCOMER})
+    assert isinstance(outcome, ViewsDiffer) and NEWCOMER in str(outcome) and len(reads) == 1
+
+
+def test_a_newcomer_whose_offer_of_nothing_the_mates_summed_without_takes_their_state_after_the_round():
+    """Its side of the same round: neither step alone on the sum nor give the attempt up, but end the round and
+    take the mates' state of the next step."""
+    mailbox = {ME: nothing(), MATE: contribution(8)}
+    commits = {MATE: frozenset({MATE})}
+    outcome, reads, resyncs, stepped_without = commit_round(mailbox, commits, {ME, MATE})
+    assert isinstance(outcome, RoundLeftBehind) and reads == []
+    assert resyncs == [6] and stepped_without == 5
 
 
 # --- one mate's word that it is ahead ---------------------------------------------------------------------------
