@@ -183,6 +183,11 @@ class AveragingRound:
         if agreed is None:  # a member gave this attempt up: what it has not sent will not come
             self._retry(step, state, attempt, box, f"a mate gave attempt {attempt} up: following it")
             return None
+        if state.giver is not None and state.giver not in agreed and self.on_fork is not None:
+            # the mate this peer took its state from at this step, gone from the round: it may have stepped on it
+            # alone before dying (it leaves out of its round a peer it gives its state to), to other parameters
+            self.on_fork(step, {state.giver})
+            state.giver = None  # said once
         for peer in handed_twice(box, agreed):
             box[peer] = self._without_twice(step, peer, box[peer])
         contributions = [box[p] for p in sorted(agreed)]

@@ -168,6 +168,7 @@ class StateHandOver:
         # first round at attempt 0 would wait for mates that moved past it, for the whole averaging timeout)
         state = machine.steps[step]
         state.attempt = max(state.attempt, given.attempt)
+        state.giver = peer_id
         take_holdings(machine.steps, step, given, machine.peer_id)
         # the state already sums what the giver's last rounds summed: a trainer may still send one of them
         # here (its reply was lost, or this peer had asked for it as lost before it took this state)

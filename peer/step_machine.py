@@ -121,6 +121,9 @@ class StepState:
     dropped: dict[str, Held] = field(default_factory=dict)
     short_deadline: float | None = None  # loop time: then the stage steps without what is still lost
     short_ended: str = ""  # why this peer stopped waiting for what was lost (logged once)
+    # the mate whose state this peer took at the step: it left this peer out of its own round there, so it may
+    # have stepped on the step without this peer (see `AveragingRound._agree`)
+    giver: str | None = None
 
     def known(self) -> Held:
         """Every microbatch a member is known to hold at this step."""

@@ -662,3 +662,31 @@ def _done(value: object) -> concurrent.futures.Future:
     future: concurrent.futures.Future = concurrent.futures.Future()
     future.set_result(value)
     return future
+
+
+def test_a_peer_stepping_without_the_mate_it_took_its_state_from_at_the_step_marks_that_mates_step_abandoned():
+    """Traced in a p3 replay: a newcomer took a stage's state at step 62 from its only peer, which left it out of
+    its own round there (as a giver does), stepped on 62 alone and was killed a second later; the newcomer stepped
+    on 62 with other microbatches, and the ledger found two replicas of step 62 with different parameters. The
+    newcomer's round, stepping without its giver, now says the giver's step may be a history abandoned."""
+
+    async def go(giver_in_round: bool) -> tuple[object, list]:
+        averaging, _ = averaging_round()
+        machine = averaging.machine
+        forks: list = []
+        averaging.on_fork = lambda step, dead: forks.append((step, dead))
+        state = machine.steps[5]
+        state.giver = MATE
+        if giver_in_round:  # it handed its gradient over: it is in the round, and steps on the same sum
+            members = frozenset({ME, MATE})
+            handover = Contribution(8, torch.ones(6), members, {("t", 2): 8}, {}, norm=6**0.5, handover=True)
+            state.mailbox[0][MATE] = handover
+        else:  # its record is gone: it died
+            averaging.membership.mates = {}
+        result = await asyncio.wait_for(averaging.round(5, torch.ones(6), {("t", 1): 8}), 10)
+        return result, forks
+
+    result, forks = asyncio.run(go(giver_in_round=False))
+    assert result is not None and forks == [(5, {MATE})]
+    result, forks = asyncio.run(go(giver_in_round=True))
+    assert result is not None and forks == []
