@@ -128,6 +128,15 @@ class LivenessProbes:
             raise
         return info
 
+    def note_refused(self, peer_id: str) -> None:
+        """Counts a refusal seen by another call to `peer_id` (its direct address, which answered before, refused a
+        connection since) as a failed probe of it now, refused: its keeper reads again at once."""
+        if peer_id not in self.silent:
+            self.news.set()
+        self.silent[peer_id] = get_dht_time()
+        self.refused.add(peer_id)
+        self.expiration_at_failure.pop(peer_id, None)
+
     def take_news(self) -> bool:
         """Whether a probe found a peer newly silent since the last call."""
         news = self.news.is_set()

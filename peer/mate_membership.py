@@ -243,6 +243,12 @@ class MateMembership:
         if record is not None:
             self.left[peer_id] = record.expiration
 
+    def departed(self) -> set[str]:
+        """Peers that handed over and left this stage (`mark_left`) and have not served it again since: no progress
+        goes to them. On its new stage a mover refuses a mate message only after re-reading the records there, and
+        a backward waits for its progress to be delivered: a mate told on after the move held backwards 1 s."""
+        return set(self.left) - set(self.mates)
+
     def mark_unreachable(self, peer_id: str) -> None:
         """Leaves a mate that could not be reached out of later rounds until it shows a sign of life (once it
         has been found unreachable before, not before a hold that doubles each time)."""

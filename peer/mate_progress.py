@@ -91,7 +91,7 @@ class ProgressExchange:
         state.progress[machine.peer_id] = held
         # every member hears, also one that took a mate's state and is not in the DHT yet
         members = set(self.membership.mates) | set(state.progress) | self.membership.newcomers
-        for peer_id in members - {machine.peer_id}:
+        for peer_id in members - {machine.peer_id} - self.membership.departed():
             task = machine.spawn(self.send(peer_id, step, held))
             self._sends[task] = peer_id
             task.add_done_callback(lambda t: self._sends.pop(t, None))
@@ -110,9 +110,11 @@ class ProgressExchange:
         microbatches this peer holds, so should it die before the round they know exactly what was
         lost and ask for it again, instead of waiting for a batch that never fills. Mates the last
         progress did not reach are not waited for, so a dead mate does not slow every backward down, until
-        they speak again: alive after all, a mate left out would not know what a wave took with this peer.
+        they speak again: alive after all, a mate left out would not know what a wave took with this peer. Nor
+        are mates that handed over and left the stage.
         """
-        pending = [task for task, mate in self._sends.items() if mate not in self._silent]
+        skipped = self._silent | self.membership.departed()
+        pending = [task for task, mate in self._sends.items() if mate not in skipped]
         if pending:
             await asyncio.wait(pending, timeout=PROGRESS_TIMEOUT)
 

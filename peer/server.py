@@ -297,6 +297,8 @@ class Peer:
         self.net = DirectPlane(
             await connect_to_daemon(self.dht), self.dht.identity, dial=config.direct, shared_memory=config.shared_memory
         )
+        if self.standbys is not None:  # a call that finds a peer gone wakes the keeper: its stage may be lost
+            self.net.on_gone.append(self.standbys.probes.note_refused)
         if config.direct_port < 0:
             return self.net
         host = listen_host(config.host_maddrs)
@@ -322,12 +324,10 @@ class Peer:
         stages it holds copies of (of every stage now and then, when the keeper needs them, or if asked).
 
         One read serves both, and reads every stage only when needed: with every stage read every period,
-        the DHT processes' CPU per training step nearly doubled (scripts/bench_standby.py).
-        """
+        the DHT processes' CPU per training step nearly doubled (scripts/bench_standby.py)."""
         keeper = self.standbys
         if keeper is None:
-            await self._read_mates()
-            return
+            return await self._read_mates()
         stage = self.stage
         wanted = None if whole_swarm else keeper.stages_to_read()
         records = await self._fetch_records(only=wanted)

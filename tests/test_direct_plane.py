@@ -208,6 +208,8 @@ def test_calls_go_direct_where_the_address_answers_and_over_libp2p_otherwise():
         maddrs = [str(m) for m in await server_p2p.get_visible_maddrs()]
         caller_p2p = await P2P.create(identity_path=caller_identity.path, initial_peers=maddrs)
         caller = DirectPlane(caller_p2p, caller_identity)
+        gone: list[str] = []
+        caller.on_gone.append(gone.append)  # a standby keeper's wake-up: its stage may be lost
         peer_id = PeerID.from_base58(server_identity.peer_id)
 
         async def call() -> str:
@@ -252,6 +254,7 @@ def test_calls_go_direct_where_the_address_answers_and_over_libp2p_otherwise():
         with pytest.raises(PeerGone):
             await call()
         assert caller.calls["direct_failed"] == 3 and caller.calls["libp2p"] == 3
+        assert gone == [server_identity.peer_id], "told once, of the calls that found it gone"
         assert nothing_listens(caller, server_identity.peer_id, RuntimeError("stream reset"))
         assert not nothing_listens(server, caller_identity.peer_id, RuntimeError("stream reset"))
         await caller.shutdown()

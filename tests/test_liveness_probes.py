@@ -47,6 +47,20 @@ def test_a_peer_with_a_shorter_record_ttl_counts_again_at_its_next_renewal():
     assert [r.peer_id for r in probes.live({0: [record("a", 0, renewed_at=101.0)]})[0]] == ["a" * 4]
 
 
+def test_a_refusal_another_call_found_counts_as_a_refused_probe_and_wakes_the_keeper_at_once():
+    """A holder catching up its copy from a stage's last peer finds it gone the moment that peer dies: its keeper
+    reads at once and the stage counts as lost without a grace, instead of a period later from a stalled record."""
+    probes = LivenessProbes(record_ttl=TTL, timeout=1.0)
+    last = record("a", 2, renewed_at=get_dht_time() - 0.5)
+    assert probes.live({2: [last]}) == {2: [last]} and not probes.take_news()
+    probes.note_refused(last.peer_id)
+    assert probes.take_news() and probes.live({2: [last]}) == {2: []} and probes.all_refused([last])
+    probes.note_refused(last.peer_id)  # told again by another call: no news
+    assert not probes.take_news()
+    # alive after all: a record renewed since counts again
+    assert probes.live({2: [record("a", 2, renewed_at=get_dht_time() + 1.0)]})[2]
+
+
 def test_a_record_that_stops_renewing_is_stalled_after_a_period_and_one_that_renews_never_is():
     """In the calm a holder asks only the peers whose records stopped renewing: a live peer renews every period,
     whatever its TTL or clock (only a change of expiration counts, timed by the reader)."""

@@ -1,6 +1,7 @@
 """A backward is answered once every live mate knows this peer holds it: should the peer then die, a survivor
 names the loss and its trainer sends it again. Two mates this could miss: a newcomer that took the state and
-did not answer a moment, and a mate that went silent once (a loaded host) and spoke again."""
+did not answer a moment, and a mate that went silent once (a loaded host) and spoke again. One it must not wait
+for: a mate that handed over and left for another stage, where its gate refuses a message only after a read."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import asyncio
 import contextlib
 
 from hivemind.p2p import P2P
+from hivemind.utils import get_dht_time
 
 from swarm.models import build_stage, get_model_spec
 from swarm.models.optimizer import OptimizerSettings, build_optimizer
@@ -15,8 +17,11 @@ from swarm.net.transport import PROGRESS_PROTOCOL
 from swarm.peer.faults import FaultPlan
 from swarm.peer.mate_membership import NEWCOMER_GRACE, MateMembership
 from swarm.peer.mate_progress import ProgressExchange
+from swarm.peer.protocol_handler import send_reply
 from swarm.peer.runtime import StageRuntime
 from swarm.peer.step_machine import StepMachine
+from swarm.proto import PROTOCOL_VERSION, Error, ErrorCode, MateReply
+from swarm.records.stage_records import SERVING, StageRecord
 
 TRAINER = "12D3KooW" + "T" * 44
 
@@ -129,3 +134,38 @@ def test_a_newcomer_that_never_answers_is_dropped_after_its_grace():
     assert newcomer not in membership.newcomers
     membership.newcomer_silent(newcomer)  # told of again after it was dropped: nothing to drop
     assert not membership.newcomers
+
+
+def test_a_mate_that_handed_over_and_left_is_neither_told_nor_waited_for():
+    # traced in a local swarm: a stage-1 peer left to restore a lost stage 2; its old mate kept telling it its
+    # progress, which its new stage's gate refused only after re-reading the records, and every backward on the
+    # old stage waited for that (1.07 s each), the trainers with them
+    async def go() -> tuple[float, float, set[str]]:
+        async with two_peers() as (machine, membership, progress, mover_p2p):
+            mover_id = str(mover_p2p.peer_id)
+            expiration = get_dht_time() + 60
+            mover = StageRecord(mover_id, 1, "gpt-tiny", 3, SERVING, 0, 10.0, 0, 16, 0, PROTOCOL_VERSION, expiration)
+            membership.take_records([mover])
+
+            async def refused_after_a_read(stream_info, reader, writer) -> None:  # its new stage's gate
+                await asyncio.sleep(1.0)
+                error = Error(code=ErrorCode.FORBIDDEN, message="no signed record puts it on stage 2")
+                await send_reply(reader, writer, [MateReply(protocol_version=PROTOCOL_VERSION, error=error)], "a mate")
+
+            await mover_p2p.add_binary_stream_handler(PROGRESS_PROTOCOL, refused_after_a_read)
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            progress.on_local_progress(0, {(TRAINER, 1): 2})  # a mate still: told, and waited for
+            await progress.delivered()
+            as_mate = loop.time() - started
+            machine.steps[0].progress.setdefault(mover_id, {(TRAINER, 3): 2})  # what it held before it handed over
+            membership.mark_left(mover_id)
+            started = loop.time()
+            progress.on_local_progress(0, {(TRAINER, 1): 2, (TRAINER, 2): 2})
+            await progress.delivered()
+            after_leaving = loop.time() - started
+            return as_mate, after_leaving, set(progress._sends.values())
+
+    as_mate, after_leaving, told_after = asyncio.run(asyncio.wait_for(go(), 90))
+    assert as_mate >= 0.9, f"a mate is waited for ({as_mate:.2f}s)"
+    assert after_leaving < 0.5 and not told_after, f"waited {after_leaving:.2f}s for a mover; told: {told_after}"

@@ -221,6 +221,9 @@ class DirectPlane:
         self._answered: dict[str, tuple[tuple[str, int], float]] = {}
         self._refused: dict[str, tuple[tuple[str, int], float]] = {}
         self._told_gone: dict[str, tuple[tuple[str, int], float]] = {}  # peer id -> the answer it was logged gone after
+        # called with a peer's id once it is found gone (see `PeerGone`): a standby keeper learns of a stage's death
+        # from the call that found it, not a period later from its record
+        self.on_gone: list[Callable[[str], None]] = []
 
     def __getattr__(self, name: str):
         return getattr(self.p2p, name)
@@ -290,6 +293,8 @@ class DirectPlane:
                     if self._told_gone.get(peer) != self._answered[peer]:  # once, of the calls in flight together
                         self._told_gone[peer] = self._answered[peer]
                         logger.info(f"Peer {peer} refuses connections at {where}, where it answered: it is gone")
+                        for hook in self.on_gone:
+                            hook(peer)
                     raise PeerGone(f"nothing listens at {where}, where peer {peer} answered: it is gone") from e
                 self._unreachable[peer] = (address, time.monotonic() + UNREACHABLE_FOR)
                 logger.info(
