@@ -40,6 +40,9 @@ from swarm.proto import PROTOCOL_VERSION, Error, ErrorCode, HeldSamples, SampleI
 logger = logging.getLogger(__name__)
 
 CONFIRM_ATTEMPTS = 4  # looks at the mates' (step, fingerprint) before a newcomer gives up on a confirmed state
+# seconds a giver waits for the round under way to end before it gives a newcomer the state from before it, and
+# how often it looks: given the state after the round, the newcomer is in the next one
+ROUND_END_WAIT, ROUND_END_POLL = 2.0, 0.02
 
 
 def held_samples(progress: dict[str, Held], requester: str) -> list[HeldSamples]:
@@ -52,8 +55,12 @@ def attempt_to_join(state: StepState, requester: str, member: bool) -> int:
     in that one. That offer names what it drops to load the state, so it joins the next attempt, and a member
     still waiting for its slices of this one sees its offer there and gives this one up rather than wait for
     them until the averaging timeout."""
-    offered = member and state.phase == AVERAGING and requester in state.mailbox.get(state.attempt, {})
-    return state.attempt + 1 if offered else state.attempt
+    return state.attempt + 1 if member and offered_in_round(state, requester) else state.attempt
+
+
+def offered_in_round(state: StepState, requester: str) -> bool:
+    """Whether `requester` offered in the attempt of the round under way at the state's step."""
+    return state.phase == AVERAGING and requester in state.mailbox.get(state.attempt, {})
 
 
 class StateHandOver:
@@ -93,6 +100,8 @@ class StateHandOver:
         # it will not contribute to a round under way here: stop waiting for it
         if member and machine.phase() == AVERAGING:
             self.averaging.depart(requester)
+            if requester not in membership.mates and not offered_in_round(machine.steps[runtime.step], requester):
+                await self._round_ended(runtime.step)
         # a snapshot on the runtime thread sees the state between steps, never mid-step
         snapshot = runtime.run_exclusive(
             lambda: (runtime.step, runtime.samples_stepped, *state_tensors(runtime.module, runtime.optimizer))
@@ -126,6 +135,15 @@ class StateHandOver:
             recently_summed=[SampleId(trainer=t, microbatch=mb) for t, mb in self.progress.summed_union],
         )
         return pack_frames(given, parts)
+
+    async def _round_ended(self, step: int) -> None:
+        """Waits (at most `ROUND_END_WAIT`) until the round of `step` under way ends. A newcomer given the state
+        from before it is out of it, and its first requests wait for a step it does not take: it chased its mates'
+        step, found 1-2 record reads later (a trainer's step held 2.1 s in a p3 replay)."""
+        machine, loop = self.machine, asyncio.get_running_loop()
+        deadline = loop.time() + ROUND_END_WAIT
+        while machine.runtime.step == step and machine.phase() == AVERAGING and loop.time() < deadline:
+            await asyncio.sleep(ROUND_END_POLL)
 
     # --- taking --------------------------------------------------------------------------------------------
 
