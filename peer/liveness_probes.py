@@ -90,14 +90,11 @@ class LivenessProbes:
             self.round_ended.set()
         self.probes += len(peers)
         for peer_id, answer in zip(peers, answers):
-            self.expiration_at_failure.pop(peer_id, None)
             if isinstance(answer, BaseException):
                 self.failures += 1
-                if peer_id not in self.silent:
-                    self.news.set()
-                self.silent[peer_id] = started
-                (self.refused.add if nothing_listens(p2p, peer_id, answer) else self.refused.discard)(peer_id)
+                self._failed(peer_id, started, refused=nothing_listens(p2p, peer_id, answer))
             else:
+                self.expiration_at_failure.pop(peer_id, None)
                 self.silent.pop(peer_id, None)
                 self.refused.discard(peer_id)
                 self.answered[peer_id] = started
@@ -131,11 +128,15 @@ class LivenessProbes:
     def note_refused(self, peer_id: str) -> None:
         """Counts a refusal seen by another call to `peer_id` (its direct address, which answered before, refused a
         connection since) as a failed probe of it now, refused: its keeper reads again at once."""
+        self._failed(peer_id, get_dht_time(), refused=True)
+
+    def _failed(self, peer_id: str, at: float, refused: bool) -> None:
+        """Notes that `peer_id` failed a probe sent at DHT time `at` (its dial `refused`, or not); news if newly."""
+        self.expiration_at_failure.pop(peer_id, None)
         if peer_id not in self.silent:
             self.news.set()
-        self.silent[peer_id] = get_dht_time()
-        self.refused.add(peer_id)
-        self.expiration_at_failure.pop(peer_id, None)
+        self.silent[peer_id] = at
+        (self.refused.add if refused else self.refused.discard)(peer_id)
 
     def take_news(self) -> bool:
         """Whether a probe found a peer newly silent since the last call."""
