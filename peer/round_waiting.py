@@ -5,8 +5,10 @@ no longer announces itself serving is given `ABSENT_GRACE` seconds, one that doe
 timeout: a peer that has just died can leave a connection that hangs rather than fails, and its
 expired record says it is gone long before the timeout would. With a trust root, so is a serving mate
 that no receipt ever named: it holds nothing that counts, and identities that announce themselves
-serving and answer nothing are free to make. Meanwhile each member waited for is asked every
-`PROBE_EVERY` seconds whether it lives: one that cannot be dialled is dropped at once, since a mate
+serving and answer nothing are free to make. Meanwhile each member waited for is asked whether it lives,
+`FIRST_PROBE` seconds after the phase found it missing and every `PROBE_EVERY` seconds after that: one
+that cannot be dialled is dropped at once, and so is one whose direct address another call of this peer
+found refusing connections where it answered (a killed process's closed port), since a mate
 that died after taking this peer's message sends nothing and its record outlives it by its TTL.
 A member that lets `SILENT_PROBES` probes in a row time out is dropped too: a peer killed at once can
 leave its libp2p daemon behind for a while, which takes the call and never answers it. So is one that
@@ -25,7 +27,7 @@ from collections.abc import Callable
 
 from hivemind.p2p import PeerID
 
-from swarm.net.transport import StageCallError, get_peer_info
+from swarm.net.transport import StageCallError, found_gone, get_peer_info
 from swarm.peer.mate_membership import MateMembership
 from swarm.peer.step_machine import StepMachine
 from swarm.proto import ErrorCode, PeerInfo
@@ -34,6 +36,12 @@ logger = logging.getLogger(__name__)
 
 ABSENT_GRACE = 5.0  # seconds a round waits for a member whose DHT record no longer says it serves
 PROBE_EVERY = 2.0  # seconds between a round's questions whether a member it waits for lives
+# seconds a member may be missing before the first question: a mate killed mid-round held every round of its
+# stage for PROBE_EVERY (traced), while a probe is one small call that a live mate answers at once
+FIRST_PROBE = 0.5
+WAKE_EVERY = (
+    FIRST_PROBE  # a waiting phase looks again at least this often: the DHT view or the probes may drop a member
+)
 PROBE_TIMEOUT = 5.0
 SILENT_PROBES = 2  # probes in a row that time out before a member counts as dead
 
@@ -53,8 +61,7 @@ class RoundWaiting:
         mates = {p for p in self.membership.mates if self.worked(p)}
         limit = self.averaging_timeout if missing & mates else min(ABSENT_GRACE, self.averaging_timeout)
         remaining = started + limit - now
-        # wake up at least every second: the DHT view may drop the member meanwhile
-        return 0.0 if remaining <= 0 else max(0.01, min(remaining, 1.0))
+        return 0.0 if remaining <= 0 else max(0.01, min(remaining, WAKE_EVERY))
 
     def call_timeout(self, peer_id: str) -> float:
         """How long a call to a member may take: a mate that never worked is given up on as soon as it would be
@@ -75,11 +82,15 @@ class RoundWaiting:
         gone: set[str],
         nudge: Callable[[str], None] | None = None,
     ) -> None:
-        """Probes the members a phase waits for, every `PROBE_EVERY` seconds each (`probed`: when last); those
-        that cannot be dialled are added to `gone`, and the phase is woken. One alive at this step is `nudge`d."""
+        """Probes the members a phase waits for, `FIRST_PROBE` seconds after it first found each missing and every
+        `PROBE_EVERY` seconds after (`probed`: when last, or when it would have been for the first probe's delay);
+        those that cannot be dialled are added to `gone`, and the phase is woken. One alive at this step is
+        `nudge`d. A member whose direct address this peer already found refusing connections is dropped at once."""
         now = self.machine.loop.time()
-        for peer_id in missing:
-            if now - probed.setdefault(peer_id, now) >= PROBE_EVERY:
+        for peer_id in missing - gone:
+            if found_gone(self.machine.p2p, peer_id):
+                self._drop(step, peer_id, "it refuses connections where it answered", gone)
+            elif now - probed.setdefault(peer_id, now - PROBE_EVERY + FIRST_PROBE) >= PROBE_EVERY:
                 probed[peer_id] = now
                 self.machine.spawn(self._probe(step, peer_id, gone, nudge))
 

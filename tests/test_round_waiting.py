@@ -22,6 +22,7 @@ MATE = "QmPeerMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMMM"
 class Membership:
     def __init__(self) -> None:
         self.dropped: list[str] = []
+        self.mates: dict[str, None] = {}
 
     def mark_unreachable(self, peer_id: str) -> None:
         self.dropped.append(peer_id)
@@ -160,3 +161,57 @@ def test_a_call_to_a_mate_is_tried_again_unless_its_dial_was_refused(monkeypatch
     monkeypatch.setattr(step_machine.asyncio, "sleep", no_sleep)
     reply = asyncio.run(StepMachine.call_mate(SimpleNamespace(p2p=None), MATE, "/swarm/mates/slice", [], 5.0))
     assert reply is failure and len(calls) == tries
+
+
+def waiting_at(clock: list[float], p2p: object = None) -> tuple[RoundWaiting, list, Membership]:
+    """A RoundWaiting on a clock the test moves; the probes it would start are listed, not run."""
+    spawned: list = []
+
+    def spawn(coroutine) -> None:
+        spawned.append(coroutine)
+        coroutine.close()  # only that it was started matters here
+
+    machine = SimpleNamespace(
+        stage=1,
+        p2p=p2p,
+        changed=asyncio.Event(),
+        loop=SimpleNamespace(time=lambda: clock[0]),
+        spawn=spawn,
+        receipts=None,
+    )
+    membership = Membership()
+    membership.mates[MATE] = None
+    return RoundWaiting(machine, membership, 30.0), spawned, membership
+
+
+def test_a_missing_member_is_first_probed_soon_then_every_probe_period():
+    """A mate killed mid-round held its stage's round for PROBE_EVERY (2 s, traced) before the first probe said
+    it was gone; a probe is one small call, so the first comes FIRST_PROBE seconds after the member was missed."""
+    clock = [100.0]
+    waiting, spawned, _ = waiting_at(clock)
+    probed: dict[str, float] = {}
+    waiting.probe_late(5, {MATE}, probed, set())
+    assert not spawned  # just found missing: it may be a moment late
+    clock[0] += round_waiting.FIRST_PROBE
+    waiting.probe_late(5, {MATE}, probed, set())
+    assert len(spawned) == 1
+    clock[0] += round_waiting.PROBE_EVERY - 0.01
+    waiting.probe_late(5, {MATE}, probed, set())
+    assert len(spawned) == 1
+    clock[0] += 0.01
+    waiting.probe_late(5, {MATE}, probed, set())
+    assert len(spawned) == 2
+    assert waiting.wait_for({MATE}, clock[0]) <= round_waiting.FIRST_PROBE  # the phase looks again in time
+
+
+def test_a_member_whose_address_refused_a_call_since_it_answered_is_dropped_without_a_probe():
+    """Another call of this peer (a copy's refresh, a progress message) found the mate's port closed where it had
+    answered: the round drops it at once rather than wait to find it out by a probe of its own."""
+    clock = [100.0]
+    plane = SimpleNamespace(refused_since_answered=lambda peer_id: peer_id == MATE)
+    waiting, spawned, membership = waiting_at(clock, plane)
+    gone: set[str] = set()
+    other = "QmPeerOOOOOOOOOOOOOOOOOOOOOOOOOOOOOOOOOOOOOOOO"
+    waiting.probe_late(5, {MATE, other}, {}, gone)
+    assert gone == {MATE} and membership.dropped == [MATE] and not spawned
+    assert waiting.machine.changed.is_set()  # the waiting phase is woken to go on without it

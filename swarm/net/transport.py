@@ -79,8 +79,14 @@ def nothing_listens(p2p: object, peer_id: str, error: BaseException) -> bool:
     """Whether a call to `peer_id` through `p2p` failed because nothing listens where the peer was: its libp2p dial
     was refused (`dial_refused`), or its direct address, which answered before, refused a connection since (see
     `DirectPlane.refused_since_answered`; a just-killed peer's daemon can still take a libp2p stream and reset it)."""
+    return dial_refused(error) or found_gone(p2p, peer_id)
+
+
+def found_gone(p2p: object, peer_id: str) -> bool:
+    """Whether `peer_id`'s direct address, which answered a call through `p2p` before, refused a connection since
+    (`DirectPlane.refused_since_answered`; never through a plain P2P, which keeps no such record)."""
     refused_since = getattr(p2p, "refused_since_answered", None)
-    return dial_refused(error) or (refused_since is not None and refused_since(peer_id))
+    return refused_since is not None and refused_since(peer_id)
 
 
 async def exchange(p2p: P2P, peer_id: PeerID, protocol: str, frames: Sequence, reply_type: type, limits: WireLimits):
