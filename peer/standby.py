@@ -336,9 +336,15 @@ class StandbyKeeper:
         state every `--standby-every` steps, within `--standby-share`, where no deltas reach the copy."""
         if self.peer.state != SERVING:
             return
+        peer = self.peer
+        own = next((r for r in records.get(peer.stage, []) if r.peer_id == peer.peer_id), None)
         for stage in self.targets():
             serving = [r for r in records.get(stage, []) if r.state == SERVING and r.peer_id not in self.accused()]
             copy = self.standbys.get(stage)
+            if copy is None and (own is None or own.standby_of(stage) is None):
+                # a stage's peers give a copy only to a holder whose record they read: asked before this peer's
+                # record names the stage, each refused it (a newcomer asked 4 s long, traced) and read every stage
+                continue
             newest = max((r.step for r in serving), default=-1)
             if copy is not None and self.held_reads.stood_in(stage, self.reads):
                 newest = max(newest, copy.step + 1)  # records that stood in trail their stage: the catch-up asks

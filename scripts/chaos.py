@@ -486,7 +486,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--trainers", type=int, default=1, help="trainers at once, each on its own data shard")
     parser.add_argument("--peers-per-stage", type=int, default=2, help="peers per stage at the start")
     parser.add_argument(
-        "--baseline-steps", type=int, default=20, help="steps per trainer with no churn, before and after"
+        "--baseline-steps",
+        type=int,
+        default=60,
+        help="steps per trainer with no churn, before and after (20 steps, about 9 s, gave baselines 10-25%% apart "
+        "before and after one run's churn on a 2-core host: the fraction moved with them)",
     )
     parser.add_argument(
         "--warmup-steps",

@@ -267,6 +267,20 @@ def test_in_the_calm_a_copy_follows_its_stage_by_deltas_a_quarter_of_their_reach
     assert calm.spawned == []
 
 
+def test_a_first_copy_is_asked_for_only_once_this_peers_record_names_it_as_held():
+    """Traced: a newcomer asked a stage's peers for its first copy before its record said it would hold one, was
+    refused (a copy goes to holders the records name) for 4 s, and each refusal made a giver read every stage."""
+    keeper = keeper_on_stage_0([])
+    del keeper.standbys[1]  # no copy yet: the first is taken whole
+    keeper.capped[(0, keeper.count)] = {1}  # the read of every stage made it one of stage 1's holders
+    stage1 = [dataclasses.replace(record(p, 1), step=keeper.every) for p in ("peerC", "peerE")]  # worth a copy
+    now = time.monotonic()
+    keeper._refresh_copies({0: [record("peerB", 0)], 1: stage1}, now)
+    assert keeper.spawned == [], "its record does not list the copy yet: a giver would refuse it"
+    keeper._refresh_copies({0: [record("peerB", 0, standbys=keeper.announced())], 1: stage1}, now)
+    assert keeper.spawned == ["refresh"]
+
+
 def test_two_reads_that_end_together_start_one_catch_up_of_a_copy_not_two():
     """Traced in a p3 replay: the period's read and a holder check's ended together, each started a catch-up of
     one copy before either ran, and the copy took the same step deltas twice (a fingerprint no peer held; dropped
