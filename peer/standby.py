@@ -336,14 +336,12 @@ class StandbyKeeper:
         state every `--standby-every` steps, within `--standby-share`, where no deltas reach the copy."""
         if self.peer.state != SERVING:
             return
-        peer = self.peer
-        own = next((r for r in records.get(peer.stage, []) if r.peer_id == peer.peer_id), None)
+        own = next((r for r in records.get(self.peer.stage, []) if r.peer_id == self.peer.peer_id), None)
         for stage in self.targets():
             serving = [r for r in records.get(stage, []) if r.state == SERVING and r.peer_id not in self.accused()]
             copy = self.standbys.get(stage)
             if copy is None and (own is None or own.standby_of(stage) is None):
-                # a stage's peers give a copy only to a holder whose record they read: asked before this peer's
-                # record names the stage, each refused it (a newcomer asked 4 s long, traced) and read every stage
+                # a copy goes to holders the records name: asked before, each giver refused it and read every stage
                 continue
             newest = max((r.step for r in serving), default=-1)
             if copy is not None and self.held_reads.stood_in(stage, self.reads):
@@ -351,11 +349,8 @@ class StandbyKeeper:
             if not serving or stage in self.fetching:
                 continue
             if self._deltas_reach(copy, newest):
-                # a third of the state per step keeps a copy a few steps behind in the calm too (a wave comes
-                # without warning: copies refreshed whole every 15 steps lost 8-9 steps to a first wave); in the
-                # calm a quarter of the kept steps behind the newest step two records confirm (at 3, a first wave
-                # rolled back 4 steps, 6% of a short run's samples; each catch-up costs both sides a call, the
-                # deltas applied are the same)
+                # in the calm too, a quarter of the kept steps behind the newest step two records confirm: a wave
+                # comes without warning (copies refreshed whole every 15 steps lost 8-9 steps to a first one)
                 reach = max((version[0] for version in announced_versions(serving).values()), default=newest)
                 lagging = reach - copy.step >= max(1, self.deltas // 4)
                 if self.following(now) or (lagging and self.calm_deltas):
