@@ -64,8 +64,7 @@ LOST_GRACE = 2  # announce periods a stage shows no serving or joining record be
 FILL_PERIODS = 3  # announce periods after that in which a holder may restore it before another peer fills it
 CHURN_MEMORY = 600.0  # seconds after a peer's death during which copies follow their stages step by step
 HEARD_MEMORY = 60.0  # seconds after a read last showed a record whose peer saw a death (`saw_death`)
-# the least share of the time whole refreshes may take while following (at 5%, a copy a restore took was 73 steps old)
-FOLLOWING_SHARE = 0.5
+FOLLOWING_SHARE = 0.5  # least share of time whole refreshes may take while following (at 5%, a copy was 73 steps old)
 MAX_DELTA_MISSES = 2  # sources whose deltas led nowhere confirmed before a stage's copy is only refreshed whole
 WHOLE_SWARM_EVERY = 5  # announce periods between a keeper's reads of every stage; in between, the ones it holds
 # announce periods a peer whose record vanished from a read is asked whether it lives before it is forgotten (a read
