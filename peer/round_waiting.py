@@ -39,9 +39,8 @@ PROBE_EVERY = 2.0  # seconds between a round's questions whether a member it wai
 # seconds a member may be missing before the first question: a mate killed mid-round held every round of its
 # stage for PROBE_EVERY (traced), while a probe is one small call that a live mate answers at once
 FIRST_PROBE = 0.5
-WAKE_EVERY = (
-    FIRST_PROBE  # a waiting phase looks again at least this often: the DHT view or the probes may drop a member
-)
+# a waiting phase looks again at least this often: the DHT view or the probes may drop a member meanwhile
+WAKE_EVERY = FIRST_PROBE
 PROBE_TIMEOUT = 5.0
 SILENT_PROBES = 2  # probes in a row that time out before a member counts as dead
 
