@@ -489,7 +489,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--baseline-steps",
         type=int,
         default=60,
-        help="steps per trainer with no churn, before and after (20 steps, about 9 s, gave baselines 10-25%% apart "
+        help="steps per trainer with no churn, before and after (20 steps, about 9 s, gave baselines 5-36%% apart "
         "before and after one run's churn on a 2-core host: the fraction moved with them)",
     )
     parser.add_argument(
